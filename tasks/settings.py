@@ -1,0 +1,111 @@
+"""Conveyor's one settings object.
+
+Every knob is read here, once, from the environment (prefix ``CONVEYOR_``, nested with
+``__``) and from CLI flags that override it. Nothing else in the project reads
+``os.environ``; leaf classes in ``workers/`` and ``kvbm/`` take plain typed arguments.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
+
+Mode = Literal["agg"]
+POOLS_BY_MODE: dict[str, tuple[str, ...]] = {"agg": ("generate",)}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    # --- front ---------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address the API binds to.")
+    port: int = Field(8000, description="API port.")
+    flower_port: int = Field(5555, description="Flower port (conveyor serve).")
+    flower_basic_auth: str | None = Field(
+        None, description="user:password for Flower's basic auth (off when unset)."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id clients send; default: the model directory's name."
+    )
+    max_body_bytes: int = Field(8 * 1024 * 1024, description="Request bodies above this get 413.")
+    first_frame_timeout_s: float = Field(
+        120.0, description="Seconds the API waits for a request's first stream frame."
+    )
+    frame_timeout_s: float = Field(
+        30.0, description="Seconds the API waits between two frames of one stream."
+    )
+
+    # --- deployment ----------------------------------------------------------------------
+    model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
+    mode: Mode = Field("agg", description="Serving mode (which stages each request runs).")
+    workers: int = Field(1, ge=0, description="Worker processes per pool (conveyor serve).")
+    redis_url: str | None = Field(
+        None, description="External Redis; unset: `serve` starts an embedded redis-server."
+    )
+    redis_port: int = Field(6390, description="Port of the embedded Redis (conveyor serve).")
+
+    # --- worker / engine -----------------------------------------------------------------
+    worker_id: str | None = Field(None, description="Worker id; default: generated.")
+    worker_concurrency: int = Field(
+        64, ge=1, description="Celery task threads per worker (requests it can hold)."
+    )
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    device: str = Field("cpu", description="torch device for the reference engine.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weight and KV dtype of the reference engine."
+    )
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    num_kv_blocks: int = Field(2048, ge=1, description="KV blocks in each worker's pool.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together per step.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one engine step (prefill chunks + decodes)."
+    )
+    max_model_len: int | None = Field(
+        None, description="Context window; default: the model's max_position_embeddings."
+    )
+    heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
+    worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _expand(cls, v: object) -> object:
+        return Path(v).expanduser() if isinstance(v, str) else v
+
+    # --- derived -------------------------------------------------------------------------
+    @property
+    def effective_redis_url(self) -> str:
+        return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return POOLS_BY_MODE[self.mode]
+
+
+_settings: Settings | None = None
+
+
+def get_settings() -> Settings:
+    """The process-wide settings, built once from the environment on first use."""
+    global _settings
+    if _settings is None:
+        _settings = Settings()
+    return _settings
+
+
+def configure(**overrides: object) -> Settings:
+    """Build the process-wide settings from the environment plus explicit overrides
+    (CLI flags); ``None`` values are ignored so an absent flag leaves the env value."""
+    global _settings
+    _settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    return _settings

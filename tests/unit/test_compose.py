@@ -1,0 +1,358 @@
+"""Static checks of the container deployment: docker-compose.yml, Dockerfile, .dockerignore.
+
+No Docker engine is needed: the compose file is parsed with PyYAML (anchors and ``<<``
+merge keys resolve under ``safe_load``) and the Dockerfile is read as text.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+
+CONVEYOR_SERVICES = ("api", "flower", "worker-generate", "worker-generate-gpu")
+ALL_SERVICES = ("redis", *CONVEYOR_SERVICES)
+PACKAGES = ("api", "tasks", "workers", "kvbm")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    svcs = compose.get("services")
+    assert isinstance(svcs, dict), "docker-compose.yml has no services mapping"
+    return svcs
+
+
+def _argv(command: Any) -> list[str]:
+    """A compose ``command``/``test`` in either string or list form, as argv."""
+    if isinstance(command, str):
+        return shlex.split(command)
+    assert isinstance(command, list), f"unexpected command form: {command!r}"
+    return [str(c) for c in command]
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    """``environment`` in mapping or ``KEY=VALUE`` list form, as a dict."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        out = {}
+        for item in env:
+            key, _, value = str(item).partition("=")
+            out[key] = value
+        return out
+    return {str(k): "" if v is None else str(v) for k, v in env.items()}
+
+
+_SHORT_PORT = re.compile(
+    r"^(?:(?P<ip>\d{1,3}(?:\.\d{1,3}){3}):)?(?:(?P<published>.+):)?(?P<target>\d+)(?:/(?P<proto>\w+))?$"
+)
+
+
+def _ports(service: dict[str, Any]) -> list[dict[str, str]]:
+    """Published ports (short or long syntax) as {host_ip, published, target}."""
+    out = []
+    for entry in service.get("ports") or []:
+        if isinstance(entry, dict):
+            out.append(
+                {
+                    "host_ip": str(entry.get("host_ip", "")),
+                    "published": str(entry.get("published", "")),
+                    "target": str(entry["target"]),
+                }
+            )
+        else:
+            m = _SHORT_PORT.match(str(entry))
+            assert m, f"unparseable port mapping {entry!r}"
+            out.append(
+                {
+                    "host_ip": m["ip"] or "",
+                    "published": m["published"] or "",
+                    "target": m["target"],
+                }
+            )
+    return out
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """Dockerfile instructions as (KEYWORD, arguments), continuation lines joined."""
+    logical: list[str] = []
+    buf = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):  # comment inside a continuation
+            continue
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        buf += line
+        logical.append(buf)
+        buf = ""
+    if buf.strip():
+        logical.append(buf)
+    out = []
+    for ins in logical:
+        keyword, _, args = ins.partition(" ")
+        out.append((keyword.upper(), args.strip()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[tuple[str, str]]:
+    return _instructions(DOCKERFILE.read_text())
+
+
+def _arg_defaults(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    out = {}
+    for kw, args in instructions:
+        if kw == "ARG" and "=" in args:
+            key, _, value = args.partition("=")
+            out[key.strip()] = value.strip().strip('"')
+    return out
+
+
+def _expand(text: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m[1] or m[2], m[0]), text)
+
+
+# --------------------------------------------------------------------------- compose
+
+
+def test_compose_has_expected_services_and_no_version_key(compose, services):
+    assert "version" not in compose, "compose spec files have no top-level `version:`"
+    for name in ALL_SERVICES:
+        assert name in services, f"service {name!r} missing"
+
+
+def test_redis_is_private_ephemeral_and_healthchecked(services):
+    redis = services["redis"]
+    assert redis["image"] == "redis:7-alpine"
+    assert "ports" not in redis, "redis must not be published to the host"
+    argv = _argv(redis["command"])
+    assert argv[0] == "redis-server"
+    save = argv.index("--save")
+    assert argv[save + 1] == "", 'RDB snapshots must be off (--save "")'
+    aof = argv.index("--appendonly")
+    assert argv[aof + 1] == "no"
+    assert "redis-cli" in _argv(redis["healthcheck"]["test"])
+    assert "ping" in _argv(redis["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("name", ALL_SERVICES)
+def test_every_service_has_a_healthcheck(services, name):
+    hc = services[name].get("healthcheck")
+    assert isinstance(hc, dict) and hc.get("test"), f"{name} has no healthcheck test"
+    assert not hc.get("disable"), f"{name} healthcheck is disabled"
+    argv = _argv(hc["test"])
+    assert argv[0] in ("CMD", "CMD-SHELL"), f"{name}: healthcheck test must be exec form"
+    assert len(argv) > 1
+
+
+@pytest.mark.parametrize(("name", "port"), [("api", "8000"), ("flower", "5555")])
+def test_front_services_publish_on_loopback_only(services, name, port):
+    ports = _ports(services[name])
+    assert ports, f"{name} publishes no port"
+    assert [p["target"] for p in ports] == [port]
+    for p in ports:
+        assert p["host_ip"] == "127.0.0.1", f"{name} must bind to 127.0.0.1, got {p}"
+        assert p["published"], f"{name} must publish a fixed host port"
+
+
+@pytest.mark.parametrize("name", ["worker-generate", "worker-generate-gpu"])
+def test_workers_are_scalable(services, name):
+    svc = services[name]
+    assert "ports" not in svc, f"{name} publishes ports: --scale would collide"
+    assert "container_name" not in svc, f"{name} has container_name: --scale impossible"
+
+
+def test_commands(services):
+    assert _argv(services["api"]["command"]) == [
+        "conveyor",
+        "api",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+    ]
+    assert _argv(services["flower"]["command"]) == [
+        "conveyor",
+        "flower",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "5555",
+    ]
+    for name in ("worker-generate", "worker-generate-gpu"):
+        argv = _argv(services[name]["command"])
+        assert argv[:2] == ["conveyor", "worker"], name
+        assert argv[argv.index("--pool") + 1] == "generate", name
+
+
+def test_health_probes_hit_the_right_things(services):
+    api_probe = " ".join(_argv(services["api"]["healthcheck"]["test"]))
+    assert "python" in api_probe and "curl" not in api_probe
+    assert "http://127.0.0.1:8000/health" in api_probe
+    flower_probe = " ".join(_argv(services["flower"]["healthcheck"]["test"]))
+    assert "127.0.0.1:5555" in flower_probe
+    for name in ("worker-generate", "worker-generate-gpu"):
+        argv = _argv(services[name]["healthcheck"]["test"])
+        assert argv[1:3] == ["conveyor", "worker-health"], name
+        assert argv[argv.index("--pool") + 1] == "generate", name
+
+
+@pytest.mark.parametrize("name", CONVEYOR_SERVICES)
+def test_conveyor_services_wait_for_healthy_redis(services, name):
+    deps = services[name].get("depends_on")
+    assert isinstance(deps, dict), f"{name}: depends_on must use the long form"
+    assert deps.get("redis", {}).get("condition") == "service_healthy", name
+
+
+@pytest.mark.parametrize("name", CONVEYOR_SERVICES)
+def test_conveyor_services_build_from_repo_root(services, name):
+    build = services[name].get("build")
+    assert isinstance(build, dict), f"{name} has no build section"
+    assert build.get("context") == ".", name
+    assert build.get("dockerfile", "Dockerfile") == "Dockerfile", name
+
+
+@pytest.mark.parametrize("name", CONVEYOR_SERVICES)
+def test_conveyor_services_point_at_the_redis_service(services, name):
+    url = _env(services[name]).get("CONVEYOR_REDIS_URL", "")
+    assert re.fullmatch(r"redis://redis:6379/\d+", url), f"{name}: CONVEYOR_REDIS_URL={url!r}"
+
+
+def test_only_gpu_worker_is_in_a_profile(services):
+    for name in ALL_SERVICES:
+        if name != "worker-generate-gpu":
+            assert not services[name].get("profiles"), f"{name} must start by default"
+
+
+def test_gpu_worker_reserves_an_nvidia_gpu(services):
+    gpu = services["worker-generate-gpu"]
+    assert gpu.get("profiles") == ["gpu"]
+    assert _env(gpu).get("CONVEYOR_DEVICE") == "cuda"
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    nvidia = [d for d in devices if d.get("driver") == "nvidia"]
+    assert nvidia, "no nvidia device reservation"
+    dev = nvidia[0]
+    assert "gpu" in dev.get("capabilities", [])
+    count = str(dev.get("count", ""))
+    assert count == "all" or re.fullmatch(r"\d+|\$\{GPU_COUNT(:-\d+)?\}", count), count
+    # CUDA torch wheels, and an image tag that does not clobber the CPU image.
+    assert "/whl/cu" in str(gpu["build"].get("args", {}).get("TORCH_INDEX_URL", ""))
+    assert gpu.get("image") != services["worker-generate"].get("image")
+    cpu = services["worker-generate"]
+    assert _env(cpu).get("CONVEYOR_DEVICE", "cpu") == "cpu"
+    assert "deploy" not in cpu or "devices" not in str(cpu["deploy"])
+
+
+def test_workers_set_torch_threads(services):
+    for name in ("worker-generate", "worker-generate-gpu"):
+        assert "CONVEYOR_TORCH_THREADS" in _env(services[name]), name
+
+
+def test_flower_basic_auth_is_required_from_env(services):
+    value = _env(services["flower"]).get("CONVEYOR_FLOWER_BASIC_AUTH", "")
+    # A required interpolation (${VAR:?msg} / ${VAR?msg}), never a literal credential.
+    assert re.fullmatch(r"\$\{\w+:?\?[^}]*\}", value), f"not a required env ref: {value!r}"
+    for name in ALL_SERVICES:
+        if name != "flower":
+            assert "CONVEYOR_FLOWER_BASIC_AUTH" not in _env(services[name]), name
+
+
+def test_compose_uses_a_shared_anchor():
+    text = COMPOSE.read_text()
+    assert re.search(r"^x-[\w-]+:\s*&[\w-]+", text, re.M), "no x- extension anchor"
+    assert text.count("<<: *") >= len(CONVEYOR_SERVICES)
+    assert "--scale worker-generate=" in text
+    assert "--profile gpu" in text
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+
+def test_dockerfile_base_workdir_and_ports(dockerfile):
+    assert dockerfile[0] == ("FROM", "python:3.11-slim") or (
+        dockerfile[0][0] == "ARG" and ("FROM", "python:3.11-slim") in dockerfile
+    )
+    assert ("WORKDIR", "/app") in dockerfile
+    exposed = {p for kw, args in dockerfile if kw == "EXPOSE" for p in args.split()}
+    assert {"8000", "5555"} <= exposed
+
+
+def test_dockerfile_pins_torch_before_installing_the_project(dockerfile):
+    args = _arg_defaults(dockerfile)
+    assert args.get("TORCH_VERSION") == "2.13.0"
+    assert args.get("TORCH_INDEX_URL") == "https://download.pytorch.org/whl/cpu"
+    runs = [(i, _expand(a, args)) for i, (kw, a) in enumerate(dockerfile) if kw == "RUN"]
+    torch_lines = [i for i, r in runs if "pip install" in r and re.search(r"torch==2\.13\.0\b", r)]
+    project_lines = [i for i, r in runs if "pip install" in r and '".[model]"' in r]
+    assert torch_lines, "no `pip install torch==2.13.0` RUN line"
+    assert project_lines, 'no `pip install ".[model]"` RUN line'
+    assert torch_lines[0] < project_lines[0], "torch must be installed before the project"
+    torch_run = dict(runs)[torch_lines[0]]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_run.replace('"', "")
+    # The raw line uses the ARG, so a GPU build can override the wheel index.
+    assert "TORCH_INDEX_URL" in dockerfile[torch_lines[0]][1]
+
+
+def test_dockerfile_copies_sources_before_install(dockerfile):
+    copied = " ".join(a for kw, a in dockerfile if kw == "COPY")
+    for item in ("pyproject.toml", "README.md", *PACKAGES):
+        assert item in copied, f"Dockerfile does not COPY {item}"
+    last_copy = max(i for i, (kw, _) in enumerate(dockerfile) if kw == "COPY")
+    install = next(i for i, (kw, a) in enumerate(dockerfile) if kw == "RUN" and ".[model]" in a)
+    assert last_copy < install
+
+
+def test_dockerfile_generates_default_model_as_non_root(dockerfile):
+    users = [(i, a.split(":")[0]) for i, (kw, a) in enumerate(dockerfile) if kw == "USER"]
+    assert users, "Dockerfile sets no USER"
+    assert users[-1][1] not in ("root", "0"), "final USER must be non-root"
+    init = [
+        i
+        for i, (kw, a) in enumerate(dockerfile)
+        if kw == "RUN" and "conveyor model init /models/tiny-llava" in a
+    ]
+    assert init, "no `conveyor model init /models/tiny-llava`"
+    env = " ".join(a for kw, a in dockerfile if kw == "ENV")
+    assert re.search(r"CONVEYOR_MODEL[= ]/models/tiny-llava\b", env)
+
+
+def test_dockerignore_keeps_sources_and_drops_junk():
+    patterns = [
+        ln.strip()
+        for ln in DOCKERIGNORE.read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    for needed in ("pyproject.toml", "README.md", *(f"{p}/__init__.py" for p in PACKAGES)):
+        hits = [
+            p
+            for p in patterns
+            if not p.startswith("!")
+            and (fnmatch.fnmatch(needed, p) or needed.startswith(p.rstrip("/") + "/"))
+        ]
+        assert not hits, f".dockerignore excludes {needed} via {hits}"
+    for junk in (".git", ".venv", ".env"):
+        assert junk in patterns, f".dockerignore should exclude {junk}"

@@ -1,0 +1,416 @@
+"""The reference engine: continuous batching over the paged Llama forward pass.
+
+``Engine`` is synchronous and single-threaded: ``add_request`` / ``abort`` / ``step``.
+Each step schedules running sequences first (one decode token each, or the next chunk of a
+prefill), then admits waiting ones while the token budget, the sequence cap and free KV
+blocks allow; when a running sequence cannot get a block, the most recently admitted one
+is preempted (its blocks freed, recomputed later) — vLLM's recompute policy. One flattened
+forward pass serves the whole step.
+
+``EngineLoop`` owns an ``Engine`` on one thread. Other threads (Celery task threads, the
+cancel listener) submit and abort through it; every step's outputs go to a sink callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from kvbm.block_pool import KVCacheManager
+from workers.checkpoint import TextModelConfig, load_text_weights
+from workers.detokenizer import IncrementalDetokenizer
+from workers.llama import LlamaModel, PagedKVCache, SeqBatchEntry
+from workers.sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class _Seq:
+    req: EngineRequest
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    token_ids: list[int]  # prompt + output
+    num_prompt: int
+    num_computed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        cfg = model.cfg
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        bs = config.block_size
+        if config.num_kv_blocks * bs < self.max_model_len:
+            raise ValueError(
+                f"KV pool of {config.num_kv_blocks} blocks x {bs} tokens cannot hold one "
+                f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks"
+            )
+        self.kv_manager = KVCacheManager(config.num_kv_blocks, bs)
+        self.kv = PagedKVCache(cfg, config.num_kv_blocks, bs, model.dtype, str(model.device))
+        self.eos_ids = set(cfg.eos_token_ids)
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> Engine:
+        d = Path(model_dir)
+        cfg = TextModelConfig.from_dir(d)
+        weights = load_text_weights(d, _DTYPES[config.dtype], config.device)
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        return cls(LlamaModel(cfg, weights), tok, config)
+
+    # ----------------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add_request(self, req: EngineRequest) -> RequestOutput | None:
+        """Queue a request. Returns a finished error output if it can never run."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            return self._error(req, "prompt is empty")
+        if n >= self.max_model_len:
+            return self._error(
+                req, f"prompt has {n} tokens; the context window is {self.max_model_len}"
+            )
+        gen = None if req.params.greedy else make_generator(req.params.seed)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, req.params.stop, req.params.skip_special_tokens
+        )
+        self.waiting.append(_Seq(req, detok, gen, list(req.prompt_token_ids), n))
+        return None
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request wherever it is and free its blocks; ``None`` if unknown."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.id == request_id:
+                    queue.remove(seq)
+                    self.kv_manager.free(seq.id)
+                    return self._finish_output(seq, [], "", "abort", None)
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and report per-request outputs."""
+        scheduled = self._schedule()
+        if not scheduled:
+            return []
+        self.num_steps += 1
+        logits, sampled_seqs = self._run(scheduled)
+        outputs: list[RequestOutput] = []
+        if sampled_seqs:
+            params = [s.req.params for s in sampled_seqs]
+            banned = [self._banned(s) for s in sampled_seqs]
+            gens = [s.generator for s in sampled_seqs]
+            tokens = sample(logits, params, gens, banned)  # type: ignore[arg-type]
+            for seq, tok in zip(sampled_seqs, tokens, strict=True):
+                outputs.append(self._append(seq, tok))
+        return outputs
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (used when a step raised)."""
+        outs = []
+        for seq in [*self.running, *self.waiting]:
+            self.kv_manager.free(seq.id)
+            out = self._finish_output(seq, [], seq.detok.finish(), "error", None)
+            out.error = message
+            outs.append(out)
+        self.running.clear()
+        self.waiting.clear()
+        return outs
+
+    # ----------------------------------------------------------------------------------
+    # Scheduling
+    # ----------------------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[_Seq, int]]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[_Seq, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while self.kv_manager.allocate_slots(seq.id, seq.num_computed + n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: it was the last running one
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self.kv_manager.allocate_slots(seq.id, seq.num_computed + n) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: _Seq) -> None:
+        self.kv_manager.free(seq.id)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        log.info("preempted %s (recompute %d tokens)", seq.id, seq.num_tokens)
+
+    # ----------------------------------------------------------------------------------
+    # Forward
+    # ----------------------------------------------------------------------------------
+    def _run(self, scheduled: list[tuple[_Seq, int]]) -> tuple[torch.Tensor, list[_Seq]]:
+        bs = self.config.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        entries: list[SeqBatchEntry] = []
+        logits_index: list[int] = []
+        sampled: list[_Seq] = []
+        for seq, n in scheduled:
+            start, end = seq.num_computed, seq.num_computed + n
+            table = self.kv_manager.block_table(seq.id)
+            ids.extend(seq.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            nb = -(-end // bs)
+            entries.append(SeqBatchEntry(n, end, torch.tensor(table[:nb], dtype=torch.long)))
+            seq.num_computed = end
+            if end == seq.num_tokens:
+                logits_index.append(len(ids) - 1)
+                sampled.append(seq)
+        dev = self.model.device
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            entries,
+            self.kv,
+            torch.tensor(logits_index, dtype=torch.long, device=dev),
+        )
+        return logits, sampled
+
+    # ----------------------------------------------------------------------------------
+    # Post-processing
+    # ----------------------------------------------------------------------------------
+    def _banned(self, seq: _Seq) -> list[int]:
+        p = seq.req.params
+        if len(seq.output_ids) >= p.min_tokens:
+            return []
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
+
+    def _append(self, seq: _Seq, tok: int) -> RequestOutput:
+        p = seq.req.params
+        seq.token_ids.append(tok)
+        seq.output_ids.append(tok)
+        n_out = len(seq.output_ids)
+        step = seq.detok.step(tok, check_stop=n_out >= p.min_tokens)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if step.stop is not None:
+            reason, stop_reason = "stop", step.stop
+        elif tok in p.stop_token_ids and n_out >= p.min_tokens:
+            reason, stop_reason = "stop", tok
+        elif tok in self.eos_ids and not p.ignore_eos and n_out >= p.min_tokens:
+            reason = "stop"
+        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return RequestOutput(
+                seq.id,
+                [tok],
+                step.text,
+                num_prompt_tokens=seq.num_prompt,
+                num_output_tokens=n_out,
+            )
+        self.running.remove(seq)
+        self.kv_manager.free(seq.id)
+        tail = "" if step.stop is not None else seq.detok.finish()
+        return self._finish_output(seq, [tok], step.text + tail, reason, stop_reason)
+
+    def _finish_output(
+        self,
+        seq: _Seq,
+        toks: list[int],
+        text: str,
+        reason: str,
+        stop_reason: str | int | None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            seq.id,
+            toks,
+            text,
+            finished=True,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=seq.num_prompt,
+            num_output_tokens=len(seq.output_ids),
+        )
+
+    def _error(self, req: EngineRequest, message: str) -> RequestOutput:
+        return RequestOutput(
+            req.request_id,
+            [],
+            "",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=len(req.prompt_token_ids),
+            error=message,
+        )
+
+
+OutputSink = Callable[[list[RequestOutput]], None]
+
+
+class EngineLoop:
+    """Runs an :class:`Engine` on its own thread; thread-safe submit / abort."""
+
+    def __init__(self, engine: Engine, sink: OutputSink, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._sink = sink
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.step_seconds_total = 0.0
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, req: EngineRequest) -> None:
+        self._post(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def stats(self) -> dict[str, float]:
+        e = self.engine
+        return {
+            "running": len(e.running),
+            "waiting": len(e.waiting),
+            "blocks_used": e.kv_manager.pool.num_used,
+            "blocks_total": e.kv_manager.pool.num_blocks,
+            "preemptions": e.num_preemptions,
+        }
+
+    # ----------------------------------------------------------------------------------
+    def _post(self, item: tuple[str, object]) -> None:
+        with self._cv:
+            self._inbox.append(item)
+            self._cv.notify()
+
+    def _drain(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        while self._inbox:
+            kind, arg = self._inbox.popleft()
+            if kind == "add":
+                out = self.engine.add_request(arg)  # type: ignore[arg-type]
+            else:
+                out = self.engine.abort(arg)  # type: ignore[arg-type]
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopped and not self._inbox and not self.engine.has_unfinished:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                outs = self._drain()
+            try:
+                t0 = time.perf_counter()
+                outs.extend(self.engine.step())
+                self.step_seconds_total += time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 - the loop must survive to serve others
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                outs.extend(self.engine.fail_all("internal engine error; see worker log"))
+            if outs:
+                try:
+                    self._sink(outs)
+                except Exception:  # noqa: BLE001
+                    log.exception("output sink failed")

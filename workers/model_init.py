@@ -1,0 +1,279 @@
+"""Write Conveyor's default checkpoint: a tiny LLaVA-architecture model, generated offline.
+
+No model hub is reachable where Conveyor is developed and tested, so the embedded default is
+made here: a CLIP-style vision tower, a two-layer projector and a Llama text model with
+random weights from a fixed seed, plus a byte-level BPE tokenizer trained on a corpus kept
+in this module and a chat template. The output is a plain Hugging Face directory
+(``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
+``generation_config.json``) that ``transformers`` loads as ``LlavaForConditionalGeneration``
+and that Conveyor's engine loads through the same code as any real Llama-family checkpoint.
+
+Deterministic: the same arguments give byte-identical files (weights are drawn by this
+module, in sorted parameter order, from one seeded generator — not by ``transformers``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+UNK, BOS, EOS, PAD, IMAGE = range(len(SPECIAL_TOKENS))
+
+# Roles are plain text in the prompt; the turn ends with the eos token, which is also what
+# the model emits to stop. String content or OpenAI-style content parts are accepted.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ('image', 'image_url') %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+# Training text for the tokenizer's merges. Any text works; this is fixed so the vocabulary
+# is the same on every machine.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A request becomes a chain of tasks.
+Conveyor serves language models with disaggregated prefill and decode on worker pools.
+Every token is streamed back through Redis to the client as server-sent events.
+Hello, world! How are you today? I am fine, thank you. What is the weather like?
+Once upon a time there was a small model that learned to count: one, two, three, four,
+five, six, seven, eight, nine, ten. Numbers 0123456789 and 3.14159 and 2026-11-21.
+The cache holds blocks of sixteen tokens; a prefix that is shared is computed only once.
+def main():\n    print("hello")\n    return 0\nfor i in range(10): total += i * i
+<|system|> You are a helpful assistant. <|user|> Tell me a story. <|assistant|> Sure.
+Questions and answers, lists and tables, code and prose: the tokenizer sees them all.
+Über café naïve résumé — 東京 北京 서울 Москва 🙂 🚀 ✓ × ÷ ∑ π ∞ «quotes» “curly”.
+The scheduler admits waiting requests while blocks are free and preempts when they run out.
+Latency, throughput, time to first token, inter-token latency, percentiles p50 and p99.
+"""
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Sizes of the generated checkpoint (defaults: a few MB, fast on one CPU core)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    vision_hidden_size: int = 64
+    vision_intermediate_size: int = 128
+    vision_layers: int = 2
+    vision_heads: int = 4
+    image_size: int = 32
+    patch_size: int = 8
+    init_std: float = 0.05
+    seed: int = 1234
+
+
+# ----------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------
+
+
+def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Write the tiny LLaVA checkpoint to ``out_dir`` (created if missing); returns it."""
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = _write_tokenizer(out, spec.vocab_size)
+    _write_json(out / "config.json", _llava_config(spec, vocab))
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD},
+    )
+    tensors = _llava_weights(spec, vocab)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def is_model_dir(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _write_tokenizer(out: Path, vocab_size: int) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)]
+    )
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, f"special token {t} must have id {i}"
+    tok.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "pad_token": "<pad>",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 2048,
+            "chat_template": CHAT_TEMPLATE,
+            "extra_special_tokens": {"image_token": "<image>"},
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"},
+    )
+    return tok.get_vocab_size()
+
+
+def _llava_config(s: TinyModelSpec, vocab: int) -> dict:
+    return {
+        "architectures": ["LlavaForConditionalGeneration"],
+        "model_type": "llava",
+        "image_token_index": IMAGE,
+        "image_seq_length": (s.image_size // s.patch_size) ** 2,
+        "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": True,
+        "vision_feature_layer": -2,
+        "vision_feature_select_strategy": "default",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "text_config": {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": vocab,
+            "hidden_size": s.hidden_size,
+            "intermediate_size": s.intermediate_size,
+            "num_hidden_layers": s.num_hidden_layers,
+            "num_attention_heads": s.num_attention_heads,
+            "num_key_value_heads": s.num_key_value_heads,
+            "head_dim": s.hidden_size // s.num_attention_heads,
+            "max_position_embeddings": s.max_position_embeddings,
+            "rope_theta": s.rope_theta,
+            "rms_norm_eps": s.rms_norm_eps,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "bos_token_id": BOS,
+            "eos_token_id": EOS,
+            "pad_token_id": PAD,
+            "torch_dtype": "float32",
+        },
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": s.vision_hidden_size,
+            "intermediate_size": s.vision_intermediate_size,
+            "num_hidden_layers": s.vision_layers,
+            "num_attention_heads": s.vision_heads,
+            "image_size": s.image_size,
+            "patch_size": s.patch_size,
+            "num_channels": 3,
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+            "projection_dim": s.vision_hidden_size,
+        },
+    }
+
+
+def _llava_shapes(s: TinyModelSpec, vocab: int) -> dict[str, tuple[int, ...]]:
+    """Parameter names (the hub's LLaVA layout) and shapes."""
+    h, i, kv = s.hidden_size, s.intermediate_size, s.num_key_value_heads
+    hd = h // s.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "language_model.model.embed_tokens.weight": (vocab, h),
+        "language_model.model.norm.weight": (h,),
+        "language_model.lm_head.weight": (vocab, h),
+    }
+    for n in range(s.num_hidden_layers):
+        p = f"language_model.model.layers.{n}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv * hd, h),
+            p + "self_attn.v_proj.weight": (kv * hd, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    vh, vi = s.vision_hidden_size, s.vision_intermediate_size
+    npos = (s.image_size // s.patch_size) ** 2 + 1
+    v = "vision_tower.vision_model."
+    shapes |= {
+        v + "embeddings.class_embedding": (vh,),
+        v + "embeddings.patch_embedding.weight": (vh, 3, s.patch_size, s.patch_size),
+        v + "embeddings.position_embedding.weight": (npos, vh),
+        v + "pre_layrnorm.weight": (vh,),
+        v + "pre_layrnorm.bias": (vh,),
+        v + "post_layernorm.weight": (vh,),
+        v + "post_layernorm.bias": (vh,),
+        "multi_modal_projector.linear_1.weight": (h, vh),
+        "multi_modal_projector.linear_1.bias": (h,),
+        "multi_modal_projector.linear_2.weight": (h, h),
+        "multi_modal_projector.linear_2.bias": (h,),
+    }
+    for n in range(s.vision_layers):
+        p = f"{v}encoder.layers.{n}."
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes[p + f"self_attn.{proj}.weight"] = (vh, vh)
+            shapes[p + f"self_attn.{proj}.bias"] = (vh,)
+        shapes |= {
+            p + "layer_norm1.weight": (vh,),
+            p + "layer_norm1.bias": (vh,),
+            p + "mlp.fc1.weight": (vi, vh),
+            p + "mlp.fc1.bias": (vi,),
+            p + "mlp.fc2.weight": (vh, vi),
+            p + "mlp.fc2.bias": (vh,),
+            p + "layer_norm2.weight": (vh,),
+            p + "layer_norm2.bias": (vh,),
+        }
+    return shapes
+
+
+def _llava_weights(s: TinyModelSpec, vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(s.seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(_llava_shapes(s, vocab).items()):
+        if "norm" in name and name.endswith(".weight"):
+            t = torch.ones(shape)  # RMSNorm / LayerNorm gains
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape)
+        else:
+            t = torch.randn(shape, generator=gen) * s.init_std
+        out[name] = t.contiguous()
+    return out
