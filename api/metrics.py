@@ -1,0 +1,48 @@
+"""Prometheus metrics of the API process (``GET /metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class ApiMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "conveyor_requests", "Requests by endpoint and HTTP status",
+            ["endpoint", "status"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "conveyor_time_to_first_token_seconds", "Time from request to first token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "conveyor_inter_token_latency_seconds", "Time between streamed token frames",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "conveyor_request_latency_seconds", "Request duration, end to end",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "conveyor_prompt_tokens", "Prompt tokens processed", registry=r
+        )
+        self.completion_tokens = Counter(
+            "conveyor_completion_tokens", "Completion tokens generated", registry=r
+        )
+        self.in_flight = Gauge(
+            "conveyor_requests_in_flight", "Requests being served now", registry=r
+        )
+        self.cancelled = Counter(
+            "conveyor_requests_cancelled", "Requests cancelled by client disconnect", registry=r
+        )
+        self.finish = Counter(
+            "conveyor_finish_reasons", "Finished requests by finish reason", ["reason"],
+            registry=r,
+        )  # fmt: skip

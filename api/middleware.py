@@ -1,0 +1,91 @@
+"""Pure-ASGI middleware: request body size limit (413) and per-endpoint status counts.
+
+Pure ASGI rather than ``BaseHTTPMiddleware`` so SSE responses stream untouched.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.errors import error_body
+from api.metrics import ApiMetrics
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class AccessMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.limit = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        status: list[int] = []
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._reject(send_wrapper)
+                    self._count(path, 413)
+                    return
+
+        seen = 0
+
+        async def receive_wrapper() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, receive_wrapper, send_wrapper)
+        except _TooLarge:
+            if not status:
+                await self._reject(send_wrapper)
+        finally:
+            self._count(path, status[0] if status else 500)
+
+    async def _reject(self, send: Send) -> None:
+        body = json.dumps(
+            error_body(
+                f"request body exceeds the limit of {self.limit} bytes",
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    def _count(self, path: str, status: int) -> None:
+        if path.startswith("/v1/"):
+            self.metrics.requests.labels(path, str(status)).inc()

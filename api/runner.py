@@ -1,0 +1,179 @@
+"""Run one request through the pipeline and hand back its frames.
+
+route (one Redis round trip) -> subscribe ``tokens:{id}`` (confirmed) -> send the Celery
+chain -> relay frames. Whatever way the request ends — finished, failed, timed out, or the
+client gone — the subscription is closed, the router's load count released, and if the
+request had not finished a cancel is signalled so the worker frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from api.errors import OpenAIError
+from api.metrics import ApiMetrics
+from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription
+from tasks.channels import CANCEL_CHANNEL, CANCELLED_KEY, tokens_channel
+from tasks.payloads import GeneratePayload
+from tasks.pipeline import build_chain, stages
+from tasks.router import Route, Router
+from tasks.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningRequest:
+    request_id: str
+    prompt_len: int
+    subscription: Subscription
+    routes: dict[str, Route]
+    started: float
+    first_frame: dict | None = None
+    finished: bool = False
+    last_frame_at: float | None = None
+    usage: dict = field(default_factory=dict)
+    frames_iter: AsyncIterator[dict] | None = None
+
+
+class Runner:
+    def __init__(
+        self,
+        settings: Settings,
+        client: aioredis.Redis,
+        hub: StreamHub,
+        metrics: ApiMetrics,
+    ) -> None:
+        self.s = settings
+        self.r = client
+        self.hub = hub
+        self.router = Router(client)
+        self.metrics = metrics
+        self._cleanup_tasks: set[asyncio.Task[None]] = set()
+
+    # ----------------------------------------------------------------------------------
+    async def start(
+        self, request_id: str, prompt_ids: list[int], sampling: dict, started: float
+    ) -> RunningRequest:
+        """Route, subscribe, send; then wait for the first frame (errors raise here, so a
+        request that cannot run gets a proper HTTP status, not a broken stream)."""
+        routes: dict[str, Route] = {}
+        for stage in stages(self.s.mode):
+            route = await self.router.pick(stage)
+            if route is None:
+                for r in routes.values():
+                    await self.router.release(r)
+                raise OpenAIError(
+                    503,
+                    f"no live worker in pool {stage!r}; start one with "
+                    f"`conveyor worker --pool {stage}`",
+                    "server_error",
+                    None,
+                    "no_live_worker",
+                )
+            routes[stage] = route
+        sub = await self.hub.subscribe(tokens_channel(request_id))
+        run = RunningRequest(request_id, len(prompt_ids), sub, routes, started)
+        try:
+            payload = GeneratePayload(
+                request_id=request_id,
+                model=self.s.model_name,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
+                created=time.time(),
+            )
+            sig = build_chain(self.s.mode, payload, routes)
+            await asyncio.to_thread(sig.apply_async)
+            log.info(
+                "[%s] sent to %s (%d prompt tokens)",
+                request_id,
+                ",".join(r.queue for r in routes.values()),
+                len(prompt_ids),
+            )
+            it = self._frames(run)
+            run.first_frame = await anext(it)
+            run.frames_iter = it
+        except BaseException as e:
+            self.finish(run)
+            if isinstance(e, StreamTimeout):
+                raise OpenAIError(
+                    504,
+                    f"the worker did not answer in time ({e})",
+                    "server_error",
+                    None,
+                    "timeout",
+                ) from e
+            raise
+        if run.first_frame.get("error") and run.first_frame.get("done"):
+            err = run.first_frame["error"]
+            self.finish(run)
+            raise OpenAIError(500, err.get("message", "generation failed"), "server_error",
+                              None, err.get("code"))  # fmt: skip
+        return run
+
+    async def frames(self, run: RunningRequest) -> AsyncIterator[dict]:
+        """All frames of a started request, the first included, up to the terminal one."""
+        assert run.first_frame is not None, "frames() before start() returned"
+        yield run.first_frame
+        if run.first_frame.get("done"):
+            return
+        assert run.frames_iter is not None
+        async for f in run.frames_iter:
+            yield f
+
+    def finish(self, run: RunningRequest) -> None:
+        """Release everything the request holds; cancel it on the worker if unfinished.
+        Runs as a detached task so it completes even when the caller is being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._cleanup(run))
+        self._cleanup_tasks.add(task)
+        task.add_done_callback(self._cleanup_tasks.discard)
+
+    # ----------------------------------------------------------------------------------
+    async def _frames(self, run: RunningRequest) -> AsyncIterator[dict]:
+        async for frame in run.subscription.frames(
+            self.s.first_frame_timeout_s, self.s.frame_timeout_s
+        ):
+            now = time.perf_counter()
+            if frame.get("token_ids"):
+                if run.last_frame_at is None:
+                    self.metrics.ttft.observe(now - run.started)
+                else:
+                    self.metrics.itl.observe(now - run.last_frame_at)
+                run.last_frame_at = now
+            if frame.get("done"):
+                run.finished = True
+                run.usage = frame.get("usage") or {}
+            yield frame
+
+    async def _cleanup(self, run: RunningRequest) -> None:
+        try:
+            await run.subscription.close()
+            if not run.finished:
+                self.metrics.cancelled.inc()
+                log.info("[%s] not finished: cancelling on the worker", run.request_id)
+                pipe = self.r.pipeline(transaction=False)
+                pipe.set(CANCELLED_KEY.format(run.request_id), 1, ex=3600)
+                pipe.publish(CANCEL_CHANNEL, run.request_id)
+                await pipe.execute()
+            for route in run.routes.values():
+                await self.router.release(route)
+        except Exception:  # noqa: BLE001 - best effort; counters expire anyway
+            log.exception("[%s] cleanup failed", run.request_id)
+
+
+def stream_error(e: BaseException) -> OpenAIError:
+    """Map a failure in the middle of a stream to the error event the client gets."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, StreamTimeout):
+        return OpenAIError(504, f"the worker stopped answering ({e})", "server_error", None,
+                           "timeout")  # fmt: skip
+    if isinstance(e, StreamGap):
+        return OpenAIError(500, f"token stream broken: {e}", "server_error", None, "stream_gap")
+    return OpenAIError(500, f"internal error: {type(e).__name__}", "server_error", None, None)

