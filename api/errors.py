@@ -33,9 +33,7 @@ class OpenAIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(
-    message: str, type_: str, param: str | None = None, code: str | None = None
-) -> dict:
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

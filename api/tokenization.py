@@ -28,8 +28,7 @@ class PromptBuilder:
         tcfg_path = d / "tokenizer_config.json"
         tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
         self.special = {
-            k: _token_str(tcfg.get(k))
-            for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+            k: _token_str(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         template = tcfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
@@ -66,9 +65,7 @@ class PromptBuilder:
                 content = [{"type": "text", "text": p.text or ""} for p in content]
             msgs.append({"role": m.role, "content": content if content is not None else ""})
         try:
-            text = self._template.render(
-                messages=msgs, add_generation_prompt=True, **self.special
-            )
+            text = self._template.render(messages=msgs, add_generation_prompt=True, **self.special)
         except TemplateError as e:
             raise bad_request(f"chat template failed: {e}", "messages") from e
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -94,9 +91,7 @@ class PromptBuilder:
             raise bad_request("prompt must not be empty", "prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise bad_request(
-                f"token id {bad[0]} is out of range [0, {self.vocab_size})", "prompt"
-            )
+            raise bad_request(f"token id {bad[0]} is out of range [0, {self.vocab_size})", "prompt")
         return ids
 
     def check_length(self, n_prompt: int, max_tokens: int | None, prompt_param: str) -> int:

@@ -152,7 +152,9 @@ class Supervisor:
                 return
             except redis.RedisError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis at {self.s.effective_redis_url} unreachable")
+                    raise RuntimeError(
+                        f"redis at {self.s.effective_redis_url} unreachable"
+                    ) from None
                 time.sleep(0.1)
 
     def _shutdown(self) -> None:

@@ -87,9 +87,7 @@ class WorkerRuntime:
             inflight = len(self._waiters)
         return {**stats, "active": stats["running"] + stats["waiting"], "inflight": inflight}
 
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: dict
-    ) -> dict:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: dict) -> dict:
         """Run one request to completion; frames are published as it goes.
 
         Returns a small summary (finish reason and token counts) — the task's handle."""
