@@ -42,6 +42,11 @@ class ApiMetrics:
         self.cancelled = Counter(
             "conveyor_requests_cancelled", "Requests cancelled by client disconnect", registry=r
         )
+        self.redispatched = Counter(
+            "conveyor_requests_redispatched",
+            "Requests sent again because their worker died before answering",
+            registry=r,
+        )
         self.finish = Counter(
             "conveyor_finish_reasons", "Finished requests by finish reason", ["reason"],
             registry=r,

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
-from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription
+from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
 from tasks.channels import CANCEL_CHANNEL, CANCELLED_KEY, tokens_channel
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import build_chain, stages
@@ -26,6 +26,8 @@ from tasks.router import Route, Router
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
+
+CANCELLED_TTL_S = 3 * 3600  # longer than the broker's visibility timeout (1 h)
 
 
 @dataclass
@@ -62,7 +64,44 @@ class Runner:
         self, request_id: str, prompt_ids: list[int], sampling: dict, started: float
     ) -> RunningRequest:
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
-        request that cannot run gets a proper HTTP status, not a broken stream)."""
+        request that cannot run gets a proper HTTP status, not a broken stream).
+
+        If the chosen worker dies before the first frame, the request is sent again to
+        another worker (up to ``dispatch_attempts`` in all). Each attempt streams on its own
+        id (``<id>``, ``<id>.r1``, ...), so a late answer from a lost attempt can never mix
+        into the stream of the next one, and is cancelled like any abandoned request."""
+        attempts = self.s.dispatch_attempts
+        for attempt in range(attempts):
+            stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
+            run = await self._dispatch(stream_id, prompt_ids, sampling, started)
+            try:
+                it = self._frames(run)
+                run.first_frame = await anext(it)
+                run.frames_iter = it
+            except WorkerLost as e:
+                self.finish(run)
+                self.metrics.redispatched.inc()
+                log.warning("[%s] %s before the first frame (attempt %d/%d)",
+                            request_id, e, attempt + 1, attempts)  # fmt: skip
+                continue
+            except BaseException as e:
+                self.finish(run)
+                if isinstance(e, StreamTimeout):
+                    raise OpenAIError(504, f"the worker did not answer in time ({e})",
+                                      "server_error", None, "timeout") from e  # fmt: skip
+                raise
+            first = run.first_frame
+            if first.get("error") and first.get("done"):
+                self.finish(run)
+                raise OpenAIError(500, first["error"].get("message", "generation failed"),
+                                  "server_error", None, first["error"].get("code"))  # fmt: skip
+            return run
+        raise OpenAIError(503, f"{attempts} workers in a row died before answering",
+                          "server_error", None, "worker_lost")  # fmt: skip
+
+    async def _dispatch(
+        self, stream_id: str, prompt_ids: list[int], sampling: dict, started: float
+    ) -> RunningRequest:
         routes: dict[str, Route] = {}
         for stage in stages(self.s.mode):
             route = await self.router.pick(stage)
@@ -78,11 +117,11 @@ class Runner:
                     "no_live_worker",
                 )
             routes[stage] = route
-        sub = await self.hub.subscribe(tokens_channel(request_id))
-        run = RunningRequest(request_id, len(prompt_ids), sub, routes, started)
+        sub = await self.hub.subscribe(tokens_channel(stream_id))
+        run = RunningRequest(stream_id, len(prompt_ids), sub, routes, started)
         try:
             payload = GeneratePayload(
-                request_id=request_id,
+                request_id=stream_id,
                 model=self.s.model_name,
                 prompt_token_ids=prompt_ids,
                 sampling=sampling,
@@ -90,31 +129,11 @@ class Runner:
             )
             sig = build_chain(self.s.mode, payload, routes)
             await asyncio.to_thread(sig.apply_async)
-            log.info(
-                "[%s] sent to %s (%d prompt tokens)",
-                request_id,
-                ",".join(r.queue for r in routes.values()),
-                len(prompt_ids),
-            )
-            it = self._frames(run)
-            run.first_frame = await anext(it)
-            run.frames_iter = it
-        except BaseException as e:
+        except BaseException:
             self.finish(run)
-            if isinstance(e, StreamTimeout):
-                raise OpenAIError(
-                    504,
-                    f"the worker did not answer in time ({e})",
-                    "server_error",
-                    None,
-                    "timeout",
-                ) from e
             raise
-        if run.first_frame.get("error") and run.first_frame.get("done"):
-            err = run.first_frame["error"]
-            self.finish(run)
-            raise OpenAIError(500, err.get("message", "generation failed"), "server_error",
-                              None, err.get("code"))  # fmt: skip
+        log.info("[%s] sent to %s (%d prompt tokens)", stream_id,
+                 ",".join(r.queue for r in routes.values()), len(prompt_ids))  # fmt: skip
         return run
 
     async def frames(self, run: RunningRequest) -> AsyncIterator[dict]:
@@ -136,8 +155,14 @@ class Runner:
 
     # ----------------------------------------------------------------------------------
     async def _frames(self, run: RunningRequest) -> AsyncIterator[dict]:
+        async def alive() -> bool:
+            return await self.router.all_alive(run.routes.values())
+
         async for frame in run.subscription.frames(
-            self.s.first_frame_timeout_s, self.s.frame_timeout_s
+            self.s.first_frame_timeout_s,
+            self.s.frame_timeout_s,
+            alive,
+            check_every=min(1.0, self.s.heartbeat_s),
         ):
             now = time.perf_counter()
             if frame.get("token_ids"):
@@ -154,13 +179,15 @@ class Runner:
     async def _cleanup(self, run: RunningRequest) -> None:
         try:
             await run.subscription.close()
+            # The key makes a copy of the task that the broker redelivers later (its worker
+            # died holding it) skip the work; the message aborts a running one now.
+            pipe = self.r.pipeline(transaction=False)
+            pipe.set(CANCELLED_KEY.format(run.request_id), 1, ex=CANCELLED_TTL_S)
             if not run.finished:
                 self.metrics.cancelled.inc()
                 log.info("[%s] not finished: cancelling on the worker", run.request_id)
-                pipe = self.r.pipeline(transaction=False)
-                pipe.set(CANCELLED_KEY.format(run.request_id), 1, ex=3600)
                 pipe.publish(CANCEL_CHANNEL, run.request_id)
-                await pipe.execute()
+            await pipe.execute()
             for route in run.routes.values():
                 await self.router.release(route)
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
@@ -174,6 +201,9 @@ def stream_error(e: BaseException) -> OpenAIError:
     if isinstance(e, StreamTimeout):
         return OpenAIError(504, f"the worker stopped answering ({e})", "server_error", None,
                            "timeout")  # fmt: skip
+    if isinstance(e, WorkerLost):
+        return OpenAIError(503, f"the worker died mid-generation ({e}); retry the request",
+                           "server_error", None, "worker_lost")  # fmt: skip
     if isinstance(e, StreamGap):
         return OpenAIError(500, f"token stream broken: {e}", "server_error", None, "stream_gap")
     return OpenAIError(500, f"internal error: {type(e).__name__}", "server_error", None, None)

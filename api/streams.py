@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -30,6 +30,10 @@ class StreamGap(Exception):
     """Frames were lost between the worker and the API."""
 
 
+class WorkerLost(Exception):
+    """The worker serving the stream stopped heartbeating while the API waited on it."""
+
+
 class Subscription:
     def __init__(self, hub: StreamHub, channel: str) -> None:
         self.hub = hub
@@ -37,16 +41,33 @@ class Subscription:
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
         self.done = False
 
-    async def frames(self, first_timeout: float, frame_timeout: float) -> AsyncIterator[dict]:
+    async def frames(
+        self,
+        first_timeout: float,
+        frame_timeout: float,
+        alive: Callable[[], Awaitable[bool]] | None = None,
+        check_every: float = 1.0,
+    ) -> AsyncIterator[dict]:
+        """Frames in order up to the terminal one. While waiting, ``alive()`` is asked
+        every ``check_every`` seconds; ``False`` raises :class:`WorkerLost` at once rather
+        than letting the client wait out the whole timeout."""
+        loop = asyncio.get_running_loop()
         expected = 0
         timeout = first_timeout
         while True:
-            try:
-                raw = await asyncio.wait_for(self.queue.get(), timeout)
-            except TimeoutError:
-                raise StreamTimeout(
-                    f"no {'first ' if expected == 0 else ''}frame within {timeout:.0f}s"
-                ) from None
+            deadline = loop.time() + timeout
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    which = "first " if expected == 0 else ""
+                    raise StreamTimeout(f"no {which}frame within {timeout:.0f}s")
+                wait = min(remaining, check_every) if alive is not None else remaining
+                try:
+                    raw = await asyncio.wait_for(self.queue.get(), wait)
+                    break
+                except TimeoutError:
+                    if alive is not None and not await alive():
+                        raise WorkerLost(f"worker stopped heartbeating ({self.channel})") from None
             frame = json.loads(raw)
             seq = frame.get("seq", -1)
             if seq < expected:

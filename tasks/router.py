@@ -11,6 +11,7 @@ API process that died cannot pin load on a worker for good.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -83,6 +84,11 @@ class Router:
         n = await self._r.decr(key)
         if n < 0:  # the counter expired meanwhile; never go negative
             await self._r.set(key, 0, ex=INFLIGHT_TTL_S)
+
+    async def all_alive(self, routes: Iterable[Route]) -> bool:
+        """Whether every routed worker still heartbeats (one round trip)."""
+        keys = [WORKER_KEY.format(pool=r.pool, id=r.worker_id) for r in routes]
+        return not keys or await self._r.exists(*keys) == len(keys)
 
     async def live_count(self, pool: str) -> int:
         members = await self._r.smembers(POOL_SET.format(pool=pool))

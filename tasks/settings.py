@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     frame_timeout_s: float = Field(
         30.0, description="Seconds the API waits between two frames of one stream."
     )
+    dispatch_attempts: int = Field(
+        3, ge=1, description="Tries to start a request when its worker dies before answering."
+    )
 
     # --- deployment ----------------------------------------------------------------------
     model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")

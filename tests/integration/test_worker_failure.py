@@ -1,0 +1,91 @@
+"""A failed worker loses no accepted request silently: a request whose worker dies before
+answering is sent to another worker; one whose worker dies mid-stream ends at once with a
+clear error instead of hanging until the timeout."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.integration.conftest import BIN, base_env, spawn, start_api, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def _db(redis_url: str, n: int) -> str:
+    return redis_url.rsplit("/", 1)[0] + f"/{n}"
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_request_redispatched_when_worker_dies_before_answering(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    url7 = _db(redis_url, 7)
+    r = redis.Redis.from_url(url7)
+    env = base_env(url7, tiny_model_dir)
+    worker = spawn("w-real", [str(BIN / "conveyor"), "worker", "--pool", "generate",
+                              "--worker-id", "zzz-real"], env, tmp_path)  # fmt: skip
+    api, url = start_api("api-failover", env, tmp_path)
+    try:
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
+        # A worker that registered and then froze: it sorts first, so the router picks it;
+        # its heartbeat expires 2 s later and the API must move the request on.
+        r.set("conveyor:worker:generate:aaa-hung", '{"worker_id": "aaa-hung"}', px=2000)
+        r.sadd("conveyor:workers:generate", "aaa-hung")
+        t0 = time.monotonic()
+        out = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
+            model=tiny_model_dir.name, prompt="hello", max_tokens=5,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.usage.completion_tokens == 5
+        assert time.monotonic() - t0 < 10
+        assert _metric(url, "conveyor_requests_redispatched_total") == 1
+        assert r.llen("generate.aaa-hung") == 1  # the lost attempt, marked as abandoned:
+        assert r.exists(f"conveyor:cancelled:{out.id}")
+    finally:
+        api.stop()
+        worker.stop()
+        r.flushdb()
+
+
+def test_worker_killed_mid_stream_ends_stream_with_error(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    url8 = _db(redis_url, 8)
+    env = base_env(url8, tiny_model_dir)
+    worker = spawn("w-doomed", [str(BIN / "conveyor"), "worker", "--pool", "generate",
+                                "--worker-id", "doomed"], env, tmp_path)  # fmt: skip
+    api, url = start_api("api-kill", env, tmp_path)
+    try:
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(
+            model=tiny_model_dir.name, prompt="hello", max_tokens=2000, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        got = 0
+        with pytest.raises(openai.APIError) as e:
+            for _ in stream:
+                got += 1
+                if got == 3:
+                    worker.stop(signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert got >= 3
+        assert "worker died" in str(e.value.message) or "worker_lost" in str(e.value.body)
+        assert time.monotonic() - killed_at < 8  # TTL 3 s + checks, far below the 30 s timeout
+    finally:
+        api.stop()
+        worker.stop()
+        redis.Redis.from_url(url8).flushdb()
