@@ -60,8 +60,7 @@ class Proc:
 def spawn(name: str, argv: list[str], env: dict[str, str], logdir: Path) -> Proc:
     log = logdir / f"{name}.log"
     fh = open(log, "wb")  # noqa: SIM115 - lives as long as the process
-    p = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                         start_new_session=True)  # fmt: skip
+    p = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     return Proc(name, p, log)
 
 
@@ -87,8 +86,24 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert exe, "integration tests need redis-server (make test installs it)"
     port = free_port()
     d = tmp_path_factory.mktemp("redis")
-    p = spawn("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                        "--appendonly", "no", "--dir", str(d)], dict(os.environ), d)  # fmt: skip
+    p = spawn(
+        "redis",
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        dict(os.environ),
+        d,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     wait_for(lambda: redis.Redis.from_url(url).ping(), 10, "redis-server", [p])
     yield url
@@ -140,8 +155,9 @@ def start_api(name: str, env: dict[str, str], logdir: Path) -> tuple[Proc, str]:
     port = free_port()
     p = spawn(name, [str(BIN / "conveyor"), "api", "--port", str(port)], env, logdir)
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: httpx.get(f"{url}/v1/models", timeout=1).status_code == 200, 60,
-             f"{name} up", [p])  # fmt: skip
+    wait_for(
+        lambda: httpx.get(f"{url}/v1/models", timeout=1).status_code == 200, 60, f"{name} up", [p]
+    )
     return p, url
 
 
@@ -157,7 +173,7 @@ def cluster(
             [str(BIN / "conveyor"), "worker", "--pool", "generate", "--worker-id", f"itest-w{i}"],
             env,
             logdir,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     api, url = start_api("api", env, logdir)

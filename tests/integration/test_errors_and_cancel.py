@@ -19,8 +19,9 @@ def _post(cluster: Cluster, path: str, body: object, **kw: object) -> httpx.Resp
     return httpx.post(f"{cluster.url}{path}", json=body, timeout=30, **kw)  # type: ignore[arg-type]
 
 
-def _assert_error(r: httpx.Response, status: int, param: str | None = None,
-                  code: str | None = None) -> dict:  # fmt: skip
+def _assert_error(
+    r: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict:
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -77,8 +78,11 @@ def test_invalid_completion_bodies_400(cluster: Cluster) -> None:
     _assert_error(
         _post(cluster, "/v1/completions", {"model": m, "prompt": "x", "echo": True}), 400, "echo"
     )
-    r = httpx.post(f"{cluster.url}/v1/completions", content=b"{not json",
-                   headers={"content-type": "application/json"})  # fmt: skip
+    r = httpx.post(
+        f"{cluster.url}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     _assert_error(r, 400)
 
 
@@ -103,25 +107,32 @@ def _blocks_used(cluster: Cluster) -> int:
 
 def test_cancelled_stream_frees_blocks(cluster: Cluster) -> None:
     wait_for(lambda: _blocks_used(cluster) == 0, 10, "idle workers")
-    body = {"model": cluster.model_name, "prompt": "Once upon a time " * 20,
-            "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": cluster.model_name,
+        "prompt": "Once upon a time " * 20,
+        "max_tokens": 1500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
-        lines = 0
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                lines += 1
-            if lines >= 5:
-                break
+        lines = r.iter_lines()  # held, not exhausted: breaking out of it would close the body
+        data = 0
+        while data < 5:
+            data += next(lines).startswith("data:")
         # blocks are held while the stream runs
         wait_for(lambda: _blocks_used(cluster) > 0, 5, "blocks in use")
+        used = _blocks_used(cluster)
+    assert used > 0
     # client gone: the API cancels, the engine drops the sequence and frees its blocks
     t0 = time.monotonic()
     wait_for(lambda: _blocks_used(cluster) == 0, 10, "blocks freed after cancel")
     assert time.monotonic() - t0 < 10
     metrics = httpx.get(f"{cluster.url}/metrics").text
-    line = next(ln for ln in metrics.splitlines()
-                if ln.startswith("conveyor_requests_cancelled_total"))  # fmt: skip
+    line = next(
+        ln for ln in metrics.splitlines() if ln.startswith("conveyor_requests_cancelled_total")
+    )
     assert float(line.split()[-1]) >= 1
 
 
@@ -137,8 +148,11 @@ def test_metrics_exposed(cluster: Cluster) -> None:
         "conveyor_requests_in_flight",
     ):
         assert name in text, name
-    ok = [ln for ln in text.splitlines()
-          if ln.startswith('conveyor_requests_total{endpoint="/v1/completions",status="200"}')]  # fmt: skip
+    ok = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith('conveyor_requests_total{endpoint="/v1/completions",status="200"}')
+    ]
     assert ok and float(ok[0].split()[-1]) >= 1
 
 

@@ -71,9 +71,12 @@ def test_models_health_metrics_docs(cluster: Cluster) -> None:
 def test_completion_matches_hf_generate(cluster: Cluster, hf: tuple, prompt: str) -> None:
     n = 24
     r = cluster.client().completions.create(
-        model=cluster.model_name, prompt=prompt, max_tokens=n, temperature=0,
+        model=cluster.model_name,
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     assert r.choices[0].text == greedy_text(hf, prompt, n)
     assert r.choices[0].finish_reason == "length"
     tok, _ = hf
@@ -88,9 +91,12 @@ def test_chat_stream_equals_nonstream_and_hf(cluster: Cluster, hf: tuple) -> Non
     c = cluster.client()
     n = 30
     full = c.chat.completions.create(
-        model=cluster.model_name, messages=msgs, max_tokens=n, temperature=0,
+        model=cluster.model_name,
+        messages=msgs,
+        max_tokens=n,
+        temperature=0,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     expected = tok.decode(hf_greedy(hf, list(ids), n), skip_special_tokens=True)
@@ -101,11 +107,15 @@ def test_chat_stream_equals_nonstream_and_hf(cluster: Cluster, hf: tuple) -> Non
 
     chunks = list(
         c.chat.completions.create(
-            model=cluster.model_name, messages=msgs, max_tokens=n, temperature=0,
-            stream=True, stream_options={"include_usage": True},
+            model=cluster.model_name,
+            messages=msgs,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
-    )  # fmt: skip
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == expected
@@ -120,14 +130,23 @@ def test_chat_stream_equals_nonstream_and_hf(cluster: Cluster, hf: tuple) -> Non
 def test_max_completion_tokens_and_stream_without_usage(cluster: Cluster) -> None:
     c = cluster.client()
     r = c.chat.completions.create(
-        model=cluster.model_name, messages=[{"role": "user", "content": "count"}],
-        max_completion_tokens=5, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=cluster.model_name,
+        messages=[{"role": "user", "content": "count"}],
+        max_completion_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 5
     chunks = list(
-        c.completions.create(model=cluster.model_name, prompt="abc", max_tokens=4,
-                             temperature=0, stream=True, extra_body={"ignore_eos": True})
-    )  # fmt: skip
+        c.completions.create(
+            model=cluster.model_name,
+            prompt="abc",
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert all(ch.usage is None for ch in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -142,8 +161,14 @@ def test_stop_strings(cluster: Cluster, hf: tuple) -> None:
     assert stop.strip(), f"pick a visible stop string, got {stop!r}"
     c = cluster.client()
     for stream in (False, True):
-        kw = dict(model=cluster.model_name, prompt=prompt, max_tokens=40, temperature=0,
-                  stop=[stop, "never-appears-xyz"], extra_body={"ignore_eos": True})  # fmt: skip
+        kw = dict(
+            model=cluster.model_name,
+            prompt=prompt,
+            max_tokens=40,
+            temperature=0,
+            stop=[stop, "never-appears-xyz"],
+            extra_body={"ignore_eos": True},
+        )
         if stream:
             chunks = list(c.completions.create(stream=True, **kw))
             text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -159,8 +184,14 @@ def test_seed_reproducible(cluster: Cluster) -> None:
     c = cluster.client()
 
     def run(seed: int) -> str:
-        r = c.completions.create(model=cluster.model_name, prompt="Tell me", max_tokens=20,
-                                 temperature=1.0, seed=seed, extra_body={"ignore_eos": True})  # fmt: skip
+        r = c.completions.create(
+            model=cluster.model_name,
+            prompt="Tell me",
+            max_tokens=20,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"ignore_eos": True},
+        )
         return r.choices[0].text
 
     a, b, other = run(1234), run(1234), run(99)
@@ -170,9 +201,13 @@ def test_seed_reproducible(cluster: Cluster) -> None:
 
 async def _stream_text(client: openai.AsyncOpenAI, model: str, prompt: str, n: int) -> str:
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+        model=model,
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
-    )  # fmt: skip
+    )
     parts = []
     async for ch in stream:
         if ch.choices:

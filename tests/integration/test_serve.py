@@ -53,22 +53,50 @@ def test_serve_runs_everything_and_stops_cleanly(
     api_port, flower_port, redis_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env.update(CONVEYOR_NUM_KV_BLOCKS="256", CONVEYOR_HEARTBEAT_S="0.5")
-    argv = [str(BIN / "conveyor"), "serve", "--model", str(tiny_model_dir),
-            "--port", str(api_port), "--flower-port", str(flower_port),
-            "--redis-port", str(redis_port), "--workers", "1"]  # fmt: skip
+    argv = [
+        str(BIN / "conveyor"),
+        "serve",
+        "--model",
+        str(tiny_model_dir),
+        "--port",
+        str(api_port),
+        "--flower-port",
+        str(flower_port),
+        "--redis-port",
+        str(redis_port),
+        "--workers",
+        "1",
+    ]
     serve = spawn("serve", argv, env, tmp_path)
     url = f"http://127.0.0.1:{api_port}"
     try:
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 120,
-                 "serve healthy", [serve])  # fmt: skip
-        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
-            "model": tiny_model_dir.name, "prompt": "hello", "max_tokens": 4,
-            "ignore_eos": True})  # fmt: skip
+        wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200,
+            120,
+            "serve healthy",
+            [serve],
+        )
+        r = httpx.post(
+            f"{url}/v1/completions",
+            timeout=60,
+            json={
+                "model": tiny_model_dir.name,
+                "prompt": "hello",
+                "max_tokens": 4,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
-        wait_for(lambda: httpx.get(f"http://127.0.0.1:{flower_port}/healthcheck",
-                                   timeout=1).status_code == 200, 60, "flower",
-                 [serve])  # fmt: skip
+        wait_for(
+            lambda: (
+                httpx.get(f"http://127.0.0.1:{flower_port}/healthcheck", timeout=1).status_code
+                == 200
+            ),
+            60,
+            "flower",
+            [serve],
+        )
         kids = _descendants(serve.popen.pid)
         assert len(kids) >= 4, "redis, worker, api and flower should be running"
         serve.popen.send_signal(sig)  # as Ctrl-C / docker stop would
@@ -86,9 +114,18 @@ def test_serve_runs_everything_and_stops_cleanly(
 
 
 def test_cli_help_everywhere() -> None:
-    for cmd in ([], ["serve"], ["worker"], ["api"], ["flower"], ["worker-health"],
-                ["model"], ["model", "init"]):  # fmt: skip
-        out = subprocess.run([str(BIN / "conveyor"), *cmd, "--help"], capture_output=True,
-                             text=True, timeout=60)  # fmt: skip
+    for cmd in (
+        [],
+        ["serve"],
+        ["worker"],
+        ["api"],
+        ["flower"],
+        ["worker-health"],
+        ["model"],
+        ["model", "init"],
+    ):
+        out = subprocess.run(
+            [str(BIN / "conveyor"), *cmd, "--help"], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, (cmd, out.stderr)
         assert "Usage:" in out.stdout

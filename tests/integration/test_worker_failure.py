@@ -35,8 +35,12 @@ def test_request_redispatched_when_worker_dies_before_answering(
     url7 = _db(redis_url, 7)
     r = redis.Redis.from_url(url7)
     env = base_env(url7, tiny_model_dir)
-    worker = spawn("w-real", [str(BIN / "conveyor"), "worker", "--pool", "generate",
-                              "--worker-id", "zzz-real"], env, tmp_path)  # fmt: skip
+    worker = spawn(
+        "w-real",
+        [str(BIN / "conveyor"), "worker", "--pool", "generate", "--worker-id", "zzz-real"],
+        env,
+        tmp_path,
+    )
     api, url = start_api("api-failover", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
@@ -46,9 +50,11 @@ def test_request_redispatched_when_worker_dies_before_answering(
         r.sadd("conveyor:workers:generate", "aaa-hung")
         t0 = time.monotonic()
         out = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
-            model=tiny_model_dir.name, prompt="hello", max_tokens=5,
+            model=tiny_model_dir.name,
+            prompt="hello",
+            max_tokens=5,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         assert out.usage.completion_tokens == 5
         assert time.monotonic() - t0 < 10
         assert _metric(url, "conveyor_requests_redispatched_total") == 1
@@ -65,16 +71,23 @@ def test_worker_killed_mid_stream_ends_stream_with_error(
 ) -> None:
     url8 = _db(redis_url, 8)
     env = base_env(url8, tiny_model_dir)
-    worker = spawn("w-doomed", [str(BIN / "conveyor"), "worker", "--pool", "generate",
-                                "--worker-id", "doomed"], env, tmp_path)  # fmt: skip
+    worker = spawn(
+        "w-doomed",
+        [str(BIN / "conveyor"), "worker", "--pool", "generate", "--worker-id", "doomed"],
+        env,
+        tmp_path,
+    )
     api, url = start_api("api-kill", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         stream = client.completions.create(
-            model=tiny_model_dir.name, prompt="hello", max_tokens=2000, stream=True,
+            model=tiny_model_dir.name,
+            prompt="hello",
+            max_tokens=2000,
+            stream=True,
             extra_body={"ignore_eos": True},
-        )  # fmt: skip
+        )
         got = 0
         with pytest.raises(openai.APIError) as e:
             for _ in stream:

@@ -14,9 +14,12 @@ from api.tokenization import PromptBuilder
 
 def test_unsupported_parameters_are_named() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    for patch, param in [({"n": 3}, "n"), ({"logprobs": True}, "logprobs"),
-                         ({"presence_penalty": 0.5}, "presence_penalty"),
-                         ({"response_format": {"type": "json_object"}}, "response_format")]:  # fmt: skip
+    for patch, param in [
+        ({"n": 3}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
         with pytest.raises(OpenAIError) as e:
             unsupported(ChatCompletionRequest(**base, **patch))
         assert e.value.status == 400 and e.value.param == param
@@ -37,8 +40,12 @@ def test_chat_template_matches_transformers(tiny_model_dir: Path) -> None:
 
     hf = AutoTokenizer.from_pretrained(tiny_model_dir)
     pb = PromptBuilder(tiny_model_dir)
-    msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Héllo 🙂"},
-            {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "Again"}]  # fmt: skip
+    msgs = [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Héllo 🙂"},
+        {"role": "assistant", "content": "Hi"},
+        {"role": "user", "content": "Again"},
+    ]
     expected = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     assert pb.chat_ids([ChatMessage(**m) for m in msgs]) == expected

@@ -1,0 +1,424 @@
+"""Serving latency: Conveyor's HTTP pipeline against the same engine run in-process.
+
+    python bench/serve_latency.py --start-server          # redis + worker + api, then bench
+    python bench/serve_latency.py --url http://127.0.0.1:8000 --model DIR   # a running server
+
+For each concurrency level (``--concurrency 1,4,16``) it keeps exactly c requests in flight
+until ``--requests-per-level`` (default max(8, 2c)) have finished, first through an
+``EngineLoop`` in this process, then through the server (streaming ``/v1/completions`` over
+SSE) with the same model, prompts (token ids), pattern, temperature 0 and ``ignore_eos`` so
+every request makes exactly ``--output-len`` tokens. The two never run at the same time:
+they would fight over the same cores. ``--start-server`` runs its own redis-server, one
+``conveyor worker --pool generate`` and ``conveyor api`` (logs in a temp dir), and stops
+them at the end, Ctrl-C included.
+
+Timing is the same on both sides. An *event* is a server chunk carrying a choice or an
+engine output. TTFT = submit -> first event with text (or the finishing one); ITL = gaps
+between consecutive events with non-empty text. The API sends no chunk for a token whose
+text is empty (it ended inside a UTF-8 character), so the in-process side drops those too.
+Output tok/s = completion tokens / wall time of the level. ``--json PATH`` writes raw data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_MODEL = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
+# targets: TTFT / ITL p50 overhead (ms), throughput vs in-process (%), batching gain (x)
+TARGETS = {"ttft": 15.0, "itl": 1.0, "tput": 90.0, "gain": 2.5}
+
+
+# --- Statistics ---------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float:
+    """Linearly interpolated percentile; NaN for an empty list."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def request_record(t0: float, events: list[tuple[float, str, bool]], tokens: int) -> dict:
+    """events: (time, text, finished) per chunk / output, in arrival order."""
+    visible = [t for t, text, fin in events if text or fin]
+    text_times = [t for t, text, _ in events if text]
+    return dict(ttft_ms=(visible[0] - t0) * 1e3 if visible else float("nan"),
+                itl_ms=[(b - a) * 1e3 for a, b in zip(text_times, text_times[1:], strict=False)],
+                tokens=tokens, events=len(events), text_events=len(text_times))  # fmt: skip
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    ttft = [r["ttft_ms"] for r in records]
+    itl = [g for r in records for g in r["itl_ms"]]
+    tokens = sum(r["tokens"] for r in records)
+    text_events = sum(r["text_events"] for r in records)
+    return dict(requests=len(records), wall_s=wall_s, completion_tokens=tokens,
+                ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99),
+                itl_p50=pct(itl, 50), itl_p99=pct(itl, 99),
+                tok_s=tokens / wall_s if wall_s > 0 else float("nan"),
+                text_events_per_token=text_events / max(tokens, 1))  # fmt: skip
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Distinct fixed token-id prompts (ids 0-4 are the special tokens: avoided)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(length)] for _ in range(n)]
+
+
+# --- Server side --------------------------------------------------------------------
+async def _one_http(client: httpx.AsyncClient, model: str, prompt: list[int], out_len: int) -> dict:
+    body = dict(model=model, prompt=prompt, max_tokens=out_len, temperature=0, ignore_eos=True,
+                stream=True, stream_options={"include_usage": True})  # fmt: skip
+    events: list[tuple[float, str, bool]] = []
+    tokens = 0
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            now = time.perf_counter()
+            obj = json.loads(data)
+            if "error" in obj:
+                raise RuntimeError(f"stream error: {obj['error']}")
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+            if obj.get("choices"):
+                ch = obj["choices"][0]
+                events.append((now, ch.get("text") or "", ch.get("finish_reason") is not None))
+    return request_record(t0, events, tokens)
+
+
+def _cpu_ticks(pid: int) -> dict[str, int]:
+    """utime+stime clock ticks of a process ("all") and of each of its threads; Linux only."""
+    out = {}
+    for key, p in [("all", Path(f"/proc/{pid}/stat"))] + [
+        (t.parent.name, t) for t in Path(f"/proc/{pid}/task").glob("*/stat")
+    ]:
+        try:
+            f = p.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a thread that just exited
+            continue
+        out[key] = int(f[11]) + int(f[12])
+    return out
+
+
+def _cpu_delta(pids: dict[str, int], before: dict) -> dict[str, float]:
+    """CPU seconds per process since ``before``; for the worker, also its busiest thread
+    (the engine loop, which runs the forward pass and publishes every step's frames)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        now, was = _cpu_ticks(pid), before.get(name, {})
+        out[name] = (now.get("all", 0) - was.get("all", 0)) / hz
+        if name == "worker":
+            threads = [v - was.get(k, 0) for k, v in now.items() if k != "all"]
+            out["worker busiest thread"] = max(threads, default=0) / hz
+    return out
+
+
+async def _server_levels(
+    url: str, levels: list[int], prompts: dict, args, pids: dict[str, int]
+) -> tuple[str, dict]:
+    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels))
+    timeout = httpx.Timeout(300.0, connect=10.0)
+    async with httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=timeout, trust_env=False
+    ) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        for p in prompts["warmup"]:
+            await _one_http(client, model, p, args.output_len)
+        results = {}
+        for c in levels:
+            sem = asyncio.Semaphore(c)
+
+            async def run(p: list[int], sem: asyncio.Semaphore = sem) -> dict:
+                async with sem:
+                    return await _one_http(client, model, p, args.output_len)
+
+            cpu0, t = {k: _cpu_ticks(pid) for k, pid in pids.items()}, time.perf_counter()
+            recs = await asyncio.gather(*(run(p) for p in prompts[c]))
+            wall = time.perf_counter() - t
+            cpu = _cpu_delta(pids, cpu0)
+            results[c] = {"summary": summarize(recs, wall), "requests": recs, "cpu_s": cpu}
+            _progress("server", c, results[c]["summary"])
+    return model, results
+
+
+# --- In-process side ----------------------------------------------------------------
+def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args) -> dict:
+    import torch
+
+    from workers.engine import Engine, EngineConfig, EngineLoop, EngineRequest, RequestOutput
+    from workers.sampling import SamplingParams
+
+    torch.set_num_threads(args.torch_threads)
+    engine = Engine.from_model_dir(model_dir, EngineConfig())
+    events: dict[str, list[tuple[float, str, bool]]] = {}
+    done: queue.Queue[RequestOutput] = queue.Queue()
+
+    def sink(outs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for o in outs:
+            events[o.request_id].append((now, o.text, o.finished))
+            if o.finished:
+                done.put(o)
+
+    loop = EngineLoop(engine, sink).start()
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+
+    def run_level(batch: list[list[int]], c: int) -> tuple[list[dict], float]:
+        starts: dict[str, float] = {}
+        pending = list(batch)
+        finished: list[RequestOutput] = []
+
+        def submit() -> None:
+            rid = uuid.uuid4().hex
+            events[rid] = []
+            starts[rid] = time.perf_counter()
+            loop.submit(EngineRequest(rid, pending.pop(0), params))
+
+        t = time.perf_counter()
+        for _ in range(min(c, len(pending))):
+            submit()
+        while len(finished) < len(batch):
+            out = done.get(timeout=300)
+            if out.finish_reason == "error":
+                raise RuntimeError(f"engine error: {out.error}")
+            finished.append(out)
+            if pending:
+                submit()
+        wall = time.perf_counter() - t
+        recs = [
+            request_record(starts[o.request_id], events.pop(o.request_id), o.num_output_tokens)
+            for o in finished
+        ]
+        return recs, wall
+
+    try:
+        run_level(prompts["warmup"], 1)
+        results = {}
+        for c in levels:
+            recs, wall = run_level(prompts[c], c)
+            results[c] = {"summary": summarize(recs, wall), "requests": recs}
+            _progress("in-process", c, results[c]["summary"])
+        return results
+    finally:
+        loop.stop()
+
+
+# --- Local server: redis-server + one generate worker + api -------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait(pred, timeout: float, what: str, procs: list) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for name, p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with {p.returncode} while waiting for {what}")
+        try:
+            if pred():
+                return
+        except (OSError, httpx.HTTPError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s")
+
+
+@contextmanager
+def local_server(model_dir: Path, log_dir: Path, torch_threads: int):
+    conveyor = str(Path(sys.executable).parent / "conveyor")
+    rport, aport = _free_port(), _free_port()
+    env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
+           "CONVEYOR_MODEL": str(model_dir),
+           "CONVEYOR_TORCH_THREADS": str(torch_threads)}  # fmt: skip
+    redis_argv = ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                  "--appendonly", "no"]  # fmt: skip
+    cmds = {"redis": redis_argv, "worker": [conveyor, "worker", "--pool", "generate"],
+            "api": [conveyor, "api", "--port", str(aport)]}  # fmt: skip
+    procs: list[tuple[str, subprocess.Popen]] = []
+    try:
+        for name, argv in cmds.items():
+            log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
+            p = subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=ROOT,
+                                 start_new_session=True)  # fmt: skip
+            procs.append((name, p))
+            if name == "redis":
+                _wait(lambda: _port_open(rport), 10, "redis", procs)
+        url = f"http://127.0.0.1:{aport}"
+
+        def healthy() -> bool:
+            return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
+
+        _wait(healthy, 120, "GET /health == 200", procs)
+        yield url, {name: p.pid for name, p in procs}
+    finally:
+        for _, p in reversed(procs):  # api, then worker (deregisters in redis), then redis
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+# --- Report -------------------------------------------------------------------------
+def _progress(side: str, c: int, s: dict) -> None:
+    print(f"  {side:<10} c={c:<3} {s['requests']} req in {s['wall_s']:.2f}s", file=sys.stderr)
+
+
+def _mark(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def report(res: dict, levels: list[int]) -> None:
+    srv, inp, tg = res["server"], res["inprocess"], TARGETS
+    lo, hi = levels[0], levels[-1]
+    print(f"\nConveyor serve latency  mode={res['mode']}  model={res['model']}  prompt="
+          f"{res['prompt_len']} output={res['output_len']} tokens  (ms)")  # fmt: skip
+    print(f"{'c':>4} {'side':<11}{'req':>5}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'ITL p50':>9}{'ITL p99':>9}{'tok/s':>9}")  # fmt: skip
+    for c in levels:
+        for name, side in (("server", srv), ("in-process", inp)):
+            s = side[c]["summary"]
+            print(f"{c:>4} {name:<11}{s['requests']:>5}{s['ttft_p50']:>10.2f}"
+                  f"{s['ttft_p99']:>10.2f}{s['itl_p50']:>9.2f}{s['itl_p99']:>9.2f}"
+                  f"{s['tok_s']:>9.1f}")  # fmt: skip
+    print(f"\nOverhead per level (server - in-process); targets: TTFT p50 <= {tg['ttft']:g} "
+          f"ms, ITL p50 <= {tg['itl']:g} ms, tok/s at c={hi} >= {tg['tput']:g}%")  # fmt: skip
+    print(f"{'c':>4}{'TTFT p50 +ms':>17}{'ITL p50 +ms':>17}{'server/in-process tok/s':>29}")
+    for c in levels:
+        s, i = srv[c]["summary"], inp[c]["summary"]
+        dt, di = s["ttft_p50"] - i["ttft_p50"], s["itl_p50"] - i["itl_p50"]
+        r = 100 * s["tok_s"] / i["tok_s"]
+        rv = _mark(r >= tg["tput"]) if c == hi else ""
+        print(f"{c:>4}{dt:>12.2f} {_mark(dt <= tg['ttft'])}{di:>12.2f} {_mark(di <= tg['itl'])}"
+              f"{r:>23.1f} % {rv}")  # fmt: skip
+    print(f"\nContinuous batching gain = tok/s at c={hi} / c={lo}; target >= {tg['gain']:g}x")
+    for name, side in (("server", srv), ("in-process", inp)):
+        g = side[hi]["summary"]["tok_s"] / side[lo]["summary"]["tok_s"]
+        print(f"  {name:<11}{g:>6.2f}x {_mark(g >= tg['gain'])}")
+    print("\nServer-side CPU during each level, in cores busy (CPU s / wall s)")
+    for c in levels:
+        wall = srv[c]["summary"]["wall_s"]
+        print(f"{c:>4}  " + ",  ".join(f"{k} {v / wall:.2f}" for k, v in srv[c]["cpu_s"].items()))
+    tev = inp[hi]["summary"]["text_events_per_token"]
+    print(f"\nNotes: {os.cpu_count()} CPU cores; the server's api + worker + redis (and this "
+          "client) share them; the in-process engine ran alone, never at the same time.\n"
+          f"  1-min load average before the run: {res['loadavg_before']:.2f} (anything else "
+          "busy on the machine skews both sides).\n"
+          f"  {100 * (1 - tev):.0f}% of tokens end inside a UTF-8 character and carry no text: "
+          "no SSE chunk, so ITL spans them on both sides.")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--start-server", action="store_true", help="run redis+worker+api here")
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the server's model dir")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--requests-per-level", type=int, help="default: max(8, 2*c)")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--torch-threads", type=int, default=1, help="as the worker's default")
+    ap.add_argument("--mode", default="agg", help="recorded only (agg | disagg later)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write raw results here")
+    args = ap.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # keep the table and progress in order
+    levels = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
+    model_dir = args.model.expanduser()
+
+    from workers.model_init import init_model, is_model_dir
+
+    if not is_model_dir(model_dir):
+        print(f"creating the tiny default model in {model_dir}", file=sys.stderr)
+        init_model(model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    counts = {c: args.requests_per_level or max(8, 2 * c) for c in levels}
+    pool = make_prompts(2 + sum(counts.values()), args.prompt_len, vocab, args.seed)
+    prompts: dict = {"warmup": pool[:2]}
+    i = 2
+    for c in levels:
+        prompts[c], i = pool[i : i + counts[c]], i + counts[c]
+
+    # Ctrl-C and SIGTERM both unwind through local_server's clean-up (SIGINT is set too: a
+    # background job starts with it ignored)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    res: dict = dict(mode=args.mode, prompt_len=args.prompt_len, output_len=args.output_len,
+                     levels=levels, model_dir=str(model_dir), cpu_count=os.cpu_count(),
+                     platform=platform.platform(), torch_threads=args.torch_threads,
+                     loadavg_before=os.getloadavg()[0])  # fmt: skip
+    print("in-process engine ...", file=sys.stderr)
+    res["inprocess"] = _inprocess_levels(model_dir, levels, prompts, args)
+    print("server ...", file=sys.stderr)
+    if args.start_server:
+        log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
+        print(f"  starting redis + worker + api (logs in {log_dir})", file=sys.stderr)
+        with local_server(model_dir, log_dir, args.torch_threads) as (url, pids):
+            res["url"] = url
+            pids["client (this bench)"] = os.getpid()
+            res["model"], res["server"] = asyncio.run(
+                _server_levels(url, levels, prompts, args, pids)
+            )
+    else:
+        res["url"] = args.url
+        res["model"], res["server"] = asyncio.run(
+            _server_levels(args.url, levels, prompts, args, {"client (this bench)": os.getpid()})
+        )
+    report(res, levels)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1, default=str))
+        print(f"\nraw results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

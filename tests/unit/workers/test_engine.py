@@ -1,0 +1,314 @@
+"""Engine behaviour on the tiny model: finish reasons, abort, limits, seeded sampling,
+and the EngineLoop thread wrapper."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from workers.checkpoint import TextModelConfig, load_text_weights
+from workers.engine import Engine, EngineConfig, EngineLoop, EngineRequest, RequestOutput
+from workers.llama import LlamaModel
+from workers.model_init import EOS
+from workers.sampling import SamplingParams
+
+# Greedy continuation of this prompt on the tiny model emits EOS as its 16th token.
+EOS_PROMPT = [1, 78, 183, 256, 279, 154, 50, 268, 428, 158, 111, 366]
+EOS_AT = 15
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(tiny_model_dir: Path) -> tuple[LlamaModel, Tokenizer]:
+    cfg = TextModelConfig.from_dir(tiny_model_dir)
+    model = LlamaModel(cfg, load_text_weights(tiny_model_dir))
+    return model, Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+@pytest.fixture
+def make_engine(model_and_tok):
+    def make(**kw) -> Engine:
+        kw.setdefault("num_kv_blocks", 64)
+        kw.setdefault("max_model_len", 256)
+        return Engine(*model_and_tok, EngineConfig(**kw))
+
+    return make
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return [1] + [5 + (seed * 131 + i * 37) % 507 for i in range(n - 1)]
+
+
+def _run(engine: Engine) -> dict[str, list[RequestOutput]]:
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished:
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert not engine.has_unfinished
+    assert engine.kv_manager.pool.num_used == 0
+    return outs
+
+
+def _toks(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def _text(outs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outs)
+
+
+def _one(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+    assert engine.add_request(EngineRequest("r", prompt, params)) is None
+    outs = _run(engine)["r"]
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    return outs
+
+
+def _greedy_ref(make_engine, prompt: list[int] = EOS_PROMPT, n: int = 24) -> list[int]:
+    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return _toks(_one(make_engine(), prompt, p))
+
+
+# ------------------------------------------------------------------------ finish reasons
+
+
+def test_max_tokens_gives_length(make_engine, model_and_tok) -> None:
+    tok = model_and_tok[1]
+    outs = _one(make_engine(), _prompt(20), SamplingParams(temperature=0, max_tokens=7))
+    last = outs[-1]
+    assert len(_toks(outs)) == 7
+    assert (last.finish_reason, last.stop_reason) == ("length", None)
+    assert (last.num_prompt_tokens, last.num_output_tokens) == (20, 7)
+    assert [o.num_output_tokens for o in outs] == [1, 2, 3, 4, 5, 6, 7]
+    assert _text(outs) == tok.decode(_toks(outs))
+
+
+def test_eos_stops_generation(make_engine) -> None:
+    ref = _greedy_ref(make_engine)
+    assert ref[EOS_AT] == EOS and EOS not in ref[:EOS_AT]
+    outs = _one(make_engine(), EOS_PROMPT, SamplingParams(temperature=0, max_tokens=24))
+    assert _toks(outs) == ref[: EOS_AT + 1]
+    assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", None)
+    assert "</s>" not in _text(outs)
+
+
+def test_ignore_eos_runs_past_eos(make_engine) -> None:
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = _one(make_engine(), EOS_PROMPT, p)
+    toks = _toks(outs)
+    assert len(toks) == 24 and toks[EOS_AT] == EOS
+    assert outs[-1].finish_reason == "length"
+
+
+def test_min_tokens_bans_eos_until_reached(make_engine) -> None:
+    ref = _greedy_ref(make_engine)
+    p = SamplingParams(temperature=0, max_tokens=24, min_tokens=EOS_AT + 3)
+    toks = _toks(_one(make_engine(), EOS_PROMPT, p))
+    assert toks[:EOS_AT] == ref[:EOS_AT]
+    assert EOS not in toks[: EOS_AT + 3]
+    assert toks[EOS_AT] != EOS
+
+
+def test_stop_token_ids(make_engine) -> None:
+    ref = _greedy_ref(make_engine)
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i] and ref[i] != EOS)
+    stop_id = ref[k]
+    p = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
+    outs = _one(make_engine(), EOS_PROMPT, p)
+    assert _toks(outs) == ref[: k + 1]
+    assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", stop_id)
+
+
+def test_stop_token_ids_banned_before_min_tokens(make_engine) -> None:
+    ref = _greedy_ref(make_engine)
+    stop_id = ref[0]
+    p = SamplingParams(
+        temperature=0, max_tokens=10, min_tokens=3, stop_token_ids=[stop_id], ignore_eos=True
+    )
+    toks = _toks(_one(make_engine(), EOS_PROMPT, p))
+    assert stop_id not in toks[:3]
+    assert toks[0] != ref[0]
+
+
+def test_stop_string(make_engine) -> None:
+    prompt = _prompt(9, seed=1)
+    ref_p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref_outs = _one(make_engine(), prompt, ref_p)
+    cum = [_text(ref_outs[: j + 1]) for j in range(len(ref_outs))]  # streamed text so far
+    full = cum[-1]
+    k = next(
+        i
+        for i in range(4, len(full) - 3)
+        if full.find(full[i : i + 3]) == i and "\ufffd" not in full[i : i + 3]
+    )
+    stop = full[k : k + 3]
+    p = SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True)
+    outs = _one(make_engine(), prompt, p)
+    assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", stop)
+    assert _text(outs) == full[:k]
+    toks = _toks(outs)
+    # stopped on exactly the token that completed the stop string
+    assert len(toks) == next(j + 1 for j, t in enumerate(cum) if stop in t)
+    assert toks == _toks(ref_outs)[: len(toks)]
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+def test_prompt_at_or_over_max_model_len_is_an_error(make_engine) -> None:
+    engine = make_engine(max_model_len=64, num_kv_blocks=8)
+    for n in (64, 65, 200):
+        out = engine.add_request(EngineRequest(f"r{n}", _prompt(n), SamplingParams()))
+        assert out is not None and out.finished
+        assert out.finish_reason == "error" and out.error and "64" in out.error
+        assert out.num_prompt_tokens == n and out.token_ids == []
+    empty = engine.add_request(EngineRequest("e", [], SamplingParams()))
+    assert empty is not None and empty.finish_reason == "error"
+    assert not engine.has_unfinished
+    assert engine.step() == []
+
+
+def test_context_window_caps_generation(make_engine) -> None:
+    engine = make_engine(max_model_len=64, num_kv_blocks=8)
+    outs = _one(engine, _prompt(60), SamplingParams(temperature=0, max_tokens=20))
+    assert len(_toks(outs)) == 4
+    assert outs[-1].finish_reason == "length"
+
+
+def test_kv_pool_must_hold_one_sequence(model_and_tok) -> None:
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        Engine(*model_and_tok, EngineConfig(num_kv_blocks=3, block_size=16, max_model_len=64))
+
+
+# ----------------------------------------------------------------------------- abort
+
+
+def test_abort_frees_blocks_immediately(make_engine) -> None:
+    engine = make_engine()
+    p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request(EngineRequest("a", _prompt(70, 1), p))
+    engine.add_request(EngineRequest("b", _prompt(20, 2), p))
+    early = [o for _ in range(3) for o in engine.step()]
+    assert [o.request_id for o in early] == ["a", "b"] * 3
+    held_a = len(engine.kv_manager.block_table("a"))
+    held_b = len(engine.kv_manager.block_table("b"))
+    assert held_a == 5 and held_b == 2  # 72 and 22 tokens in 16-token blocks
+    assert engine.kv_manager.pool.num_used == held_a + held_b
+
+    out = engine.abort("a")
+    assert out is not None and out.finished
+    assert (out.request_id, out.finish_reason, out.token_ids) == ("a", "abort", [])
+    assert out.num_output_tokens == 3
+    assert engine.kv_manager.pool.num_used == held_b
+    assert engine.abort("a") is None
+    assert engine.abort("nope") is None
+
+    outs = _run(engine)
+    assert set(outs) == {"b"}
+    assert len(_toks(outs["b"])) == 47  # 3 came from the early steps
+    assert outs["b"][-1].num_output_tokens == 50 and outs["b"][-1].finish_reason == "length"
+
+
+def test_abort_waiting_request(make_engine) -> None:
+    engine = make_engine(max_num_seqs=1)
+    p = SamplingParams(temperature=0, max_tokens=5)
+    engine.add_request(EngineRequest("a", _prompt(10), p))
+    engine.add_request(EngineRequest("b", _prompt(10), p))
+    engine.step()
+    assert [s.id for s in engine.running] == ["a"] and [s.id for s in engine.waiting] == ["b"]
+    used = engine.kv_manager.pool.num_used
+    out = engine.abort("b")
+    assert out is not None and out.finish_reason == "abort" and out.num_output_tokens == 0
+    assert engine.kv_manager.pool.num_used == used
+    assert set(_run(engine)) == {"a"}
+
+
+# -------------------------------------------------------------------------- sampling
+
+
+def test_seeded_sampling_reproducible(make_engine) -> None:
+    def draw(seed: int) -> list[int]:
+        p = SamplingParams(temperature=1.0, max_tokens=20, seed=seed, ignore_eos=True)
+        return _toks(_one(make_engine(), _prompt(12), p))
+
+    a, b, c = draw(5), draw(5), draw(6)
+    assert len(a) == 20
+    assert a == b
+    assert a != c
+
+
+def test_seeded_result_independent_of_batch(make_engine) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=11, ignore_eos=True)
+    alone = _toks(_one(make_engine(), _prompt(30), p))
+
+    engine = make_engine(max_num_batched_tokens=48)
+    for j, n in enumerate((5, 60, 17)):
+        q = SamplingParams(temperature=0.8, max_tokens=8 + j, seed=j)
+        engine.add_request(EngineRequest(f"o{j}", _prompt(n, j + 7), q))
+    engine.step()
+    engine.add_request(EngineRequest("r", _prompt(30), p))
+    engine.add_request(EngineRequest("late", _prompt(40, 9), SamplingParams(temperature=1.0)))
+    outs = _run(engine)
+    assert _toks(outs["r"]) == alone
+
+
+def test_top_k_one_equals_greedy(make_engine) -> None:
+    ref = _greedy_ref(make_engine, _prompt(25), n=20)
+    p = SamplingParams(temperature=1.0, top_k=1, max_tokens=20, ignore_eos=True)
+    assert _toks(_one(make_engine(), _prompt(25), p)) == ref
+
+
+# ------------------------------------------------------------------------- EngineLoop
+
+
+def test_engine_loop_threads(make_engine) -> None:
+    prompts = {f"t{i}": _prompt(3 + 9 * i, i) for i in range(8)}
+    want = {rid: _greedy_ref(make_engine, p, n=6 + i) for i, (rid, p) in enumerate(prompts.items())}
+
+    got: dict[str, list[RequestOutput]] = {}
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def sink(outs: list[RequestOutput]) -> None:
+        with lock:
+            for o in outs:
+                got.setdefault(o.request_id, []).append(o)
+            finished = {r for r, os_ in got.items() if os_[-1].finished}
+            if finished >= set(prompts) | {"long", "bad"}:
+                done.set()
+
+    engine = make_engine()
+    loop = EngineLoop(engine, sink).start()
+    try:
+
+        def submit(ids: list[str]) -> None:
+            for rid in ids:
+                i = int(rid[1:])
+                p = SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True)
+                loop.submit(EngineRequest(rid, prompts[rid], p))
+
+        threads = [threading.Thread(target=submit, args=(list(prompts)[k::4],)) for k in range(4)]
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        loop.submit(EngineRequest("long", _prompt(5), long))
+        loop.submit(EngineRequest("bad", _prompt(300), SamplingParams()))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        loop.abort("long")
+        assert done.wait(30), f"not all finished: {sorted(got)}"
+    finally:
+        loop.stop()
+    assert not loop._thread.is_alive()
+    for rid, want_toks in want.items():
+        assert _toks(got[rid]) == want_toks, rid
+        assert got[rid][-1].finish_reason == "length"
+    assert got["bad"][-1].finish_reason == "error"
+    assert got["long"][-1].finish_reason == "abort"
+    assert len(_toks(got["long"])) < 200
+    assert engine.kv_manager.pool.num_used == 0
+    assert loop.stats()["blocks_used"] == 0

@@ -1,0 +1,96 @@
+"""The generated default checkpoint: deterministic, small, loadable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workers.checkpoint import TextModelConfig, load_text_weights
+from workers.model_init import BOS, EOS, TinyModelSpec, init_model, is_model_dir
+
+FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+
+
+def test_two_runs_are_byte_identical(tiny_model_dir: Path, tmp_path: Path) -> None:
+    again = init_model(tmp_path / "again")
+    assert {p.name for p in tiny_model_dir.iterdir()} == FILES
+    assert {p.name for p in again.iterdir()} == FILES
+    for name in sorted(FILES):
+        assert (again / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
+def test_different_seed_changes_weights_only(tiny_model_dir: Path, tmp_path: Path) -> None:
+    other = init_model(tmp_path / "other", TinyModelSpec(seed=99))
+    for name in sorted(FILES - {"model.safetensors"}):
+        assert (other / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+    assert (other / "model.safetensors").read_bytes() != (
+        tiny_model_dir / "model.safetensors"
+    ).read_bytes()
+
+
+def test_size_under_10mb(tiny_model_dir: Path) -> None:
+    total = sum(p.stat().st_size for p in tiny_model_dir.iterdir())
+    assert total < 10 * 1024 * 1024
+
+
+def test_text_config(tiny_model_dir: Path) -> None:
+    assert is_model_dir(tiny_model_dir)
+    cfg = TextModelConfig.from_dir(tiny_model_dir)
+    spec = TinyModelSpec()
+    assert cfg.vocab_size == spec.vocab_size == 512
+    assert (cfg.hidden_size, cfg.intermediate_size) == (128, 352)
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 4, 4, 32)
+    assert cfg.rope_theta == 10000.0 and cfg.rope_scaling is None
+    assert cfg.rms_norm_eps == 1e-5
+    assert cfg.max_position_embeddings == 2048
+    assert cfg.bos_token_id == BOS and cfg.eos_token_ids == [EOS]
+    assert cfg.is_multimodal and not cfg.tie_word_embeddings
+
+
+def test_text_weights_normalised(tiny_model_dir: Path) -> None:
+    w = load_text_weights(tiny_model_dir)
+    assert len(w) == 3 + 9 * 4  # embed, norm, lm_head + 9 per layer; no vision tensors
+    assert all(k.startswith(("model.", "lm_head.")) for k in w)
+    assert not any("vision" in k or "projector" in k for k in w)
+    assert w["model.embed_tokens.weight"].shape == (512, 128)
+    assert w["model.layers.3.self_attn.k_proj.weight"].shape == (128, 128)
+
+
+def test_gqa_spec(tmp_path: Path) -> None:
+    d = init_model(
+        tmp_path / "gqa",
+        TinyModelSpec(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, seed=7),
+    )
+    cfg = TextModelConfig.from_dir(d)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (8, 2, 16)
+    w = load_text_weights(d)
+    assert w["model.layers.1.self_attn.k_proj.weight"].shape == (32, 128)
+    assert w["model.layers.1.self_attn.q_proj.weight"].shape == (128, 128)
+
+
+def test_loads_in_transformers(tiny_model_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.from_pretrained(tiny_model_dir)
+    assert cfg.model_type == "llava"
+    assert cfg.text_config.num_key_value_heads == 4
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tok("hi").input_ids[0] == BOS
+    assert (tok.eos_token_id, tok.pad_token_id) == (EOS, 3)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<s><|user|>\nhi</s>\n<|assistant|>\n"
+
+
+def test_generation_config(tiny_model_dir: Path) -> None:
+    gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
