@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import queue
 import random
 import signal
@@ -65,6 +64,7 @@ def request_record(t0: float, events: list[tuple[float, str, bool]], tokens: int
     visible = [t for t, text, fin in events if text or fin]
     text_times = [t for t, text, _ in events if text]
     return dict(ttft_ms=(visible[0] - t0) * 1e3 if visible else float("nan"),
+                e2e_ms=(events[-1][0] - t0) * 1e3 if events else float("nan"),
                 itl_ms=[(b - a) * 1e3 for a, b in zip(text_times, text_times[1:], strict=False)],
                 tokens=tokens, events=len(events), text_events=len(text_times))  # fmt: skip
 
@@ -115,31 +115,31 @@ async def _one_http(client: httpx.AsyncClient, model: str, prompt: list[int], ou
     return request_record(t0, events, tokens)
 
 
-def _cpu_ticks(pid: int) -> dict[str, int]:
-    """utime+stime clock ticks of a process ("all") and of each of its threads; Linux only."""
+def _cpu_stats(pid: int) -> dict[str, tuple[float, float]]:
+    """Linux only: per thread, (seconds on a CPU, seconds runnable but waiting for one)."""
     out = {}
-    for key, p in [("all", Path(f"/proc/{pid}/stat"))] + [
-        (t.parent.name, t) for t in Path(f"/proc/{pid}/task").glob("*/stat")
-    ]:
+    for t in Path(f"/proc/{pid}/task").glob("*/schedstat"):
         try:
-            f = p.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # a thread that just exited
+            run_ns, wait_ns, _ = t.read_text().split()
+        except (OSError, ValueError):  # a thread that just exited
             continue
-        out[key] = int(f[11]) + int(f[12])
+        out[t.parent.name] = (int(run_ns) / 1e9, int(wait_ns) / 1e9)
     return out
 
 
 def _cpu_delta(pids: dict[str, int], before: dict) -> dict[str, float]:
-    """CPU seconds per process since ``before``; for the worker, also its busiest thread
-    (the engine loop, which runs the forward pass and publishes every step's frames)."""
-    hz = os.sysconf("SC_CLK_TCK")
+    """CPU seconds per process since ``before``; for the worker and for this process during
+    the in-process levels, also the busiest thread (the engine loop) and how long it sat
+    runnable waiting for a core. The rest of its wall time it was blocked (I/O, GIL, idle)."""
     out = {}
     for name, pid in pids.items():
-        now, was = _cpu_ticks(pid), before.get(name, {})
-        out[name] = (now.get("all", 0) - was.get("all", 0)) / hz
-        if name == "worker":
-            threads = [v - was.get(k, 0) for k, v in now.items() if k != "all"]
-            out["worker busiest thread"] = max(threads, default=0) / hz
+        was = before.get(name, {})
+        d = [(r - was.get(k, (0, 0))[0], w - was.get(k, (0, 0))[1])
+             for k, (r, w) in _cpu_stats(pid).items()]  # fmt: skip
+        out[name] = sum(r for r, _ in d)
+        if name in ("worker", "in-process"):
+            busy, runq = max(d, default=(0.0, 0.0))
+            out["engine thread busy"], out["engine thread waiting for a core"] = busy, runq
     return out
 
 
@@ -162,7 +162,7 @@ async def _server_levels(
                 async with sem:
                     return await _one_http(client, model, p, args.output_len)
 
-            cpu0, t = {k: _cpu_ticks(pid) for k, pid in pids.items()}, time.perf_counter()
+            cpu0, t = {k: _cpu_stats(pid) for k, pid in pids.items()}, time.perf_counter()
             recs = await asyncio.gather(*(run(p) for p in prompts[c]))
             wall = time.perf_counter() - t
             cpu = _cpu_delta(pids, cpu0)
@@ -224,9 +224,12 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args) -
     try:
         run_level(prompts["warmup"], 1)
         results = {}
+        me = {"in-process": os.getpid()}
         for c in levels:
+            cpu0 = {"in-process": _cpu_stats(me["in-process"])}
             recs, wall = run_level(prompts[c], c)
-            results[c] = {"summary": summarize(recs, wall), "requests": recs}
+            cpu = _cpu_delta(me, cpu0)
+            results[c] = {"summary": summarize(recs, wall), "requests": recs, "cpu_s": cpu}
             _progress("in-process", c, results[c]["summary"])
         return results
     finally:
@@ -274,9 +277,9 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int):
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         for name, argv in cmds.items():
-            log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child keeps it
-            p = subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=ROOT,
-                                 start_new_session=True)  # fmt: skip
+            with open(log_dir / f"{name}.log", "wb") as log:  # the child keeps its own copy
+                p = subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=ROOT,
+                                     start_new_session=True)  # fmt: skip
             procs.append((name, p))
             if name == "redis":
                 _wait(lambda: _port_open(rport), 10, "redis", procs)
@@ -334,11 +337,20 @@ def report(res: dict, levels: list[int]) -> None:
     for name, side in (("server", srv), ("in-process", inp)):
         g = side[hi]["summary"]["tok_s"] / side[lo]["summary"]["tok_s"]
         print(f"  {name:<11}{g:>6.2f}x {_mark(g >= tg['gain'])}")
-    print("\nServer-side CPU during each level, in cores busy (CPU s / wall s)")
+    print("\nCPU during each level, in cores (CPU s / wall s); the engine thread is blocked "
+          "(I/O, GIL, idle) for the rest of its wall time")  # fmt: skip
     for c in levels:
-        wall = srv[c]["summary"]["wall_s"]
-        print(f"{c:>4}  " + ",  ".join(f"{k} {v / wall:.2f}" for k, v in srv[c]["cpu_s"].items()))
+        for name, side in (("server", srv), ("in-process", inp)):
+            wall, cpu = side[c]["summary"]["wall_s"], side[c]["cpu_s"]
+            parts = ", ".join(f"{k} {v / wall:.2f}" for k, v in cpu.items())
+            print(f"{c:>4} {name:<11}{parts}")
     tev = inp[hi]["summary"]["text_events_per_token"]
+    short = sum(r["tokens"] != res["output_len"] for x in (srv, inp) for c in levels
+                for r in x[c]["requests"])  # fmt: skip
+    if short:
+        print(f"\nWARNING: {short} requests did not report exactly {res['output_len']} tokens")
+    if res["model"] != Path(res["model_dir"]).name:
+        print(f"\nWARNING: the server serves {res['model']!r}; is it {res['model_dir']}?")
     print(f"\nNotes: {os.cpu_count()} CPU cores; the server's api + worker + redis (and this "
           "client) share them; the in-process engine ran alone, never at the same time.\n"
           f"  1-min load average before the run: {res['loadavg_before']:.2f} (anything else "
@@ -390,7 +402,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     res: dict = dict(mode=args.mode, prompt_len=args.prompt_len, output_len=args.output_len,
                      levels=levels, model_dir=str(model_dir), cpu_count=os.cpu_count(),
-                     platform=platform.platform(), torch_threads=args.torch_threads,
+                     torch_threads=args.torch_threads,
                      loadavg_before=os.getloadavg()[0])  # fmt: skip
     print("in-process engine ...", file=sys.stderr)
     res["inprocess"] = _inprocess_levels(model_dir, levels, prompts, args)
@@ -400,14 +412,14 @@ def main() -> int:
         print(f"  starting redis + worker + api (logs in {log_dir})", file=sys.stderr)
         with local_server(model_dir, log_dir, args.torch_threads) as (url, pids):
             res["url"] = url
-            pids["client (this bench)"] = os.getpid()
+            pids["client"] = os.getpid()
             res["model"], res["server"] = asyncio.run(
                 _server_levels(url, levels, prompts, args, pids)
             )
     else:
         res["url"] = args.url
         res["model"], res["server"] = asyncio.run(
-            _server_levels(args.url, levels, prompts, args, {"client (this bench)": os.getpid()})
+            _server_levels(args.url, levels, prompts, args, {"client": os.getpid()})
         )
     report(res, levels)
     if args.json:
