@@ -57,6 +57,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None
 
 
 @dataclass(slots=True)

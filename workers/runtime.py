@@ -49,8 +49,8 @@ class WorkerRuntime:
         self.worker_id = worker_id
         self.redis = redis.Redis.from_url(redis_url)
         self.engine = Engine.from_model_dir(model_dir, engine_config)
-        self.publisher = FramePublisher(self.redis)
-        self.loop = EngineLoop(self.engine, self._on_outputs)
+        self.publisher = FramePublisher(self.redis, self._on_published)
+        self.loop = EngineLoop(self.engine, self.publisher.publish_outputs)
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()
         self.heartbeat = Heartbeat(
@@ -80,6 +80,7 @@ class WorkerRuntime:
         except redis.RedisError:
             pass
         self.loop.stop()
+        self.publisher.stop()
 
     def load_report(self) -> dict:
         stats = self.loop.stats()
@@ -125,18 +126,16 @@ class WorkerRuntime:
         }
 
     # ----------------------------------------------------------------------------------
-    def _on_outputs(self, outs: list[RequestOutput]) -> None:
-        try:
-            self.publisher.publish_outputs(outs)
-        finally:
-            for out in outs:
-                if not out.finished:
-                    continue
-                with self._lock:
-                    waiter = self._waiters.pop(out.request_id, None)
-                if waiter is not None:
-                    waiter.result = out
-                    waiter.event.set()
+    def _on_published(self, outs: list[RequestOutput]) -> None:
+        """Frames are out: wake the task threads whose requests just finished."""
+        for out in outs:
+            if not out.finished:
+                continue
+            with self._lock:
+                waiter = self._waiters.pop(out.request_id, None)
+            if waiter is not None:
+                waiter.result = out
+                waiter.event.set()
 
     def _listen_cancels(self) -> None:
         while not self._stopping.is_set():

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import redis
@@ -43,7 +45,7 @@ def output_frame(out: RequestOutput, seq: int) -> dict:
             frame["error"] = {
                 "message": out.error or "generation failed",
                 "type": "server_error",
-                "code": "engine_error",
+                "code": out.error_code or "engine_error",
             }
         else:
             frame["finish_reason"] = out.finish_reason
@@ -56,36 +58,83 @@ def output_frame(out: RequestOutput, seq: int) -> dict:
     return frame
 
 
-def error_frame(seq: int, message: str, type_: str = "server_error", code: str = "") -> dict:
-    return {"seq": seq, "done": True, "error": {"message": message, "type": type_, "code": code}}
-
-
 class FramePublisher:
-    """Numbers frames per request and publishes each step's batch in one pipeline."""
+    """Numbers frames per request and publishes them from its own thread.
 
-    def __init__(self, client: redis.Redis) -> None:
+    The engine thread only hands a step's outputs over (``publish_outputs`` returns at
+    once); the publisher thread sends everything queued since its last round trip in one
+    pipeline, in order, then calls ``on_published`` with those outputs — so a task thread
+    waiting for its request is woken only once the terminal frame is out.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        on_published: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
         self._r = client
+        self._on_published = on_published
         self._seq: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._queue: deque[RequestOutput] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="frame-publisher", daemon=True)
+        self._thread.start()
         self.frames_published = 0
-
-    def _next_seq(self, request_id: str, finished: bool) -> int:
-        with self._lock:
-            n = self._seq.get(request_id, 0)
-            if finished:
-                self._seq.pop(request_id, None)
-            else:
-                self._seq[request_id] = n + 1
-            return n
+        self.publish_errors = 0
 
     def publish_outputs(self, outputs: list[RequestOutput]) -> None:
-        pipe = self._r.pipeline(transaction=False)
-        for out in outputs:
-            frame = output_frame(out, self._next_seq(out.request_id, out.finished))
-            pipe.publish(tokens_channel(out.request_id), json.dumps(frame))
-        pipe.execute()
-        self.frames_published += len(outputs)
+        with self._cv:
+            self._queue.extend(outputs)
+            self._cv.notify()
 
     def publish_error(self, request_id: str, message: str, code: str = "") -> None:
-        frame = error_frame(self._next_seq(request_id, True), message, code=code)
-        self._r.publish(tokens_channel(request_id), json.dumps(frame))
+        """End ``request_id``'s stream with an error frame (queued behind its other frames)."""
+        from workers.engine import RequestOutput  # local: keep module import torch-free
+
+        out = RequestOutput(request_id, [], "", finished=True, finish_reason="error")
+        out.error = message
+        out.error_code = code
+        self.publish_outputs([out])
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the thread."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout)
+
+    # ----------------------------------------------------------------------------------
+    def _next_seq(self, request_id: str, finished: bool) -> int:
+        n = self._seq.get(request_id, 0)
+        if finished:
+            self._seq.pop(request_id, None)
+        else:
+            self._seq[request_id] = n + 1
+        return n
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopped:
+                    self._cv.wait()
+                if not self._queue and self._stopped:
+                    return
+                batch = list(self._queue)
+                self._queue.clear()
+            try:
+                pipe = self._r.pipeline(transaction=False)
+                for out in batch:
+                    frame = output_frame(out, self._next_seq(out.request_id, out.finished))
+                    pipe.publish(tokens_channel(out.request_id), json.dumps(frame))
+                pipe.execute()
+                self.frames_published += len(batch)
+            except redis.RedisError as e:  # the API notices the gap or times out
+                self.publish_errors += 1
+                log.error("publishing %d frames failed: %s", len(batch), e)
+            finally:
+                if self._on_published is not None:
+                    try:
+                        self._on_published(batch)
+                    except Exception:  # noqa: BLE001
+                        log.exception("on_published callback failed")
