@@ -245,6 +245,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _data(obj: dict) -> dict:
+    # ASCII-escaped on purpose: raw U+2028, U+0085 ... in an SSE line break clients that
+    # split lines with str.splitlines(), and random-weight models emit such characters.
     return {"data": json.dumps(obj, separators=(",", ":"))}
 
 

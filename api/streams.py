@@ -11,10 +11,10 @@ after the terminal frame.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
 import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Subscription:
                 except TimeoutError:
                     if alive is not None and not await alive():
                         raise WorkerLost(f"worker stopped heartbeating ({self.channel})") from None
-            frame = json.loads(raw)
+            frame = orjson.loads(raw)
             seq = frame.get("seq", -1)
             if seq < expected:
                 log.warning("%s: duplicate frame %d dropped", self.channel, seq)

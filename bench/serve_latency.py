@@ -127,17 +127,31 @@ def _cpu_stats(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
+def _engine_pid(worker_pid: int) -> int | None:
+    """The worker's engine process: its multiprocessing child that is not the tracker."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == worker_pid and b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            return int(stat.parent.name)
+    return None
+
+
 def _cpu_delta(pids: dict[str, int], before: dict) -> dict[str, float]:
-    """CPU seconds per process since ``before``; for the worker and for this process during
-    the in-process levels, also the busiest thread (the engine loop) and how long it sat
-    runnable waiting for a core. The rest of its wall time it was blocked (I/O, GIL, idle)."""
+    """CPU seconds per process since ``before``; for the engine process and for this
+    process during the in-process levels, also the busiest thread (the engine loop) and
+    how long it sat runnable waiting for a core. The rest of its wall time it was
+    blocked (I/O, GIL, idle)."""
     out = {}
     for name, pid in pids.items():
         was = before.get(name, {})
         d = [(r - was.get(k, (0, 0))[0], w - was.get(k, (0, 0))[1])
              for k, (r, w) in _cpu_stats(pid).items()]  # fmt: skip
         out[name] = sum(r for r, _ in d)
-        if name in ("worker", "in-process"):
+        if name in ("engine", "in-process"):
             busy, runq = max(d, default=(0.0, 0.0))
             out["engine thread busy"], out["engine thread waiting for a core"] = busy, runq
     return out
@@ -289,7 +303,11 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int):
             return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
 
         _wait(healthy, 120, "GET /health == 200", procs)
-        yield url, {name: p.pid for name, p in procs}
+        pids = {name: p.pid for name, p in procs}
+        engine = _engine_pid(pids["worker"])
+        if engine is not None:  # the worker runs its engine in a child process
+            pids["engine"] = engine
+        yield url, pids
     finally:
         for _, p in reversed(procs):  # api, then worker (deregisters in redis), then redis
             if p.poll() is None:

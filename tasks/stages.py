@@ -20,13 +20,16 @@ log = logging.getLogger(__name__)
 @app.task(name="conveyor.generate", bind=True, acks_late=True, ignore_result=True)
 def generate(self: Task, payload: dict) -> dict:
     """Aggregated stage: prefill and decode the request on this worker, streaming tokens."""
+    from workers.engine_proc import EngineDied
     from workers.runtime import get_runtime
 
     rt = get_runtime()
     req = GeneratePayload.model_validate(payload)
     try:
         return rt.generate(req.request_id, req.prompt_token_ids, req.sampling)
+    except EngineDied:
+        raise  # the worker is exiting; the API sees its heartbeat stop and moves on
     except Exception as e:  # the stream must still end with a terminal frame
         log.exception("[%s] generate failed", req.request_id)
-        rt.publisher.publish_error(req.request_id, f"generation failed: {e}", code="task_failed")
+        rt.fail(req.request_id, f"generation failed: {e}", "task_failed")
         raise

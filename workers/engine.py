@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 from kvbm.block_pool import KVCacheManager
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.detokenizer import IncrementalDetokenizer
-from workers.llama import LlamaModel, PagedKVCache, SeqBatchEntry
+from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
 from workers.sampling import SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
@@ -241,27 +241,35 @@ class Engine:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        entries: list[SeqBatchEntry] = []
+        prefills: list[PrefillSegment] = []
+        decodes: list[tuple[int, int, list[int]]] = []
         logits_index: list[int] = []
         sampled: list[_Seq] = []
         for seq, n in scheduled:
             start, end = seq.num_computed, seq.num_computed + n
             table = self.kv_manager.block_table(seq.id)
+            row = len(ids)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            nb = -(-end // bs)
-            entries.append(SeqBatchEntry(n, end, torch.tensor(table[:nb], dtype=torch.long)))
+            if n == 1:
+                decodes.append((row, end, table))
+            else:
+                nb = -(-end // bs)
+                bt = torch.tensor(table[:nb], dtype=torch.long, device=self.model.device)
+                prefills.append(PrefillSegment(row, n, end, bt))
             seq.num_computed = end
             if end == seq.num_tokens:
                 logits_index.append(len(ids) - 1)
                 sampled.append(seq)
         dev = self.model.device
+        attn = AttentionMetadata.build(
+            torch.tensor(slots, dtype=torch.long, device=dev), prefills, decodes, bs, dev
+        )
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
-            torch.tensor(slots, dtype=torch.long, device=dev),
-            entries,
+            attn,
             self.kv,
             torch.tensor(logits_index, dtype=torch.long, device=dev),
         )

@@ -23,12 +23,51 @@ from workers.checkpoint import TextModelConfig
 
 
 @dataclass(slots=True)
-class SeqBatchEntry:
-    """One sequence's part of a flattened step."""
+class PrefillSegment:
+    """A prefill chunk in the flattened step: rows ``start:start+n`` of the batch."""
 
+    start: int
     num_new: int  # new tokens of this sequence in the step
     context_len: int  # tokens in its KV after the step (cached + new)
     block_table: torch.Tensor  # int64 block ids covering context_len
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """How one flattened step's rows map onto sequences and KV slots.
+
+    Decode rows (one new token each) are attended in one batched call: their contexts are
+    gathered through ``decode_slots`` (padded to the longest context) and masked by
+    ``decode_mask``. Prefill chunks are attended one by one (they are few and long)."""
+
+    slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
+    prefills: list[PrefillSegment]
+    decode_rows: torch.Tensor | None = None  # [D] rows of the decode tokens
+    decode_slots: torch.Tensor | None = None  # [D, max_ctx] flat slots of their contexts
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_ctx] True where valid
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: torch.Tensor,
+        prefills: list[PrefillSegment],
+        decodes: list[tuple[int, int, list[int]]],  # (row, context_len, block ids)
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        meta = cls(slot_mapping, prefills)
+        if decodes:
+            max_ctx = max(ctx for _, ctx, _ in decodes)
+            nb = -(-max_ctx // block_size)
+            rows = [(blocks[:nb] + [0] * (nb - len(blocks)))[:nb] for _, _, blocks in decodes]
+            table = torch.tensor(rows, dtype=torch.long)
+            lens = torch.tensor([ctx for _, ctx, _ in decodes], dtype=torch.long)
+            pos = torch.arange(max_ctx, dtype=torch.long)
+            slots = table[:, pos // block_size] * block_size + pos % block_size
+            meta.decode_rows = torch.tensor([r for r, _, _ in decodes], device=device)
+            meta.decode_slots = slots.to(device)
+            meta.decode_mask = (pos[None, :] < lens[:, None]).to(device)[:, None, None, :]
+        return meta
 
 
 class PagedKVCache:
@@ -75,8 +114,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        slot_mapping: torch.Tensor,  # [T] flat slot index per token
-        seqs: list[SeqBatchEntry],
+        attn: AttentionMetadata,
         kv: PagedKVCache,
         logits_index: torch.Tensor,  # [S] indices into T whose logits are wanted
     ) -> torch.Tensor:
@@ -87,8 +125,8 @@ class LlamaModel:
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
             x = _rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            attn = self._attention(x, p, layer, cos, sin, slot_mapping, seqs, kv)
-            h = h + attn
+            attn_out = self._attention(x, p, layer, cos, sin, attn, kv)
+            h = h + attn_out
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             h = h + self._mlp(x, p)
         h = h[logits_index]
@@ -116,45 +154,51 @@ class LlamaModel:
         layer: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        seqs: list[SeqBatchEntry],
+        attn: AttentionMetadata,
         kv: PagedKVCache,
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
-        q = self._linear(x, p + "self_attn.q_proj").view(t, cfg.num_heads, cfg.head_dim)
-        k = self._linear(x, p + "self_attn.k_proj").view(t, cfg.num_kv_heads, cfg.head_dim)
-        v = self._linear(x, p + "self_attn.v_proj").view(t, cfg.num_kv_heads, cfg.head_dim)
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = self._linear(x, p + "self_attn.q_proj").view(t, nh, hd)
+        k = self._linear(x, p + "self_attn.k_proj").view(t, nkv, hd)
+        v = self._linear(x, p + "self_attn.v_proj").view(t, nkv, hd)
         q = _apply_rope(q, cos, sin)
         k = _apply_rope(k, cos, sin)
 
-        k_cache = kv.k[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v_cache = kv.v[layer].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        k_cache.index_copy_(0, slot_mapping, k)
-        v_cache.index_copy_(0, slot_mapping, v)
+        k_cache = kv.k[layer].view(-1, nkv, hd)
+        v_cache = kv.v[layer].view(-1, nkv, hd)
+        k_cache.index_copy_(0, attn.slot_mapping, k)
+        v_cache.index_copy_(0, attn.slot_mapping, v)
 
-        groups = cfg.num_heads // cfg.num_kv_heads
+        groups = nh // nkv
         out = torch.empty_like(q)
-        start = 0
-        for s in seqs:
-            n, ctx = s.num_new, s.context_len
-            qs = q[start : start + n].transpose(0, 1)  # [H, n, D]
-            blocks_k = kv.k[layer][s.block_table]  # [nb, bs, KV, D]
-            blocks_v = kv.v[layer][s.block_table]
-            ks = blocks_k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:ctx].transpose(0, 1)
-            vs = blocks_v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)[:ctx].transpose(0, 1)
+        if attn.decode_rows is not None:
+            assert attn.decode_slots is not None and attn.decode_mask is not None
+            qd = q[attn.decode_rows].unsqueeze(2)  # [D, H, 1, hd]
+            kd = k_cache[attn.decode_slots].transpose(1, 2)  # [D, KV, ctx, hd]
+            vd = v_cache[attn.decode_slots].transpose(1, 2)
+            if groups > 1:
+                kd = kd.repeat_interleave(groups, dim=1)
+                vd = vd.repeat_interleave(groups, dim=1)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=attn.decode_mask, scale=self.scale
+            )
+            out[attn.decode_rows] = od.squeeze(2)
+        for seg in attn.prefills:
+            n, ctx = seg.num_new, seg.context_len
+            qs = q[seg.start : seg.start + n].transpose(0, 1)  # [H, n, hd]
+            ks = kv.k[layer][seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
+            vs = kv.v[layer][seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
             if groups > 1:
                 ks = ks.repeat_interleave(groups, dim=0)
                 vs = vs.repeat_interleave(groups, dim=0)
-            if n == 1:
-                o = F.scaled_dot_product_attention(qs, ks, vs, scale=self.scale)
-            elif n == ctx:
+            if n == ctx:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
-            else:  # a prefill chunk after cached context: causal, offset by ctx - n
+            else:  # a chunk after cached context: causal, offset by ctx - n
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
-            out[start : start + n] = o.transpose(0, 1)
-            start += n
+            out[seg.start : seg.start + n] = o.transpose(0, 1)
         return self._linear(out.reshape(t, -1), p + "self_attn.o_proj")
 
 

@@ -1,34 +1,28 @@
-"""One worker process's runtime: engine loop, token publishing, cancel listener, heartbeat.
+"""One worker process's runtime: engine process client, cancel listener, heartbeat.
 
-Celery task threads call :meth:`WorkerRuntime.generate`, which submits the request into the
-shared engine loop and blocks that task thread until the request has finished (so a late
-ack covers the whole generation). The engine loop publishes every step's frames; the
-runtime wakes the waiting task thread when a request's terminal frame is out.
+Celery task threads call :meth:`WorkerRuntime.generate`, which submits the request to the
+engine process (:mod:`workers.engine_proc`) and blocks that task thread until the request
+has finished (so a late ack covers the whole generation). The engine process publishes
+every step's frames itself; the runtime only learns when a request is done.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import redis
-import torch
 
-from workers.engine import Engine, EngineConfig, EngineLoop, EngineRequest, RequestOutput
+from workers.engine import EngineConfig
+from workers.engine_proc import EngineClient, EngineDied, EngineProcSpec
 from workers.registry import Heartbeat
-from workers.sampling import SamplingParams
-from workers.stream import CANCEL_CHANNEL, CANCELLED_KEY, FramePublisher
+from workers.stream import CANCEL_CHANNEL, CANCELLED_KEY, publish_error_frame
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Waiter:
-    event: threading.Event = field(default_factory=threading.Event)
-    result: RequestOutput | None = None
 
 
 class WorkerRuntime:
@@ -44,15 +38,18 @@ class WorkerRuntime:
         heartbeat_s: float = 2.0,
         worker_ttl_s: float = 10.0,
     ) -> None:
-        torch.set_num_threads(torch_threads)
         self.pool = pool
         self.worker_id = worker_id
         self.redis = redis.Redis.from_url(redis_url)
-        self.engine = Engine.from_model_dir(model_dir, engine_config)
-        self.publisher = FramePublisher(self.redis, self._on_published)
-        self.loop = EngineLoop(self.engine, self.publisher.publish_outputs)
-        self._waiters: dict[str, _Waiter] = {}
-        self._lock = threading.Lock()
+        spec = EngineProcSpec(
+            model_dir=str(model_dir),
+            engine_config=asdict(engine_config),
+            redis_url=redis_url,
+            torch_threads=torch_threads,
+            stats_period_s=min(0.25, heartbeat_s / 2),
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+        self.engine = EngineClient(spec, on_death=self._engine_died)
         self.heartbeat = Heartbeat(
             self.redis, pool, worker_id, self.load_report, heartbeat_s, worker_ttl_s
         )
@@ -64,7 +61,7 @@ class WorkerRuntime:
 
     # ----------------------------------------------------------------------------------
     def start(self) -> WorkerRuntime:
-        self.loop.start()
+        self.engine.start()
         self._cancel_pubsub.subscribe(CANCEL_CHANNEL)
         self._cancel_thread.start()
         self.heartbeat.start()
@@ -79,64 +76,64 @@ class WorkerRuntime:
             self._cancel_pubsub.close()
         except redis.RedisError:
             pass
-        self.loop.stop()
-        self.publisher.stop()
+        self.engine.stop()
 
     def load_report(self) -> dict:
-        stats = self.loop.stats()
-        with self._lock:
-            inflight = len(self._waiters)
-        return {**stats, "active": stats["running"] + stats["waiting"], "inflight": inflight}
+        stats = self.engine.stats()
+        return {
+            **stats,
+            "active": stats.get("running", 0) + stats.get("waiting", 0),
+            "inflight": self.engine.pending(),
+            "engine_pid": self.engine.pid,
+        }
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: dict) -> dict:
         """Run one request to completion; frames are published as it goes.
 
         Returns a small summary (finish reason and token counts) — the task's handle."""
-        try:
-            sp = SamplingParams.from_dict(params)
-        except (TypeError, ValueError) as e:
-            self.publisher.publish_error(request_id, str(e), code="invalid_sampling_params")
-            return {"request_id": request_id, "finish_reason": "error"}
-        waiter = _Waiter()
-        with self._lock:
-            self._waiters[request_id] = waiter
         t0 = time.perf_counter()
-        self.loop.submit(EngineRequest(request_id, list(prompt_token_ids), sp))
+        waiter = self.engine.submit(request_id, list(prompt_token_ids), params)
         # The API sets the cancelled key before it publishes a cancel, so checking it after
         # submitting closes the window where a cancel reached us before the request did.
         if self.redis.exists(CANCELLED_KEY.format(request_id)):
             log.info("[%s] cancelled before it started", request_id)
-            self.loop.abort(request_id)
+            self.engine.abort(request_id)
         waiter.event.wait()
         out = waiter.result
         assert out is not None, "waiter woken without a result"
+        if out.error == "engine process died":
+            raise EngineDied(f"[{request_id}] engine process died mid-request")
         log.info(
             "[%s] %s: %d prompt + %d output tokens in %.3fs",
             request_id,
             out.finish_reason,
-            out.num_prompt_tokens,
-            out.num_output_tokens,
+            out.prompt_tokens,
+            out.completion_tokens,
             time.perf_counter() - t0,
         )
         return {
             "request_id": request_id,
             "finish_reason": out.finish_reason,
-            "prompt_tokens": out.num_prompt_tokens,
-            "completion_tokens": out.num_output_tokens,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
         }
 
-    # ----------------------------------------------------------------------------------
-    def _on_published(self, outs: list[RequestOutput]) -> None:
-        """Frames are out: wake the task threads whose requests just finished."""
-        for out in outs:
-            if not out.finished:
-                continue
-            with self._lock:
-                waiter = self._waiters.pop(out.request_id, None)
-            if waiter is not None:
-                waiter.result = out
-                waiter.event.set()
+    def fail(self, request_id: str, message: str, code: str) -> None:
+        """End a stream that never reached the engine with an error frame."""
+        publish_error_frame(self.redis, request_id, message, code)
 
+    def _engine_died(self) -> None:
+        """Fail fast: stop heartbeating so routers stop sending here, then exit; the API
+        re-dispatches or ends the affected streams, and the broker keeps unacked tasks."""
+        if self._stopping.is_set():
+            return
+        log.critical("worker %s: engine process died; exiting", self.worker_id)
+        try:
+            self.heartbeat.stop()
+        finally:
+            os._exit(70)
+
+    # ----------------------------------------------------------------------------------
     def _listen_cancels(self) -> None:
         while not self._stopping.is_set():
             try:
@@ -144,11 +141,9 @@ class WorkerRuntime:
                     if msg.get("type") != "message":
                         continue
                     rid = msg["data"].decode() if isinstance(msg["data"], bytes) else msg["data"]
-                    with self._lock:
-                        mine = rid in self._waiters
-                    if mine:
+                    if self.engine.is_pending(rid):
                         log.info("[%s] cancel received", rid)
-                        self.loop.abort(rid)
+                        self.engine.abort(rid)
             except (redis.RedisError, ValueError, AttributeError) as e:
                 if self._stopping.is_set():
                     return

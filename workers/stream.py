@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import orjson
 import redis
 
 if TYPE_CHECKING:  # keep this module torch-free: the API reads its channel names
@@ -58,13 +59,27 @@ def output_frame(out: RequestOutput, seq: int) -> dict:
     return frame
 
 
+def publish_error_frame(client: redis.Redis, request_id: str, message: str, code: str) -> None:
+    """A lone terminal error frame (seq 0) for a request that produced no frame."""
+    frame = {"seq": 0, "done": True, "token_ids": [], "text": "",
+             "error": {"message": message, "type": "server_error", "code": code}}  # fmt: skip
+    client.publish(tokens_channel(request_id), json.dumps(frame))
+
+
+# Publishes a whole step's frames in one command: ARGV = channel1, frame1, channel2, ...
+_MULTI_PUBLISH = """
+for i = 1, #ARGV, 2 do redis.call('PUBLISH', ARGV[i], ARGV[i + 1]) end
+return #ARGV / 2
+"""
+
+
 class FramePublisher:
     """Numbers frames per request and publishes them from its own thread.
 
-    The engine thread only hands a step's outputs over (``publish_outputs`` returns at
-    once); the publisher thread sends everything queued since its last round trip in one
-    pipeline, in order, then calls ``on_published`` with those outputs — so a task thread
-    waiting for its request is woken only once the terminal frame is out.
+    The engine thread only hands a step's outputs over (``publish_outputs`` is a C-level
+    queue put); the publisher thread sends everything queued since its last round trip in
+    one Lua call, in order, then calls ``on_published`` with those outputs — so whoever
+    waits for a request learns it finished only once its terminal frame is out.
     """
 
     def __init__(
@@ -73,20 +88,17 @@ class FramePublisher:
         on_published: Callable[[list[RequestOutput]], None] | None = None,
     ) -> None:
         self._r = client
+        self._multi_publish = client.register_script(_MULTI_PUBLISH)
         self._on_published = on_published
         self._seq: dict[str, int] = {}
-        self._queue: deque[RequestOutput] = deque()
-        self._cv = threading.Condition()
-        self._stopped = False
+        self._queue: queue.SimpleQueue[list[RequestOutput] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="frame-publisher", daemon=True)
         self._thread.start()
         self.frames_published = 0
         self.publish_errors = 0
 
     def publish_outputs(self, outputs: list[RequestOutput]) -> None:
-        with self._cv:
-            self._queue.extend(outputs)
-            self._cv.notify()
+        self._queue.put(outputs)
 
     def publish_error(self, request_id: str, message: str, code: str = "") -> None:
         """End ``request_id``'s stream with an error frame (queued behind its other frames)."""
@@ -99,9 +111,7 @@ class FramePublisher:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Send what is queued, then stop the thread."""
-        with self._cv:
-            self._stopped = True
-            self._cv.notify()
+        self._queue.put(None)
         self._thread.join(timeout)
 
     # ----------------------------------------------------------------------------------
@@ -114,20 +124,28 @@ class FramePublisher:
         return n
 
     def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._stopped:
-                    self._cv.wait()
-                if not self._queue and self._stopped:
-                    return
-                batch = list(self._queue)
-                self._queue.clear()
+        stopping = False
+        while not stopping:
+            item = self._queue.get()
+            batch: list[RequestOutput] = []
+            while True:
+                if item is None:
+                    stopping = True
+                else:
+                    batch.extend(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if not batch:
+                continue
+            args: list[bytes | str] = []
+            for out in batch:
+                frame = output_frame(out, self._next_seq(out.request_id, out.finished))
+                args.append(tokens_channel(out.request_id))
+                args.append(orjson.dumps(frame))
             try:
-                pipe = self._r.pipeline(transaction=False)
-                for out in batch:
-                    frame = output_frame(out, self._next_seq(out.request_id, out.finished))
-                    pipe.publish(tokens_channel(out.request_id), json.dumps(frame))
-                pipe.execute()
+                self._multi_publish(args=args)
                 self.frames_published += len(batch)
             except redis.RedisError as e:  # the API notices the gap or times out
                 self.publish_errors += 1
