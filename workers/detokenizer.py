@@ -40,6 +40,17 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         return self._text[: self._sent] if self._done else self._text
 
+    def prime(self, token_ids: list[int], emitted_chars: int) -> None:
+        """Continue a stream another process started: replay its tokens, of whose text
+        ``emitted_chars`` characters were already released."""
+        for t in token_ids:
+            self._ids.append(t)
+            piece = self._stream.step(self._tok, t)
+            if piece:
+                self._text += piece
+        assert emitted_chars <= len(self._text), "more text released than decoded"
+        self._sent = emitted_chars
+
     def step(self, token_id: int, check_stop: bool = True) -> DetokenizerStep:
         assert not self._done, "step() after the detokenizer finished"
         self._ids.append(token_id)

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +38,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(slots=True)
+class ImportedPrefill:
+    """Decode side of disaggregation: the prompt's KV is already in the request's reserved
+    blocks and its first token was sampled (and streamed) by the prefill worker."""
+
+    first_token: int
+    emitted_chars: int  # characters of text the prefill worker already released
+
+
+@dataclass(slots=True)
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    prefill_only: bool = False  # stop after the first token and pin the prompt's blocks
+    forced_first_token: int | None = None  # re-prefill: keep the token already streamed
+    imported: ImportedPrefill | None = None
 
 
 @dataclass(slots=True)
@@ -58,6 +71,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None
+    prefilled: bool = False  # prefill-only request done; its blocks are pinned
+    kv_block_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +84,7 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    kv_pin_timeout_s: float = 60.0  # pinned prefill blocks nobody pulled are freed after
 
 
 @dataclass(slots=True)
@@ -114,8 +130,13 @@ class Engine:
         self.eos_ids = set(cfg.eos_token_ids)
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.pinned: dict[str, float] = {}  # prefilled request -> deadline (monotonic)
+        self.reserved: set[str] = set()  # decode side: blocks taken, KV being pulled
+        self.reserved_aborted: set[str] = set()  # aborted mid-pull: freed once it ends
+        self.num_pin_expired = 0
         self.num_preemptions = 0
         self.num_steps = 0
+        self.stalled = False  # work waits but nothing fits (blocks pinned or reserved)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> Engine:
@@ -147,11 +168,66 @@ class Engine:
         detok = IncrementalDetokenizer(
             self.tokenizer, req.params.stop, req.params.skip_special_tokens
         )
-        self.waiting.append(_Seq(req, detok, gen, list(req.prompt_token_ids), n))
+        seq = _Seq(req, detok, gen, list(req.prompt_token_ids), n)
+        if req.imported is not None:
+            assert req.request_id in self.reserved, "imported KV without a reservation"
+            if req.request_id in self.reserved_aborted:  # cancelled while pulling
+                self.cancel_reservation(req.request_id)
+                return self._finish_output(seq, [], "", "abort", None)
+            self.reserved.discard(req.request_id)
+            first = req.imported.first_token
+            seq.token_ids.append(first)
+            seq.output_ids.append(first)
+            seq.num_computed = n  # the prompt's KV is in the reserved blocks
+            detok.prime([first], req.imported.emitted_chars)
+        self.waiting.append(seq)
         return None
 
+    # ----------------------------------------------------------------------------------
+    # Disaggregation: pinned prefill blocks, decode-side reservations
+    # ----------------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: take blocks for ``num_tokens`` of imported KV (``None``: no room)."""
+        alloc = self.kv_manager.allocate_slots(request_id, num_tokens)
+        if alloc is None:
+            return None
+        self.reserved.add(request_id)
+        return list(alloc.block_ids)
+
+    def cancel_reservation(self, request_id: str) -> None:
+        """The pull failed or was abandoned: free the reserved blocks."""
+        self.reserved_aborted.discard(request_id)
+        if request_id in self.reserved:
+            self.reserved.discard(request_id)
+            self.kv_manager.free(request_id)
+
+    def release_pinned(self, request_id: str) -> bool:
+        """Prefill side: the decode worker has the blocks (or gave up); free them."""
+        if self.pinned.pop(request_id, None) is None:
+            return False
+        self.kv_manager.free(request_id)
+        return True
+
+    def expire_pinned(self, now: float) -> list[str]:
+        """Free pinned blocks whose decode never pulled them; returns their requests."""
+        gone = [rid for rid, deadline in self.pinned.items() if deadline <= now]
+        for rid in gone:
+            self.release_pinned(rid)
+            self.num_pin_expired += 1
+            log.warning("[%s] pinned KV not pulled in %.0fs: freed", rid,
+                        self.config.kv_pin_timeout_s)  # fmt: skip
+        return gone
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Drop a request wherever it is and free its blocks; ``None`` if unknown."""
+        """Drop a request wherever it is and free its blocks; ``None`` if unknown.
+
+        Blocks reserved for a pull still in flight are freed only when the pull ends
+        (``add_request`` or ``cancel_reservation``): freeing them now could hand them to
+        another sequence while the transfer is still writing into them."""
+        if request_id in self.reserved:
+            self.reserved_aborted.add(request_id)
+            return None
+        self.release_pinned(request_id)
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.id == request_id:
@@ -163,6 +239,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, sample, and report per-request outputs."""
         scheduled = self._schedule()
+        self.stalled = not scheduled and self.has_unfinished
         if not scheduled:
             return []
         self.num_steps += 1
@@ -172,8 +249,17 @@ class Engine:
             params = [s.req.params for s in sampled_seqs]
             banned = [self._banned(s) for s in sampled_seqs]
             gens = [s.generator for s in sampled_seqs]
+            for seq in sampled_seqs:
+                if seq.generator is not None and seq.req.params.seed is not None:
+                    # a seed per (request seed, token index): the same token is drawn
+                    # whichever worker samples it (prefill or decode, agg or disagg)
+                    seq.generator.manual_seed(token_seed(seq.req.params.seed,
+                                                         len(seq.output_ids)))  # fmt: skip
             tokens = sample(logits, params, gens, banned)  # type: ignore[arg-type]
             for seq, tok in zip(sampled_seqs, tokens, strict=True):
+                forced = seq.req.forced_first_token
+                if forced is not None and not seq.output_ids:
+                    tok = forced
                 outputs.append(self._append(seq, tok))
         return outputs
 
@@ -300,6 +386,19 @@ class Engine:
             reason = "stop"
         elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        if reason is None and seq.req.prefill_only:
+            # prefill done: keep the prompt's blocks for the decode worker to pull
+            self.running.remove(seq)
+            self.pinned[seq.id] = time.monotonic() + self.config.kv_pin_timeout_s
+            return RequestOutput(
+                seq.id,
+                [tok],
+                step.text,
+                num_prompt_tokens=seq.num_prompt,
+                num_output_tokens=n_out,
+                prefilled=True,
+                kv_block_ids=list(self.kv_manager.block_table(seq.id)),
+            )
         if reason is None:
             return RequestOutput(
                 seq.id,
@@ -344,6 +443,11 @@ class Engine:
         )
 
 
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded with ``seed``."""
+    return (seed * 1_000_003 + index * 7919 + 0x9E3779B9) % (2**63 - 1)
+
+
 OutputSink = Callable[[list[RequestOutput]], None]
 
 
@@ -375,12 +479,20 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def call(self, fn: Callable[[Engine], object]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps; its result in a future."""
+        fut: Future = Future()
+        self._post(("call", (fn, fut)))
+        return fut
+
     def stats(self) -> dict[str, float]:
         e = self.engine
         return {
             "running": len(e.running),
             "waiting": len(e.waiting),
             "blocks_used": e.kv_manager.pool.num_used,
+            "blocks_pinned": len(e.pinned),
+            "pins_expired": e.num_pin_expired,
             "blocks_total": e.kv_manager.pool.num_blocks,
             "preemptions": e.num_preemptions,
         }
@@ -397,6 +509,13 @@ class EngineLoop:
             kind, arg = self._inbox.popleft()
             if kind == "add":
                 out = self.engine.add_request(arg)  # type: ignore[arg-type]
+            elif kind == "call":
+                fn, fut = arg  # type: ignore[misc]
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - hand it to the caller
+                    fut.set_exception(e)
+                out = None
             else:
                 out = self.engine.abort(arg)  # type: ignore[arg-type]
             if out is not None:
@@ -406,11 +525,18 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cv:
+                if self.engine.stalled and not self._inbox and not self._stopped:
+                    # nothing fits until blocks come back (a release, an expiry, an abort)
+                    self._cv.wait(0.05)
                 while not self._stopped and not self._inbox and not self.engine.has_unfinished:
-                    self._cv.wait()
+                    # with pinned blocks around, wake up now and then to expire them
+                    if not self._cv.wait(1.0 if self.engine.pinned else None):
+                        break
                 if self._stopped:
                     return
                 outs = self._drain()
+                if self.engine.pinned:
+                    self.engine.expire_pinned(time.monotonic())
             try:
                 t0 = time.perf_counter()
                 outs.extend(self.engine.step())

@@ -1,0 +1,147 @@
+"""Disaggregation at the engine level: prefill on one engine, copy the pinned blocks into
+another engine's reserved blocks, decode there — tokens and text must equal one engine
+doing both (greedy, seeded sampling, stop strings), and every block comes back."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.engine import Engine, EngineConfig, EngineRequest, ImportedPrefill
+from workers.sampling import SamplingParams
+
+CFG = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path) -> tuple[Engine, Engine, Engine]:
+    make = lambda: Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG))  # noqa: E731
+    return make(), make(), make()  # aggregated, prefill, decode
+
+
+def _run_all(engine: Engine, reqs: list[EngineRequest]) -> dict[str, tuple[list[int], str]]:
+    for r in reqs:
+        assert engine.add_request(r) is None
+    out: dict[str, tuple[list[int], str]] = {r.request_id: ([], "") for r in reqs}
+    while engine.has_unfinished:
+        for o in engine.step():
+            toks, text = out[o.request_id]
+            out[o.request_id] = (toks + o.token_ids, text + o.text)
+    return out
+
+
+def _disagg(prefill: Engine, decode: Engine, reqs: list[EngineRequest]) -> dict:
+    """Both engines step in turn; each prefilled request's blocks are copied into the
+    decode engine at once and released, as a decode worker's pull would."""
+    out: dict[str, tuple[list[int], str]] = {}
+    for r in reqs:
+        r.prefill_only = True
+        prefill.add_request(r)
+    by_id = {r.request_id: r for r in reqs}
+    while prefill.has_unfinished or decode.has_unfinished:
+        for o in prefill.step():
+            r = by_id[o.request_id]
+            out[r.request_id] = (o.token_ids, o.text)
+            if o.finished:  # ended on its first token: nothing to decode
+                continue
+            assert o.prefilled and o.kv_block_ids
+            dst_ids = decode.reserve(r.request_id, len(r.prompt_token_ids))
+            assert dst_ids is not None and len(dst_ids) == len(o.kv_block_ids)
+            src, dst = torch.tensor(o.kv_block_ids), torch.tensor(dst_ids)
+            decode.kv.k[:, dst] = prefill.kv.k[:, src]
+            decode.kv.v[:, dst] = prefill.kv.v[:, src]
+            assert prefill.release_pinned(r.request_id)
+            imported = ImportedPrefill(o.token_ids[0], len(o.text))
+            decode.add_request(EngineRequest(r.request_id, r.prompt_token_ids, r.params,
+                                             imported=imported))  # fmt: skip
+        for o in decode.step():
+            toks, text = out[o.request_id]
+            out[o.request_id] = (toks + o.token_ids, text + o.text)
+    return out
+
+
+def _requests(params: list[SamplingParams], seed: int) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    lengths = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 100, 200, 300]
+    lengths += [rng.randrange(1, 400) for _ in range(len(params) - len(lengths))]
+    return [
+        EngineRequest(f"r{i}", [1] + [rng.randrange(5, 512) for _ in range(n - 1)], p)
+        for i, (n, p) in enumerate(zip(lengths, params, strict=True))
+    ]
+
+
+def _clone(reqs: list[EngineRequest]) -> list[EngineRequest]:
+    return [EngineRequest(r.request_id, list(r.prompt_token_ids), r.params) for r in reqs]
+
+
+def test_disagg_equals_agg_greedy(engines: tuple[Engine, Engine, Engine]) -> None:
+    agg, pre, dec = engines
+    params = [SamplingParams(max_tokens=1 + i % 37, temperature=0, ignore_eos=True)
+              for i in range(34)]  # fmt: skip
+    reqs = _requests(params, 1)
+    want = _run_all(agg, _clone(reqs))
+    got = _disagg(pre, dec, _clone(reqs))
+    assert got == want
+    for e in engines:
+        assert e.kv_manager.pool.num_used == 0
+        assert not e.pinned and not e.reserved
+
+
+def test_disagg_equals_agg_seeded_stops_and_eos(engines: tuple[Engine, Engine, Engine]) -> None:
+    agg, pre, dec = engines
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=i, stop=["ab", "9"])
+        if i % 2 else SamplingParams(max_tokens=40, temperature=0, min_tokens=i % 5)
+        for i in range(30)
+    ]  # fmt: skip
+    reqs = _requests(params, 2)
+    want = _run_all(agg, _clone(reqs))
+    got = _disagg(pre, dec, _clone(reqs))
+    assert got == want
+    assert any(len(t) < 40 for t, _ in want.values()), "some request should stop early"
+    for e in engines:
+        assert e.kv_manager.pool.num_used == 0
+
+
+def test_forced_first_token_replays_what_was_streamed(
+    engines: tuple[Engine, Engine, Engine],
+) -> None:
+    """A re-prefill keeps the first token the client already saw, even if sampling would
+    now draw another (unseeded)."""
+    _, pre, _ = engines
+    p = SamplingParams(max_tokens=5, temperature=1.0)
+    pre.add_request(EngineRequest("f", [1, 300, 301], p, prefill_only=True, forced_first_token=42))
+    outs = []
+    while pre.has_unfinished:
+        outs += pre.step()
+    assert outs[0].token_ids == [42] and outs[0].prefilled
+    assert pre.release_pinned("f") and pre.kv_manager.pool.num_used == 0
+
+
+def test_pinned_blocks_expire_when_never_pulled(tiny_model_dir: Path) -> None:
+    e = Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG, kv_pin_timeout_s=5.0))
+    e.add_request(EngineRequest("p", [1] + [300] * 40, SamplingParams(max_tokens=9, temperature=0),
+                                prefill_only=True))  # fmt: skip
+    while e.has_unfinished:
+        e.step()
+    assert e.kv_manager.pool.num_used == 3 and "p" in e.pinned
+    assert e.expire_pinned(now=0.0) == []  # not yet
+    assert e.expire_pinned(now=e.pinned["p"] + 0.01) == ["p"]
+    assert e.kv_manager.pool.num_used == 0 and e.num_pin_expired == 1
+
+
+def test_abort_during_pull_frees_only_after_the_pull(tiny_model_dir: Path) -> None:
+    e = Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG))
+    assert e.reserve("d", 40) is not None and e.kv_manager.pool.num_used == 3
+    e.abort("d")  # the transfer may still be writing into the 3 blocks: keep them
+    assert e.kv_manager.pool.num_used == 3
+    out = e.add_request(EngineRequest("d", [1] * 40, SamplingParams(max_tokens=4),
+                                      imported=ImportedPrefill(7, 0)))  # fmt: skip
+    assert out is not None and out.finish_reason == "abort"
+    assert e.kv_manager.pool.num_used == 0 and not e.reserved and not e.reserved_aborted
+    assert e.reserve("x", 16) is not None
+    e.cancel_reservation("x")  # a failed pull
+    assert e.kv_manager.pool.num_used == 0

@@ -1,0 +1,78 @@
+"""KV blocks through Redis: the portable fallback (slow, no extra dependency).
+
+Export copies the blocks' bytes into Redis keys (chunked below Redis' 512 MB string limit,
+with a TTL so abandoned data cannot pile up); pull reads them and scatters them into the
+destination blocks, then deletes the keys.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import torch
+
+from workers.llama import PagedKVCache
+from workers.transfer.base import KVTransfer, TransferError
+
+CHUNK_BYTES = 64 * 1024 * 1024
+KEY = "conveyor:kv:{rid}:{i}"
+
+
+class RedisKVTransfer(KVTransfer):
+    name = "redis"
+
+    def __init__(self, kv: PagedKVCache, client: redis.Redis, ttl_s: float = 120.0) -> None:
+        super().__init__(kv)
+        self._r = client
+        self._ttl_ms = int(ttl_s * 1000)
+
+    def export(self, request_id: str, block_ids: list[int]) -> dict:
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        # [2, layers, n, block_size, kv_heads, head_dim]: K then V, block order as given
+        data = torch.stack((self.kv.k[:, idx], self.kv.v[:, idx])).contiguous()
+        raw = data.view(torch.uint8).numpy().tobytes()
+        pipe = self._r.pipeline(transaction=False)
+        n_chunks = 0
+        for i, off in enumerate(range(0, len(raw), CHUNK_BYTES)):
+            pipe.set(KEY.format(rid=request_id, i=i), raw[off : off + CHUNK_BYTES], px=self._ttl_ms)
+            n_chunks += 1
+        pipe.execute()
+        return {
+            "backend": self.name,
+            "layout": self.layout.to_dict(),
+            "request_id": request_id,
+            "chunks": n_chunks,
+            "nbytes": len(raw),
+            "num_blocks": len(block_ids),
+        }
+
+    def pull(self, meta: dict, dst_block_ids: list[int], timeout: float) -> int:
+        self.check_layout(meta)
+        if meta["num_blocks"] != len(dst_block_ids):
+            raise TransferError(f"{meta['num_blocks']} blocks exported, {len(dst_block_ids)} given")
+        t0 = time.perf_counter()
+        keys = [KEY.format(rid=meta["request_id"], i=i) for i in range(meta["chunks"])]
+        parts = self._r.mget(keys)
+        if any(p is None for p in parts):
+            raise TransferError(f"KV data of {meta['request_id']} missing from Redis (expired?)")
+        raw = b"".join(parts)  # type: ignore[arg-type]
+        if len(raw) != meta["nbytes"]:
+            raise TransferError(f"KV data truncated: {len(raw)} of {meta['nbytes']} bytes")
+        lay = self.layout
+        shape = (2, lay.num_layers, len(dst_block_ids), lay.block_size, lay.num_kv_heads,
+                 lay.head_dim)  # fmt: skip
+        data = torch.frombuffer(bytearray(raw), dtype=self.kv.k.dtype).view(shape)
+        idx = torch.tensor(dst_block_ids, dtype=torch.long)
+        self.kv.k[:, idx] = data[0]
+        self.kv.v[:, idx] = data[1]
+        self._r.delete(*keys)
+        self.bytes_moved += len(raw)
+        self.seconds += time.perf_counter() - t0
+        self.transfers += 1
+        return len(raw)
+
+    def discard(self, request_id: str, meta: dict) -> None:
+        keys = [KEY.format(rid=request_id, i=i) for i in range(meta.get("chunks", 0))]
+        if keys:
+            self._r.delete(*keys)
