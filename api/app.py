@@ -34,7 +34,7 @@ from api.runner import Runner, RunningRequest, stream_error
 from api.streams import StreamHub
 from api.tokenization import PromptBuilder
 from tasks.app import configure as configure_celery
-from tasks.pipeline import stages
+from tasks.pipeline import required_pools, stages
 from tasks.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"status": "unavailable", "redis": str(e)}, status_code=503)
         runner: Runner = state["runner"]
         pools = {p: await runner.router.live_count(p) for p in stages(s.mode)}
-        ok = all(pools.values())
+        ok = all(pools[p] for p in required_pools(s.mode))
         body = {"status": "ok" if ok else "unavailable", "redis": "ok", "workers": pools}
         return JSONResponse(body, status_code=200 if ok else 503)
 

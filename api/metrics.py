@@ -47,6 +47,12 @@ class ApiMetrics:
             "Requests sent again because their worker died before answering",
             registry=r,
         )
+        self.disagg_fallbacks = Counter(
+            "conveyor_disagg_fallbacks",
+            "disagg requests run aggregated on a decode worker, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.finish = Counter(
             "conveyor_finish_reasons", "Finished requests by finish reason", ["reason"],
             registry=r,

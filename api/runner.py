@@ -21,8 +21,8 @@ from api.metrics import ApiMetrics
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
 from tasks.channels import CANCEL_CHANNEL, CANCELLED_KEY, tokens_channel
 from tasks.payloads import GeneratePayload
-from tasks.pipeline import build_chain, stages
-from tasks.router import Route, Router
+from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan
+from tasks.router import Router
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class RunningRequest:
     request_id: str
     prompt_len: int
     subscription: Subscription
-    routes: dict[str, Route]
+    plan: Plan
     started: float
     first_frame: dict | None = None
     finished: bool = False
@@ -102,23 +102,21 @@ class Runner:
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: dict, started: float
     ) -> RunningRequest:
-        routes: dict[str, Route] = {}
-        for stage in stages(self.s.mode):
-            route = await self.router.pick(stage)
-            if route is None:
-                for r in routes.values():
-                    await self.router.release(r)
-                raise OpenAIError(
-                    503,
-                    f"no live worker in pool {stage!r}; start one with "
-                    f"`conveyor worker --pool {stage}`",
-                    "server_error",
-                    None,
-                    "no_live_worker",
-                )
-            routes[stage] = route
+        try:
+            p = await plan(self.router, self.s, len(prompt_ids))
+        except NoLiveWorker as e:
+            raise OpenAIError(
+                503,
+                f"no live worker in pool {e.pool!r}; start one with "
+                f"`conveyor worker --pool {e.pool}`",
+                "server_error",
+                None,
+                "no_live_worker",
+            ) from None
+        if p.fallback is not None:
+            self.metrics.disagg_fallbacks.labels(p.fallback).inc()
         sub = await self.hub.subscribe(tokens_channel(stream_id))
-        run = RunningRequest(stream_id, len(prompt_ids), sub, routes, started)
+        run = RunningRequest(stream_id, len(prompt_ids), sub, p, started)
         try:
             payload = GeneratePayload(
                 request_id=stream_id,
@@ -127,13 +125,13 @@ class Runner:
                 sampling=sampling,
                 created=time.time(),
             )
-            sig = build_chain(self.s.mode, payload, routes)
-            await asyncio.to_thread(sig.apply_async)
+            await asyncio.to_thread(build_chain(p, payload).apply_async)
         except BaseException:
             self.finish(run)
             raise
-        log.info("[%s] sent to %s (%d prompt tokens)", stream_id,
-                 ",".join(r.queue for r in routes.values()), len(prompt_ids))  # fmt: skip
+        log.info("[%s] sent %s (%d prompt tokens)%s", stream_id,
+                 " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
+                 f" [aggregated: {p.fallback}]" if p.fallback else "")  # fmt: skip
         return run
 
     async def frames(self, run: RunningRequest) -> AsyncIterator[dict]:
@@ -156,7 +154,10 @@ class Runner:
     # ----------------------------------------------------------------------------------
     async def _frames(self, run: RunningRequest) -> AsyncIterator[dict]:
         async def alive() -> bool:
-            return await self.router.all_alive(run.routes.values())
+            # Before the first frame every stage's worker matters; after it, only the
+            # last one's (a prefill worker may come and go once it handed over the KV).
+            routes = run.plan.routes if run.first_frame is None else run.plan.routes[-1:]
+            return await self.router.all_alive(routes)
 
         async for frame in run.subscription.frames(
             self.s.first_frame_timeout_s,
@@ -188,7 +189,7 @@ class Runner:
                 log.info("[%s] not finished: cancelling on the worker", run.request_id)
                 pipe.publish(CANCEL_CHANNEL, run.request_id)
             await pipe.execute()
-            for route in run.routes.values():
+            for route in run.plan.routes:
                 await self.router.release(route)
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)

@@ -21,6 +21,13 @@ def queue(name: str) -> Queue:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
+def route_to(name: str) -> dict:
+    """Signature options that send a task to queue ``name`` by its exchange and routing key:
+    JSON-safe (they travel inside a chain's message, unlike a ``Queue`` object) and valid
+    with ``task_create_missing_queues`` off. The consuming worker declared the binding."""
+    return {"exchange": name, "routing_key": name}
+
+
 def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
     s = settings or get_settings()
     names = [*s.pools, *extra_queues]

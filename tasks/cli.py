@@ -1,7 +1,7 @@
 """The ``conveyor`` command line.
 
     conveyor serve              everything, in the foreground: Redis, workers, API, Flower
-    conveyor worker --pool P    one Celery worker process for pool P
+    conveyor worker --pool P    one Celery worker process for pool P (generate|prefill|decode)
     conveyor api                the OpenAI-compatible HTTP front
     conveyor flower             Celery Flower against the configured broker
     conveyor worker-health      exit 0 if a worker of this host is alive (container checks)
@@ -93,11 +93,17 @@ def main(ctx: click.Context, log_level: str) -> None:
 @click.option("--pool", type=click.Choice(ALL_POOLS), default="generate", show_default=True)
 @click.option("--worker-id", help="Worker id (default: <host>-<pid>) [CONVEYOR_WORKER_ID]")
 @click.option("--concurrency", type=int, help="Task threads [CONVEYOR_WORKER_CONCURRENCY] (64)")
+@click.option(
+    "--kv-transfer", type=click.Choice(["auto", "nixl", "redis"]),
+    help="KV transfer backend of prefill/decode pools [CONVEYOR_KV_TRANSFER] (auto)",
+)  # fmt: skip
 @_model_opt
 @_redis_opt
 @_engine_opts
 def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: object) -> None:
-    """Run one Celery worker process for POOL (its pool queue + its own queue)."""
+    """Run one Celery worker process for POOL (its pool queue + its own queue).
+
+    Pools: generate (aggregated mode), prefill and decode (disagg mode)."""
     from tasks.app import configure as configure_app
     from workers.engine import EngineConfig
     from workers.registry import worker_queue
@@ -120,10 +126,13 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
             max_model_len=s.max_model_len,
             dtype=s.dtype,
             device=s.device,
+            kv_pin_timeout_s=s.kv_pin_timeout_s,
         ),
         torch_threads=s.torch_threads,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
+        kv_transfer=s.kv_transfer if pool in ("prefill", "decode") else None,
+        transfer_timeout_s=s.transfer_timeout_s,
     )
     app = configure_app(s, extra_queues=[own_queue])
     set_runtime(rt.start())
@@ -157,6 +166,10 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
 @click.option("--host", help="Bind address [CONVEYOR_HOST] (127.0.0.1)")
 @click.option("--port", type=int, help="Port [CONVEYOR_PORT] (8000)")
 @click.option("--mode", type=click.Choice(sorted(POOLS_BY_MODE)), help="[CONVEYOR_MODE] (agg)")
+@click.option(
+    "--disagg-min-prompt-tokens", type=int,
+    help="disagg: shorter prompts prefill on the decode worker [CONVEYOR_DISAGG_MIN_PROMPT_TOKENS]",
+)  # fmt: skip
 @click.option("--served-model-name", help="Model id clients use [CONVEYOR_SERVED_MODEL_NAME]")
 @_model_opt
 @_redis_opt
@@ -251,6 +264,10 @@ def model_init(directory: Path | None, force: bool) -> None:
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
 @click.option("--mode", type=click.Choice(sorted(POOLS_BY_MODE)), help="[CONVEYOR_MODE] (agg)")
 @click.option("--workers", type=int, help="Workers per pool [CONVEYOR_WORKERS] (1)")
+@click.option("--prefill-workers", type=int, help="disagg: prefill workers (default --workers)")
+@click.option("--decode-workers", type=int, help="disagg: decode workers (default --workers)")
+@click.option("--kv-transfer", type=click.Choice(["auto", "nixl", "redis"]),
+              help="disagg: KV transfer backend [CONVEYOR_KV_TRANSFER] (auto)")  # fmt: skip
 @click.option("--redis-port", type=int, help="Embedded Redis port [CONVEYOR_REDIS_PORT] (6390)")
 @_model_opt
 @_redis_opt

@@ -1,36 +1,95 @@
-"""Build and send a request's chain of stage tasks.
+"""Plan and send a request's chain of stage tasks.
 
-The mode decides the stages (``agg``: one ``generate`` task); the router has already picked
-a worker per stage, so each signature goes to that worker's own queue. Later modes add
-stages here (prefill -> decode, encode -> ...), each carrying the previous stage's handle.
+The mode decides the stages, the router picks a worker per stage, and each signature goes
+to that worker's own queue:
+
+    agg      generate                 on a generate worker
+    disagg   prefill -> decode        the prefill task's handle becomes the decode task's
+                                      first argument (Celery chains pass results along)
+
+Disaggregation degrades as Dynamo's does: with no live prefill worker, or a prompt shorter
+than ``disagg_min_prompt_tokens`` (not worth a KV transfer), the request runs aggregated on
+the chosen decode worker — a decode worker runs ``generate`` tasks too.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from celery import chain
 from celery.canvas import Signature
 
-from tasks.app import queue
+from tasks.app import queue, route_to
 from tasks.payloads import GeneratePayload
-from tasks.router import Route
-from tasks.stages import generate
+from tasks.router import Route, Router
+from tasks.settings import POOLS_BY_MODE, Settings
+from tasks.stages import decode, generate, prefill
 
-STAGES_BY_MODE: dict[str, tuple[str, ...]] = {"agg": ("generate",)}
+
+@dataclass(slots=True)
+class Plan:
+    """Which task runs where, in order; ``fallback`` says why a disagg request runs
+    aggregated (``no_prefill_worker`` / ``short_prompt``)."""
+
+    steps: list[tuple[str, Route]]
+    fallback: str | None = None
+
+    @property
+    def routes(self) -> list[Route]:
+        return [r for _, r in self.steps]
+
+
+class NoLiveWorker(Exception):
+    def __init__(self, pool: str) -> None:
+        super().__init__(pool)
+        self.pool = pool
 
 
 def stages(mode: str) -> tuple[str, ...]:
+    """The worker pools a mode uses."""
     try:
-        return STAGES_BY_MODE[mode]
+        return POOLS_BY_MODE[mode]
     except KeyError:
-        raise ValueError(f"unknown mode {mode!r}; known: {sorted(STAGES_BY_MODE)}") from None
+        raise ValueError(f"unknown mode {mode!r}; known: {sorted(POOLS_BY_MODE)}") from None
 
 
-def build_chain(mode: str, payload: GeneratePayload, routes: dict[str, Route]) -> Signature:
-    """The Celery canvas for one request; ``routes`` maps each stage to its worker."""
-    if mode != "agg":
-        raise ValueError(f"unknown mode {mode!r}; known: {sorted(STAGES_BY_MODE)}")
-    route = routes["generate"]
-    sig = generate.si(payload.model_dump()).set(
-        queue=queue(route.queue), task_id=payload.request_id
-    )
-    return chain(sig)
+def required_pools(mode: str) -> tuple[str, ...]:
+    """Pools without which a mode cannot serve (disagg survives without prefill workers)."""
+    return ("decode",) if mode == "disagg" else stages(mode)
+
+
+async def plan(router: Router, s: Settings, prompt_len: int) -> Plan:
+    """Pick workers for every stage; the picks are counted as load until released."""
+    if s.mode == "agg":
+        route = await router.pick("generate")
+        if route is None:
+            raise NoLiveWorker("generate")
+        return Plan([("generate", route)])
+    stages(s.mode)  # validates
+    dec = await router.pick("decode")
+    if dec is None:
+        raise NoLiveWorker("decode")
+    if prompt_len < s.disagg_min_prompt_tokens:
+        return Plan([("generate", dec)], fallback="short_prompt")
+    pre = await router.pick("prefill")
+    if pre is None:
+        return Plan([("generate", dec)], fallback="no_prefill_worker")
+    return Plan([("prefill", pre), ("decode", dec)])
+
+
+def build_chain(p: Plan, payload: GeneratePayload) -> Signature:
+    """The Celery canvas for one request."""
+    body = payload.model_dump()
+    tasks = {"generate": generate, "prefill": prefill, "decode": decode}
+    sigs = []
+    for i, (name, route) in enumerate(p.steps):
+        task = tasks[name]
+        # the first task gets the payload alone; later ones get the previous handle first.
+        # The first is sent from here (a Queue object declares the route); later ones
+        # travel inside the message, so they name their queue in plain JSON.
+        if i == 0:
+            sig = task.si(body).set(queue=queue(route.queue), task_id=payload.request_id)
+        else:
+            sig = task.s(body).set(**route_to(route.queue))
+        sigs.append(sig)
+    return chain(*sigs)

@@ -15,8 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 
-Mode = Literal["agg"]
-POOLS_BY_MODE: dict[str, tuple[str, ...]] = {"agg": ("generate",)}
+Mode = Literal["agg", "disagg"]
+POOLS_BY_MODE: dict[str, tuple[str, ...]] = {"agg": ("generate",), "disagg": ("prefill", "decode")}
 
 
 class Settings(BaseSettings):
@@ -49,6 +49,12 @@ class Settings(BaseSettings):
     model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
     mode: Mode = Field("agg", description="Serving mode (which stages each request runs).")
     workers: int = Field(1, ge=0, description="Worker processes per pool (conveyor serve).")
+    prefill_workers: int | None = Field(
+        None, ge=0, description="Prefill workers in disagg mode (serve); default: workers."
+    )
+    decode_workers: int | None = Field(
+        None, ge=0, description="Decode workers in disagg mode (serve); default: workers."
+    )
     redis_url: str | None = Field(
         None, description="External Redis; unset: `serve` starts an embedded redis-server."
     )
@@ -73,6 +79,19 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(
         None, description="Context window; default: the model's max_position_embeddings."
     )
+    kv_transfer: Literal["auto", "nixl", "redis"] = Field(
+        "auto", description="How prefill KV reaches decode workers (auto: NIXL, else Redis)."
+    )
+    disagg_min_prompt_tokens: int = Field(
+        256, ge=0, description="Shorter prompts are prefilled on the decode worker itself."
+    )
+    kv_pin_timeout_s: float = Field(
+        60.0, gt=0, description="Prefilled KV no decode worker pulled is freed after this."
+    )
+    transfer_timeout_s: float = Field(30.0, gt=0, description="Limit of one KV pull.")
+    prefill_retries: int = Field(
+        2, ge=0, description="Re-prefills after a failed KV pull before the request fails."
+    )
     heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
     worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")
 
@@ -93,6 +112,14 @@ class Settings(BaseSettings):
     @property
     def pools(self) -> tuple[str, ...]:
         return POOLS_BY_MODE[self.mode]
+
+    def workers_in(self, pool: str) -> int:
+        """How many workers ``conveyor serve`` starts for ``pool``."""
+        if pool == "prefill" and self.prefill_workers is not None:
+            return self.prefill_workers
+        if pool == "decode" and self.decode_workers is not None:
+            return self.decode_workers
+        return self.workers
 
 
 _settings: Settings | None = None

@@ -81,7 +81,7 @@ class Supervisor:
             env = settings_env(self.s)
             me = [sys.executable, "-m", "tasks.cli"]
             for pool in self.s.pools:
-                for i in range(self.s.workers):
+                for i in range(self.s.workers_in(pool)):
                     self._spawn(f"worker-{pool}-{i}", [*me, "worker", "--pool", pool], env)
             self._spawn("api", [*me, "api"], env)
             if self.flower:

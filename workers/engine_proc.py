@@ -38,6 +38,9 @@ class EngineProcSpec:
     model_dir: str
     engine_config: dict
     redis_url: str
+    worker_id: str = "worker"
+    kv_transfer: str | None = None  # None: this pool moves no KV; else auto | nixl | redis
+    transfer_timeout_s: float = 30.0
     torch_threads: int = 1
     stats_period_s: float = 0.25
     log_level: int = logging.INFO
@@ -52,6 +55,8 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    handle: dict | None = None  # prefill: what the decode worker needs to pull the KV
+    transfer_failed: bool = False  # decode: the KV could not be pulled
 
 
 @dataclass(slots=True)
@@ -62,6 +67,9 @@ class _Waiter:
 
 class EngineDied(RuntimeError):
     pass
+
+
+KV_RELEASE_CHANNEL = "conveyor:kv-release:{}"
 
 
 class EngineClient:
@@ -129,17 +137,35 @@ class EngineClient:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: dict) -> _Waiter:
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: dict,
+        forced_first_token: int | None = None,
+    ) -> _Waiter:  # fmt: skip
+        """Run a whole request (aggregated)."""
+        return self._submit("submit", request_id, (prompt_ids, params, forced_first_token))
+
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: dict,
+        forced_first_token: int | None = None,
+    ) -> _Waiter:  # fmt: skip
+        """Prefill only; the waiter's result carries the handle for the decode side."""
+        return self._submit("prefill", request_id, (prompt_ids, params, forced_first_token))
+
+    def decode(self, request_id: str, prompt_ids: list[int], params: dict, handle: dict) -> _Waiter:
+        """Pull the prefilled KV described by ``handle``, then decode from the 2nd token."""
+        return self._submit("decode", request_id, (prompt_ids, params, handle))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _submit(self, kind: str, request_id: str, args: tuple) -> _Waiter:
         waiter = _Waiter()
         with self._lock:
             if self._dead:
                 raise EngineDied("engine process is gone")
             self._waiters[request_id] = waiter
-        self._send(("submit", (request_id, prompt_ids, params)))
+        self._send((kind, (request_id, *args)))
         return waiter
-
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
 
     def is_pending(self, request_id: str) -> bool:
         with self._lock:
@@ -203,9 +229,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     import redis
     import torch
 
-    from workers.engine import Engine, EngineConfig, EngineLoop, EngineRequest, RequestOutput
-    from workers.sampling import SamplingParams
+    from workers.engine import Engine, EngineConfig, EngineLoop
     from workers.stream import FramePublisher
+    from workers.transfer import make_transfer
 
     send_lock = threading.Lock()
 
@@ -218,12 +244,90 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         engine = Engine.from_model_dir(Path(spec.model_dir), EngineConfig(**spec.engine_config))
         client = redis.Redis.from_url(spec.redis_url)
         client.ping()
+        transfer = (
+            make_transfer(spec.kv_transfer, engine.kv, client, spec.worker_id)
+            if spec.kv_transfer
+            else None
+        )
     except Exception as e:  # noqa: BLE001 - report the reason to the parent
         log.exception("engine process failed to start")
         send(("error", f"{type(e).__name__}: {e}"))
         return
 
-    def on_published(outs: list[RequestOutput]) -> None:
+    server = _EngineServer(spec, engine, client, transfer, send)
+    publisher = FramePublisher(client, server.on_published)
+    loop = EngineLoop(engine, publisher.publish_outputs).start()
+    server.attach(loop, publisher)
+    send(("ready", server.stats()))
+    log.info("engine process %d serving %s (kv transfer: %s)", os.getpid(), spec.model_dir,
+             transfer.name if transfer else "none")  # fmt: skip
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            break  # the worker process is gone: nothing left to serve
+        if kind == "stop":
+            break
+        server.handle(kind, payload)
+    t0 = time.monotonic()
+    server.close()
+    log.info("engine process stopped in %.2fs", time.monotonic() - t0)
+
+
+class _EngineServer:
+    """The engine process's command handlers (runs in the engine process only)."""
+
+    def __init__(self, spec: EngineProcSpec, engine, client, transfer, send) -> None:  # type: ignore[no-untyped-def]
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.spec = spec
+        self.engine = engine
+        self.redis = client
+        self.transfer = transfer
+        self.send = send
+        self.pool = ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
+        self.exports: dict[str, dict] = {}  # prefill side: request -> transfer metadata
+        self._stop = threading.Event()
+        self.loop = None
+        self.publisher = None
+
+    def attach(self, loop, publisher) -> None:  # type: ignore[no-untyped-def]
+        self.loop = loop
+        self.publisher = publisher
+        threading.Thread(target=self._report, name="stats", daemon=True).start()
+        if self.transfer is not None:
+            threading.Thread(target=self._listen_releases, name="kv-release", daemon=True).start()
+
+    def stats(self) -> dict:
+        st = self.loop.stats() if self.loop is not None else {}
+        if self.transfer is not None:
+            st["kv_transfer"] = {"backend": self.transfer.name, **self.transfer.stats()}
+        return st
+
+    # ----------------------------------------------------------------------------------
+    def handle(self, kind: str, payload: tuple) -> None:
+        from workers.engine import EngineRequest
+        from workers.sampling import SamplingParams
+
+        if kind == "abort":
+            self.loop.abort(payload)
+            return
+        rid, prompt_ids, params, *rest = payload
+        try:
+            sp = SamplingParams.from_dict(params)
+        except (TypeError, ValueError) as e:
+            self.publisher.publish_error(rid, f"invalid sampling parameters: {e}",
+                                         code="invalid_sampling_params")  # fmt: skip
+            return
+        if kind in ("submit", "prefill"):
+            self.loop.submit(EngineRequest(rid, list(prompt_ids), sp,
+                                           prefill_only=kind == "prefill",
+                                           forced_first_token=rest[0]))  # fmt: skip
+        elif kind == "decode":
+            self.pool.submit(self._pull_and_decode, rid, list(prompt_ids), sp, rest[0])
+
+    def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
+        """Frames are out: report finished requests; export prefilled ones' KV."""
         done = [
             Completion(
                 o.request_id, o.finish_reason, o.num_prompt_tokens, o.num_output_tokens, o.error
@@ -232,42 +336,95 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
             if o.finished
         ]
         if done:
-            send(("done", done))
+            self.send(("done", done))
+        for o in outs:
+            if o.prefilled:
+                self.pool.submit(self._export, o)
 
-    publisher = FramePublisher(client, on_published)
-    loop = EngineLoop(engine, publisher.publish_outputs).start()
-    stop = threading.Event()
+    # ----------------------------------------------------------------------------------
+    def _export(self, out) -> None:  # type: ignore[no-untyped-def]
+        rid = out.request_id
+        try:
+            meta = self.transfer.export(rid, out.kv_block_ids)
+        except Exception as e:  # noqa: BLE001
+            log.exception("[%s] KV export failed", rid)
+            self.loop.call(lambda e_: e_.release_pinned(rid))
+            self.send(("done", [Completion(rid, "error", out.num_prompt_tokens, 1,
+                                           f"KV export failed: {e}")]))  # fmt: skip
+            return
+        self.exports[rid] = meta
+        handle = {
+            "request_id": rid,
+            "prefill_worker": self.spec.worker_id,
+            "finished": False,
+            "first_token": out.token_ids[0],
+            "emitted_chars": len(out.text),
+            "prompt_tokens": out.num_prompt_tokens,
+            "transfer": meta,
+        }
+        self.send(("done", [Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
 
-    def report() -> None:
-        while not stop.wait(spec.stats_period_s):
+    def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: dict) -> None:  # type: ignore[no-untyped-def]
+        from workers.engine import EngineRequest, ImportedPrefill
+        from workers.transfer import TransferError
+
+        timeout = self.spec.transfer_timeout_s
+        deadline = time.monotonic() + timeout
+        blocks = None
+        while blocks is None:
+            blocks = self.loop.call(lambda e: e.reserve(rid, len(prompt_ids))).result()
+            if blocks is None:
+                if time.monotonic() > deadline:
+                    self._transfer_failed(rid, "no free KV blocks to receive the prefill")
+                    return
+                time.sleep(0.01)  # full pool: wait for running sequences to finish
+        try:
+            if self.transfer is None:
+                raise TransferError("this worker has no KV transfer backend")
+            self.transfer.pull(handle["transfer"], blocks, timeout)
+        except Exception as e:  # noqa: BLE001 - any failure: give the blocks back, retry
+            self.loop.call(lambda e_: e_.cancel_reservation(rid))
+            self._transfer_failed(rid, f"KV pull from {handle['prefill_worker']} failed: {e}")
+            return
+        self.redis.publish(KV_RELEASE_CHANNEL.format(handle["prefill_worker"]), rid)
+        self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
+        imported = ImportedPrefill(handle["first_token"], handle["emitted_chars"])
+        self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported))
+
+    def _transfer_failed(self, rid: str, why: str) -> None:
+        log.warning("[%s] %s", rid, why)
+        self.send(("done", [Completion(rid, "error", error=why, transfer_failed=True)]))
+
+    def _listen_releases(self) -> None:
+        """Prefill side: decode workers tell us when they have pulled a request's KV."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(KV_RELEASE_CHANNEL.format(self.spec.worker_id))
+        while not self._stop.is_set():
             try:
-                send(("stats", loop.stats()))
+                msg = pubsub.get_message(timeout=1.0)
+            except Exception as e:  # noqa: BLE001 - reconnect and go on
+                log.warning("kv-release listener: %s", e)
+                time.sleep(0.5)
+                continue
+            if msg is None or msg.get("type") != "message":
+                continue
+            rid = msg["data"].decode()
+            meta = self.exports.pop(rid, None)
+            self.loop.call(lambda e, r=rid: e.release_pinned(r))
+            if meta is not None:
+                self.pool.submit(self.transfer.discard, rid, meta)
+
+    def _report(self) -> None:
+        while not self._stop.wait(self.spec.stats_period_s):
+            try:
+                self.send(("stats", self.stats()))
             except OSError:
                 return
 
-    threading.Thread(target=report, name="stats", daemon=True).start()
-    send(("ready", loop.stats()))
-    log.info("engine process %d serving %s", os.getpid(), spec.model_dir)
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):
-            break  # the worker process is gone: nothing left to serve
-        if kind == "submit":
-            rid, prompt_ids, params = payload
-            try:
-                sp = SamplingParams.from_dict(params)
-            except (TypeError, ValueError) as e:
-                publisher.publish_error(rid, f"invalid sampling parameters: {e}",
-                                        code="invalid_sampling_params")  # fmt: skip
-                continue
-            loop.submit(EngineRequest(rid, list(prompt_ids), sp))
-        elif kind == "abort":
-            loop.abort(payload)
-        elif kind == "stop":
-            break
-    stop.set()
-    t0 = time.monotonic()
-    loop.stop()
-    publisher.stop()
-    log.info("engine process stopped in %.2fs", time.monotonic() - t0)
+    def close(self) -> None:
+        self._stop.set()
+        self.loop.stop()
+        self.publisher.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.transfer is not None:
+            self.transfer.close()

@@ -18,11 +18,15 @@ from pathlib import Path
 import redis
 
 from workers.engine import EngineConfig
-from workers.engine_proc import EngineClient, EngineDied, EngineProcSpec
+from workers.engine_proc import Completion, EngineClient, EngineDied, EngineProcSpec
 from workers.registry import Heartbeat
 from workers.stream import CANCEL_CHANNEL, CANCELLED_KEY, publish_error_frame
 
 log = logging.getLogger(__name__)
+
+
+class KVPullFailed(RuntimeError):
+    """The decode worker could not pull a request's prefilled KV."""
 
 
 class WorkerRuntime:
@@ -37,6 +41,8 @@ class WorkerRuntime:
         torch_threads: int = 1,
         heartbeat_s: float = 2.0,
         worker_ttl_s: float = 10.0,
+        kv_transfer: str | None = None,
+        transfer_timeout_s: float = 30.0,
     ) -> None:
         self.pool = pool
         self.worker_id = worker_id
@@ -45,6 +51,9 @@ class WorkerRuntime:
             model_dir=str(model_dir),
             engine_config=asdict(engine_config),
             redis_url=redis_url,
+            worker_id=worker_id,
+            kv_transfer=kv_transfer,
+            transfer_timeout_s=transfer_timeout_s,
             torch_threads=torch_threads,
             stats_period_s=min(0.25, heartbeat_s / 2),
             log_level=logging.getLogger().getEffectiveLevel(),
@@ -87,22 +96,19 @@ class WorkerRuntime:
             "engine_pid": self.engine.pid,
         }
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: dict) -> dict:
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: dict,
+        forced_first_token: int | None = None,
+    ) -> dict:  # fmt: skip
         """Run one request to completion; frames are published as it goes.
 
         Returns a small summary (finish reason and token counts) — the task's handle."""
         t0 = time.perf_counter()
-        waiter = self.engine.submit(request_id, list(prompt_token_ids), params)
         # The API sets the cancelled key before it publishes a cancel, so checking it after
-        # submitting closes the window where a cancel reached us before the request did.
-        if self.redis.exists(CANCELLED_KEY.format(request_id)):
-            log.info("[%s] cancelled before it started", request_id)
-            self.engine.abort(request_id)
-        waiter.event.wait()
-        out = waiter.result
-        assert out is not None, "waiter woken without a result"
-        if out.error == "engine process died":
-            raise EngineDied(f"[{request_id}] engine process died mid-request")
+        # submitting (in _wait) closes the window where a cancel beat the request here.
+        waiter = self.engine.submit(request_id, list(prompt_token_ids), params,
+                                    forced_first_token)  # fmt: skip
+        out = self._wait(request_id, waiter)
         log.info(
             "[%s] %s: %d prompt + %d output tokens in %.3fs",
             request_id,
@@ -118,9 +124,55 @@ class WorkerRuntime:
             "completion_tokens": out.completion_tokens,
         }
 
-    def fail(self, request_id: str, message: str, code: str) -> None:
-        """End a stream that never reached the engine with an error frame."""
-        publish_error_frame(self.redis, request_id, message, code)
+    def fail(self, request_id: str, message: str, code: str, seq: int = 0) -> None:
+        """End a stream with an error frame numbered ``seq`` (0: nothing was streamed;
+        1: only the prefill worker's first token was)."""
+        publish_error_frame(self.redis, request_id, message, code, seq)
+
+    def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: dict,
+        forced_first_token: int | None = None,
+    ) -> dict:  # fmt: skip
+        """Prefill stage: run the prompt, stream the first token, pin the KV; returns the
+        handle the decode stage pulls it with."""
+        waiter = self.engine.prefill(request_id, list(prompt_token_ids), params,
+                                     forced_first_token)  # fmt: skip
+        out = self._wait(request_id, waiter)
+        if out.handle is not None:
+            log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
+                     out.prompt_tokens, out.handle["transfer"]["backend"])  # fmt: skip
+            return out.handle
+        # finished on its first token (or failed): the stream is complete already
+        return {"request_id": request_id, "prefill_worker": self.worker_id, "finished": True,
+                "finish_reason": out.finish_reason, "error": out.error}  # fmt: skip
+
+    def decode(
+        self, request_id: str, prompt_token_ids: list[int], params: dict, handle: dict
+    ) -> dict:
+        """Decode stage: pull the prefilled KV, then generate from the second token on.
+        Raises :class:`KVPullFailed` when the KV could not be pulled (nothing streamed)."""
+        t0 = time.perf_counter()
+        waiter = self.engine.decode(request_id, list(prompt_token_ids), params, handle)
+        out = self._wait(request_id, waiter)
+        if out.transfer_failed:
+            raise KVPullFailed(out.error or "KV pull failed")
+        log.info("[%s] %s: decoded %d tokens after a %s pull in %.3fs", request_id,
+                 out.finish_reason, out.completion_tokens,
+                 handle["transfer"]["backend"], time.perf_counter() - t0)  # fmt: skip
+        return {"request_id": request_id, "finish_reason": out.finish_reason,
+                "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": out.completion_tokens}  # fmt: skip
+
+    def _wait(self, request_id: str, waiter) -> Completion:  # type: ignore[no-untyped-def]
+        if self.redis.exists(CANCELLED_KEY.format(request_id)):
+            log.info("[%s] cancelled before it started", request_id)
+            self.engine.abort(request_id)
+        waiter.event.wait()
+        out = waiter.result
+        assert out is not None, "waiter woken without a result"
+        if out.error == "engine process died":
+            raise EngineDied(f"[{request_id}] engine process died mid-request")
+        return out
 
     def _engine_died(self) -> None:
         """Fail fast: stop heartbeating so routers stop sending here, then exit; the API

@@ -59,9 +59,11 @@ def output_frame(out: RequestOutput, seq: int) -> dict:
     return frame
 
 
-def publish_error_frame(client: redis.Redis, request_id: str, message: str, code: str) -> None:
-    """A lone terminal error frame (seq 0) for a request that produced no frame."""
-    frame = {"seq": 0, "done": True, "token_ids": [], "text": "",
+def publish_error_frame(
+    client: redis.Redis, request_id: str, message: str, code: str, seq: int = 0
+) -> None:
+    """A terminal error frame from outside the engine (e.g. a stage task that failed)."""
+    frame = {"seq": seq, "done": True, "token_ids": [], "text": "",
              "error": {"message": message, "type": "server_error", "code": code}}  # fmt: skip
     client.publish(tokens_channel(request_id), json.dumps(frame))
 
@@ -100,6 +102,11 @@ class FramePublisher:
     def publish_outputs(self, outputs: list[RequestOutput]) -> None:
         self._queue.put(outputs)
 
+    def start_at(self, request_id: str, seq: int) -> None:
+        """Number ``request_id``'s next frame ``seq`` (a decode worker continues the stream
+        a prefill worker began). Queued, so it applies before frames submitted after it."""
+        self._queue.put(("start_at", request_id, seq))  # type: ignore[arg-type]
+
     def publish_error(self, request_id: str, message: str, code: str = "") -> None:
         """End ``request_id``'s stream with an error frame (queued behind its other frames)."""
         from workers.engine import RequestOutput  # local: keep module import torch-free
@@ -131,6 +138,8 @@ class FramePublisher:
             while True:
                 if item is None:
                     stopping = True
+                elif isinstance(item, tuple):  # ("start_at", request_id, seq)
+                    self._seq[item[1]] = item[2]
                 else:
                     batch.extend(item)
                 try:
@@ -141,7 +150,9 @@ class FramePublisher:
                 continue
             args: list[bytes | str] = []
             for out in batch:
-                frame = output_frame(out, self._next_seq(out.request_id, out.finished))
+                # a prefill worker's part of the stream ends with its (non-terminal) first frame
+                seq = self._next_seq(out.request_id, out.finished or out.prefilled)
+                frame = output_frame(out, seq)
                 args.append(tokens_channel(out.request_id))
                 args.append(orjson.dumps(frame))
             try:
