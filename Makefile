@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[model,test,dev]"
+	$(PIP) install -q -e ".[model,test,dev,nixl]"
 	touch $@
 
 install-test: $(VENV)/.installed-test

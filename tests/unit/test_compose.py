@@ -21,7 +21,9 @@ COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-CONVEYOR_SERVICES = ("api", "flower", "worker-generate", "worker-generate-gpu")
+DISAGG_WORKERS = {"worker-prefill": "prefill", "worker-decode": "decode"}
+CONVEYOR_SERVICES = ("api", "flower", "worker-generate", "worker-generate-gpu", *DISAGG_WORKERS)
+WORKERS = ("worker-generate", "worker-generate-gpu", *DISAGG_WORKERS)
 ALL_SERVICES = ("redis", *CONVEYOR_SERVICES)
 PACKAGES = ("api", "tasks", "workers", "kvbm")
 
@@ -179,7 +181,7 @@ def test_front_services_publish_on_loopback_only(services, name, port):
         assert p["published"], f"{name} must publish a fixed host port"
 
 
-@pytest.mark.parametrize("name", ["worker-generate", "worker-generate-gpu"])
+@pytest.mark.parametrize("name", WORKERS)
 def test_workers_are_scalable(services, name):
     svc = services[name]
     assert "ports" not in svc, f"{name} publishes ports: --scale would collide"
@@ -207,6 +209,8 @@ def test_commands(services):
         argv = _argv(services[name]["command"])
         assert argv[:2] == ["conveyor", "worker"], name
         assert argv[argv.index("--pool") + 1] == "generate", name
+    for name, pool in DISAGG_WORKERS.items():
+        assert _argv(services[name]["command"]) == ["conveyor", "worker", "--pool", pool], name
 
 
 def test_health_probes_hit_the_right_things(services):
@@ -219,6 +223,9 @@ def test_health_probes_hit_the_right_things(services):
         argv = _argv(services[name]["healthcheck"]["test"])
         assert argv[1:3] == ["conveyor", "worker-health"], name
         assert argv[argv.index("--pool") + 1] == "generate", name
+    for name, pool in DISAGG_WORKERS.items():
+        argv = _argv(services[name]["healthcheck"]["test"])
+        assert argv == ["CMD", "conveyor", "worker-health", "--pool", pool], name
 
 
 @pytest.mark.parametrize("name", CONVEYOR_SERVICES)
@@ -242,10 +249,15 @@ def test_conveyor_services_point_at_the_redis_service(services, name):
     assert re.fullmatch(r"redis://redis:6379/\d+", url), f"{name}: CONVEYOR_REDIS_URL={url!r}"
 
 
-def test_only_gpu_worker_is_in_a_profile(services):
+def test_only_gpu_and_disagg_workers_are_in_a_profile(services):
+    # Plain `docker compose up` keeps starting the aggregated deployment.
+    profiles = {"worker-generate-gpu": ["gpu"], **{n: ["disagg"] for n in DISAGG_WORKERS}}
     for name in ALL_SERVICES:
-        if name != "worker-generate-gpu":
+        expected = profiles.get(name)
+        if expected is None:
             assert not services[name].get("profiles"), f"{name} must start by default"
+        else:
+            assert services[name].get("profiles") == expected, name
 
 
 def test_gpu_worker_reserves_an_nvidia_gpu(services):
@@ -268,8 +280,50 @@ def test_gpu_worker_reserves_an_nvidia_gpu(services):
 
 
 def test_workers_set_torch_threads(services):
-    for name in ("worker-generate", "worker-generate-gpu"):
+    for name in WORKERS:
         assert "CONVEYOR_TORCH_THREADS" in _env(services[name]), name
+
+
+@pytest.mark.parametrize("name", CONVEYOR_SERVICES)
+def test_mode_is_configurable_and_defaults_to_agg(services, name):
+    # One shared setting: the API picks the pipeline from it, so every service agrees.
+    assert _env(services[name]).get("CONVEYOR_MODE") == "${CONVEYOR_MODE:-agg}", name
+
+
+@pytest.mark.parametrize("name", DISAGG_WORKERS)
+def test_disagg_workers_share_the_cpu_image_and_pick_a_kv_transfer(services, name):
+    svc, gen = services[name], services["worker-generate"]
+    assert svc.get("image") == gen.get("image"), name
+    assert svc.get("build") == gen.get("build"), name
+    env = _env(svc)
+    assert env.get("CONVEYOR_KV_TRANSFER") == "${CONVEYOR_KV_TRANSFER:-auto}", name
+    assert env.get("CONVEYOR_DEVICE", "cpu") == "cpu", name
+    assert "deploy" not in svc or "devices" not in str(svc["deploy"]), name
+
+
+def test_compose_defaults_match_settings(services):
+    """`${CONVEYOR_X:-default}` defaults repeat tasks/settings.py's; keep them in step."""
+    settings = pytest.importorskip("tasks.settings")
+    fields = settings.Settings.model_fields
+    checked = set()
+    for name in CONVEYOR_SERVICES:
+        for key, value in _env(services[name]).items():
+            m = re.fullmatch(r"\$\{(\w+):-([^}]*)\}", value)
+            if not m or m[1] != key or key in ("CONVEYOR_MODEL",):
+                continue
+            field = key.removeprefix("CONVEYOR_").lower()
+            assert field in fields, f"{name}: {key} is no setting"
+            default = fields[field].default
+            assert type(default)(m[2]) == default, f"{name}: {key} default {m[2]!r} != {default!r}"
+            checked.add(key)
+    assert {
+        "CONVEYOR_MODE",
+        "CONVEYOR_KV_TRANSFER",
+        "CONVEYOR_DISAGG_MIN_PROMPT_TOKENS",
+        "CONVEYOR_KV_PIN_TIMEOUT_S",
+        "CONVEYOR_TRANSFER_TIMEOUT_S",
+        "CONVEYOR_PREFILL_RETRIES",
+    } <= checked
 
 
 def test_flower_basic_auth_is_required_from_env(services):
@@ -287,6 +341,12 @@ def test_compose_uses_a_shared_anchor():
     assert text.count("<<: *") >= len(CONVEYOR_SERVICES)
     assert "--scale worker-generate=" in text
     assert "--profile gpu" in text
+    # How to run disaggregated, and what NIXL needs between containers.
+    assert "CONVEYOR_MODE=disagg" in text
+    assert "--profile disagg" in text
+    assert "--scale worker-generate=0" in text
+    assert "--scale worker-prefill=" in text and "--scale worker-decode=" in text
+    assert "NIXL" in text and "RDMA" in text and "ipc" in text.lower()
 
 
 # --------------------------------------------------------------------------- Dockerfile
