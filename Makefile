@@ -13,6 +13,8 @@ SERVE_FLAGS := $(if $(PORT),--port $(PORT)) \
                $(if $(MODEL),--model $(MODEL)) \
                $(if $(MODE),--mode $(MODE)) \
                $(if $(WORKERS),--workers $(WORKERS)) \
+               $(if $(PREFILL_WORKERS),--prefill-workers $(PREFILL_WORKERS)) \
+               $(if $(DECODE_WORKERS),--decode-workers $(DECODE_WORKERS)) \
                $(if $(REDIS_URL),--redis-url $(REDIS_URL))
 
 .PHONY: serve test install install-test redis lint bench clean

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
+from tasks.app import declare_queues
 from tasks.channels import CANCEL_CHANNEL, CANCELLED_KEY, tokens_channel
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan
@@ -58,6 +59,7 @@ class Runner:
         self.router = Router(client)
         self.metrics = metrics
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
+        self._declared: set[str] = set()
 
     # ----------------------------------------------------------------------------------
     async def start(
@@ -125,7 +127,7 @@ class Runner:
                 sampling=sampling,
                 created=time.time(),
             )
-            await asyncio.to_thread(build_chain(p, payload).apply_async)
+            await asyncio.to_thread(self._send, p, payload)
         except BaseException:
             self.finish(run)
             raise
@@ -133,6 +135,16 @@ class Runner:
                  " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
                  f" [aggregated: {p.fallback}]" if p.fallback else "")  # fmt: skip
         return run
+
+    def _send(self, p: Plan, payload: GeneratePayload) -> None:
+        """Declare every queue the chain will reach (once per queue), then send it. Later
+        links travel by exchange and routing key; declaring here means a link can never
+        be dropped for want of a binding."""
+        fresh = [r.queue for r in p.routes if r.queue not in self._declared]
+        if fresh:
+            declare_queues(fresh)
+            self._declared.update(fresh)
+        build_chain(p, payload).apply_async()
 
     async def frames(self, run: RunningRequest) -> AsyncIterator[dict]:
         """All frames of a started request, the first included, up to the terminal one."""

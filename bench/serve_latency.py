@@ -278,16 +278,25 @@ def _wait(pred, timeout: float, what: str, procs: list) -> None:
 
 
 @contextmanager
-def local_server(model_dir: Path, log_dir: Path, torch_threads: int):
+def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str = "agg",
+                 kv_transfer: str = "auto"):  # fmt: skip
     conveyor = str(Path(sys.executable).parent / "conveyor")
     rport, aport = _free_port(), _free_port()
     env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
            "CONVEYOR_MODEL": str(model_dir),
-           "CONVEYOR_TORCH_THREADS": str(torch_threads)}  # fmt: skip
+           "CONVEYOR_TORCH_THREADS": str(torch_threads), "CONVEYOR_MODE": mode,
+           # every benchmark prompt goes through prefill -> KV transfer -> decode
+           "CONVEYOR_DISAGG_MIN_PROMPT_TOKENS": "0",
+           "CONVEYOR_KV_TRANSFER": kv_transfer}  # fmt: skip
     redis_argv = ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
                   "--appendonly", "no"]  # fmt: skip
-    cmds = {"redis": redis_argv, "worker": [conveyor, "worker", "--pool", "generate"],
-            "api": [conveyor, "api", "--port", str(aport)]}  # fmt: skip
+    cmds = {"redis": redis_argv}
+    if mode == "disagg":
+        cmds["prefill"] = [conveyor, "worker", "--pool", "prefill"]
+        cmds["worker"] = [conveyor, "worker", "--pool", "decode"]  # the engine ITL is timed on
+    else:
+        cmds["worker"] = [conveyor, "worker", "--pool", "generate"]
+    cmds["api"] = [conveyor, "api", "--port", str(aport)]
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         for name, argv in cmds.items():
@@ -392,7 +401,15 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--torch-threads", type=int, default=1, help="as the worker's default")
-    ap.add_argument("--mode", default="agg", help="recorded only (agg | disagg later)")
+    ap.add_argument(
+        "--mode",
+        default="agg",
+        choices=["agg", "disagg"],
+        help="--start-server: one generate worker (agg) or a prefill and a decode "
+        "worker (disagg); otherwise only recorded",
+    )
+    ap.add_argument("--kv-transfer", default="auto", choices=["auto", "nixl", "redis"],
+                    help="disagg KV transfer backend for --start-server")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="write raw results here")
     args = ap.parse_args()
@@ -428,7 +445,8 @@ def main() -> int:
     if args.start_server:
         log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
         print(f"  starting redis + worker + api (logs in {log_dir})", file=sys.stderr)
-        with local_server(model_dir, log_dir, args.torch_threads) as (url, pids):
+        with local_server(model_dir, log_dir, args.torch_threads, args.mode,
+                          args.kv_transfer) as (url, pids):  # fmt: skip
             res["url"] = url
             pids["client"] = os.getpid()
             res["model"], res["server"] = asyncio.run(

@@ -28,6 +28,14 @@ def route_to(name: str) -> dict:
     return {"exchange": name, "routing_key": name}
 
 
+def declare_queues(names: list[str]) -> None:
+    """Make sure queues (and their bindings) exist in the broker."""
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        for name in names:
+            queue(name)(channel).declare()
+
+
 def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
     s = settings or get_settings()
     names = [*s.pools, *extra_queues]

@@ -104,6 +104,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     """Run one Celery worker process for POOL (its pool queue + its own queue).
 
     Pools: generate (aggregated mode), prefill and decode (disagg mode)."""
+    from celery.signals import worker_ready
+
     from tasks.app import configure as configure_app
     from workers.engine import EngineConfig
     from workers.registry import worker_queue
@@ -136,6 +138,13 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     )
     app = configure_app(s, extra_queues=[own_queue])
     set_runtime(rt.start())
+
+    # Announce the worker (heartbeat) only once Celery consumes its queues: a router that
+    # saw it alive earlier could route to a queue nobody has declared yet.
+    def _ready(**_: object) -> None:
+        rt.announce()
+
+    worker_ready.connect(_ready, weak=False)
     argv = [
         "worker",
         "--queues",

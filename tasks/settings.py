@@ -88,7 +88,12 @@ class Settings(BaseSettings):
     kv_pin_timeout_s: float = Field(
         60.0, gt=0, description="Prefilled KV no decode worker pulled is freed after this."
     )
-    transfer_timeout_s: float = Field(30.0, gt=0, description="Limit of one KV pull.")
+    transfer_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Limit of one KV pull (below frame_timeout_s, so a stuck pull "
+        "is retried before the client gives up).",
+    )
     prefill_retries: int = Field(
         2, ge=0, description="Re-prefills after a failed KV pull before the request fails."
     )

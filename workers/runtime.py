@@ -70,12 +70,17 @@ class WorkerRuntime:
 
     # ----------------------------------------------------------------------------------
     def start(self) -> WorkerRuntime:
+        """Start the engine process and the cancel listener. The worker is not announced
+        yet: call :meth:`announce` once its queues are being consumed."""
         self.engine.start()
         self._cancel_pubsub.subscribe(CANCEL_CHANNEL)
         self._cancel_thread.start()
+        return self
+
+    def announce(self) -> None:
+        """Start heartbeating: from now on routers may send requests here."""
         self.heartbeat.start()
         log.info("worker %s (pool %s) ready", self.worker_id, self.pool)
-        return self
 
     def stop(self) -> None:
         self._stopping.set()

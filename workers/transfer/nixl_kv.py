@@ -11,6 +11,7 @@ runs of consecutive blocks into single descriptors, and issues one READ.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -36,11 +37,17 @@ class NixlKVTransfer(KVTransfer):
 
     def __init__(self, kv: PagedKVCache, client: redis.Redis, worker_id: str) -> None:
         super().__init__(kv)
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self._r = client
         self.agent_name = f"conveyor-{worker_id}-{uuid.uuid4().hex[:8]}"
-        self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        # Several transfer threads use the agent at once: ask NIXL for strict locking, and
+        # serialise each pull's setup/poll on our side as well.
+        cfg = nixl_agent_config(
+            backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        )
+        self._agent = nixl_agent(self.agent_name, cfg)
+        self._lock = threading.Lock()
         self._devid = (kv.k.device.index or 0) if kv.k.is_cuda else 0
         self._mem_type = "VRAM" if kv.k.is_cuda else "DRAM"
         self._reg = self._agent.register_memory([kv.k, kv.v])
@@ -65,6 +72,14 @@ class NixlKVTransfer(KVTransfer):
         src = meta["block_ids"]
         if len(src) != len(dst_block_ids):
             raise TransferError(f"{len(src)} blocks exported, {len(dst_block_ids)} given")
+        with self._lock:
+            try:
+                return self._pull(meta, src, dst_block_ids, timeout)
+            except TransferError:
+                self.forget(meta["agent"])  # reconnect next time (the peer may be new)
+                raise
+
+    def _pull(self, meta: dict, src: list[int], dst_block_ids: list[int], timeout: float) -> int:
         t0 = time.perf_counter()
         remote = self._remote(meta["agent"])
         bb = self.layout.block_bytes
@@ -83,10 +98,13 @@ class NixlKVTransfer(KVTransfer):
         handle = self._agent.initialize_xfer("READ", local, rdescs, remote)
         try:
             state = self._agent.transfer(handle)
-            deadline = time.monotonic() + timeout
+            start = time.monotonic()
             while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
+                waited = time.monotonic() - start
+                if waited > timeout:
                     raise TransferError(f"NIXL read from {meta['agent']} timed out")
+                if waited > 0.001:  # spin briefly, then yield the core to the engine
+                    time.sleep(0.0002)
                 state = self._agent.check_xfer_state(handle)
             if state == "ERR":
                 raise TransferError(f"NIXL read from {meta['agent']} failed")
