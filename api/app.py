@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
+from api.cluster_metrics import ClusterCollector
 from api.errors import OpenAIError, bad_request, error_body, install_error_handlers
 from api.metrics import ApiMetrics
 from api.middleware import AccessMiddleware
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 def create_app(settings: Settings | None = None) -> FastAPI:
     s = settings or get_settings()
     metrics = ApiMetrics()
+    cluster = ClusterCollector(s.mode)
+    metrics.registry.register(cluster)
     builder = PromptBuilder(s.model, s.max_model_len)
     configure_celery(s)
     state: dict = {}
@@ -98,6 +101,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        runner: Runner = state["runner"]
+        try:
+            await cluster.refresh(state["redis"], runner.router)
+        except Exception as e:  # noqa: BLE001 - still export the API's own metrics
+            log.warning("cluster metrics unavailable: %s", e)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/chat/completions")

@@ -181,6 +181,14 @@ def test_disagg_equals_agg_for_31_prompts(disagg: Disagg, agg_reference: list) -
     # every prompt went through prefill -> KV pull -> decode (heartbeats lag a little)
     wait_for(lambda: pulled()["count"] >= len(PROMPTS), 5, "transfer counters")
     assert pulled()["bytes"] > 0
+    backend = disagg.prefill.name.split("-")[1]
+    lab = f'{{backend="{backend}",worker="{dec}"}}'
+    assert _metric(disagg.url, f"conveyor_kv_transfers_total{lab}") >= len(PROMPTS)
+    assert _metric(disagg.url, f"conveyor_kv_transfer_bytes_total{lab}") == pulled()["bytes"]
+    assert _metric(disagg.url, f"conveyor_kv_transfer_seconds_total{lab}") > 0
+    assert _metric(disagg.url, 'conveyor_queue_depth{queue="prefill"}') == 0
+    assert _metric(disagg.url, f'conveyor_queue_depth{{queue="decode.{dec}"}}') == 0
+    assert _metric(disagg.url, 'conveyor_workers_live{pool="prefill"}') == 1
 
 
 def test_streamed_disagg_matches_and_frames_continue(disagg: Disagg, agg_reference: list) -> None:

@@ -16,6 +16,21 @@ def test_api_imports_no_torch() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_api_sources_never_import_workers_directly() -> None:
+    """api -> tasks -> workers -> kvbm: the API reaches worker-side names via tasks/."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "api"
+    bad = [
+        f"{p.name}:{n}"
+        for p in sorted(root.glob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.match(r"\s*(from|import) (workers|torch)\b", line)
+    ]
+    assert not bad, bad
+
+
 def test_kvbm_imports_no_celery_or_fastapi() -> None:
     code = (
         "import sys, kvbm.block_pool;"

@@ -1,0 +1,83 @@
+"""Cluster-wide metrics, read from Redis at scrape time.
+
+Workers report their state in their heartbeats (KV blocks in use and pinned, requests,
+KV transfer totals); queue depths are the lengths of the Celery queues in Redis. The
+``/metrics`` handler takes one snapshot per scrape (``refresh``) and this collector turns it
+into Prometheus families, so any API replica exports the same cluster view.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tasks.channels import POOL_SET, WORKER_KEY, worker_queue
+from tasks.pipeline import stages
+from tasks.router import Router
+
+
+class ClusterCollector:
+    def __init__(self, mode: str) -> None:
+        self.pools = stages(mode)
+        self._workers: list[dict] = []
+        self._queues: dict[str, int] = {}
+
+    async def refresh(self, client: aioredis.Redis, router: Router) -> None:
+        workers: list[dict] = []
+        queues: list[str] = list(self.pools)
+        for pool in self.pools:
+            ids = sorted(m.decode() for m in await client.smembers(POOL_SET.format(pool=pool)))
+            if not ids:
+                continue
+            raws = await client.mget([WORKER_KEY.format(pool=pool, id=i) for i in ids])
+            for wid, raw in zip(ids, raws, strict=True):
+                if raw is not None:
+                    workers.append(json.loads(raw))
+                    queues.append(worker_queue(pool, wid))
+        pipe = client.pipeline(transaction=False)
+        for q in queues:
+            pipe.llen(q)
+        self._queues = dict(zip(queues, await pipe.execute(), strict=True))
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("conveyor_queue_depth", "Tasks waiting in a Celery queue",
+                                  labels=["queue"])  # fmt: skip
+        for q, n in sorted(self._queues.items()):
+            depth.add_metric([q], n)
+        yield depth
+        live = GaugeMetricFamily("conveyor_workers_live", "Live workers per pool", labels=["pool"])
+        for pool in self.pools:
+            live.add_metric([pool], sum(w.get("pool") == pool for w in self._workers))
+        yield live
+        fams = {
+            "blocks_used": GaugeMetricFamily("conveyor_worker_kv_blocks_used",
+                                             "KV blocks in use", labels=["pool", "worker"]),
+            "blocks_pinned": GaugeMetricFamily("conveyor_worker_kv_blocks_pinned",
+                                               "Prefilled requests whose KV awaits a pull",
+                                               labels=["pool", "worker"]),
+            "active": GaugeMetricFamily("conveyor_worker_active_requests",
+                                        "Requests running or waiting in the engine",
+                                        labels=["pool", "worker"]),
+        }  # fmt: skip
+        t_bytes = CounterMetricFamily("conveyor_kv_transfer_bytes", "KV bytes pulled",
+                                      labels=["backend", "worker"])  # fmt: skip
+        t_secs = CounterMetricFamily("conveyor_kv_transfer_seconds", "Seconds spent pulling KV",
+                                     labels=["backend", "worker"])  # fmt: skip
+        t_count = CounterMetricFamily("conveyor_kv_transfers", "KV pulls",
+                                      labels=["backend", "worker"])  # fmt: skip
+        for w in self._workers:
+            key = [w.get("pool", "?"), w.get("worker_id", "?")]
+            for field, fam in fams.items():
+                fam.add_metric(key, float(w.get(field, 0)))
+            kt = w.get("kv_transfer")
+            if kt:
+                lab = [kt["backend"], w.get("worker_id", "?")]
+                t_bytes.add_metric(lab, kt["bytes"])
+                t_secs.add_metric(lab, kt["seconds"])
+                t_count.add_metric(lab, kt["count"])
+        yield from fams.values()
+        yield from (t_bytes, t_secs, t_count)
