@@ -279,7 +279,7 @@ def _wait(pred, timeout: float, what: str, procs: list) -> None:
 
 @contextmanager
 def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str = "agg",
-                 kv_transfer: str = "auto"):  # fmt: skip
+                 kv_transfer: str = "auto", engine_cpus: str | None = None):  # fmt: skip
     conveyor = str(Path(sys.executable).parent / "conveyor")
     rport, aport = _free_port(), _free_port()
     env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
@@ -288,6 +288,8 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str =
            # every benchmark prompt goes through prefill -> KV transfer -> decode
            "CONVEYOR_DISAGG_MIN_PROMPT_TOKENS": "0",
            "CONVEYOR_KV_TRANSFER": kv_transfer}  # fmt: skip
+    if engine_cpus:  # the engine gets its core(s); the processes started here get the rest
+        env["CONVEYOR_ENGINE_CPUS"] = engine_cpus
     redis_argv = ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
                   "--appendonly", "no"]  # fmt: skip
     cmds = {"redis": redis_argv}
@@ -378,6 +380,11 @@ def report(res: dict, levels: list[int]) -> None:
         print(f"\nWARNING: {short} requests did not report exactly {res['output_len']} tokens")
     if res["model"] != Path(res["model_dir"]).name:
         print(f"\nWARNING: the server serves {res['model']!r}; is it {res['model_dir']}?")
+    if res.get("pinned"):
+        print(
+            "\nPinned: the engine (server: CONVEYOR_ENGINE_CPUS; in-process: this process) "
+            "on the last CPU, the API, Redis, Celery and this client on the others."
+        )
     print(f"\nNotes: {os.cpu_count()} CPU cores; the server's api + worker + redis (and this "
           "client) share them; the in-process engine ran alone, never at the same time.\n"
           f"  1-min load average before the run: {res['loadavg_before']:.2f} (anything else "
@@ -401,6 +408,9 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--torch-threads", type=int, default=1, help="as the worker's default")
+    ap.add_argument("--no-pin-engine", dest="pin_engine", action="store_false",
+                    help="don't pin the engine to the last CPU (CONVEYOR_ENGINE_CPUS) and the "
+                         "API, Redis, Celery and this client to the others")  # fmt: skip
     ap.add_argument(
         "--mode",
         default="agg",
@@ -439,14 +449,25 @@ def main() -> int:
                      levels=levels, model_dir=str(model_dir), cpu_count=os.cpu_count(),
                      torch_threads=args.torch_threads,
                      loadavg_before=os.getloadavg()[0])  # fmt: skip
+    ncpu = len(os.sched_getaffinity(0))
+    engine_cpu, others = (ncpu - 1,), tuple(range(ncpu - 1))
+    pin = args.pin_engine and ncpu >= 2
+    res["pinned"] = pin
+    everything = tuple(os.sched_getaffinity(0))
     print("in-process engine ...", file=sys.stderr)
+    if pin:  # same core the server's engine gets
+        os.sched_setaffinity(0, engine_cpu)
     res["inprocess"] = _inprocess_levels(model_dir, levels, prompts, args)
+    if pin:  # the client shares the front-end cores, never the engine's
+        os.sched_setaffinity(0, others)
     print("server ...", file=sys.stderr)
     if args.start_server:
         log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
         print(f"  starting redis + worker + api (logs in {log_dir})", file=sys.stderr)
         with local_server(model_dir, log_dir, args.torch_threads, args.mode,
-                          args.kv_transfer) as (url, pids):  # fmt: skip
+                          args.kv_transfer,
+                          engine_cpus=",".join(map(str, engine_cpu)) if pin else None,
+                          ) as (url, pids):  # fmt: skip
             res["url"] = url
             pids["client"] = os.getpid()
             res["model"], res["server"] = asyncio.run(
@@ -457,6 +478,7 @@ def main() -> int:
         res["model"], res["server"] = asyncio.run(
             _server_levels(args.url, levels, prompts, args, {"client": os.getpid()})
         )
+    os.sched_setaffinity(0, everything)
     report(res, levels)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1, default=str))

@@ -108,6 +108,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
 
     from tasks.app import configure as configure_app
     from workers.engine import EngineConfig
+    from workers.engine_proc import parse_cpus
     from workers.registry import worker_queue
     from workers.runtime import WorkerRuntime, set_runtime
 
@@ -135,6 +136,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         worker_ttl_s=s.worker_ttl_s,
         kv_transfer=s.kv_transfer if pool in ("prefill", "decode") else None,
         transfer_timeout_s=s.transfer_timeout_s,
+        engine_cpus=parse_cpus(s.engine_cpus),
     )
     app = configure_app(s, extra_queues=[own_queue])
     set_runtime(rt.start())

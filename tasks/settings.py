@@ -66,6 +66,11 @@ class Settings(BaseSettings):
         64, ge=1, description="Celery task threads per worker (requests it can hold)."
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
+    engine_cpus: str | None = Field(
+        None,
+        description="CPU list the engine process is pinned to (e.g. '1' or '2-3'); keeps "
+        "the API, Redis and Celery off the engine's cores. Unset: no pinning.",
+    )
     device: str = Field("cpu", description="torch device for the reference engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weight and KV dtype of the reference engine."

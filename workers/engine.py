@@ -386,27 +386,16 @@ class Engine:
             reason = "stop"
         elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
-        if reason is None and seq.req.prefill_only:
-            # prefill done: keep the prompt's blocks for the decode worker to pull
-            self.running.remove(seq)
-            self.pinned[seq.id] = time.monotonic() + self.config.kv_pin_timeout_s
-            return RequestOutput(
-                seq.id,
-                [tok],
-                step.text,
-                num_prompt_tokens=seq.num_prompt,
-                num_output_tokens=n_out,
-                prefilled=True,
-                kv_block_ids=list(self.kv_manager.block_table(seq.id)),
-            )
         if reason is None:
-            return RequestOutput(
-                seq.id,
-                [tok],
-                step.text,
-                num_prompt_tokens=seq.num_prompt,
-                num_output_tokens=n_out,
-            )
+            out = RequestOutput(seq.id, [tok], step.text, num_prompt_tokens=seq.num_prompt,
+                                num_output_tokens=n_out)  # fmt: skip
+            if seq.req.prefill_only:
+                # prefill done: keep the prompt's blocks for the decode worker to pull
+                self.running.remove(seq)
+                self.pinned[seq.id] = time.monotonic() + self.config.kv_pin_timeout_s
+                out.prefilled = True
+                out.kv_block_ids = list(self.kv_manager.block_table(seq.id))
+            return out
         self.running.remove(seq)
         self.kv_manager.free(seq.id)
         tail = "" if step.stop is not None else seq.detok.finish()

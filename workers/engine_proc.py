@@ -42,6 +42,7 @@ class EngineProcSpec:
     kv_transfer: str | None = None  # None: this pool moves no KV; else auto | nixl | redis
     transfer_timeout_s: float = 30.0
     torch_threads: int = 1
+    cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
     stats_period_s: float = 0.25
     log_level: int = logging.INFO
 
@@ -67,6 +68,19 @@ class _Waiter:
 
 class EngineDied(RuntimeError):
     pass
+
+
+def parse_cpus(text: str | None) -> tuple[int, ...] | None:
+    """'0,2-3' -> (0, 2, 3); ``None``/empty -> ``None``."""
+    if not text:
+        return None
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"bad CPU list {text!r}; expected e.g. '1' or '0,2-3'")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(sorted(set(cpus)))
 
 
 KV_RELEASE_CHANNEL = "conveyor:kv-release:{}"
@@ -240,6 +254,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
             conn.send(msg)
 
     try:
+        if spec.cpus:
+            os.sched_setaffinity(0, spec.cpus)
+            log.info("engine process pinned to CPUs %s", ",".join(map(str, spec.cpus)))
         torch.set_num_threads(spec.torch_threads)
         engine = Engine.from_model_dir(Path(spec.model_dir), EngineConfig(**spec.engine_config))
         client = redis.Redis.from_url(spec.redis_url)

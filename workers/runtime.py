@@ -43,6 +43,7 @@ class WorkerRuntime:
         worker_ttl_s: float = 10.0,
         kv_transfer: str | None = None,
         transfer_timeout_s: float = 30.0,
+        engine_cpus: tuple[int, ...] | None = None,
     ) -> None:
         self.pool = pool
         self.worker_id = worker_id
@@ -55,6 +56,7 @@ class WorkerRuntime:
             kv_transfer=kv_transfer,
             transfer_timeout_s=transfer_timeout_s,
             torch_threads=torch_threads,
+            cpus=engine_cpus,
             stats_period_s=min(0.25, heartbeat_s / 2),
             log_level=logging.getLogger().getEffectiveLevel(),
         )

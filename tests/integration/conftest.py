@@ -151,6 +151,17 @@ class Cluster:
         return out
 
 
+def redis_db(redis_url: str, n: int) -> str:
+    """The same redis-server, database ``n``: an isolated deployment for one test."""
+    return redis_url.rsplit("/", 1)[0] + f"/{n}"
+
+
+def start_worker(name: str, pool: str, worker_id: str, env: dict[str, str], logdir: Path) -> Proc:
+    """A real ``conveyor worker`` process (its readiness shows in the API's /health)."""
+    argv = [str(BIN / "conveyor"), "worker", "--pool", pool, "--worker-id", worker_id]
+    return spawn(name, argv, env, logdir)
+
+
 def start_api(name: str, env: dict[str, str], logdir: Path) -> tuple[Proc, str]:
     port = free_port()
     p = spawn(name, [str(BIN / "conveyor"), "api", "--port", str(port)], env, logdir)
@@ -167,15 +178,7 @@ def cluster(
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("logs")
     env = base_env(redis_url, tiny_model_dir)
-    workers = [
-        spawn(
-            f"worker{i}",
-            [str(BIN / "conveyor"), "worker", "--pool", "generate", "--worker-id", f"itest-w{i}"],
-            env,
-            logdir,
-        )
-        for i in range(2)
-    ]
+    workers = [start_worker(f"worker{i}", "generate", f"itest-w{i}", env, logdir) for i in range(2)]
     api, url = start_api("api", env, logdir)
     c = Cluster(url, redis_url, tiny_model_dir, tiny_model_dir.name, workers, api)
     wait_for(

@@ -17,7 +17,15 @@ import openai
 import pytest
 import redis
 
-from tests.integration.conftest import BIN, Cluster, Proc, base_env, spawn, start_api, wait_for
+from tests.integration.conftest import (
+    Cluster,
+    Proc,
+    base_env,
+    redis_db,
+    start_api,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -100,19 +108,8 @@ def _start_disagg(
         CONVEYOR_KV_PIN_TIMEOUT_S="3",
         **env_extra,
     )
-    conveyor = str(BIN / "conveyor")
-    pre = spawn(
-        f"{name}-prefill",
-        [conveyor, "worker", "--pool", "prefill", "--worker-id", f"{name}-p"],
-        env,
-        logdir,
-    )
-    dec = spawn(
-        f"{name}-decode",
-        [conveyor, "worker", "--pool", "decode", "--worker-id", f"{name}-d"],
-        env,
-        logdir,
-    )
+    pre = start_worker(f"{name}-prefill", "prefill", f"{name}-p", env, logdir)
+    dec = start_worker(f"{name}-decode", "decode", f"{name}-d", env, logdir)
     api, url = start_api(f"{name}-api", env, logdir)
     d = Disagg(url, redis_url, pre, dec, api, model_dir.name)
     wait_for(
@@ -135,7 +132,7 @@ def disagg(
     if backend == "nixl":
         pytest.importorskip("nixl._api", reason="nixl not installed: NIXL path not tested")
     db = {"redis": 10, "nixl": 11}[backend]
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+    url = redis_db(redis_url, db)
     d = _start_disagg(
         f"dis-{backend}", url, tiny_model_dir, tmp_path_factory.mktemp(backend), backend
     )
@@ -445,16 +442,11 @@ def test_short_prompt_prefills_on_decode_worker(
 def test_no_prefill_pool_runs_aggregated_on_decode(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path, agg_reference: list
 ) -> None:
-    url12 = redis_url.rsplit("/", 1)[0] + "/12"
+    url12 = redis_db(redis_url, 12)
     env = base_env(
         url12, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0"
     )
-    dec = spawn(
-        "solo-decode",
-        [str(BIN / "conveyor"), "worker", "--pool", "decode", "--worker-id", "solo-d"],
-        env,
-        tmp_path,
-    )
+    dec = start_worker("solo-decode", "decode", "solo-d", env, tmp_path)
     api, url = start_api("api-solo", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 90, "decode", [dec])

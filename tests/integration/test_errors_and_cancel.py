@@ -10,7 +10,7 @@ import httpx
 import pytest
 import redis
 
-from tests.integration.conftest import Cluster, base_env, start_api, wait_for
+from tests.integration.conftest import Cluster, base_env, redis_db, start_api, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -162,7 +162,7 @@ def test_metrics_exposed(cluster: Cluster) -> None:
 
 
 def test_no_live_worker_503(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    url5 = redis_url.rsplit("/", 1)[0] + "/5"
+    url5 = redis_db(redis_url, 5)
     api, url = start_api("api-noworkers", base_env(url5, tiny_model_dir), tmp_path)
     try:
         h = httpx.get(f"{url}/health")
@@ -181,7 +181,7 @@ def test_worker_that_never_answers_gives_504(
 ) -> None:
     """A worker registered as alive that never consumes (hung): the client gets a timeout
     error, not a hung request — both non-stream and stream."""
-    url6 = redis_url.rsplit("/", 1)[0] + "/6"
+    url6 = redis_db(redis_url, 6)
     r6 = redis.Redis.from_url(url6)
     r6.set("conveyor:worker:generate:hung", '{"worker_id": "hung", "host": "x"}', ex=120)
     r6.sadd("conveyor:workers:generate", "hung")

@@ -13,13 +13,9 @@ import openai
 import pytest
 import redis
 
-from tests.integration.conftest import BIN, base_env, spawn, start_api, wait_for
+from tests.integration.conftest import base_env, redis_db, start_api, start_worker, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def _db(redis_url: str, n: int) -> str:
-    return redis_url.rsplit("/", 1)[0] + f"/{n}"
 
 
 def _metric(url: str, name: str) -> float:
@@ -32,15 +28,10 @@ def _metric(url: str, name: str) -> float:
 def test_request_redispatched_when_worker_dies_before_answering(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    url7 = _db(redis_url, 7)
+    url7 = redis_db(redis_url, 7)
     r = redis.Redis.from_url(url7)
     env = base_env(url7, tiny_model_dir)
-    worker = spawn(
-        "w-real",
-        [str(BIN / "conveyor"), "worker", "--pool", "generate", "--worker-id", "zzz-real"],
-        env,
-        tmp_path,
-    )
+    worker = start_worker("w-real", "generate", "zzz-real", env, tmp_path)
     api, url = start_api("api-failover", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
@@ -69,14 +60,9 @@ def test_request_redispatched_when_worker_dies_before_answering(
 def test_worker_killed_mid_stream_ends_stream_with_error(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    url8 = _db(redis_url, 8)
+    url8 = redis_db(redis_url, 8)
     env = base_env(url8, tiny_model_dir)
-    worker = spawn(
-        "w-doomed",
-        [str(BIN / "conveyor"), "worker", "--pool", "generate", "--worker-id", "doomed"],
-        env,
-        tmp_path,
-    )
+    worker = start_worker("w-doomed", "generate", "doomed", env, tmp_path)
     api, url = start_api("api-kill", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
