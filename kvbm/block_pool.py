@@ -4,15 +4,19 @@ The pool only does accounting — which block ids are in use and by whom. The me
 index (the engine's K/V tensors) belongs to the engine; ``kvbm`` never touches tensors here.
 
 Public part:
-    BlockPool         — allocate / free block ids with reference counts
-    KVCacheManager    — block tables per sequence on top of a pool
+    BlockPool         — allocate / free block ids with reference counts; cached blocks by
+                        content hash, evicted least recently used first
+    KVCacheManager    — block tables per sequence on top of a pool, with prefix caching
     Allocation        — what the engine gets back: the sequence's block ids
+    KVEvent           — stored / removed notices for the router's index
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from kvbm.hashing import ROOT_PARENT, block_hashes
 
 
 @dataclass(slots=True)
@@ -24,20 +28,36 @@ class Allocation:
     num_cached_tokens: int = 0
 
 
+@dataclass(slots=True)
+class KVEvent:
+    """A change to the set of cached blocks, for the KV-aware router's index."""
+
+    kind: str  # "stored" | "removed" | "cleared"
+    block_hashes: list[int]
+    tier: str = "G1"
+
+
 class BlockPool:
     """Fixed set of ``num_blocks`` KV blocks; ids ``0..num_blocks-1``.
 
-    Blocks are reference counted so that later layers (prefix sharing, transfer pins) can
-    hold a block beyond its first owner. "No room" is a return value (``None``), never an
-    exception.
+    Blocks are reference counted. With prefix caching a full block carries the hash of its
+    content; when its last reference goes it stays cached (reusable by hash) on the free
+    list until it is needed again, least recently used first. "No room" is a return value
+    (``None``), never an exception.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._ref_cnt = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._hash: list[int | None] = [None] * num_blocks
+        # free blocks in eviction order: the first is the least recently used
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._record = record_events
+        self._events: list[KVEvent] = []
+        self.num_evicted = 0
 
     # ----------------------------------------------------------------------------------
     @property
@@ -48,52 +68,106 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
     def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` free blocks (ref count 1 each), or ``None`` if fewer are free."""
+        """Take ``n`` free blocks (ref count 1 each), evicting cached content LRU-first;
+        ``None`` if fewer than ``n`` are free (nothing is taken then)."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
             return None
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
+        out = []
+        for _ in range(n):
+            b, _ = self._free.popitem(last=False)
             assert self._ref_cnt[b] == 0, f"block {b} on the free list has refs"
+            self._evict(b)
             self._ref_cnt[b] = 1
+            out.append(b)
         return out
 
     def incref(self, block_ids: list[int]) -> None:
+        """Take another reference; a cached free block leaves the free list (a hit)."""
         for b in block_ids:
-            assert self._ref_cnt[b] > 0, f"incref on free block {b}"
+            if self._ref_cnt[b] == 0:
+                del self._free[b]
             self._ref_cnt[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero return to the pool."""
+        """Drop one reference from each block; blocks reaching zero become free (most
+        recently used last), keeping their cached content until evicted."""
         for b in block_ids:
             assert self._ref_cnt[b] > 0, f"double free of block {b}"
             self._ref_cnt[b] -= 1
             if self._ref_cnt[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
+
+    # ----------------------------------------------------------------------------------
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``hashes`` (not yet referenced)."""
+        out = []
+        for h in hashes:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        """Record that ``block_id`` (in use, full) holds the content named ``block_hash``."""
+        assert self._ref_cnt[block_id] > 0, f"caching free block {block_id}"
+        if self._hash[block_id] is not None or block_hash in self._cached:
+            return  # already named, or another block holds the same content
+        self._hash[block_id] = block_hash
+        self._cached[block_hash] = block_id
+        if self._record:
+            self._events.append(KVEvent("stored", [block_hash]))
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _evict(self, b: int) -> None:
+        h = self._hash[b]
+        if h is None:
+            return
+        self._hash[b] = None
+        del self._cached[h]
+        self.num_evicted += 1
+        if self._record:
+            self._events.append(KVEvent("removed", [h]))
 
 
 @dataclass(slots=True)
 class _Table:
     block_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # of the first len(hashes) blocks
 
 
 class KVCacheManager:
-    """Block tables per sequence over one :class:`BlockPool`.
+    """Block tables per sequence over one :class:`BlockPool`, with prefix caching.
 
     ``allocate_slots(seq, n)`` grows ``seq``'s table so it can hold ``n`` tokens in total;
-    ``free(seq)`` returns every block the sequence held.
+    ``find_prefix(seq, tokens)`` starts a new sequence on the cached blocks of its longest
+    cached prefix; ``cache_blocks`` names the blocks a sequence has filled; ``free(seq)``
+    returns every block the sequence held (its last blocks become the first to evict).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        namespace: int = 0, record_events: bool = False,
+    ) -> None:  # fmt: skip
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record_events)
+        self.caching = enable_prefix_caching
+        self.namespace = namespace
         self._tables: dict[str, _Table] = {}
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -102,6 +176,23 @@ class KVCacheManager:
     def can_allocate(self, seq_id: str, num_tokens: int) -> bool:
         have = len(self._tables[seq_id].block_ids) if seq_id in self._tables else 0
         return self.blocks_needed(num_tokens) - have <= self.pool.num_free
+
+    def find_prefix(self, seq_id: str, token_ids: list[int]) -> int:
+        """Start ``seq_id`` on the cached blocks of its longest cached prefix; returns the
+        number of tokens they cover (0 without a hit). At least one token is always left
+        to compute, since the step that computes it also yields the next token."""
+        assert seq_id not in self._tables, f"{seq_id} already has blocks"
+        if not self.caching:
+            return 0
+        hashes = block_hashes(token_ids, self.block_size, self.namespace)
+        hits = self.pool.lookup(hashes)
+        if hits and len(hits) * self.block_size >= len(token_ids):
+            hits = hits[:-1]
+        if not hits:
+            return 0
+        self.pool.incref(hits)
+        self._tables[seq_id] = _Table(list(hits), hashes[: len(hits)])
+        return len(hits) * self.block_size
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> Allocation | None:
         """Make ``seq_id``'s table cover ``num_tokens`` tokens. ``None``: not enough room
@@ -119,15 +210,32 @@ class KVCacheManager:
             table.block_ids.extend(new)
         return Allocation(block_ids=table.block_ids)
 
+    def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Name (hash) every block of ``seq_id`` that is full of computed tokens."""
+        if not self.caching:
+            return
+        table = self._tables[seq_id]
+        full = min(num_computed // self.block_size, len(table.block_ids))
+        done = len(table.hashes)
+        if full <= done:
+            return
+        parent = table.hashes[-1] if table.hashes else ROOT_PARENT
+        new = block_hashes(token_ids[: full * self.block_size], self.block_size,
+                           self.namespace, start=done, parent=parent)  # fmt: skip
+        for i, h in enumerate(new, start=done):
+            self.pool.cache(table.block_ids[i], h)
+        table.hashes.extend(new)
+
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id].block_ids
 
     def free(self, seq_id: str) -> int:
-        """Release every block of ``seq_id``; returns how many it held (0 if unknown)."""
+        """Release every block of ``seq_id``; returns how many it held (0 if unknown).
+        Freed last-block-first, so a sequence's tail is evicted before its prefix."""
         table = self._tables.pop(seq_id, None)
         if table is None:
             return 0
-        self.pool.free(table.block_ids)
+        self.pool.free(list(reversed(table.block_ids)))
         return len(table.block_ids)
 
     @property

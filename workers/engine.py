@@ -27,6 +27,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kvbm.block_pool import KVCacheManager
+from kvbm.hashing import namespace_hash
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.detokenizer import IncrementalDetokenizer
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
@@ -85,6 +86,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     kv_pin_timeout_s: float = 60.0  # pinned prefill blocks nobody pulled are freed after
+    enable_prefix_caching: bool = True
+    namespace: str = ""  # folded into block hashes (model id); same on every worker
 
 
 @dataclass(slots=True)
@@ -97,6 +100,7 @@ class _Seq:
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
 
     @property
     def id(self) -> str:
@@ -125,7 +129,14 @@ class Engine:
                 f"KV pool of {config.num_kv_blocks} blocks x {bs} tokens cannot hold one "
                 f"sequence of max_model_len={self.max_model_len}; raise num_kv_blocks"
             )
-        self.kv_manager = KVCacheManager(config.num_kv_blocks, bs)
+        self.kv_manager = KVCacheManager(
+            config.num_kv_blocks,
+            bs,
+            enable_prefix_caching=config.enable_prefix_caching,
+            namespace=namespace_hash(config.namespace) if config.namespace else 0,
+        )
+        self.prompt_tokens_seen = 0  # prefix-cache hit rate = cached / seen
+        self.prompt_tokens_cached = 0
         self.kv = PagedKVCache(cfg, config.num_kv_blocks, bs, model.dtype, str(model.device))
         self.eos_ids = set(cfg.eos_token_ids)
         self.waiting: deque[_Seq] = deque()
@@ -302,9 +313,20 @@ class Engine:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            hit = 0
+            if seq.num_computed == 0:  # new or preempted: start on its cached prefix
+                hit = self.kv_manager.find_prefix(seq.id, seq.token_ids)
+                seq.num_computed = hit
             n = min(seq.num_tokens - seq.num_computed, budget)
             if self.kv_manager.allocate_slots(seq.id, seq.num_computed + n) is None:
+                if hit:  # give the cached blocks back until there is room
+                    self.kv_manager.free(seq.id)
+                    seq.num_computed = 0
                 break
+            if seq.num_preemptions == 0 and seq.req.imported is None:
+                seq.num_cached = hit
+                self.prompt_tokens_seen += seq.num_prompt
+                self.prompt_tokens_cached += hit
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append((seq, n))
@@ -345,6 +367,7 @@ class Engine:
                 bt = torch.tensor(table[:nb], dtype=torch.long, device=self.model.device)
                 prefills.append(PrefillSegment(row, n, end, bt))
             seq.num_computed = end
+            self.kv_manager.cache_blocks(seq.id, seq.token_ids, end)
             if end == seq.num_tokens:
                 logits_index.append(len(ids) - 1)
                 sampled.append(seq)
@@ -387,8 +410,14 @@ class Engine:
         elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
-            out = RequestOutput(seq.id, [tok], step.text, num_prompt_tokens=seq.num_prompt,
-                                num_output_tokens=n_out)  # fmt: skip
+            out = RequestOutput(
+                seq.id,
+                [tok],
+                step.text,
+                num_prompt_tokens=seq.num_prompt,
+                num_output_tokens=n_out,
+                num_cached_tokens=seq.num_cached,
+            )
             if seq.req.prefill_only:
                 # prefill done: keep the prompt's blocks for the decode worker to pull
                 self.running.remove(seq)
@@ -418,6 +447,7 @@ class Engine:
             stop_reason=stop_reason,
             num_prompt_tokens=seq.num_prompt,
             num_output_tokens=len(seq.output_ids),
+            num_cached_tokens=seq.num_cached,
         )
 
     def _error(self, req: EngineRequest, message: str) -> RequestOutput:
@@ -481,6 +511,9 @@ class EngineLoop:
             "waiting": len(e.waiting),
             "blocks_used": e.kv_manager.pool.num_used,
             "blocks_pinned": len(e.pinned),
+            "blocks_cached": e.kv_manager.pool.num_cached,
+            "prompt_tokens_seen": e.prompt_tokens_seen,
+            "prompt_tokens_cached": e.prompt_tokens_cached,
             "pins_expired": e.num_pin_expired,
             "blocks_total": e.kv_manager.pool.num_blocks,
             "preemptions": e.num_preemptions,

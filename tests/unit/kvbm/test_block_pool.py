@@ -92,10 +92,12 @@ def test_free_of_never_allocated_block_asserts() -> None:
         pool.free([1])
 
 
-def test_incref_on_free_block_asserts() -> None:
-    pool = BlockPool(2)
-    with pytest.raises(AssertionError, match="incref on free block"):
-        pool.incref([0])
+def test_incref_on_free_block_takes_it_off_the_free_list() -> None:
+    """A free block that is still cached can be referenced again (a prefix-cache hit)."""
+    pool = BlockPool(3)
+    pool.incref([1])
+    assert pool.ref_count(1) == 1 and pool.num_free == 2
+    assert pool.allocate(2) == [0, 2]
 
 
 # ----------------------------------------------------------------------- KVCacheManager
@@ -162,7 +164,7 @@ def test_can_allocate() -> None:
     assert not m.can_allocate("new", 9)
 
 
-def test_free_returns_count_and_blocks_go_back_fifo() -> None:
+def test_free_returns_count_and_tail_blocks_go_back_first() -> None:
     m = KVCacheManager(5, 4)
     m.allocate_slots("a", 9)  # [0, 1, 2]
     m.allocate_slots("b", 4)  # [3]
@@ -171,8 +173,9 @@ def test_free_returns_count_and_blocks_go_back_fifo() -> None:
     assert m.free("never") == 0
     assert m.num_seqs == 1
     assert m.pool.num_used == 1
-    # free list: [4, 0, 1, 2]
-    assert m.allocate_slots("c", 16).block_ids == [4, 0, 1, 2]
+    # free list: [4, 2, 1, 0] — a sequence is freed tail first, so its prefix blocks
+    # (the most reusable) are the last to be evicted
+    assert m.allocate_slots("c", 16).block_ids == [4, 2, 1, 0]
     assert m.free("b") == 1
     assert m.free("c") == 4
     assert m.pool.num_used == 0

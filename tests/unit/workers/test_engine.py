@@ -312,3 +312,36 @@ def test_engine_loop_threads(make_engine) -> None:
     assert len(_toks(got["long"])) < 200
     assert engine.kv_manager.pool.num_used == 0
     assert loop.stats()["blocks_used"] == 0
+
+
+def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """A request whose prompt prefix is cached computes only the rest, and generates
+    exactly what a cold run generates (greedy and seeded)."""
+    from workers.engine import Engine, EngineConfig, EngineRequest
+    from workers.sampling import SamplingParams
+
+    def run(e: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> tuple[list, int]:
+        e.add_request(EngineRequest(rid, prompt, sp))
+        toks, cached = [], -1
+        while e.has_unfinished:
+            for o in e.step():
+                toks += o.token_ids
+                if o.finished:
+                    cached = o.num_cached_tokens
+        return toks, cached
+
+    prompt = [1] + [(7 * i) % 500 + 5 for i in range(70)]  # 71 tokens: 4 full blocks
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    for sp in (greedy, seeded):
+        cold = Engine.from_model_dir(tiny_model_dir, EngineConfig(enable_prefix_caching=False))
+        want, c0 = run(cold, "cold", prompt, sp)
+        warm = Engine.from_model_dir(tiny_model_dir, EngineConfig())
+        first, c1 = run(warm, "a", prompt, sp)
+        again, c2 = run(warm, "b", prompt, sp)
+        branch, c3 = run(warm, "c", prompt[:40] + [9, 9, 9], sp)
+        assert (c0, c1, c2, c3) == (0, 0, 64, 32)
+        assert first == want and again == want
+        assert warm.kv_manager.pool.num_used == 0
+        cold_branch, _ = run(cold, "cb", prompt[:40] + [9, 9, 9], sp)
+        assert branch == cold_branch
