@@ -130,6 +130,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
             dtype=s.dtype,
             device=s.device,
             kv_pin_timeout_s=s.kv_pin_timeout_s,
+            enable_prefix_caching=s.enable_prefix_caching,
+            namespace=s.model_name,
         ),
         torch_threads=s.torch_threads,
         heartbeat_s=s.heartbeat_s,

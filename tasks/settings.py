@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     prefill_retries: int = Field(
         2, ge=0, description="Re-prefills after a failed KV pull before the request fails."
     )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse cached KV blocks of shared prompt prefixes (by block hash)."
+    )
     heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
     worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")
 

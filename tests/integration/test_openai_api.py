@@ -231,3 +231,25 @@ def test_32_concurrent_streams_lose_nothing(cluster: Cluster, hf: tuple) -> None
     assert not mismatched, f"{len(mismatched)} streams differ, e.g. {mismatched[0]!r}"
     loads = cluster.worker_loads()
     assert len(loads) == 2
+
+
+def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
+    """A prompt whose prefix a worker has cached is served from those blocks; the usage
+    says how many prompt tokens came from the cache (OpenAI's cached_tokens field)."""
+    c = cluster.client()
+    prompt = [1] + [(11 * i) % 500 + 5 for i in range(99)]  # 100 tokens: 6 full blocks
+    kw = dict(
+        model=cluster.model_name,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    first = c.completions.create(**kw)
+    # idle workers tie on load and the router breaks ties by id: the same worker again
+    second = c.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 96
+    assert second.choices[0].text == first.choices[0].text
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
