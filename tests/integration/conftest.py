@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -151,6 +152,17 @@ class Cluster:
         return out
 
 
+@contextmanager
+def stop_on_error(*procs: Proc) -> Iterator[None]:
+    """Stop ``procs`` if the block raises: a fixture that fails to start leaks nothing."""
+    try:
+        yield
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+
+
 def redis_db(redis_url: str, n: int) -> str:
     """The same redis-server, database ``n``: an isolated deployment for one test."""
     return redis_url.rsplit("/", 1)[0] + f"/{n}"
@@ -166,9 +178,13 @@ def start_api(name: str, env: dict[str, str], logdir: Path) -> tuple[Proc, str]:
     port = free_port()
     p = spawn(name, [str(BIN / "conveyor"), "api", "--port", str(port)], env, logdir)
     url = f"http://127.0.0.1:{port}"
-    wait_for(
-        lambda: httpx.get(f"{url}/v1/models", timeout=1).status_code == 200, 60, f"{name} up", [p]
-    )
+    with stop_on_error(p):
+        wait_for(
+            lambda: httpx.get(f"{url}/v1/models", timeout=1).status_code == 200,
+            60,
+            f"{name} up",
+            [p],
+        )
     return p, url
 
 
@@ -179,14 +195,16 @@ def cluster(
     logdir = tmp_path_factory.mktemp("logs")
     env = base_env(redis_url, tiny_model_dir)
     workers = [start_worker(f"worker{i}", "generate", f"itest-w{i}", env, logdir) for i in range(2)]
-    api, url = start_api("api", env, logdir)
+    with stop_on_error(*workers):
+        api, url = start_api("api", env, logdir)
     c = Cluster(url, redis_url, tiny_model_dir, tiny_model_dir.name, workers, api)
-    wait_for(
-        lambda: httpx.get(f"{url}/health", timeout=1).json()["workers"]["generate"] == 2,
-        90,
-        "2 live workers",
-        [*workers, api],
-    )
+    with stop_on_error(*workers, api):
+        wait_for(
+            lambda: httpx.get(f"{url}/health", timeout=1).json()["workers"]["generate"] == 2,
+            90,
+            "2 live workers",
+            [*workers, api],
+        )
     yield c
     for p in [api, *workers]:
         p.stop()

@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     redis_db,
     start_api,
     start_worker,
+    stop_on_error,
     wait_for,
 )
 
@@ -110,14 +111,16 @@ def _start_disagg(
     )
     pre = start_worker(f"{name}-prefill", "prefill", f"{name}-p", env, logdir)
     dec = start_worker(f"{name}-decode", "decode", f"{name}-d", env, logdir)
-    api, url = start_api(f"{name}-api", env, logdir)
+    with stop_on_error(pre, dec):
+        api, url = start_api(f"{name}-api", env, logdir)
     d = Disagg(url, redis_url, pre, dec, api, model_dir.name)
-    wait_for(
-        lambda: httpx.get(f"{url}/health").json()["workers"] == {"prefill": 1, "decode": 1},
-        90,
-        f"{name} workers",
-        [pre, dec, api],
-    )
+    with stop_on_error(pre, dec, api):
+        wait_for(
+            lambda: httpx.get(f"{url}/health").json()["workers"] == {"prefill": 1, "decode": 1},
+            90,
+            f"{name} workers",
+            [pre, dec, api],
+        )
     return d
 
 
@@ -447,7 +450,8 @@ def test_no_prefill_pool_runs_aggregated_on_decode(
         url12, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0"
     )
     dec = start_worker("solo-decode", "decode", "solo-d", env, tmp_path)
-    api, url = start_api("api-solo", env, tmp_path)
+    with stop_on_error(dec):
+        api, url = start_api("api-solo", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 90, "decode", [dec])
         assert httpx.get(f"{url}/health").json()["workers"] == {"prefill": 0, "decode": 1}

@@ -235,7 +235,10 @@ def test_32_concurrent_streams_lose_nothing(cluster: Cluster, hf: tuple) -> None
 
 def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
     """A prompt whose prefix a worker has cached is served from those blocks; the usage
-    says how many prompt tokens came from the cache (OpenAI's cached_tokens field)."""
+    says how many prompt tokens came from the cache (OpenAI's cached_tokens field).
+    Routing is by load here (cache-aware routing is a later issue), so a repeat may land
+    on the other worker; but of two repeats, one must find the prompt cached wherever it
+    lands (the first repeat either hits or caches it on the other worker)."""
     c = cluster.client()
     prompt = [1] + [(11 * i) % 500 + 5 for i in range(99)]  # 100 tokens: 6 full blocks
     kw = dict(
@@ -245,11 +248,14 @@ def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    first = c.completions.create(**kw)
-    # idle workers tie on load and the router breaks ties by id: the same worker again
-    second = c.completions.create(**kw)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.usage.prompt_tokens_details.cached_tokens == 96
-    assert second.choices[0].text == first.choices[0].text
-    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
+    runs = [c.completions.create(**kw) for _ in range(3)]
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]
+    assert cached[0] == 0
+    assert set(cached) <= {0, 96} and 96 in cached, cached
+    assert len({r.choices[0].text for r in runs}) == 1  # a hit gives the same text
+    streams = [
+        list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        for _ in range(2)
+    ]
+    stream_cached = [s[-1].usage.prompt_tokens_details.cached_tokens for s in streams]
+    assert set(stream_cached) <= {0, 96} and 96 in stream_cached

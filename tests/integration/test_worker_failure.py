@@ -13,7 +13,14 @@ import openai
 import pytest
 import redis
 
-from tests.integration.conftest import base_env, redis_db, start_api, start_worker, wait_for
+from tests.integration.conftest import (
+    base_env,
+    redis_db,
+    start_api,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +39,8 @@ def test_request_redispatched_when_worker_dies_before_answering(
     r = redis.Redis.from_url(url7)
     env = base_env(url7, tiny_model_dir)
     worker = start_worker("w-real", "generate", "zzz-real", env, tmp_path)
-    api, url = start_api("api-failover", env, tmp_path)
+    with stop_on_error(worker):
+        api, url = start_api("api-failover", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
         # A worker that registered and then froze: it sorts first, so the router picks it;
@@ -63,7 +71,8 @@ def test_worker_killed_mid_stream_ends_stream_with_error(
     url8 = redis_db(redis_url, 8)
     env = base_env(url8, tiny_model_dir)
     worker = start_worker("w-doomed", "generate", "doomed", env, tmp_path)
-    api, url = start_api("api-kill", env, tmp_path)
+    with stop_on_error(worker):
+        api, url = start_api("api-kill", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
