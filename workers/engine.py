@@ -373,7 +373,12 @@ class Engine:
                 sampled.append(seq)
         dev = self.model.device
         attn = AttentionMetadata.build(
-            torch.tensor(slots, dtype=torch.long, device=dev), prefills, decodes, bs, dev
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            prefills,
+            decodes,
+            bs,
+            self.model.cfg.num_layers,
+            dev,
         )
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),

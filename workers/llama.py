@@ -14,6 +14,8 @@ rotate-half RoPE with cos/sin in float32, SDPA attention) so greedy tokens match
 from __future__ import annotations
 
 import math
+import mmap
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +42,12 @@ class AttentionMetadata:
     gathered through ``decode_slots`` (padded to the longest context) and masked by
     ``decode_mask``. Prefill chunks are attended one by one (they are few and long)."""
 
-    slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
+    # Positions are rows of the cache viewed flat as [blocks * layers * 2 * block_size, ...]:
+    # a token's row for (layer, k|v) is its base + (2 * layer + k|v) * block_size.
+    slot_base: torch.Tensor  # [T] base row of each new token
     prefills: list[PrefillSegment]
-    decode_rows: torch.Tensor | None = None  # [D] rows of the decode tokens
-    decode_slots: torch.Tensor | None = None  # [D, max_ctx] flat slots of their contexts
+    decode_rows: torch.Tensor | None = None  # [D] rows (in the step) of the decode tokens
+    decode_base: torch.Tensor | None = None  # [D, max_ctx] base rows of their contexts
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_ctx] True where valid
 
     @classmethod
@@ -53,9 +57,12 @@ class AttentionMetadata:
         prefills: list[PrefillSegment],
         decodes: list[tuple[int, int, list[int]]],  # (row, context_len, block ids)
         block_size: int,
+        num_layers: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        meta = cls(slot_mapping, prefills)
+        stride = 2 * num_layers * block_size  # rows per block
+        base = slot_mapping // block_size * stride + slot_mapping % block_size
+        meta = cls(base, prefills)
         if decodes:
             max_ctx = max(ctx for _, ctx, _ in decodes)
             nb = -(-max_ctx // block_size)
@@ -63,15 +70,18 @@ class AttentionMetadata:
             table = torch.tensor(rows, dtype=torch.long)
             lens = torch.tensor([ctx for _, ctx, _ in decodes], dtype=torch.long)
             pos = torch.arange(max_ctx, dtype=torch.long)
-            slots = table[:, pos // block_size] * block_size + pos % block_size
             meta.decode_rows = torch.tensor([r for r, _, _ in decodes], device=device)
-            meta.decode_slots = slots.to(device)
+            meta.decode_base = (table[:, pos // block_size] * stride + pos % block_size).to(device)
             meta.decode_mask = (pos[None, :] < lens[:, None]).to(device)[:, None, None, :]
         return meta
 
 
 class PagedKVCache:
-    """K and V tensors for every layer: ``[layers, num_blocks, block_size, kv_heads, dim]``."""
+    """The KV cache, block-major: ``data[block, layer, k|v, slot, kv_head, dim]``.
+
+    One block (all layers, K and V) is one contiguous run of memory, so moving a block to
+    another worker is one region, not two per layer. ``k`` and ``v`` are views in the
+    layer-major shape ``[layers, num_blocks, block_size, kv_heads, dim]``."""
 
     def __init__(
         self,
@@ -81,16 +91,30 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: str,
     ) -> None:
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self._mapping: mmap.mmap | None = None
+        if torch.device(device).type == "cpu":
+            self.data, self._mapping = _huge_page_zeros(shape, dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
 
     @property
+    def k(self) -> torch.Tensor:
+        return self.data[:, :, 0].transpose(0, 1)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.data[:, :, 1].transpose(0, 1)
+
+    def layer(self, layer: int, which: int) -> torch.Tensor:
+        """K (``which=0``) or V (1) of one layer: ``[num_blocks, block_size, heads, dim]``."""
+        return self.data[:, layer, which]
+
+    @property
     def bytes_per_block(self) -> int:
-        per = self.k[:, 0].numel() * self.k.element_size()
-        return 2 * per
+        return self.data[0].numel() * self.data.element_size()
 
 
 class LlamaModel:
@@ -166,18 +190,18 @@ class LlamaModel:
         q = _apply_rope(q, cos, sin)
         k = _apply_rope(k, cos, sin)
 
-        k_cache = kv.k[layer].view(-1, nkv, hd)
-        v_cache = kv.v[layer].view(-1, nkv, hd)
-        k_cache.index_copy_(0, attn.slot_mapping, k)
-        v_cache.index_copy_(0, attn.slot_mapping, v)
+        flat = kv.data.view(-1, nkv, hd)
+        k_off, v_off = 2 * layer * kv.block_size, (2 * layer + 1) * kv.block_size
+        flat.index_copy_(0, attn.slot_base + k_off, k)
+        flat.index_copy_(0, attn.slot_base + v_off, v)
 
         groups = nh // nkv
         out = torch.empty_like(q)
         if attn.decode_rows is not None:
-            assert attn.decode_slots is not None and attn.decode_mask is not None
+            assert attn.decode_base is not None and attn.decode_mask is not None
             qd = q[attn.decode_rows].unsqueeze(2)  # [D, H, 1, hd]
-            kd = k_cache[attn.decode_slots].transpose(1, 2)  # [D, KV, ctx, hd]
-            vd = v_cache[attn.decode_slots].transpose(1, 2)
+            kd = flat[attn.decode_base + k_off].transpose(1, 2)  # [D, KV, ctx, hd]
+            vd = flat[attn.decode_base + v_off].transpose(1, 2)
             if groups > 1:
                 kd = kd.repeat_interleave(groups, dim=1)
                 vd = vd.repeat_interleave(groups, dim=1)
@@ -188,8 +212,8 @@ class LlamaModel:
         for seg in attn.prefills:
             n, ctx = seg.num_new, seg.context_len
             qs = q[seg.start : seg.start + n].transpose(0, 1)  # [H, n, hd]
-            ks = kv.k[layer][seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
-            vs = kv.v[layer][seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
+            ks = kv.layer(layer, 0)[seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
+            vs = kv.layer(layer, 1)[seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
             if groups > 1:
                 ks = ks.repeat_interleave(groups, dim=0)
                 vs = vs.repeat_interleave(groups, dim=0)
@@ -205,6 +229,28 @@ class LlamaModel:
 # --------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------
+
+
+def _huge_page_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """A zeroed CPU tensor on anonymous memory advised to use 2 MiB pages: fewer TLB misses
+    and far fewer page-sized pieces for a process-to-process copy (NIXL over UCX/cma moves
+    ~1.6x faster). Falls back to ``torch.zeros`` where the advice is unavailable."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or nbytes < (2 << 20):
+        return torch.zeros(shape, dtype=dtype), None
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(advice)
+    except (OSError, ValueError):
+        return torch.zeros(shape, dtype=dtype), None
+    with warnings.catch_warnings():  # anonymous memory is writable; silence the caution
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)
+    return t, mapping  # the mapping must outlive the tensor: the cache keeps both
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

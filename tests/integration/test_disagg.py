@@ -309,9 +309,7 @@ def _lost_handle(disagg: Disagg, rid: str, first_token: int) -> dict:
         "layout": None,
         "agent": "conveyor-gone",
         "block_ids": [0],
-        "k_base": 0,
-        "v_base": 0,
-        "num_blocks_total": 1,
+        "base": 0,
         "devid": 0,
     }
     return {

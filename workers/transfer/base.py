@@ -4,9 +4,9 @@ The prefill side ``export``s a request's KV blocks (they stay pinned in its pool
 back JSON metadata that travels in the Celery handle; the decode side ``pull``s the blocks
 into blocks of its own pool using that metadata. Tensors never travel in task payloads.
 
-Both sides describe blocks the same way: the engine's cache is ``k`` and ``v`` tensors of
-shape ``[layers, num_blocks, block_size, kv_heads, head_dim]``, so one block of one layer
-of K (or V) is a contiguous run of ``block_bytes``.
+Both sides describe blocks the same way: the engine's cache is block-major,
+``[num_blocks, layers, k|v, block_size, kv_heads, head_dim]``, so one block — every layer,
+K and V — is one contiguous run of ``block_bytes``.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ class KVLayout:
 
     @classmethod
     def of(cls, kv: PagedKVCache) -> KVLayout:
-        layers, _, bs, heads, dim = kv.k.shape
-        return cls(layers, heads, dim, bs, str(kv.k.dtype).removeprefix("torch."))
+        _, layers, _, bs, heads, dim = kv.data.shape
+        return cls(layers, heads, dim, bs, str(kv.data.dtype).removeprefix("torch."))
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one layer of K (or of V)."""
+        """Bytes of one whole block: every layer, K and V."""
         elem = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,11 +2,12 @@
 directly — host-to-host over RDMA where it exists, process-to-process on one machine
 (UCX picks cma / shared memory), GPU memory on GPU machines.
 
-Each engine process creates one agent, registers its whole K and V cache once at start
+Each engine process creates one agent, registers its whole KV cache once at start
 (memory registered and touched up front, so the first transfer is not slow) and publishes
 the agent's metadata in Redis under its name. Export only names the blocks; the decode side
-computes both sides' addresses from the two caches' bases and the shared layout, merges
-runs of consecutive blocks into single descriptors, and issues one READ.
+computes both sides' addresses from the two caches' bases (the cache is block-major, so a
+block is one region), merges runs of consecutive blocks into single descriptors, and
+issues one READ.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ class NixlKVTransfer(KVTransfer):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
-        self._devid = (kv.k.device.index or 0) if kv.k.is_cuda else 0
-        self._mem_type = "VRAM" if kv.k.is_cuda else "DRAM"
-        self._reg = self._agent.register_memory([kv.k, kv.v])
+        self._devid = (kv.data.device.index or 0) if kv.data.is_cuda else 0
+        self._mem_type = "VRAM" if kv.data.is_cuda else "DRAM"
+        self._reg = self._agent.register_memory([kv.data])
         client.set(AGENT_KEY.format(self.agent_name), self._agent.get_agent_metadata())
         self._remotes: dict[str, str] = {}
         self._pump.start()
@@ -68,9 +69,7 @@ class NixlKVTransfer(KVTransfer):
             "backend": self.name,
             "layout": self.layout.to_dict(),
             "agent": self.agent_name,
-            "k_base": self.kv.k.data_ptr(),
-            "v_base": self.kv.v.data_ptr(),
-            "num_blocks_total": self.kv.num_blocks,
+            "base": self.kv.data.data_ptr(),
             "devid": self._devid,
             "block_ids": list(block_ids),
         }
@@ -90,16 +89,12 @@ class NixlKVTransfer(KVTransfer):
     def _pull(self, meta: dict, src: list[int], dst_block_ids: list[int], timeout: float) -> int:
         t0 = time.perf_counter()
         remote = self._remote(meta["agent"])
-        bb = self.layout.block_bytes
-        runs = _runs(src, dst_block_ids)
+        bb = self.layout.block_bytes  # one whole block is one contiguous region
+        here, there = self.kv.data.data_ptr(), meta["base"]
         local_rows, remote_rows = [], []
-        here = (self.kv.k.data_ptr(), self.kv.v.data_ptr(), self.kv.num_blocks)
-        there = (meta["k_base"], meta["v_base"], meta["num_blocks_total"])
-        for which in (0, 1):  # K, V
-            for layer in range(self.layout.num_layers):
-                for s, d, n in runs:
-                    remote_rows.append((_addr(there, which, layer, s, bb), n * bb, meta["devid"]))
-                    local_rows.append((_addr(here, which, layer, d, bb), n * bb, self._devid))
+        for s, d, n in _runs(src, dst_block_ids):
+            remote_rows.append((there + s * bb, n * bb, meta["devid"]))
+            local_rows.append((here + d * bb, n * bb, self._devid))
         local = self._agent.get_xfer_descs(np.array(local_rows, dtype=np.uint64), self._mem_type)
         rdescs = self._agent.get_xfer_descs(np.array(remote_rows, dtype=np.uint64),
                                             self._mem_type)  # fmt: skip
@@ -161,11 +156,6 @@ class NixlKVTransfer(KVTransfer):
                 self._agent.remove_remote_agent(name)
             except Exception:  # noqa: BLE001, S110
                 pass
-
-
-def _addr(base: tuple[int, int, int], which: int, layer: int, block: int, bb: int) -> int:
-    k_base, v_base, num_blocks = base
-    return (k_base if which == 0 else v_base) + (layer * num_blocks + block) * bb
 
 
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

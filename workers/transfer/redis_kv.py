@@ -29,8 +29,7 @@ class RedisKVTransfer(KVTransfer):
 
     def export(self, request_id: str, block_ids: list[int]) -> dict:
         idx = torch.tensor(block_ids, dtype=torch.long)
-        # [2, layers, n, block_size, kv_heads, head_dim]: K then V, block order as given
-        data = torch.stack((self.kv.k[:, idx], self.kv.v[:, idx])).contiguous()
+        data = self.kv.data[idx]  # whole blocks, in the order given
         raw = data.view(torch.uint8).numpy().tobytes()
         pipe = self._r.pipeline(transaction=False)
         n_chunks = 0
@@ -59,13 +58,9 @@ class RedisKVTransfer(KVTransfer):
         raw = b"".join(parts)  # type: ignore[arg-type]
         if len(raw) != meta["nbytes"]:
             raise TransferError(f"KV data truncated: {len(raw)} of {meta['nbytes']} bytes")
-        lay = self.layout
-        shape = (2, lay.num_layers, len(dst_block_ids), lay.block_size, lay.num_kv_heads,
-                 lay.head_dim)  # fmt: skip
-        data = torch.frombuffer(bytearray(raw), dtype=self.kv.k.dtype).view(shape)
-        idx = torch.tensor(dst_block_ids, dtype=torch.long)
-        self.kv.k[:, idx] = data[0]
-        self.kv.v[:, idx] = data[1]
+        shape = (len(dst_block_ids), *self.kv.data.shape[1:])
+        data = torch.frombuffer(bytearray(raw), dtype=self.kv.data.dtype).view(shape)
+        self.kv.data[torch.tensor(dst_block_ids, dtype=torch.long)] = data
         self._r.delete(*keys)
         self.bytes_moved += len(raw)
         self.seconds += time.perf_counter() - t0
