@@ -302,8 +302,13 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str =
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         for name, argv in cmds.items():
+            child_env = env
+            if name == "prefill" and engine_cpus:
+                # disagg: the prefill engine gets the front-end cores, not the decode's
+                others = sorted(set(os.sched_getaffinity(0)) - {int(engine_cpus)}) or [0]
+                child_env = {**env, "CONVEYOR_ENGINE_CPUS": ",".join(map(str, others))}
             with open(log_dir / f"{name}.log", "wb") as log:  # the child keeps its own copy
-                p = subprocess.Popen(argv, env=env, stdout=log, stderr=log, cwd=ROOT,
+                p = subprocess.Popen(argv, env=child_env, stdout=log, stderr=log, cwd=ROOT,
                                      start_new_session=True)  # fmt: skip
             procs.append((name, p))
             if name == "redis":
