@@ -39,7 +39,6 @@ class Subscription:
         self.hub = hub
         self.channel = channel
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
-        self.done = False
 
     async def frames(
         self,
@@ -79,7 +78,6 @@ class Subscription:
             timeout = frame_timeout
             yield frame
             if frame.get("done"):
-                self.done = True
                 return
 
     async def close(self) -> None:
@@ -107,10 +105,6 @@ class StreamHub:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
         await self._pubsub.aclose()
-
-    @property
-    def active(self) -> int:
-        return len(self._subs)
 
     async def subscribe(self, channel: str, timeout: float = 5.0) -> Subscription:
         sub = Subscription(self, channel)

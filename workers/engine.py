@@ -522,6 +522,8 @@ class EngineLoop:
             "pins_expired": e.num_pin_expired,
             "blocks_total": e.kv_manager.pool.num_blocks,
             "preemptions": e.num_preemptions,
+            "steps": e.num_steps,
+            "step_seconds": round(self.step_seconds_total, 3),
         }
 
     # ----------------------------------------------------------------------------------

@@ -112,10 +112,6 @@ class PagedKVCache:
         """K (``which=0``) or V (1) of one layer: ``[num_blocks, block_size, heads, dim]``."""
         return self.data[:, layer, which]
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
-
 
 class LlamaModel:
     """Weights plus the forward pass; stateless apart from the KV cache it is handed."""
