@@ -27,11 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 
 from api.cluster_metrics import ClusterCollector
-from api.errors import OpenAIError, bad_request, error_body, install_error_handlers
+from api.errors import OpenAIError, bad_request, install_error_handlers
 from api.metrics import ApiMetrics
 from api.middleware import AccessMiddleware
 from api.protocol import ChatCompletionRequest, CompletionRequest, unsupported
-from api.runner import Runner, RunningRequest, stream_error
+from api.runner import Runner, RunningRequest, frame_error, stream_error
 from api.streams import StreamHub
 from api.tokenization import PromptBuilder
 from tasks.app import configure as configure_celery
@@ -189,10 +189,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 yield _data(fmt.chunk(fmt.role_delta(), None, include_usage))
             async for frame in runner.frames(run):
                 if frame.get("error"):
-                    err = frame["error"]
-                    yield _data(error_body(err.get("message", "generation failed"),
-                                           err.get("type", "server_error"), None,
-                                           err.get("code")))  # fmt: skip
+                    yield _data(frame_error(frame).body())
                     return
                 text = frame.get("text") or ""
                 if text:
@@ -221,9 +218,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             async for frame in runner.frames(run):
                 if frame.get("error"):
-                    err = frame["error"]
-                    raise OpenAIError(500, err.get("message", "generation failed"),
-                                      "server_error", None, err.get("code"))  # fmt: skip
+                    raise frame_error(frame)
                 parts.append(frame.get("text") or "")
                 last = frame
         except OpenAIError:

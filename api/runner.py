@@ -34,7 +34,6 @@ CANCELLED_TTL_S = 3 * 3600  # longer than the broker's visibility timeout (1 h)
 @dataclass
 class RunningRequest:
     request_id: str
-    prompt_len: int
     subscription: Subscription
     plan: Plan
     started: float
@@ -92,11 +91,9 @@ class Runner:
                     raise OpenAIError(504, f"the worker did not answer in time ({e})",
                                       "server_error", None, "timeout") from e  # fmt: skip
                 raise
-            first = run.first_frame
-            if first.get("error") and first.get("done"):
+            if run.first_frame.get("error") and run.first_frame.get("done"):
                 self.finish(run)
-                raise OpenAIError(500, first["error"].get("message", "generation failed"),
-                                  "server_error", None, first["error"].get("code"))  # fmt: skip
+                raise frame_error(run.first_frame)
             return run
         raise OpenAIError(503, f"{attempts} workers in a row died before answering",
                           "server_error", None, "worker_lost")  # fmt: skip
@@ -118,7 +115,7 @@ class Runner:
         if p.fallback is not None:
             self.metrics.disagg_fallbacks.labels(p.fallback).inc()
         sub = await self.hub.subscribe(tokens_channel(stream_id))
-        run = RunningRequest(stream_id, len(prompt_ids), sub, p, started)
+        run = RunningRequest(stream_id, sub, p, started)
         try:
             payload = GeneratePayload(
                 request_id=stream_id,
@@ -205,6 +202,13 @@ class Runner:
                 await self.router.release(route)
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)
+
+
+def frame_error(frame: dict) -> OpenAIError:
+    """The error a worker's error frame reports, as the client gets it."""
+    err = frame["error"]
+    return OpenAIError(500, err.get("message", "generation failed"),
+                       err.get("type", "server_error"), None, err.get("code"))  # fmt: skip
 
 
 def stream_error(e: BaseException) -> OpenAIError:

@@ -58,6 +58,7 @@ class Completion:
     error: str | None = None
     handle: dict | None = None  # prefill: what the decode worker needs to pull the KV
     transfer_failed: bool = False  # decode: the KV could not be pulled
+    engine_died: bool = False  # the engine process is gone; the request is lost with it
 
 
 @dataclass(slots=True)
@@ -221,7 +222,7 @@ class EngineClient:
             self._dead = True
             waiters, self._waiters = self._waiters, {}
         for rid, w in waiters.items():
-            w.result = Completion(rid, "error", error="engine process died")
+            w.result = Completion(rid, "error", error="engine process died", engine_died=True)
             w.event.set()
         if not self._stopping:
             log.critical("engine process exited unexpectedly")

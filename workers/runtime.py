@@ -177,7 +177,7 @@ class WorkerRuntime:
         waiter.event.wait()
         out = waiter.result
         assert out is not None, "waiter woken without a result"
-        if out.error == "engine process died":
+        if out.engine_died:
             raise EngineDied(f"[{request_id}] engine process died mid-request")
         return out
 

@@ -9,7 +9,7 @@ Frame (JSON), one per engine step per request::
     {"seq": 3, "done": true, "error": {"message": .., "type": .., "code": ..}}
 
 ``seq`` counts from 0 per request with no gaps; the frame with ``done`` is always last.
-One step's frames for all requests go out in one pipelined round trip.
+One step's frames for all requests go out in one round trip (a Lua multi-publish).
 """
 
 from __future__ import annotations
@@ -43,11 +43,8 @@ def output_frame(out: RequestOutput, seq: int) -> dict:
     if out.finished:
         frame["done"] = True
         if out.finish_reason == "error":
-            frame["error"] = {
-                "message": out.error or "generation failed",
-                "type": "server_error",
-                "code": out.error_code or "engine_error",
-            }
+            frame["error"] = _error(out.error or "generation failed",
+                                    out.error_code or "engine_error")  # fmt: skip
         else:
             frame["finish_reason"] = out.finish_reason
             frame["stop_reason"] = out.stop_reason
@@ -63,9 +60,12 @@ def publish_error_frame(
     client: redis.Redis, request_id: str, message: str, code: str, seq: int = 0
 ) -> None:
     """A terminal error frame from outside the engine (e.g. a stage task that failed)."""
-    frame = {"seq": seq, "done": True, "token_ids": [], "text": "",
-             "error": {"message": message, "type": "server_error", "code": code}}  # fmt: skip
+    frame = {"seq": seq, "done": True, "token_ids": [], "text": "", "error": _error(message, code)}
     client.publish(tokens_channel(request_id), json.dumps(frame))
+
+
+def _error(message: str, code: str) -> dict:
+    return {"message": message, "type": "server_error", "code": code}
 
 
 # Publishes a whole step's frames in one command: ARGV = channel1, frame1, channel2, ...
