@@ -101,9 +101,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        runner: Runner = state["runner"]
         try:
-            await cluster.refresh(state["redis"], runner.router)
+            await cluster.refresh(state["redis"])
         except Exception as e:  # noqa: BLE001 - still export the API's own metrics
             log.warning("cluster metrics unavailable: %s", e)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -16,7 +16,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tasks.channels import POOL_SET, WORKER_KEY, worker_queue
 from tasks.pipeline import stages
-from tasks.router import Router
 
 
 class ClusterCollector:
@@ -25,7 +24,7 @@ class ClusterCollector:
         self._workers: list[dict] = []
         self._queues: dict[str, int] = {}
 
-    async def refresh(self, client: aioredis.Redis, router: Router) -> None:
+    async def refresh(self, client: aioredis.Redis) -> None:
         workers: list[dict] = []
         queues: list[str] = list(self.pools)
         for pool in self.pools:
@@ -69,8 +68,18 @@ class ClusterCollector:
                                      labels=["backend", "worker"])  # fmt: skip
         t_count = CounterMetricFamily("conveyor_kv_transfers", "KV pulls",
                                       labels=["backend", "worker"])  # fmt: skip
+        frames = CounterMetricFamily(
+            "conveyor_worker_frames_published",
+            "Token frames a worker published",
+            labels=["pool", "worker"],
+        )
+        frame_errors = CounterMetricFamily("conveyor_worker_frame_publish_errors",
+                                           "Frame batches a worker failed to publish",
+                                           labels=["pool", "worker"])  # fmt: skip
         for w in self._workers:
             key = [w.get("pool", "?"), w.get("worker_id", "?")]
+            frames.add_metric(key, w.get("frames_published", 0))
+            frame_errors.add_metric(key, w.get("frame_publish_errors", 0))
             for field, fam in fams.items():
                 fam.add_metric(key, float(w.get(field, 0)))
             kt = w.get("kv_transfer")
@@ -80,4 +89,4 @@ class ClusterCollector:
                 t_secs.add_metric(lab, kt["seconds"])
                 t_count.add_metric(lab, kt["count"])
         yield from fams.values()
-        yield from (t_bytes, t_secs, t_count)
+        yield from (frames, frame_errors, t_bytes, t_secs, t_count)

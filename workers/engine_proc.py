@@ -318,6 +318,9 @@ class _EngineServer:
 
     def stats(self) -> dict:
         st = self.loop.stats() if self.loop is not None else {}
+        if self.publisher is not None:
+            st["frames_published"] = self.publisher.frames_published
+            st["frame_publish_errors"] = self.publisher.publish_errors
         if self.transfer is not None:
             st["kv_transfer"] = {"backend": self.transfer.name, **self.transfer.stats()}
         return st

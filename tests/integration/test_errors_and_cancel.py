@@ -146,6 +146,7 @@ def test_metrics_exposed(cluster: Cluster) -> None:
         "conveyor_prompt_tokens_total",
         "conveyor_completion_tokens_total",
         "conveyor_requests_in_flight",
+        'conveyor_worker_frame_publish_errors_total{pool="generate",worker="itest-w0"} 0.0',
     ):
         assert name in text, name
     ok = [
