@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where sampling runs; the parameters stay torch-free
+    import torch
 
 
 @dataclass(slots=True)
@@ -54,6 +56,8 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    import torch
+
     g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
     return g
@@ -66,6 +70,8 @@ def sample(
     banned: list[list[int]],  # ids masked out per row (eos before min_tokens)
 ) -> list[int]:
     """One token per row."""
+    import torch
+
     out: list[int] = []
     for i, p in enumerate(params):
         row = logits[i]

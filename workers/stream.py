@@ -25,7 +25,7 @@ import orjson
 import redis
 
 if TYPE_CHECKING:  # keep this module torch-free: the API reads its channel names
-    from workers.engine import RequestOutput
+    from workers.engine_core import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class FramePublisher:
 
     def publish_error(self, request_id: str, message: str, code: str = "") -> None:
         """End ``request_id``'s stream with an error frame (queued behind its other frames)."""
-        from workers.engine import RequestOutput  # local: keep module import torch-free
+        from workers.engine_core import RequestOutput
 
         out = RequestOutput(request_id, [], "", finished=True, finish_reason="error")
         out.error = message

@@ -1,0 +1,139 @@
+"""``EngineLoop``: runs an engine core on its own thread.
+
+Other threads (the engine process's command reader, transfer threads) submit and abort
+through it; every step's outputs go to a sink callback, and the block pool's KV events to
+an event sink. Works with any :class:`workers.engine_core.EngineCore`; torch-free.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from kvbm.block_pool import KVEvent
+from workers.engine_core import EngineCore, EngineRequest, RequestOutput
+
+log = logging.getLogger(__name__)
+
+OutputSink = Callable[[list[RequestOutput]], None]
+EventSink = Callable[[list[KVEvent]], None]
+
+
+class EngineLoop:
+    """Runs an engine core on its own thread; thread-safe submit / abort."""
+
+    def __init__(
+        self, engine: EngineCore, sink: OutputSink, name: str = "engine-loop",
+        event_sink: EventSink | None = None,
+    ) -> None:  # fmt: skip
+        self.engine = engine
+        self._sink = sink
+        self._event_sink = event_sink
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.step_seconds_total = 0.0
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    def submit(self, req: EngineRequest) -> None:
+        self._post(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def call(self, fn: Callable[[EngineCore], object]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps; its result in a future."""
+        fut: Future = Future()
+        self._post(("call", (fn, fut)))
+        return fut
+
+    def stats(self) -> dict[str, float]:
+        e = self.engine
+        return {
+            "running": len(e.running),
+            "waiting": len(e.waiting),
+            "blocks_used": e.kv_manager.pool.num_used,
+            "blocks_pinned": len(e.pinned),
+            "blocks_cached": e.kv_manager.pool.num_cached,
+            "prompt_tokens_seen": e.prompt_tokens_seen,
+            "prompt_tokens_cached": e.prompt_tokens_cached,
+            "pins_expired": e.num_pin_expired,
+            "blocks_total": e.kv_manager.pool.num_blocks,
+            "preemptions": e.num_preemptions,
+            "steps": e.num_steps,
+            "step_seconds": round(self.step_seconds_total, 3),
+        }
+
+    # ----------------------------------------------------------------------------------
+    def _post(self, item: tuple[str, object]) -> None:
+        with self._cv:
+            self._inbox.append(item)
+            self._cv.notify()
+
+    def _drain(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        while self._inbox:
+            kind, arg = self._inbox.popleft()
+            if kind == "add":
+                out = self.engine.add_request(arg)  # type: ignore[arg-type]
+            elif kind == "call":
+                fn, fut = arg  # type: ignore[misc]
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001 - hand it to the caller
+                    fut.set_exception(e)
+                out = None
+            else:
+                out = self.engine.abort(arg)  # type: ignore[arg-type]
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self.engine.stalled and not self._inbox and not self._stopped:
+                    # nothing fits until blocks come back (a release, an expiry, an abort)
+                    self._cv.wait(0.05)
+                while not self._stopped and not self._inbox and not self.engine.has_unfinished:
+                    # with pinned blocks around, wake up now and then to expire them
+                    if not self._cv.wait(1.0 if self.engine.pinned else None):
+                        break
+                if self._stopped:
+                    return
+                outs = self._drain()
+                if self.engine.pinned:
+                    self.engine.expire_pinned(time.monotonic())
+            try:
+                t0 = time.perf_counter()
+                outs.extend(self.engine.step())
+                self.step_seconds_total += time.perf_counter() - t0
+            except Exception:  # noqa: BLE001 - the loop must survive to serve others
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                outs.extend(self.engine.fail_all("internal engine error; see worker log"))
+            if outs:
+                try:
+                    self._sink(outs)
+                except Exception:  # noqa: BLE001
+                    log.exception("output sink failed")
+            events = self.engine.take_kv_events()  # taken even unused: they would pile up
+            if events and self._event_sink is not None:
+                try:
+                    self._event_sink(events)
+                except Exception:  # noqa: BLE001
+                    log.exception("KV event sink failed")
