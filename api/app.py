@@ -30,7 +30,7 @@ from api.cluster_metrics import ClusterCollector
 from api.errors import OpenAIError, bad_request, install_error_handlers
 from api.metrics import ApiMetrics
 from api.middleware import AccessMiddleware
-from api.protocol import ChatCompletionRequest, CompletionRequest, unsupported
+from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
 from api.runner import Runner, RunningRequest, frame_error, stream_error
 from api.streams import StreamHub
 from api.tokenization import PromptBuilder
@@ -114,7 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         unsupported(req)
         prompt_ids = builder.chat_ids(req.messages)
         max_tokens = req.max_completion_tokens or req.max_tokens
-        return await _serve(req, prompt_ids, max_tokens, "chat", started, "messages")
+        return await _serve(req, request, prompt_ids, max_tokens, "chat", started, "messages")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -122,7 +122,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         _check_model(req.model)
         unsupported(req)
         prompt_ids = builder.completion_ids(req.prompt)
-        return await _serve(req, prompt_ids, req.max_tokens, "completion", started, "prompt")
+        return await _serve(req, request, prompt_ids, req.max_tokens, "completion", started,
+                            "prompt")  # fmt: skip
 
     # ----------------------------------------------------------------------------------
     def _check_model(name: str) -> None:
@@ -137,6 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def _serve(
         req: ChatCompletionRequest | CompletionRequest,
+        request: Request,
         prompt_ids: list[int],
         max_tokens: int | None,
         kind: str,
@@ -165,7 +167,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runner: Runner = state["runner"]
         metrics.in_flight.inc()
         try:
-            run = await runner.start(rid, prompt_ids, sampling, started)
+            pin = req.worker_id or request.headers.get(PIN_HEADER) or None
+            run = await runner.start(rid, prompt_ids, sampling, started, pin)
         except BaseException:
             metrics.in_flight.dec()
             raise
@@ -237,6 +240,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics.e2e.observe(time.perf_counter() - started)
         if run.usage:
             metrics.completion_tokens.inc(run.usage.get("completion_tokens", 0))
+            metrics.cached_tokens.inc(run.usage.get("cached_tokens", 0))
 
     return app
 

@@ -57,3 +57,22 @@ class ApiMetrics:
             "conveyor_finish_reasons", "Finished requests by finish reason", ["reason"],
             registry=r,
         )  # fmt: skip
+        self.routing_decisions = Counter(
+            "conveyor_routing_decisions",
+            "Workers picked, by pool and how (kv, kv_guarded, round_robin, random, pinned)",
+            ["pool", "reason"],
+            registry=r,
+        )
+        self.overlap_ratio = Histogram(
+            "conveyor_routing_overlap_ratio",
+            "Share of the prompt's full blocks the chosen worker already held",
+            ["pool"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "conveyor_prompt_tokens_cached",
+            "Prompt tokens served from a worker's prefix cache (hit rate: divide by "
+            "conveyor_prompt_tokens)",
+            registry=r,
+        )

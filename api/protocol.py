@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.errors import bad_request
 
+PIN_HEADER = "x-conveyor-worker-id"  # or the body's worker_id: run on exactly this worker
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -53,6 +55,9 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Conveyor extension: pin the request to one worker (its id, as /metrics and the
+    # worker's log name it); 400 when no live worker has that id
+    worker_id: str | None = Field(None, min_length=1, max_length=200)
 
     @field_validator("stop")
     @classmethod

@@ -19,11 +19,12 @@ import redis.asyncio as aioredis
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
+from kvbm.hashing import block_hashes, namespace_hash
 from tasks.app import declare_queues
 from tasks.channels import CANCEL_CHANNEL, CANCELLED_KEY, tokens_channel
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan
-from tasks.router import Router
+from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,15 +56,17 @@ class Runner:
         self.s = settings
         self.r = client
         self.hub = hub
-        self.router = Router(client)
+        self.router = Router(client, router_config(settings))
+        self._namespace = namespace_hash(settings.model_name)
         self.metrics = metrics
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
         self._declared: set[str] = set()
 
     # ----------------------------------------------------------------------------------
     async def start(
-        self, request_id: str, prompt_ids: list[int], sampling: dict, started: float
-    ) -> RunningRequest:
+        self, request_id: str, prompt_ids: list[int], sampling: dict, started: float,
+        pin: str | None = None,
+    ) -> RunningRequest:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
         request that cannot run gets a proper HTTP status, not a broken stream).
 
@@ -72,9 +75,12 @@ class Runner:
         id (``<id>``, ``<id>.r1``, ...), so a late answer from a lost attempt can never mix
         into the stream of the next one, and is cancelled like any abandoned request."""
         attempts = self.s.dispatch_attempts
+        # the same hash function and namespace as the workers' block pools
+        hashes = block_hashes(prompt_ids, self.s.block_size, self._namespace)
+        route_req = RouteRequest(hashes, len(prompt_ids), pin)
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
-            run = await self._dispatch(stream_id, prompt_ids, sampling, started)
+            run = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req)
             try:
                 it = self._frames(run)
                 run.first_frame = await anext(it)
@@ -99,10 +105,20 @@ class Runner:
                           "server_error", None, "worker_lost")  # fmt: skip
 
     async def _dispatch(
-        self, stream_id: str, prompt_ids: list[int], sampling: dict, started: float
-    ) -> RunningRequest:
+        self, stream_id: str, prompt_ids: list[int], sampling: dict, started: float,
+        route_req: RouteRequest,
+    ) -> RunningRequest:  # fmt: skip
         try:
-            p = await plan(self.router, self.s, len(prompt_ids))
+            p = await plan(self.router, self.s, route_req)
+        except PinnedWorkerMissing as e:
+            raise OpenAIError(
+                400,
+                f"worker {e.worker_id!r} is not a live worker of this deployment's pools "
+                f"({', '.join(self.s.pools)})",
+                "invalid_request_error",
+                "worker_id",
+                "worker_not_found",
+            ) from None
         except NoLiveWorker as e:
             raise OpenAIError(
                 503,
@@ -114,6 +130,13 @@ class Runner:
             ) from None
         if p.fallback is not None:
             self.metrics.disagg_fallbacks.labels(p.fallback).inc()
+        n_blocks = len(route_req.block_hashes)
+        for route in p.routes:
+            self.metrics.routing_decisions.labels(route.pool, route.reason).inc()
+            if n_blocks:
+                self.metrics.overlap_ratio.labels(route.pool).observe(
+                    route.overlap_blocks / n_blocks
+                )
         sub = await self.hub.subscribe(tokens_channel(stream_id))
         run = RunningRequest(stream_id, sub, p, started)
         try:
@@ -178,6 +201,7 @@ class Runner:
             if frame.get("token_ids"):
                 if run.last_frame_at is None:
                     self.metrics.ttft.observe(now - run.started)
+                    self._forget_prefill(run)
                 else:
                     self.metrics.itl.observe(now - run.last_frame_at)
                 run.last_frame_at = now
@@ -185,6 +209,19 @@ class Runner:
                 run.finished = True
                 run.usage = frame.get("usage") or {}
             yield frame
+
+    def _forget_prefill(self, run: RunningRequest) -> None:
+        """The first token is out: the prompt no longer queues for prefill anywhere."""
+        task = asyncio.get_running_loop().create_task(self._prefilled(run))
+        self._cleanup_tasks.add(task)
+        task.add_done_callback(self._cleanup_tasks.discard)
+
+    async def _prefilled(self, run: RunningRequest) -> None:
+        try:
+            for route in run.plan.routes:
+                await self.router.prefilled(route)
+        except Exception:  # noqa: BLE001 - the release at the end gives it back anyway
+            log.warning("[%s] could not update prefill load", run.request_id)
 
     async def _cleanup(self, run: RunningRequest) -> None:
         try:
@@ -202,6 +239,19 @@ class Runner:
                 await self.router.release(route)
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)
+
+
+def router_config(s: Settings) -> RouterConfig:
+    return RouterConfig(
+        mode=s.router_mode,
+        kv_events=s.router_kv_events,
+        approx_ttl_s=s.router_approx_ttl_s,
+        overlap_weight=s.router_overlap_weight,
+        temperature=s.router_temperature,
+        guard_ratio=s.router_guard_ratio,
+        guard_min_blocks=s.router_guard_min_blocks,
+        block_size=s.block_size,
+    )
 
 
 def frame_error(frame: dict) -> OpenAIError:

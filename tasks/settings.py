@@ -10,13 +10,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 
 Mode = Literal["agg", "disagg"]
 POOLS_BY_MODE: dict[str, tuple[str, ...]] = {"agg": ("generate",), "disagg": ("prefill", "decode")}
+
+
+class MockTimingSettings(BaseModel):
+    """Simulated step time of the mock engine (``CONVEYOR_MOCK__<FIELD>``)."""
+
+    prefill_us_per_token: float = Field(100.0, ge=0, description="µs per prompt token.")
+    prefill_quadratic_us: float = Field(
+        0.0, ge=0, description="µs per prompt token per 1024 tokens of context (attention)."
+    )
+    decode_step_ms: float = Field(5.0, ge=0, description="ms of a step with one sequence.")
+    decode_ms_per_seq: float = Field(0.05, ge=0, description="ms per further sequence.")
+    speedup: float = Field(1.0, gt=0, description="Divides every simulated time.")
 
 
 class Settings(BaseSettings):
@@ -59,6 +71,34 @@ class Settings(BaseSettings):
         None, description="External Redis; unset: `serve` starts an embedded redis-server."
     )
     redis_port: int = Field(6390, description="Port of the embedded Redis (conveyor serve).")
+
+    # --- routing -------------------------------------------------------------------------
+    router_mode: Literal["kv", "round_robin", "random"] = Field(
+        "kv", description="How the API picks a worker for each stage."
+    )
+    router_kv_events: bool = Field(
+        True,
+        description="kv mode: use the index the workers' KV events feed; false: approximate "
+        "mode (the router's own past decisions stand for cache contents, for a TTL).",
+    )
+    router_approx_ttl_s: float = Field(
+        120.0, gt=0, description="How long the approximate index remembers a decision."
+    )
+    router_overlap_weight: float = Field(
+        1.0, ge=0, description="Weight of prefill blocks left to compute in the cost."
+    )
+    router_temperature: float = Field(
+        0.0, ge=0, description="0: lowest cost wins; >0: softmax sampling over costs."
+    )
+    router_guard_ratio: float = Field(
+        1.25,
+        ge=1,
+        description="Load guard: a worker with more than ratio x the mean active blocks "
+        "(and router_guard_min_blocks above the least loaded) gets no cache-affine traffic.",
+    )
+    router_guard_min_blocks: int = Field(
+        32, ge=0, description="Load guard: imbalance in blocks tolerated regardless of ratio."
+    )
 
     # --- worker / engine -----------------------------------------------------------------
     worker_id: str | None = Field(None, description="Worker id; default: generated.")
@@ -104,6 +144,15 @@ class Settings(BaseSettings):
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse cached KV blocks of shared prompt prefixes (by block hash)."
+    )
+    engine: Literal["reference", "mock"] = Field(
+        "reference",
+        description="reference: the torch engine; mock: real scheduler and KV blocks, "
+        "simulated step times and placeholder tokens (routing studies; agg mode).",
+    )
+    mock: MockTimingSettings = Field(
+        default_factory=MockTimingSettings,
+        description="Mock engine timing; CONVEYOR_MOCK__DECODE_STEP_MS=5 and so on.",
     )
     heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
     worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")

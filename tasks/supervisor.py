@@ -9,6 +9,7 @@ half-running server is worse than a clear failure.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -50,7 +51,9 @@ def settings_env(s: Settings) -> dict[str, str]:
     for name, value in s.model_dump().items():
         if value is None or name == "worker_id":
             continue
-        env[f"CONVEYOR_{name.upper()}"] = str(value)
+        env[f"CONVEYOR_{name.upper()}"] = (
+            json.dumps(value) if isinstance(value, dict) else str(value)
+        )
     env["CONVEYOR_REDIS_URL"] = s.effective_redis_url
     return env
 

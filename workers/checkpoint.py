@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # the config part is read by torch-free code (the mock engine)
+    import torch
 
 _TEXT_PREFIXES = (
     ("language_model.model.", "model."),
@@ -99,9 +102,13 @@ def _eos_ids(d: Path, tc: dict, raw: dict) -> list[int]:
 
 
 def load_text_weights(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """All text-model tensors of the checkpoint, renamed to the plain Llama layout."""
+    """All text-model tensors of the checkpoint, renamed to the plain Llama layout
+    (``dtype`` default: float32)."""
+    import torch
+
+    dtype = dtype or torch.float32
     d = Path(model_dir)
     files = sorted(d.glob("*.safetensors"))
     if not files:

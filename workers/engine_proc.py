@@ -39,6 +39,9 @@ class EngineProcSpec:
     engine_config: dict
     redis_url: str
     worker_id: str = "worker"
+    pool: str = "generate"  # the worker pool, for the KV-block index
+    engine: str = "reference"  # reference | mock
+    mock: dict = field(default_factory=dict)  # MockTiming fields (engine == "mock")
     kv_transfer: str | None = None  # None: this pool moves no KV; else auto | nixl | redis
     transfer_timeout_s: float = 30.0
     torch_threads: int = 1
@@ -242,9 +245,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
     )
     import redis
-    import torch
 
-    from workers.engine import Engine, EngineConfig, EngineLoop
+    from kvbm.events import KVEventPublisher
+    from workers.engine_loop import EngineLoop
     from workers.stream import FramePublisher
     from workers.transfer import make_transfer
 
@@ -258,8 +261,7 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
             log.info("engine process pinned to CPUs %s", ",".join(map(str, spec.cpus)))
-        torch.set_num_threads(spec.torch_threads)
-        engine = Engine.from_model_dir(Path(spec.model_dir), EngineConfig(**spec.engine_config))
+        engine = _make_engine(spec)
         client = redis.Redis.from_url(spec.redis_url)
         client.ping()
         transfer = (
@@ -274,8 +276,12 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
 
     server = _EngineServer(spec, engine, client, transfer, send)
     publisher = FramePublisher(client, server.on_published)
-    loop = EngineLoop(engine, publisher.publish_outputs).start()
-    server.attach(loop, publisher)
+    events = None
+    if engine.kv_manager.pool.records_events:
+        events = KVEventPublisher(client, spec.pool, spec.worker_id, server.snapshot).start()
+    loop = EngineLoop(engine, publisher.publish_outputs,
+                      event_sink=events.publish if events else None).start()  # fmt: skip
+    server.attach(loop, publisher, events)
     send(("ready", server.stats()))
     log.info("engine process %d serving %s (kv transfer: %s)", os.getpid(), spec.model_dir,
              transfer.name if transfer else "none")  # fmt: skip
@@ -290,6 +296,22 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     t0 = time.monotonic()
     server.close()
     log.info("engine process stopped in %.2fs", time.monotonic() - t0)
+
+
+def _make_engine(spec: EngineProcSpec):  # type: ignore[no-untyped-def]
+    from workers.engine_core import EngineConfig
+
+    config = EngineConfig(**spec.engine_config)
+    if spec.engine == "mock":
+        from workers.mock_engine import MockEngine, MockTiming
+
+        return MockEngine.from_model_dir(Path(spec.model_dir), config, MockTiming(**spec.mock))
+    import torch
+
+    from workers.engine import Engine
+
+    torch.set_num_threads(spec.torch_threads)
+    return Engine.from_model_dir(Path(spec.model_dir), config)
 
 
 class _EngineServer:
@@ -308,10 +330,12 @@ class _EngineServer:
         self._stop = threading.Event()
         self.loop = None
         self.publisher = None
+        self.events = None
 
-    def attach(self, loop, publisher) -> None:  # type: ignore[no-untyped-def]
+    def attach(self, loop, publisher, events) -> None:  # type: ignore[no-untyped-def]
         self.loop = loop
         self.publisher = publisher
+        self.events = events
         threading.Thread(target=self._report, name="stats", daemon=True).start()
         if self.transfer is not None:
             threading.Thread(target=self._listen_releases, name="kv-release", daemon=True).start()
@@ -323,7 +347,13 @@ class _EngineServer:
             st["frame_publish_errors"] = self.publisher.publish_errors
         if self.transfer is not None:
             st["kv_transfer"] = {"backend": self.transfer.name, **self.transfer.stats()}
+        if self.events is not None:
+            st.update(self.events.stats())
         return st
+
+    def snapshot(self) -> list[int]:
+        """Every block hash the engine has cached (asked by the KV event publisher)."""
+        return self.loop.call(lambda e: e.kv_manager.pool.cached_hashes()).result(10)
 
     # ----------------------------------------------------------------------------------
     def handle(self, kind: str, payload: tuple) -> None:
@@ -446,6 +476,8 @@ class _EngineServer:
         self._stop.set()
         self.loop.stop()
         self.publisher.stop()
+        if self.events is not None:
+            self.events.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.transfer is not None:
             self.transfer.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from workers.engine import EngineConfig
+from workers.engine_core import EngineConfig
 from workers.engine_proc import Completion, EngineClient, EngineDied, EngineProcSpec
 from workers.registry import Heartbeat
 from workers.stream import CANCEL_CHANNEL, CANCELLED_KEY, publish_error_frame
@@ -44,6 +44,8 @@ class WorkerRuntime:
         kv_transfer: str | None = None,
         transfer_timeout_s: float = 30.0,
         engine_cpus: tuple[int, ...] | None = None,
+        engine: str = "reference",
+        mock_timing: dict | None = None,
     ) -> None:
         self.pool = pool
         self.worker_id = worker_id
@@ -53,6 +55,9 @@ class WorkerRuntime:
             engine_config=asdict(engine_config),
             redis_url=redis_url,
             worker_id=worker_id,
+            pool=pool,
+            engine=engine,
+            mock=mock_timing or {},
             kv_transfer=kv_transfer,
             transfer_timeout_s=transfer_timeout_s,
             torch_threads=torch_threads,

@@ -1,0 +1,224 @@
+"""The KV-block index in Redis: which worker holds which cached block.
+
+Workers' block pools emit ``stored`` / ``removed`` / ``cleared`` events; one publisher per
+worker (:mod:`kvbm.events`) applies them here, each batch with the next number of that
+worker's monotonic sequence. The router asks, in the same round trip in which it picks a
+worker, how long a prefix of a request's block hashes each live worker holds.
+
+Keys, per worker pool (a prefill worker's cache says nothing about a decode worker's)::
+
+    conveyor:kv:{pool}:{hash}       SET of worker ids holding the block   (event-fed)
+    conveyor:kvw:{pool}:{worker}    SET of block hashes the worker holds  (for cleanup)
+    conveyor:kvseq:{pool}:{worker}  last applied event sequence number
+    conveyor:kva:{pool}:{hash}      ZSET worker id -> expiry (ms); the approximate index:
+                                    the router's own past decisions, for engines that emit
+                                    no events, forgotten after a TTL
+
+Block hashes travel as lowercase hex (a 64-bit hash is not exact in a Lua number).
+
+Consistency rules:
+* a batch whose number is not above the last applied one is a duplicate: dropped;
+* a batch that skips numbers means the index lost events (Redis restarted, a batch was
+  lost): it is refused with ``resync`` and the publisher answers with ``cleared`` plus a
+  snapshot of every cached block; a batch that starts with ``cleared`` is always applied
+  (a worker starting fresh, possibly under an id used before);
+* a dead worker (its heartbeat key expired) stops counting at once, since every query
+  checks liveness; :data:`CLEANUP_LUA` then removes its entries.
+
+Everything here is plain Redis + Lua; the keys are computed inside the scripts, so the
+index needs one Redis (not Redis Cluster).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import redis
+
+KV_KEY = "conveyor:kv:{pool}:"  # + hex hash
+APPROX_KEY = "conveyor:kva:{pool}:"  # + hex hash
+WORKER_BLOCKS_KEY = "conveyor:kvw:{pool}:"  # + worker id
+SEQ_KEY = "conveyor:kvseq:{pool}:"  # + worker id
+
+
+def hex_hashes(hashes: list[int]) -> list[str]:
+    return [format(h, "x") for h in hashes]
+
+
+def encode_batch(events: list[tuple[str, list[int]]]) -> str:
+    """``[(kind, hashes), ...]`` -> the JSON the apply script reads; kinds are
+    ``stored`` / ``removed`` / ``cleared``."""
+    return json.dumps([[kind[0], hex_hashes(hs)] for kind, hs in events])
+
+
+# --- apply one batch of a worker's events ------------------------------------------------
+# ARGV: kv prefix, worker-blocks key, seq key, worker id, seq, batch JSON
+# returns {status, last}: status 1 applied, 0 duplicate, -1 resync needed
+APPLY_LUA = """
+local kv, wkey, skey, wid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local seq = tonumber(ARGV[5])
+local batch = cjson.decode(ARGV[6])
+local last = tonumber(redis.call('GET', skey) or '-1')
+local fresh = batch[1] ~= nil and batch[1][1] == 'c'
+if not fresh then
+  if seq <= last then return {0, last} end
+  if seq ~= last + 1 then return {-1, last} end
+end
+for _, ev in ipairs(batch) do
+  local kind, hs = ev[1], ev[2]
+  if kind == 's' then
+    for _, h in ipairs(hs) do
+      redis.call('SADD', kv .. h, wid)
+      redis.call('SADD', wkey, h)
+    end
+  elseif kind == 'r' then
+    for _, h in ipairs(hs) do
+      redis.call('SREM', kv .. h, wid)
+      redis.call('SREM', wkey, h)
+    end
+  elseif kind == 'c' then
+    for _, h in ipairs(redis.call('SMEMBERS', wkey)) do redis.call('SREM', kv .. h, wid) end
+    redis.call('DEL', wkey)
+  end
+end
+redis.call('SET', skey, seq)
+return {1, seq}
+"""
+
+# --- Lua helpers shared by the scripts that read the index -------------------------------
+# forget(wid): drop every entry of a (dead) worker.  Needs locals kv, wblocks, seqk.
+FORGET_LUA = """
+local function forget(wid)
+  local wkey = wblocks .. wid
+  for _, h in ipairs(redis.call('SMEMBERS', wkey)) do redis.call('SREM', kv .. h, wid) end
+  redis.call('DEL', wkey, seqk .. wid)
+end
+"""
+
+# overlaps(cand, hashes, approx, now) -> {wid = number of leading blocks held}; ``cand``
+# is a set of live worker ids. The walk stops at the first block nobody left holds.
+OVERLAP_LUA = """
+local function overlaps(cand, hashes, approx, now)
+  local out, alive = {}, 0
+  for wid in pairs(cand) do out[wid] = 0; alive = alive + 1 end
+  local cur = cand
+  for i, h in ipairs(hashes) do
+    if alive == 0 then break end
+    local members
+    if approx then
+      members = redis.call('ZRANGE', kva .. h, now, '+inf', 'BYSCORE')
+    else
+      members = redis.call('SMEMBERS', kv .. h)
+    end
+    local nxt = {}
+    alive = 0
+    for _, m in ipairs(members) do
+      if cur[m] then nxt[m] = true; out[m] = i; alive = alive + 1 end
+    end
+    cur = nxt
+  end
+  return out
+end
+"""
+
+# live(pool set, worker key prefix) -> sorted ids, {id = heartbeat JSON}; prunes the dead
+LIVE_LUA = """
+local function live(pset, wprefix)
+  local ids = redis.call('SMEMBERS', pset)
+  table.sort(ids)
+  local alive, info = {}, {}
+  for _, id in ipairs(ids) do
+    local v = redis.call('GET', wprefix .. id)
+    if v then
+      alive[#alive + 1] = id
+      info[id] = v
+    else
+      redis.call('SREM', pset, id)
+      forget(id)
+    end
+  end
+  return alive, info
+end
+"""
+
+# ARGV: pool set, worker key prefix, kv prefix, kva prefix, worker-blocks prefix,
+#       seq prefix, approx (0/1), hashes...
+# returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
+QUERY_LUA = (
+    "local kv, kva, wblocks, seqk = ARGV[3], ARGV[4], ARGV[5], ARGV[6]\n"
+    + FORGET_LUA
+    + OVERLAP_LUA
+    + LIVE_LUA
+    + """
+local ids = live(ARGV[1], ARGV[2])
+local hashes = {}
+for i = 8, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cand = {}
+for _, id in ipairs(ids) do cand[id] = true end
+local ov = overlaps(cand, hashes, ARGV[7] == '1', now)
+local out = {}
+for _, id in ipairs(ids) do out[#out + 1] = id; out[#out + 1] = ov[id] end
+return out
+"""
+)
+
+
+def index_args(pool: str) -> list[str]:
+    """The key prefixes of ``pool``'s index, in the order the scripts take them."""
+    return [
+        KV_KEY.format(pool=pool),
+        APPROX_KEY.format(pool=pool),
+        WORKER_BLOCKS_KEY.format(pool=pool),
+        SEQ_KEY.format(pool=pool),
+    ]
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    status: int  # 1 applied, 0 duplicate (dropped), -1 the index needs a resync
+    last_seq: int
+
+
+class KVIndex:
+    """Synchronous access to one pool's index (workers publish, tools and tests read)."""
+
+    def __init__(
+        self, client: redis.Redis, pool: str, live_set: str = "", live_prefix: str = ""
+    ) -> None:
+        """``live_set`` / ``live_prefix``: the worker registry's set of the pool's workers
+        and the prefix of their heartbeat keys (liveness), needed by :meth:`overlaps`."""
+        self._r = client
+        self.pool = pool
+        self._pool_set = live_set
+        self._wprefix = live_prefix
+        self._apply = client.register_script(APPLY_LUA)
+        self._query = client.register_script(QUERY_LUA)
+
+    def apply(self, worker_id: str, seq: int, events: list[tuple[str, list[int]]]) -> ApplyResult:
+        kv, _, wblocks, seqk = index_args(self.pool)
+        status, last = self._apply(
+            args=[kv, wblocks + worker_id, seqk + worker_id, worker_id, seq, encode_batch(events)]
+        )
+        return ApplyResult(int(status), int(last))
+
+    def overlaps(self, hashes: list[int], approx: bool = False) -> dict[str, int]:
+        """Each live worker's number of leading blocks of ``hashes`` held (dead workers
+        are pruned and forgotten on the way)."""
+        flat = self._query(
+            args=[self._pool_set, self._wprefix, *index_args(self.pool), int(approx),
+                  *hex_hashes(hashes)]
+        )  # fmt: skip
+        ids = [w.decode() if isinstance(w, bytes) else w for w in flat[::2]]
+        return dict(zip(ids, map(int, flat[1::2]), strict=True))
+
+    def holders(self, block_hash: int) -> set[str]:
+        """Workers the index says hold one block (live or not)."""
+        members = self._r.smembers(KV_KEY.format(pool=self.pool) + format(block_hash, "x"))
+        return {m.decode() if isinstance(m, bytes) else m for m in members}
+
+    def worker_blocks(self, worker_id: str) -> set[int]:
+        key = WORKER_BLOCKS_KEY.format(pool=self.pool) + worker_id
+        return {int(h, 16) for h in self._r.smembers(key)}

@@ -1,0 +1,290 @@
+"""The Redis KV-block index and the router's pick script, on a real redis-server.
+
+Workers here are registry entries (a heartbeat key and pool-set membership written by the
+real :class:`workers.registry.Heartbeat`) and event batches applied by the real publisher
+or index code; what is under test — the Lua scripts and the cost model — runs for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from kvbm.block_pool import BlockPool, KVEvent
+from kvbm.events import KVEventPublisher
+from kvbm.hashing import block_hashes
+from kvbm.index import KVIndex
+from tasks.router import LOAD_KEY, PinnedWorkerMissing, Router, RouterConfig, RouteRequest
+from tests.integration.conftest import redis_db, wait_for
+from workers.registry import POOL_SET, WORKER_KEY, Heartbeat
+
+POOL = "generate"
+BS = 16
+
+
+@pytest.fixture
+def db(redis_url: str) -> str:
+    url = redis_db(redis_url, 9)
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+def register(url: str, *ids: str, ttl_s: float = 30.0) -> None:
+    r = redis.Redis.from_url(url)
+    for wid in ids:
+        Heartbeat(r, POOL, wid, dict, ttl_s=ttl_s).beat()
+
+
+def kill(url: str, wid: str) -> None:
+    """The worker's heartbeat key expires (it died)."""
+    redis.Redis.from_url(url).delete(WORKER_KEY.format(pool=POOL, id=wid))
+
+
+def index(url: str) -> KVIndex:
+    return KVIndex(
+        redis.Redis.from_url(url), POOL, POOL_SET.format(pool=POOL),
+        WORKER_KEY.format(pool=POOL, id=""),
+    )  # fmt: skip
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 400 + 50 for i in range(n)]
+
+
+def pick(url: str, req: RouteRequest, n: int = 1, **cfg: object) -> list[str]:
+    async def go() -> list[str]:
+        client = aioredis.Redis.from_url(url)
+        router = Router(client, RouterConfig(block_size=BS, **cfg))  # type: ignore[arg-type]
+        out = []
+        for _ in range(n):
+            route = await router.pick(POOL, req)
+            assert route is not None
+            out.append(route.worker_id)
+        await client.aclose()
+        return out
+
+    return asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------------------
+# The index
+# ---------------------------------------------------------------------------------------
+def test_overlap_is_the_consecutive_prefix_each_worker_holds(db: str) -> None:
+    register(db, "a", "b", "c")
+    idx = index(db)
+    h = list(range(100, 110))
+    assert idx.apply("a", 0, [("cleared", []), ("stored", h[:6])]).status == 1
+    # b holds blocks 0-2 and 5 (not 3): its consecutive prefix is 3 blocks
+    assert idx.apply("b", 0, [("stored", h[:3] + [h[5]])]).status == 1
+    assert idx.overlaps(h) == {"a": 6, "b": 3, "c": 0}
+    # interleaved: a evicts block 2, b stores 3 and 4, a stores block 2 again later
+    assert idx.apply("a", 1, [("removed", [h[2]])]).status == 1
+    assert idx.apply("b", 1, [("stored", [h[3], h[4]])]).status == 1
+    assert idx.overlaps(h) == {"a": 2, "b": 6, "c": 0}
+    assert idx.apply("a", 2, [("stored", [h[2]]), ("removed", [h[0]])]).status == 1
+    assert idx.overlaps(h) == {"a": 0, "b": 6, "c": 0}
+    assert idx.holders(h[2]) == {"a", "b"}
+    assert idx.worker_blocks("a") == {h[1], h[2], h[3], h[4], h[5]}
+
+
+def test_duplicates_are_dropped_and_gaps_ask_for_resync(db: str) -> None:
+    register(db, "a")
+    idx = index(db)
+    assert idx.apply("a", 0, [("stored", [1, 2])]).status == 1
+    assert idx.apply("a", 1, [("stored", [3])]).status == 1
+    dup = idx.apply("a", 1, [("removed", [3])])
+    assert (dup.status, dup.last_seq) == (0, 1)
+    assert idx.holders(3) == {"a"}  # the duplicate was not applied
+    gap = idx.apply("a", 3, [("removed", [1])])
+    assert (gap.status, gap.last_seq) == (-1, 1)
+    assert idx.holders(1) == {"a"}
+    # a batch that starts with cleared is always applied (a fresh start)
+    assert idx.apply("a", 0, [("cleared", []), ("stored", [9])]).status == 1
+    assert idx.worker_blocks("a") == {9}
+    assert idx.holders(1) == set()
+
+
+def test_a_dead_worker_stops_counting_at_once_and_is_forgotten(db: str) -> None:
+    register(db, "a", "b")
+    idx = index(db)
+    h = [11, 12, 13]
+    idx.apply("a", 0, [("stored", h)])
+    idx.apply("b", 0, [("stored", h[:1])])
+    kill(db, "a")
+    assert idx.overlaps(h) == {"b": 1}
+    assert idx.holders(h[0]) == {"b"}
+    assert idx.worker_blocks("a") == set()
+    r = redis.Redis.from_url(db)
+    assert not r.sismember(POOL_SET.format(pool=POOL), "a")
+
+
+def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None:
+    register(db, "w")
+    pool = BlockPool(8, record_events=True)
+    r = redis.Redis.from_url(db)
+    pub = KVEventPublisher(r, POOL, "w", snapshot=pool.cached_hashes).start()
+    try:
+        blocks = pool.allocate(3)
+        assert blocks is not None
+        for b, h in zip(blocks, [21, 22, 23], strict=True):
+            pool.cache(b, h)
+        pub.publish(pool.take_events())
+        wait_for(lambda: index(db).worker_blocks("w") == {21, 22, 23}, 5, "stored events")
+        pool.free(blocks)
+        assert pool.allocate(8) is not None  # evicts all three
+        pub.publish(pool.take_events())
+        wait_for(lambda: index(db).worker_blocks("w") == set(), 5, "removed events")
+        assert int(r.get("conveyor:kvseq:generate:w")) == 2
+        # Redis loses the index (restart, flush): the next batch finds a gap and the
+        # publisher answers with cleared + a snapshot of the pool
+        pool2_blocks = [0]
+        r.flushdb()
+        register(db, "w")
+        pool.free(list(range(8)))
+        assert pool.allocate(1) == pool2_blocks
+        pool.cache(0, 77)
+        pub.publish(pool.take_events())
+        wait_for(lambda: pub.resyncs == 1, 5, "a resync")
+        wait_for(lambda: index(db).worker_blocks("w") == {77}, 5, "the snapshot")
+    finally:
+        pub.close()
+    assert index(db).worker_blocks("w") == set()  # close() takes the worker's entries away
+
+
+# ---------------------------------------------------------------------------------------
+# The router
+# ---------------------------------------------------------------------------------------
+def test_kv_mode_picks_the_prefix_holder_when_loads_are_equal(db: str) -> None:
+    register(db, "a", "b", "c", "d")
+    idx = index(db)
+    for i, wid in enumerate("abcd"):
+        idx.apply(wid, 0, [("stored", block_hashes(prompt(i, 256), BS))])
+    for i, wid in enumerate("abcd"):
+        req = RouteRequest(block_hashes(prompt(i, 300), BS), 300)
+        assert pick(db, req) == [wid]
+        # released right away, so loads stay equal: still the holder
+        asyncio.run(_release_all(db))
+
+
+async def _release_all(url: str) -> None:
+    r = aioredis.Redis.from_url(url)
+    for key in await r.keys("conveyor:load:*"):
+        await r.delete(key)
+    await r.aclose()
+
+
+def test_overloaded_holder_is_guarded_and_traffic_spreads(db: str) -> None:
+    register(db, "a", "b", "c", "d")
+    shared = prompt(1, 512)  # a system prompt every request shares; only a caches it
+    index(db).apply("a", 0, [("stored", block_hashes(shared, BS))])
+    r = redis.Redis.from_url(db)
+    r.hset(LOAD_KEY.format(pool=POOL, id="a"), mapping={"blocks": 400, "reqs": 10})
+    req = RouteRequest(block_hashes(shared + prompt(2, 64), BS), 576)
+    picks = pick(db, req, n=12)
+    assert "a" not in picks, picks
+    counts = {w: picks.count(w) for w in "bcd"}
+    assert all(c == 4 for c in counts.values()), counts  # least-loaded among the rest
+
+
+def test_without_load_the_shared_prefix_does_not_pile_on_one_worker(db: str) -> None:
+    """Requests that stay running accumulate load: after the holder takes its share, the
+    cost model and the guard send the rest elsewhere (Dynamo issues #737, #7836)."""
+    register(db, "a", "b", "c", "d")
+    shared = prompt(3, 256)
+    index(db).apply("a", 0, [("stored", block_hashes(shared, BS))])
+    picks = []
+    for i in range(40):
+        p = shared + prompt(100 + i, 48)
+        picks += pick(db, RouteRequest(block_hashes(p, BS), len(p)))
+    counts = {w: picks.count(w) for w in "abcd"}
+    loads = [int(redis.Redis.from_url(db).hget(LOAD_KEY.format(pool=POOL, id=w), "blocks") or 0)
+             for w in "abcd"]  # fmt: skip
+    assert max(loads) / (sum(loads) / 4) <= 1.5, (counts, loads)
+    assert counts["a"] > max(counts[w] for w in "bcd"), counts  # the cache still pulls
+
+
+def test_round_robin_random_and_pinning(db: str) -> None:
+    register(db, "a", "b", "c")
+    req = RouteRequest(block_hashes(prompt(5, 64), BS), 64)
+    assert pick(db, req, n=6, mode="round_robin") == ["a", "b", "c", "a", "b", "c"]
+    rnd = pick(db, req, n=60, mode="random")
+    assert set(rnd) == {"a", "b", "c"}
+    assert pick(db, RouteRequest(req.block_hashes, 64, pin="b"), n=3) == ["b", "b", "b"]
+    with pytest.raises(PinnedWorkerMissing):
+        pick(db, RouteRequest(req.block_hashes, 64, pin="zz"))
+
+
+def test_approximate_mode_remembers_its_own_decisions_for_a_ttl(db: str) -> None:
+    register(db, "a", "b", "c", "d")
+    p = prompt(6, 200)
+    req = RouteRequest(block_hashes(p, BS), len(p))
+    first = pick(db, req, kv_events=False, approx_ttl_s=1.0)[0]
+    asyncio.run(_release_all(db))
+    # no events at all, yet the router sends the same prefix where it sent it before
+    for _ in range(3):
+        assert pick(db, req, kv_events=False, approx_ttl_s=1.0) == [first]
+        asyncio.run(_release_all(db))
+    time.sleep(1.2)
+    overlaps = index(db).overlaps(req.block_hashes, approx=True)
+    assert set(overlaps.values()) == {0}  # forgotten after the TTL
+
+
+_CONCURRENT_PICKER = """
+import asyncio, sys
+import redis.asyncio as aioredis
+from tasks.router import Router, RouterConfig, RouteRequest
+async def main():
+    client = aioredis.Redis.from_url(sys.argv[1])
+    router = Router(client, RouterConfig(block_size=16))
+    req = RouteRequest([], 160)
+    for _ in range(int(sys.argv[2])):
+        await router.pick("generate", req)
+    await client.aclose()
+asyncio.run(main())
+"""
+
+
+def test_two_router_processes_see_each_others_load(db: str) -> None:
+    """Two API processes routing at once: the pick and the load update are one atomic
+    script, so together they keep the four workers within one request of each other."""
+    register(db, "a", "b", "c", "d")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _CONCURRENT_PICKER, db, "50"])
+        for _ in range(2)
+    ]
+    for p in procs:
+        assert p.wait(60) == 0
+    r = redis.Redis.from_url(db)
+    reqs = [int(r.hget(LOAD_KEY.format(pool=POOL, id=w), "reqs") or 0) for w in "abcd"]
+    assert sum(reqs) == 100
+    assert max(reqs) - min(reqs) <= 1, reqs
+
+
+def test_release_gives_back_exactly_what_the_pick_counted(db: str) -> None:
+    register(db, "a")
+
+    async def go() -> dict:
+        client = aioredis.Redis.from_url(db)
+        router = Router(client, RouterConfig(block_size=BS))
+        route = await router.pick(POOL, RouteRequest([], 100))
+        assert route is not None
+        during = await router.load(POOL, "a")
+        await router.prefilled(route)
+        after_prefill = await router.load(POOL, "a")
+        await router.release(route)
+        after = await router.load(POOL, "a")
+        await client.aclose()
+        return {"during": during, "prefilled": after_prefill, "after": after}
+
+    out = asyncio.run(go())
+    assert out["during"] == {"reqs": 1, "blocks": 8, "prefill": 100}  # ceil(100/16)+1 blocks
+    assert out["prefilled"]["prefill"] == 0
+    assert out["after"] == {"reqs": 0, "blocks": 0, "prefill": 0}
+    assert json.dumps(out)  # plain ints

@@ -1,0 +1,96 @@
+"""A mock engine for studying routing at scale: real scheduler and blocks, simulated compute.
+
+:class:`MockEngine` is an :class:`workers.engine_core.EngineCore` like the reference
+engine — the same continuous-batching scheduler, the same block pool with prefix caching,
+the same KV events, the same detokenization and stop rules — but its steps compute nothing:
+a step sleeps as long as a GPU would take for it and yields placeholder tokens (a fixed
+text, cycled). It does not import torch and allocates no KV memory, so a small machine can
+run 8–64 of them (``conveyor serve --engine mock --workers N``).
+
+Step time (ms), divided by ``speedup``::
+
+    decode_step_ms                               a step with one sequence
+  + decode_ms_per_seq  * (sequences in the step - 1)
+  + prefill_us_per_token / 1000 * (prompt tokens computed in the step)
+  + prefill_quadratic_us / 1000 * sum over prefill chunks of chunk * context / 1024
+
+A prefix-cache hit shows up exactly as it would on a GPU: the cached tokens are never
+scheduled, so the step that admits the request is shorter and its first token comes sooner.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from workers.checkpoint import TextModelConfig
+from workers.engine_core import EngineConfig, EngineCore, _Seq
+
+PLACEHOLDER_TEXT = " lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod"
+
+
+@dataclass(slots=True)
+class MockTiming:
+    prefill_us_per_token: float = 100.0
+    prefill_quadratic_us: float = 0.0
+    decode_step_ms: float = 5.0
+    decode_ms_per_seq: float = 0.05
+    speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.speedup <= 0:
+            raise ValueError(f"mock speedup must be > 0, got {self.speedup}")
+        for name in ("prefill_us_per_token", "prefill_quadratic_us", "decode_step_ms",
+                     "decode_ms_per_seq"):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"mock {name} must be >= 0, got {getattr(self, name)}")
+
+    def step_seconds(self, num_seqs: int, prefill_chunks: list[tuple[int, int]]) -> float:
+        """Simulated duration of a step with ``num_seqs`` sequences, of which the prefill
+        ones compute ``(chunk tokens, context length at the chunk's end)``."""
+        if num_seqs == 0:
+            return 0.0
+        ms = self.decode_step_ms + self.decode_ms_per_seq * (num_seqs - 1)
+        for n, ctx in prefill_chunks:
+            ms += self.prefill_us_per_token / 1000 * n
+            ms += self.prefill_quadratic_us / 1000 * n * ctx / 1024
+        return ms / 1000 / self.speedup
+
+
+class MockEngine(EngineCore):
+    def __init__(
+        self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
+        eos_token_ids: list[int], timing: MockTiming,
+    ) -> None:  # fmt: skip
+        super().__init__(tokenizer, config, max_model_len, eos_token_ids)
+        self.timing = timing
+        ids = [i for i in tokenizer.encode(PLACEHOLDER_TEXT).ids if i not in self.eos_ids]
+        if not ids:
+            raise ValueError("the tokenizer encodes the placeholder text to nothing")
+        self.placeholder_ids = ids
+        self.simulated_seconds = 0.0
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, config: EngineConfig, timing: MockTiming
+    ) -> MockEngine:
+        """Only the tokenizer and the config are read (no weights). Without an explicit
+        ``max_model_len`` the model's own context window applies."""
+        d = Path(model_dir)
+        cfg = TextModelConfig.from_dir(d)
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        max_len = config.max_model_len or cfg.max_position_embeddings
+        return cls(tok, config, max_len, list(cfg.eos_token_ids), timing)
+
+    def _forward(self, batch: list[tuple[_Seq, int, int]], sampled: list[_Seq]) -> list[int]:
+        chunks = [(end - start, end) for seq, start, end in batch if end - start > 1
+                  or start < seq.num_prompt]  # fmt: skip
+        secs = self.timing.step_seconds(len(batch), chunks)
+        if secs > 0:
+            time.sleep(secs)
+        self.simulated_seconds += secs
+        ph = self.placeholder_ids
+        return [ph[len(seq.output_ids) % len(ph)] for seq in sampled]
