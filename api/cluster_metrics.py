@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from tasks.channels import POOL_SET, WORKER_KEY, worker_queue
 from tasks.pipeline import stages
+from tasks.router import LOAD_KEY, parse_loads
 
 
 class ClusterCollector:
@@ -23,6 +24,7 @@ class ClusterCollector:
         self.pools = stages(mode)
         self._workers: list[dict] = []
         self._queues: dict[str, int] = {}
+        self._loads: dict[str, dict[str, dict[str, int]]] = {}  # pool -> worker -> counts
 
     async def refresh(self, client: aioredis.Redis) -> None:
         workers: list[dict] = []
@@ -39,7 +41,15 @@ class ClusterCollector:
         pipe = client.pipeline(transaction=False)
         for q in queues:
             pipe.llen(q)
-        self._queues = dict(zip(queues, await pipe.execute(), strict=True))
+        for pool in self.pools:
+            pipe.hgetall(LOAD_KEY.format(pool=pool))
+        res = await pipe.execute()
+        self._queues = dict(zip(queues, res[: len(queues)], strict=True))
+        live = {(w.get("pool"), w.get("worker_id")) for w in workers}
+        self._loads = {
+            pool: {w: c for w, c in parse_loads(raw).items() if (pool, w) in live}
+            for pool, raw in zip(self.pools, res[len(queues) :], strict=True)
+        }
         self._workers = workers
 
     def collect(self) -> Iterator[Metric]:
@@ -90,3 +100,32 @@ class ClusterCollector:
                 t_count.add_metric(lab, kt["count"])
         yield from fams.values()
         yield from (frames, frame_errors, t_bytes, t_secs, t_count)
+        yield from self._routing()
+
+    def _routing(self) -> Iterator[Metric]:
+        routed = GaugeMetricFamily(
+            "conveyor_router_active_blocks",
+            "KV blocks of the requests the routers sent to a worker and not yet finished "
+            "(the load the KV router balances)",
+            labels=["pool", "worker"],
+        )
+        queued = GaugeMetricFamily(
+            "conveyor_router_queued_prefill_tokens",
+            "Prompt tokens routed to a worker and not prefilled yet",
+            labels=["pool", "worker"],
+        )
+        for pool, workers in sorted(self._loads.items()):
+            for wid, counts in sorted(workers.items()):
+                routed.add_metric([pool, wid], counts.get("blocks", 0))
+                queued.add_metric([pool, wid], counts.get("prefill", 0))
+        hit = GaugeMetricFamily(
+            "conveyor_worker_prefix_cache_hit_rate",
+            "Prompt tokens served from the worker's prefix cache / prompt tokens it admitted",
+            labels=["pool", "worker"],
+        )
+        for w in self._workers:
+            seen = w.get("prompt_tokens_seen", 0)
+            if seen:
+                hit.add_metric([w.get("pool", "?"), w.get("worker_id", "?")],
+                               w.get("prompt_tokens_cached", 0) / seen)  # fmt: skip
+        yield from (routed, queued, hit)

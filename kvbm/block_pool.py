@@ -55,6 +55,10 @@ class BlockPool:
         # free blocks in eviction order: the first is the least recently used
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self._parent: dict[int, int] = {}  # cached block hash -> its parent's hash
+        self._children: dict[int, set[int]] = {}  # hash -> cached children's hashes
+        self._dups: dict[int, set[int]] = {}  # hash -> unnamed blocks with that content
+        self._dup_of: dict[int, int] = {}  # such a block -> the hash of its content
         self._record = record_events
         self._events: list[KVEvent] = []
         self.num_evicted = 0
@@ -122,13 +126,27 @@ class BlockPool:
             out.append(b)
         return out
 
-    def cache(self, block_id: int, block_hash: int) -> None:
-        """Record that ``block_id`` (in use, full) holds the content named ``block_hash``."""
+    def cache(self, block_id: int, block_hash: int, parent: int = ROOT_PARENT) -> None:
+        """Record that ``block_id`` (in use, full) holds the content named ``block_hash``,
+        whose previous block is named ``parent`` (``ROOT_PARENT`` for a first block).
+
+        Cached blocks always include their ancestors (the router's index relies on it):
+        a block whose parent is not cached is unreachable by a prefix lookup, so it is not
+        named; a block with content another block already holds is remembered as that
+        block's duplicate and inherits the name if the other one is evicted first."""
         assert self._ref_cnt[block_id] > 0, f"caching free block {block_id}"
-        if self._hash[block_id] is not None or block_hash in self._cached:
-            return  # already named, or another block holds the same content
+        if self._hash[block_id] is not None or block_id in self._dup_of:
+            return
+        if parent != ROOT_PARENT and parent not in self._cached:
+            return
+        if block_hash in self._cached:
+            self._dup_of[block_id] = block_hash
+            self._dups.setdefault(block_hash, set()).add(block_id)
+            return
         self._hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        self._parent[block_hash] = parent
+        self._children.setdefault(parent, set()).add(block_hash)
         if self._record:
             self._events.append(KVEvent("stored", [block_hash]))
 
@@ -141,14 +159,49 @@ class BlockPool:
         return events
 
     def _evict(self, b: int) -> None:
+        """Block ``b`` is about to be reused: its content goes."""
+        d = self._dup_of.pop(b, None)
+        if d is not None:
+            self._drop_dup(d, b)
+            return
         h = self._hash[b]
         if h is None:
             return
+        heirs = self._dups.get(h)
+        if heirs:  # the same content lives on in another block: it keeps the name
+            heir = heirs.pop()
+            self._drop_dup(h, heir, already_popped=True)
+            self._hash[b] = None
+            self._hash[heir] = h
+            self._cached[h] = heir
+            return
+        self._unname(h)
+
+    def _unname(self, h: int) -> None:
+        """Forget the name ``h`` and, since they become unreachable, its descendants'."""
+        b = self._cached.pop(h)
         self._hash[b] = None
-        del self._cached[h]
+        parent = self._parent.pop(h)
+        siblings = self._children.get(parent)
+        if siblings is not None:
+            siblings.discard(h)
+            if not siblings:
+                del self._children[parent]
+        for dup in self._dups.pop(h, ()):
+            del self._dup_of[dup]
         self.num_evicted += 1
         if self._record:
             self._events.append(KVEvent("removed", [h]))
+        for child in list(self._children.pop(h, ())):
+            self._unname(child)
+
+    def _drop_dup(self, h: int, b: int, already_popped: bool = False) -> None:
+        if already_popped:
+            del self._dup_of[b]
+        else:
+            self._dups[h].discard(b)
+        if not self._dups[h]:
+            del self._dups[h]
 
 
 @dataclass(slots=True)
@@ -231,7 +284,8 @@ class KVCacheManager:
         new = block_hashes(token_ids[: full * self.block_size], self.block_size,
                            self.namespace, start=done, parent=parent)  # fmt: skip
         for i, h in enumerate(new, start=done):
-            self.pool.cache(table.block_ids[i], h)
+            self.pool.cache(table.block_ids[i], h, parent)
+            parent = h
         table.hashes.extend(new)
 
     def block_table(self, seq_id: str) -> list[int]:

@@ -22,8 +22,8 @@ Consistency rules:
   lost): it is refused with ``resync`` and the publisher answers with ``cleared`` plus a
   snapshot of every cached block; a batch that starts with ``cleared`` is always applied
   (a worker starting fresh, possibly under an id used before);
-* a dead worker (its heartbeat key expired) stops counting at once, since every query
-  checks liveness; :data:`CLEANUP_LUA` then removes its entries.
+* a dead worker (its heartbeat expired) stops counting at once, since every query
+  checks liveness, and the first query that notices removes its entries.
 
 Everything here is plain Redis + Lua; the keys are computed inside the scripts, so the
 index needs one Redis (not Redis Cluster).
@@ -87,78 +87,105 @@ return {1, seq}
 """
 
 # --- Lua helpers shared by the scripts that read the index -------------------------------
-# forget(wid): drop every entry of a (dead) worker.  Needs locals kv, wblocks, seqk.
+# Locals the helpers expect: kv, kva, wblocks, seqk (index prefixes), alive (the registry's
+# ZSET worker id -> heartbeat expiry in ms), pset (the registry's pool set), forget_more
+# (a function(wid) the including script may use to drop more of a dead worker's state).
+
+# forget(wid): drop every index entry of a (dead) worker
 FORGET_LUA = """
 local function forget(wid)
   local wkey = wblocks .. wid
-  for _, h in ipairs(redis.call('SMEMBERS', wkey)) do redis.call('SREM', kv .. h, wid) end
+  local hs = redis.call('SMEMBERS', wkey)
+  for _, h in ipairs(hs) do redis.call('SREM', kv .. h, wid) end
   redis.call('DEL', wkey, seqk .. wid)
+  redis.call('ZREM', alive, wid)
+  redis.call('SREM', pset, wid)
+  forget_more(wid)
 end
 """
 
-# overlaps(cand, hashes, approx, now) -> {wid = number of leading blocks held}; ``cand``
-# is a set of live worker ids. The walk stops at the first block nobody left holds.
+# live(now) -> sorted live worker ids; workers whose heartbeat expired are forgotten
+LIVE_LUA = """
+local function live(now)
+  for _, id in ipairs(redis.call('ZRANGE', alive, '-inf', '(' .. now, 'BYSCORE')) do
+    forget(id)
+  end
+  local ids = redis.call('ZRANGE', alive, now, '+inf', 'BYSCORE')
+  table.sort(ids)
+  return ids
+end
+"""
+
+# overlaps(ids, hashes, approx, now) -> {wid = number of leading blocks held}.
+# Block hashes are chained and a block pool evicts a sequence's descendants before its
+# ancestors (blocks are freed tail first, and a hit refreshes the whole prefix), so a worker
+# that holds block k holds blocks 1..k: its overlap is the deepest block it holds. That
+# depth is found by bisection, all workers at once: a group of workers known to hold block
+# lo asks who holds block mid and splits. About log2(blocks) set reads per distinct
+# overlap, instead of one read per block.
 OVERLAP_LUA = """
-local function overlaps(cand, hashes, approx, now)
-  local out, alive = {}, 0
-  for wid in pairs(cand) do out[wid] = 0; alive = alive + 1 end
-  local cur = cand
-  for i, h in ipairs(hashes) do
-    if alive == 0 then break end
-    local members
-    if approx then
-      members = redis.call('ZRANGE', kva .. h, now, '+inf', 'BYSCORE')
+local function holders(h, approx, now)
+  local set = {}
+  local members
+  if approx then
+    members = redis.call('ZRANGE', kva .. h, now, '+inf', 'BYSCORE')
+  else
+    members = redis.call('SMEMBERS', kv .. h)
+  end
+  for _, m in ipairs(members) do set[m] = true end
+  return set
+end
+
+local function overlaps(ids, hashes, approx, now)
+  local out = {}
+  for _, id in ipairs(ids) do out[id] = 0 end
+  local n = #hashes
+  if n == 0 or #ids == 0 then return out end
+  local first = holders(hashes[1], approx, now)
+  local group = {}
+  for _, id in ipairs(ids) do if first[id] then group[#group + 1] = id end end
+  local todo = {{1, n, group}}
+  while #todo > 0 do
+    local job = table.remove(todo)
+    local lo, hi, g = job[1], job[2], job[3]
+    if lo == hi then
+      for _, id in ipairs(g) do out[id] = lo end
     else
-      members = redis.call('SMEMBERS', kv .. h)
+      local mid = math.floor((lo + hi + 1) / 2)
+      local held = holders(hashes[mid], approx, now)
+      local yes, no = {}, {}
+      for _, id in ipairs(g) do
+        if held[id] then yes[#yes + 1] = id else no[#no + 1] = id end
+      end
+      if #yes > 0 then todo[#todo + 1] = {mid, hi, yes} end
+      if #no > 0 then todo[#todo + 1] = {lo, mid - 1, no} end
     end
-    local nxt = {}
-    alive = 0
-    for _, m in ipairs(members) do
-      if cur[m] then nxt[m] = true; out[m] = i; alive = alive + 1 end
-    end
-    cur = nxt
   end
   return out
 end
 """
 
-# live(pool set, worker key prefix) -> sorted ids, {id = heartbeat JSON}; prunes the dead
-LIVE_LUA = """
-local function live(pset, wprefix)
-  local ids = redis.call('SMEMBERS', pset)
-  table.sort(ids)
-  local alive, info = {}, {}
-  for _, id in ipairs(ids) do
-    local v = redis.call('GET', wprefix .. id)
-    if v then
-      alive[#alive + 1] = id
-      info[id] = v
-    else
-      redis.call('SREM', pset, id)
-      forget(id)
-    end
-  end
-  return alive, info
-end
-"""
-
-# ARGV: pool set, worker key prefix, kv prefix, kva prefix, worker-blocks prefix,
-#       seq prefix, approx (0/1), hashes...
-# returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
-QUERY_LUA = (
-    "local kv, kva, wblocks, seqk = ARGV[3], ARGV[4], ARGV[5], ARGV[6]\n"
-    + FORGET_LUA
-    + OVERLAP_LUA
-    + LIVE_LUA
-    + """
-local ids = live(ARGV[1], ARGV[2])
-local hashes = {}
-for i = 8, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+NOW_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cand = {}
-for _, id in ipairs(ids) do cand[id] = true end
-local ov = overlaps(cand, hashes, ARGV[7] == '1', now)
+"""
+
+# ARGV: alive zset, pool set, kv prefix, kva prefix, worker-blocks prefix, seq prefix,
+#       approx (0/1), hashes...
+# returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
+QUERY_LUA = (
+    "local alive, pset, kv, kva, wblocks, seqk = ARGV[1], ARGV[2], ARGV[3], ARGV[4], "
+    "ARGV[5], ARGV[6]\n"
+    "local function forget_more(wid) end\n"
+    + FORGET_LUA
+    + LIVE_LUA
+    + OVERLAP_LUA
+    + NOW_LUA
+    + """
+local ids = live(now)
+local hashes = {}
+for i = 8, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+local ov = overlaps(ids, hashes, ARGV[7] == '1', now)
 local out = {}
 for _, id in ipairs(ids) do out[#out + 1] = id; out[#out + 1] = ov[id] end
 return out
@@ -186,14 +213,14 @@ class KVIndex:
     """Synchronous access to one pool's index (workers publish, tools and tests read)."""
 
     def __init__(
-        self, client: redis.Redis, pool: str, live_set: str = "", live_prefix: str = ""
+        self, client: redis.Redis, pool: str, alive_key: str = "", pool_set: str = ""
     ) -> None:
-        """``live_set`` / ``live_prefix``: the worker registry's set of the pool's workers
-        and the prefix of their heartbeat keys (liveness), needed by :meth:`overlaps`."""
+        """``alive_key`` / ``pool_set``: the worker registry's liveness ZSET (worker id ->
+        heartbeat expiry, ms) and member set of the pool, needed by :meth:`overlaps`."""
         self._r = client
         self.pool = pool
-        self._pool_set = live_set
-        self._wprefix = live_prefix
+        self._alive = alive_key
+        self._pool_set = pool_set
         self._apply = client.register_script(APPLY_LUA)
         self._query = client.register_script(QUERY_LUA)
 
@@ -208,7 +235,7 @@ class KVIndex:
         """Each live worker's number of leading blocks of ``hashes`` held (dead workers
         are pruned and forgotten on the way)."""
         flat = self._query(
-            args=[self._pool_set, self._wprefix, *index_args(self.pool), int(approx),
+            args=[self._alive, self._pool_set, *index_args(self.pool), int(approx),
                   *hex_hashes(hashes)]
         )  # fmt: skip
         ids = [w.decode() if isinstance(w, bytes) else w for w in flat[::2]]

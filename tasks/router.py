@@ -39,53 +39,59 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from kvbm.index import FORGET_LUA, LIVE_LUA, OVERLAP_LUA, hex_hashes, index_args
-from workers.registry import POOL_SET, WORKER_KEY, worker_queue
+from kvbm.index import FORGET_LUA, LIVE_LUA, NOW_LUA, OVERLAP_LUA, hex_hashes, index_args
+from workers.registry import ALIVE_KEY, POOL_SET, WORKER_KEY, worker_queue
 
-LOAD_KEY = "conveyor:load:{pool}:{id}"
+LOAD_KEY = "conveyor:load:{pool}"  # HASH "<worker id>:reqs|blocks|prefill" -> count
 RR_KEY = "conveyor:rr:{pool}"
 LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
 
 _PICK_LUA = (
-    "local kv, kva, wblocks, seqk = ARGV[3], ARGV[4], ARGV[5], ARGV[6]\n"
+    "local alive, pset, kv, kva, wblocks, seqk = ARGV[1], ARGV[2], ARGV[3], ARGV[4], "
+    "ARGV[5], ARGV[6]\n"
+    "local lkey = ARGV[7]\n"
+    "local function forget_more(wid) redis.call('HDEL', lkey, wid .. ':reqs', "
+    "wid .. ':blocks', wid .. ':prefill') end\n"
     + FORGET_LUA
-    + OVERLAP_LUA
     + LIVE_LUA
+    + OVERLAP_LUA
+    + NOW_LUA
     + """
-local lprefix, rrkey, mode, approx, pin = ARGV[7], ARGV[8], ARGV[9], ARGV[10] == '1', ARGV[11]
-local plen, bs = tonumber(ARGV[12]), tonumber(ARGV[13])
-local weight, temp = tonumber(ARGV[14]), tonumber(ARGV[15])
-local gratio, gmin, u = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
-local load_ttl, approx_ttl = tonumber(ARGV[19]), tonumber(ARGV[20])
+local wprefix, rrkey, mode, approx, pin = ARGV[8], ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12]
+local plen, bs = tonumber(ARGV[13]), tonumber(ARGV[14])
+local weight, temp = tonumber(ARGV[15]), tonumber(ARGV[16])
+local gratio, gmin, u = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
+local load_ttl, approx_ttl = tonumber(ARGV[20]), tonumber(ARGV[21])
 local hashes = {}
-for i = 21, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+for i = 22, #ARGV do hashes[#hashes + 1] = ARGV[i] end
 
-local ids, info = live(ARGV[1], ARGV[2])
+local ids = live(now)
 if #ids == 0 then return false end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local nblocks = math.ceil(plen / bs)
 
-local blocks, queued = {}, {}
+local fields = {}
 for _, id in ipairs(ids) do
-  local v = redis.call('HMGET', lprefix .. id, 'blocks', 'prefill')
-  blocks[id] = math.max(tonumber(v[1] or '0') or 0, 0)
-  queued[id] = math.max(tonumber(v[2] or '0') or 0, 0)
+  fields[#fields + 1] = id .. ':blocks'
+  fields[#fields + 1] = id .. ':prefill'
+end
+local raw = redis.call('HMGET', lkey, unpack(fields))
+local blocks, queued = {}, {}
+for i, id in ipairs(ids) do
+  blocks[id] = math.max(tonumber(raw[2 * i - 1] or '0') or 0, 0)
+  queued[id] = math.max(tonumber(raw[2 * i] or '0') or 0, 0)
 end
 
-local chosen, reason, ov, best_ov = nil, mode, {}, 0
+local chosen, reason, ov, best_ov = nil, mode, nil, 0
 if pin ~= '' then
-  if info[pin] == nil then return {'', 'pin_missing'} end
+  if blocks[pin] == nil then return {'', 'pin_missing'} end
   chosen, reason = pin, 'pinned'
 elseif mode == 'round_robin' then
   chosen = ids[(redis.call('INCR', rrkey) - 1) % #ids + 1]
 elseif mode == 'random' then
   chosen = ids[math.min(math.floor(u * #ids), #ids - 1) + 1]
 else
-  local cand = {}
-  for _, id in ipairs(ids) do cand[id] = true end
-  ov = overlaps(cand, hashes, approx, now)
+  ov = overlaps(ids, hashes, approx, now)
   local sum, minb = 0, nil
   for _, id in ipairs(ids) do
     sum = sum + blocks[id]
@@ -123,31 +129,27 @@ else
   end
   if guarded and ov[chosen] < best_ov then reason = 'kv_guarded' end
 end
-if ov[chosen] == nil then
-  local one = {}
-  one[chosen] = true
-  ov = overlaps(one, hashes, approx, now)
-end
+if ov == nil then ov = overlaps({chosen}, hashes, approx, now) end
 
 local hit = ov[chosen]
 local add_blocks = nblocks + 1
 local add_prefill = math.max(plen - hit * bs, 1)
-local lk = lprefix .. chosen
-redis.call('HINCRBY', lk, 'reqs', 1)
-redis.call('HINCRBY', lk, 'blocks', add_blocks)
-redis.call('HINCRBY', lk, 'prefill', add_prefill)
-redis.call('PEXPIRE', lk, load_ttl)
+redis.call('HINCRBY', lkey, chosen .. ':reqs', 1)
+redis.call('HINCRBY', lkey, chosen .. ':blocks', add_blocks)
+redis.call('HINCRBY', lkey, chosen .. ':prefill', add_prefill)
+redis.call('PEXPIRE', lkey, load_ttl)
 if approx and mode == 'kv' then
   for _, h in ipairs(hashes) do
     redis.call('ZADD', kva .. h, now + approx_ttl, chosen)
     redis.call('PEXPIRE', kva .. h, approx_ttl)
   end
 end
-return {chosen, reason, info[chosen], hit, best_ov, blocks[chosen], add_blocks, add_prefill}
+local info = redis.call('GET', wprefix .. chosen) or '{}'
+return {chosen, reason, info, hit, best_ov, blocks[chosen], add_blocks, add_prefill}
 """
 )
 
-# KEYS[1] load hash; ARGV: field, amount, field, amount, ...; ttl ms last. Never below 0.
+# KEYS[1] the pool's load hash; ARGV: field, amount, ...; ttl ms last. Never below 0.
 _GIVE_BACK_LUA = """
 for i = 1, #ARGV - 1, 2 do
   local n = tonumber(ARGV[i + 1])
@@ -224,10 +226,11 @@ class Router:
         req = req or RouteRequest([], 1)
         res = await self._pick(
             args=[
+                ALIVE_KEY.format(pool=pool),
                 POOL_SET.format(pool=pool),
-                WORKER_KEY.format(pool=pool, id=""),
                 *index_args(pool),
-                LOAD_KEY.format(pool=pool, id=""),
+                LOAD_KEY.format(pool=pool),
+                WORKER_KEY.format(pool=pool, id=""),
                 RR_KEY.format(pool=pool),
                 c.mode,
                 int(not c.kv_events),
@@ -259,22 +262,29 @@ class Router:
         if route.prefill_tokens:
             n, route.prefill_tokens = route.prefill_tokens, 0
             await self._give_back(
-                keys=[LOAD_KEY.format(pool=route.pool, id=route.worker_id)],
-                args=["prefill", n, LOAD_TTL_S * 1000],
+                keys=[LOAD_KEY.format(pool=route.pool)],
+                args=[f"{route.worker_id}:prefill", n, LOAD_TTL_S * 1000],
             )
 
     async def release(self, route: Route) -> None:
         """The request routed by ``route`` is over: stop counting it."""
+        w = route.worker_id
         await self._give_back(
-            keys=[LOAD_KEY.format(pool=route.pool, id=route.worker_id)],
-            args=["reqs", 1, "blocks", route.blocks, "prefill", route.prefill_tokens,
-                  LOAD_TTL_S * 1000],
+            keys=[LOAD_KEY.format(pool=route.pool)],
+            args=[f"{w}:reqs", 1, f"{w}:blocks", route.blocks, f"{w}:prefill",
+                  route.prefill_tokens, LOAD_TTL_S * 1000],
         )  # fmt: skip
         route.prefill_tokens = 0
 
     async def load(self, pool: str, worker_id: str) -> dict[str, int]:
-        raw = await self._r.hgetall(LOAD_KEY.format(pool=pool, id=worker_id))
-        return {_str(k): int(v) for k, v in raw.items()}
+        """What the router counts on one worker: reqs, blocks, prefill."""
+        names = ("reqs", "blocks", "prefill")
+        raw = await self._r.hmget(LOAD_KEY.format(pool=pool), [f"{worker_id}:{n}" for n in names])
+        return {n: int(v or 0) for n, v in zip(names, raw, strict=True)}
+
+    async def loads(self, pool: str) -> dict[str, dict[str, int]]:
+        """Every worker's counts in ``pool`` (workers with no entry are absent)."""
+        return parse_loads(await self._r.hgetall(LOAD_KEY.format(pool=pool)))
 
     async def all_alive(self, routes: Iterable[Route]) -> bool:
         """Whether every routed worker still heartbeats (one round trip)."""
@@ -288,6 +298,15 @@ class Router:
         ids = [_str(m) for m in members]
         vals = await self._r.mget([WORKER_KEY.format(pool=pool, id=i) for i in ids])
         return sum(v is not None for v in vals)
+
+
+def parse_loads(raw: dict) -> dict[str, dict[str, int]]:
+    """The load hash's fields ``<worker id>:<count>`` -> {worker id: {count: value}}."""
+    out: dict[str, dict[str, int]] = {}
+    for k, v in raw.items():
+        wid, _, name = _str(k).rpartition(":")
+        out.setdefault(wid, {})[name] = int(v)
+    return out
 
 
 def _str(v: bytes | str) -> str:

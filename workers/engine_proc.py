@@ -249,7 +249,6 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     from kvbm.events import KVEventPublisher
     from workers.engine_loop import EngineLoop
     from workers.stream import FramePublisher
-    from workers.transfer import make_transfer
 
     send_lock = threading.Lock()
 
@@ -264,11 +263,11 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         engine = _make_engine(spec)
         client = redis.Redis.from_url(spec.redis_url)
         client.ping()
-        transfer = (
-            make_transfer(spec.kv_transfer, engine.kv, client, spec.worker_id)
-            if spec.kv_transfer
-            else None
-        )
+        transfer = None
+        if spec.kv_transfer:
+            from workers.transfer import make_transfer  # torch: not for the mock engine
+
+            transfer = make_transfer(spec.kv_transfer, engine.kv, client, spec.worker_id)
     except Exception as e:  # noqa: BLE001 - report the reason to the parent
         log.exception("engine process failed to start")
         send(("error", f"{type(e).__name__}: {e}"))

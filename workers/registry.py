@@ -1,8 +1,10 @@
 """Worker registry in Redis: heartbeats, liveness and load.
 
-Each worker keeps ``conveyor:worker:{pool}:{id}`` alive (a JSON load report with a TTL) and
-is a member of the set ``conveyor:workers:{pool}``. A worker whose key expired is dead at
-once for every reader; readers prune it from the set.
+Each worker keeps ``conveyor:worker:{pool}:{id}`` alive (a JSON load report with a TTL), is
+a member of the set ``conveyor:workers:{pool}`` and has its heartbeat's expiry (Redis's
+clock) in the ZSET ``conveyor:alive:{pool}``, so the router's script finds the live workers
+of a pool with one range read. A worker whose key expired is dead at once for every
+reader; readers prune it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,17 @@ log = logging.getLogger(__name__)
 
 WORKER_KEY = "conveyor:worker:{pool}:{id}"
 POOL_SET = "conveyor:workers:{pool}"
+ALIVE_KEY = "conveyor:alive:{pool}"  # ZSET worker id -> heartbeat expiry (ms, Redis clock)
+
+# KEYS[1] heartbeat key, KEYS[2] pool set, KEYS[3] alive zset; ARGV: body, ttl ms, id
+_BEAT_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[2]), ARGV[3])
+return 1
+"""
 
 
 def worker_queue(pool: str, worker_id: str) -> str:
@@ -60,6 +73,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._key = WORKER_KEY.format(pool=pool, id=worker_id)
+        self._beat = client.register_script(_BEAT_LUA)
 
     def beat(self) -> None:
         body = {
@@ -69,10 +83,10 @@ class Heartbeat:
             "ts": time.time(),
             **self._report(),
         }
-        pipe = self._r.pipeline(transaction=False)
-        pipe.set(self._key, json.dumps(body), px=self._ttl_ms)
-        pipe.sadd(POOL_SET.format(pool=self.pool), self.worker_id)
-        pipe.execute()
+        self._beat(
+            keys=[self._key, POOL_SET.format(pool=self.pool), ALIVE_KEY.format(pool=self.pool)],
+            args=[json.dumps(body), self._ttl_ms, self.worker_id],
+        )
 
     def start(self) -> Heartbeat:
         self.beat()
@@ -87,6 +101,7 @@ class Heartbeat:
             pipe = self._r.pipeline(transaction=False)
             pipe.delete(self._key)
             pipe.srem(POOL_SET.format(pool=self.pool), self.worker_id)
+            pipe.zrem(ALIVE_KEY.format(pool=self.pool), self.worker_id)
             pipe.execute()
         except redis.RedisError:
             log.warning("could not deregister worker %s", self.worker_id)

@@ -17,13 +17,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from kvbm.block_pool import BlockPool, KVEvent
+from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
 from kvbm.hashing import block_hashes
 from kvbm.index import KVIndex
 from tasks.router import LOAD_KEY, PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tests.integration.conftest import redis_db, wait_for
-from workers.registry import POOL_SET, WORKER_KEY, Heartbeat
+from workers.registry import ALIVE_KEY, POOL_SET, WORKER_KEY, Heartbeat
 
 POOL = "generate"
 BS = 16
@@ -43,15 +43,16 @@ def register(url: str, *ids: str, ttl_s: float = 30.0) -> None:
 
 
 def kill(url: str, wid: str) -> None:
-    """The worker's heartbeat key expires (it died)."""
-    redis.Redis.from_url(url).delete(WORKER_KEY.format(pool=POOL, id=wid))
+    """The worker's heartbeat expires (it died): what a lapsed TTL leaves in Redis."""
+    r = redis.Redis.from_url(url)
+    r.delete(WORKER_KEY.format(pool=POOL, id=wid))
+    r.zadd(ALIVE_KEY.format(pool=POOL), {wid: 1})
 
 
 def index(url: str) -> KVIndex:
     return KVIndex(
-        redis.Redis.from_url(url), POOL, POOL_SET.format(pool=POOL),
-        WORKER_KEY.format(pool=POOL, id=""),
-    )  # fmt: skip
+        redis.Redis.from_url(url), POOL, ALIVE_KEY.format(pool=POOL), POOL_SET.format(pool=POOL)
+    )
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -76,22 +77,38 @@ def pick(url: str, req: RouteRequest, n: int = 1, **cfg: object) -> list[str]:
 # ---------------------------------------------------------------------------------------
 # The index
 # ---------------------------------------------------------------------------------------
-def test_overlap_is_the_consecutive_prefix_each_worker_holds(db: str) -> None:
+def test_overlap_is_the_prefix_each_worker_holds(db: str) -> None:
     register(db, "a", "b", "c")
     idx = index(db)
     h = list(range(100, 110))
     assert idx.apply("a", 0, [("cleared", []), ("stored", h[:6])]).status == 1
-    # b holds blocks 0-2 and 5 (not 3): its consecutive prefix is 3 blocks
-    assert idx.apply("b", 0, [("stored", h[:3] + [h[5]])]).status == 1
+    assert idx.apply("b", 0, [("stored", h[:3])]).status == 1
     assert idx.overlaps(h) == {"a": 6, "b": 3, "c": 0}
-    # interleaved: a evicts block 2, b stores 3 and 4, a stores block 2 again later
-    assert idx.apply("a", 1, [("removed", [h[2]])]).status == 1
-    assert idx.apply("b", 1, [("stored", [h[3], h[4]])]).status == 1
-    assert idx.overlaps(h) == {"a": 2, "b": 6, "c": 0}
-    assert idx.apply("a", 2, [("stored", [h[2]]), ("removed", [h[0]])]).status == 1
-    assert idx.overlaps(h) == {"a": 0, "b": 6, "c": 0}
+    # interleaved: a evicts its tail (blocks 4, 5), b grows to 7, c caches another branch
+    assert idx.apply("a", 1, [("removed", [h[5], h[4]])]).status == 1
+    assert idx.apply("b", 1, [("stored", h[3:7])]).status == 1
+    assert idx.apply("c", 0, [("stored", [h[0], 555, 556])]).status == 1
+    assert idx.overlaps(h) == {"a": 4, "b": 7, "c": 1}
+    # a evicts everything and caches the prompt again, deeper than before
+    assert idx.apply("a", 2, [("removed", h[:4]), ("stored", h[:9])]).status == 1
+    assert idx.overlaps(h) == {"a": 9, "b": 7, "c": 1}
+    assert idx.overlaps(h[:5]) == {"a": 5, "b": 5, "c": 1}
+    assert idx.overlaps([999] + h) == {"a": 0, "b": 0, "c": 0}
     assert idx.holders(h[2]) == {"a", "b"}
-    assert idx.worker_blocks("a") == {h[1], h[2], h[3], h[4], h[5]}
+    assert idx.worker_blocks("c") == {h[0], 555, 556}
+
+
+def test_overlap_by_bisection_equals_a_block_by_block_walk(db: str) -> None:
+    """Many workers, each holding a prefix of its own length: the bisection finds every
+    one exactly, including 0 and the full length."""
+    ids = [f"w{i:02d}" for i in range(40)]
+    register(db, *ids)
+    idx = index(db)
+    h = list(range(1000, 1000 + 97))
+    depth = {wid: (i * 37) % 98 for i, wid in enumerate(ids)}
+    for wid in ids:
+        idx.apply(wid, 0, [("stored", h[: depth[wid]])])
+    assert idx.overlaps(h) == depth
 
 
 def test_duplicates_are_dropped_and_gaps_ask_for_resync(db: str) -> None:
@@ -123,6 +140,7 @@ def test_a_dead_worker_stops_counting_at_once_and_is_forgotten(db: str) -> None:
     assert idx.worker_blocks("a") == set()
     r = redis.Redis.from_url(db)
     assert not r.sismember(POOL_SET.format(pool=POOL), "a")
+    assert r.zscore(ALIVE_KEY.format(pool=POOL), "a") is None
 
 
 def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None:
@@ -175,8 +193,7 @@ def test_kv_mode_picks_the_prefix_holder_when_loads_are_equal(db: str) -> None:
 
 async def _release_all(url: str) -> None:
     r = aioredis.Redis.from_url(url)
-    for key in await r.keys("conveyor:load:*"):
-        await r.delete(key)
+    await r.delete(LOAD_KEY.format(pool=POOL))
     await r.aclose()
 
 
@@ -185,7 +202,7 @@ def test_overloaded_holder_is_guarded_and_traffic_spreads(db: str) -> None:
     shared = prompt(1, 512)  # a system prompt every request shares; only a caches it
     index(db).apply("a", 0, [("stored", block_hashes(shared, BS))])
     r = redis.Redis.from_url(db)
-    r.hset(LOAD_KEY.format(pool=POOL, id="a"), mapping={"blocks": 400, "reqs": 10})
+    r.hset(LOAD_KEY.format(pool=POOL), mapping={"a:blocks": 400, "a:reqs": 10})
     req = RouteRequest(block_hashes(shared + prompt(2, 64), BS), 576)
     picks = pick(db, req, n=12)
     assert "a" not in picks, picks
@@ -204,8 +221,8 @@ def test_without_load_the_shared_prefix_does_not_pile_on_one_worker(db: str) -> 
         p = shared + prompt(100 + i, 48)
         picks += pick(db, RouteRequest(block_hashes(p, BS), len(p)))
     counts = {w: picks.count(w) for w in "abcd"}
-    loads = [int(redis.Redis.from_url(db).hget(LOAD_KEY.format(pool=POOL, id=w), "blocks") or 0)
-             for w in "abcd"]  # fmt: skip
+    r = redis.Redis.from_url(db)
+    loads = [int(r.hget(LOAD_KEY.format(pool=POOL), f"{w}:blocks") or 0) for w in "abcd"]
     assert max(loads) / (sum(loads) / 4) <= 1.5, (counts, loads)
     assert counts["a"] > max(counts[w] for w in "bcd"), counts  # the cache still pulls
 
@@ -256,13 +273,12 @@ def test_two_router_processes_see_each_others_load(db: str) -> None:
     script, so together they keep the four workers within one request of each other."""
     register(db, "a", "b", "c", "d")
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CONCURRENT_PICKER, db, "50"])
-        for _ in range(2)
+        subprocess.Popen([sys.executable, "-c", _CONCURRENT_PICKER, db, "50"]) for _ in range(2)
     ]
     for p in procs:
         assert p.wait(60) == 0
     r = redis.Redis.from_url(db)
-    reqs = [int(r.hget(LOAD_KEY.format(pool=POOL, id=w), "reqs") or 0) for w in "abcd"]
+    reqs = [int(r.hget(LOAD_KEY.format(pool=POOL), f"{w}:reqs") or 0) for w in "abcd"]
     assert sum(reqs) == 100
     assert max(reqs) - min(reqs) <= 1, reqs
 

@@ -13,6 +13,7 @@ import openai
 import pytest
 import redis
 
+from tasks.router import LOAD_KEY
 from tests.integration.conftest import (
     base_env,
     redis_db,
@@ -21,6 +22,7 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
+from workers.registry import Heartbeat
 
 pytestmark = pytest.mark.integration
 
@@ -43,10 +45,11 @@ def test_request_redispatched_when_worker_dies_before_answering(
         api, url = start_api("api-failover", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
-        # A worker that registered and then froze: it sorts first, so the router picks it;
-        # its heartbeat expires 2 s later and the API must move the request on.
-        r.set("conveyor:worker:generate:aaa-hung", '{"worker_id": "aaa-hung"}', px=2000)
-        r.sadd("conveyor:workers:generate", "aaa-hung")
+        # A worker that registered and then froze: the real one looks busy, so the router
+        # picks the frozen one; its heartbeat expires 2 s later and the API must move the
+        # request on.
+        Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=2.0).beat()
+        r.hset(LOAD_KEY.format(pool="generate"), "zzz-real:blocks", 10_000)
         t0 = time.monotonic()
         out = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
             model=tiny_model_dir.name,

@@ -1,0 +1,171 @@
+"""KV-aware routing end to end: real workers publish KV events, the API routes by them.
+
+Mock-engine workers (real scheduler, block pool and events; simulated time) let several
+workers run cheaply; the reference-engine cluster checks that a routed prefix hit gives
+the same tokens as a cold run.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from kvbm.hashing import block_hashes, namespace_hash
+from kvbm.index import KVIndex
+from tests.integration.conftest import (
+    Cluster,
+    Proc,
+    base_env,
+    redis_db,
+    start_api,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
+from workers.registry import ALIVE_KEY, POOL_SET
+
+N_WORKERS = 3
+
+
+@pytest.fixture(scope="module")
+def mock_cluster(
+    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    logdir = tmp_path_factory.mktemp("kv-routing")
+    url = redis_db(redis_url, 5)
+    redis.Redis.from_url(url).flushdb()
+    env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock", CONVEYOR_MOCK__SPEEDUP="20")
+    workers = [
+        start_worker(f"mock{i}", "generate", f"mock-w{i}", env, logdir) for i in range(N_WORKERS)
+    ]
+    with stop_on_error(*workers):
+        api, api_url = start_api("api-kv", env, logdir)
+    c = Cluster(api_url, url, tiny_model_dir, tiny_model_dir.name, workers, api)
+    with stop_on_error(*workers, api):
+        wait_for(
+            lambda: (
+                httpx.get(f"{api_url}/health", timeout=1).json()["workers"]["generate"] == N_WORKERS
+            ),
+            90,
+            f"{N_WORKERS} live mock workers",
+            [*workers, api],
+        )
+    yield c
+    for p in [api, *workers]:
+        p.stop()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 400 + 50 for i in range(n)]
+
+
+def complete(c: Cluster, ids: list[int], **kw: object) -> openai.types.Completion:
+    return c.client().completions.create(
+        model=c.model_name, prompt=ids, max_tokens=4, temperature=0, **kw
+    )  # type: ignore[call-overload]
+
+
+def cached(r: openai.types.Completion) -> int:
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    return r.usage.prompt_tokens_details.cached_tokens or 0
+
+
+def index(c: Cluster) -> KVIndex:
+    return KVIndex(
+        redis.Redis.from_url(c.redis_url), "generate", ALIVE_KEY.format(pool="generate"),
+        POOL_SET.format(pool="generate"),
+    )  # fmt: skip
+
+
+def test_requests_follow_the_prefix_to_the_worker_that_cached_it(mock_cluster: Cluster) -> None:
+    c = mock_cluster
+    ns = namespace_hash(c.model_name)
+    for i in range(6):
+        holder = f"mock-w{i % N_WORKERS}"
+        p = prompt(100 + i, 160)
+        first = complete(c, p, extra_body={"worker_id": holder})
+        assert cached(first) == 0
+        # the holder's stored events reach the index
+        hashes = block_hashes(p, 16, ns)
+        wait_for(lambda h=hashes, w=holder: index(c).overlaps(h)[w] == 10, 10, "KV events")
+        assert {w: n for w, n in index(c).overlaps(hashes).items() if n} == {holder: 10}
+        # the same prefix, unpinned, goes to the holder and reuses its blocks
+        again = complete(c, p + prompt(900 + i, 20))
+        assert cached(again) == 160, f"request {i} missed the holder {holder}"
+
+
+def test_pinning_by_header_and_unknown_worker(mock_cluster: Cluster) -> None:
+    c = mock_cluster
+    p = prompt(7, 64)
+    complete(c, p, extra_headers={"x-conveyor-worker-id": "mock-w2"})
+    wait_for(lambda: index(c).overlaps(block_hashes(p, 16, namespace_hash(c.model_name)))
+             ["mock-w2"] == 4, 10, "pinned worker's KV events")  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(c, p, extra_body={"worker_id": "no-such-worker"})
+    err = e.value.body
+    assert isinstance(err, dict)
+    assert err["param"] == "worker_id" and err["code"] == "worker_not_found"
+    assert "no-such-worker" in err["message"]
+
+
+def test_routing_metrics_are_exported(mock_cluster: Cluster) -> None:
+    c = mock_cluster
+    complete(c, prompt(8, 48))
+    text = httpx.get(f"{c.url}/metrics", timeout=5).text
+    assert 'conveyor_routing_decisions_total{pool="generate",reason="kv"}' in text
+    assert "conveyor_routing_overlap_ratio_bucket" in text
+    assert 'conveyor_router_active_blocks{pool="generate",worker="mock-w0"}' in text
+    assert "conveyor_prompt_tokens_cached_total" in text
+    assert 'conveyor_worker_prefix_cache_hit_rate{pool="generate",worker=' in text
+
+
+def test_a_killed_worker_leaves_the_index_and_its_prefix_is_served_elsewhere(
+    mock_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    c = mock_cluster
+    env = base_env(c.redis_url, tiny_model_dir, CONVEYOR_ENGINE="mock",
+                   CONVEYOR_MOCK__SPEEDUP="20")  # fmt: skip
+    doomed: Proc = start_worker("doomed", "generate", "mock-doomed", env, tmp_path)
+    try:
+        wait_for(lambda: httpx.get(f"{c.url}/health", timeout=1).json()["workers"]["generate"]
+                 == N_WORKERS + 1, 60, "the extra worker", [doomed])  # fmt: skip
+        p = prompt(9, 128)
+        hashes = block_hashes(p, 16, namespace_hash(c.model_name))
+        complete(c, p, extra_body={"worker_id": "mock-doomed"})
+        wait_for(lambda: index(c).overlaps(hashes).get("mock-doomed") == 8, 10, "its events")
+        doomed.stop(signal.SIGKILL)
+        # its heartbeat lapses (TTL 3 s in tests): it stops counting and its entries go
+        wait_for(lambda: "mock-doomed" not in index(c).overlaps(hashes), 15, "expiry")
+        assert index(c).worker_blocks("mock-doomed") == set()
+        assert all("mock-doomed" not in index(c).holders(h) for h in hashes)
+        r = complete(c, p)
+        assert r.choices[0].finish_reason == "length" and cached(r) == 0
+    finally:
+        doomed.stop(signal.SIGKILL)
+
+
+def test_a_routed_prefix_hit_gives_the_cold_tokens(cluster: Cluster) -> None:
+    """Reference engine: a cold run on one worker, then the same prompt routed by the KV
+    router (to the worker that cached it) gives the same greedy tokens."""
+    p = prompt(11, 150)
+    cold = cluster.client().completions.create(
+        model=cluster.model_name, prompt=p, max_tokens=16, temperature=0,
+        extra_body={"worker_id": "itest-w1", "ignore_eos": True},
+    )  # fmt: skip
+    assert cached(cold) == 0
+    hashes = block_hashes(p, 16, namespace_hash(cluster.model_name))
+    idx = KVIndex(redis.Redis.from_url(cluster.redis_url), "generate",
+                  ALIVE_KEY.format(pool="generate"), POOL_SET.format(pool="generate"))  # fmt: skip
+    wait_for(lambda: idx.overlaps(hashes).get("itest-w1") == 9, 10, "KV events")
+    warm = cluster.client().completions.create(
+        model=cluster.model_name, prompt=p, max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert cached(warm) == 144  # routed to itest-w1: 9 cached blocks
+    assert warm.choices[0].text == cold.choices[0].text

@@ -1,0 +1,117 @@
+"""The mock engine: the real scheduler, block pool and KV events with simulated time.
+
+Timing is checked through the engine's simulated-seconds account (the sum of the step-time
+model over the steps it ran), never through wall-clock assertions.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbm.hashing import block_hashes, namespace_hash
+from workers.engine_core import EngineConfig, EngineRequest, RequestOutput
+from workers.mock_engine import MockEngine, MockTiming
+from workers.sampling import SamplingParams
+
+FAST = MockTiming(prefill_us_per_token=100, decode_step_ms=2, decode_ms_per_seq=0.5,
+                  speedup=1000)  # fmt: skip
+
+
+def make(model_dir: Path, timing: MockTiming = FAST, **kw: object) -> MockEngine:
+    cfg = EngineConfig(**{"num_kv_blocks": 256, "namespace": "tiny-llava", **kw})  # type: ignore[arg-type]
+    return MockEngine.from_model_dir(model_dir, cfg, timing)
+
+
+def run(engine: MockEngine, *reqs: EngineRequest) -> dict[str, list[RequestOutput]]:
+    for r in reqs:
+        assert engine.add_request(r) is None
+    out: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished:
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append(o)
+    return out
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 8, **kw: object) -> EngineRequest:
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))  # type: ignore[arg-type]
+
+
+PROMPT = [(i * 37) % 400 + 50 for i in range(100)]
+
+
+def test_step_time_model() -> None:
+    t = MockTiming(prefill_us_per_token=100, prefill_quadratic_us=10, decode_step_ms=5,
+                   decode_ms_per_seq=0.5, speedup=2)  # fmt: skip
+    assert t.step_seconds(0, []) == 0
+    assert t.step_seconds(1, []) == pytest.approx(0.0025)
+    # 3 sequences, one of them prefilling 512 tokens of a 1024-token context
+    ms = 5 + 0.5 * 2 + 0.1 * 512 + 0.01 * 512 * 1024 / 1024
+    assert t.step_seconds(3, [(512, 1024)]) == pytest.approx(ms / 1000 / 2)
+    with pytest.raises(ValueError, match="speedup"):
+        MockTiming(speedup=0)
+
+
+def test_placeholder_tokens_length_and_usage(tiny_model_dir: Path) -> None:
+    e = make(tiny_model_dir)
+    outs = run(e, req("a", PROMPT, max_tokens=12))["a"]
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert sum(len(o.token_ids) for o in outs) == 12
+    text = "".join(o.text for o in outs)
+    assert text.startswith(" lorem ipsum")
+    assert outs[-1].num_prompt_tokens == 100 and outs[-1].num_cached_tokens == 0
+    assert e.kv_manager.pool.num_used == 0  # every block back
+
+
+def test_stop_strings_apply_as_in_the_reference_engine(tiny_model_dir: Path) -> None:
+    e = make(tiny_model_dir)
+    outs = run(e, req("a", PROMPT, max_tokens=40, stop=["dolor"]))["a"]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == "dolor"
+    assert "".join(o.text for o in outs) == " lorem ipsum "
+
+
+def test_prefix_hit_skips_prefill_time_and_reports_cached_tokens(tiny_model_dir: Path) -> None:
+    e = make(tiny_model_dir)
+    run(e, req("cold", PROMPT, max_tokens=1))
+    cold = e.simulated_seconds
+    warm_out = run(e, req("warm", PROMPT, max_tokens=1))["warm"][-1]
+    warm = e.simulated_seconds - cold
+    assert warm_out.num_cached_tokens == 96  # 6 full blocks; the last token is recomputed
+    # cold: one step with 100 prompt tokens; warm: one step with 4
+    assert cold == pytest.approx((2 + 0.1 * 100) / 1000 / 1000)
+    assert warm == pytest.approx((2 + 0.1 * 4) / 1000 / 1000)
+
+
+def test_kv_events_carry_the_hashes_the_api_computes(tiny_model_dir: Path) -> None:
+    e = make(tiny_model_dir)
+    run(e, req("a", PROMPT, max_tokens=1))
+    stored = [h for ev in e.take_kv_events() if ev.kind == "stored" for h in ev.block_hashes]
+    api_side = block_hashes(PROMPT, 16, namespace_hash("tiny-llava"))
+    assert stored == api_side  # 6 full prompt blocks, same ids in the same order
+
+
+def test_batched_decode_time_grows_with_the_batch(tiny_model_dir: Path) -> None:
+    one = make(tiny_model_dir)
+    run(one, req("a", PROMPT[:16], max_tokens=9))
+    four = make(tiny_model_dir)
+    run(four, *(req(f"r{i}", PROMPT[i : i + 16], max_tokens=9) for i in range(4)))
+    # same number of steps (prefill + 8 decode steps), each with 4 sequences, 3 x 0.5 ms more
+    steps = 9
+    extra = steps * 3 * 0.5 / 1000 / 1000 + 3 * 16 * 0.1 / 1000 / 1000
+    assert four.simulated_seconds - one.simulated_seconds == pytest.approx(extra)
+
+
+def test_mock_engine_process_does_not_import_torch(tiny_model_dir: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path;"
+        "from workers.engine_core import EngineConfig;"
+        "from workers.mock_engine import MockEngine, MockTiming;"
+        "import workers.engine_loop, workers.engine_proc, workers.runtime, tasks.stages;"
+        f"MockEngine.from_model_dir(Path({str(tiny_model_dir)!r}), EngineConfig(), MockTiming());"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
