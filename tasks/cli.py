@@ -37,10 +37,12 @@ def _setup_logging(level: str = "INFO") -> None:
 
 def _ensure_model(s: Settings) -> None:
     """Generate the default model if it is what's configured and it is missing."""
-    from workers.model_init import init_model, is_model_dir
+    from workers.checkpoint import is_model_dir  # torch-free: mock workers never load torch
 
     if is_model_dir(s.model):
         return
+    from workers.model_init import init_model
+
     if s.model.expanduser().resolve() != DEFAULT_MODEL_DIR.resolve():
         raise click.ClickException(
             f"--model {s.model} is not a Hugging Face model directory "

@@ -101,6 +101,12 @@ def _eos_ids(d: Path, tc: dict, raw: dict) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def is_model_dir(path: str | Path) -> bool:
+    """Whether ``path`` looks like a Hugging Face checkpoint directory."""
+    p = Path(path)
+    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
+
 def load_text_weights(
     model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:

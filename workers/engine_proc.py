@@ -356,7 +356,7 @@ class _EngineServer:
 
     # ----------------------------------------------------------------------------------
     def handle(self, kind: str, payload: tuple) -> None:
-        from workers.engine import EngineRequest
+        from workers.engine_core import EngineRequest
         from workers.sampling import SamplingParams
 
         if kind == "abort":
@@ -415,7 +415,7 @@ class _EngineServer:
         self.send(("done", [Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
 
     def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: dict) -> None:  # type: ignore[no-untyped-def]
-        from workers.engine import EngineRequest, ImportedPrefill
+        from workers.engine_core import EngineRequest, ImportedPrefill
         from workers.transfer import TransferError
 
         timeout = self.spec.transfer_timeout_s

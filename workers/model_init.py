@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from workers.checkpoint import is_model_dir  # noqa: F401 - re-exported
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 UNK, BOS, EOS, PAD, IMAGE = range(len(SPECIAL_TOKENS))
 
@@ -101,11 +103,6 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     tensors = _llava_weights(spec, vocab)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def is_model_dir(path: str | Path) -> bool:
-    p = Path(path)
-    return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
 # ----------------------------------------------------------------------------------------

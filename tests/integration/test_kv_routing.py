@@ -7,6 +7,7 @@ the same tokens as a cold run.
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,3 +170,18 @@ def test_a_routed_prefix_hit_gives_the_cold_tokens(cluster: Cluster) -> None:
     )  # fmt: skip
     assert cached(warm) == 144  # routed to itest-w1: 9 cached blocks
     assert warm.choices[0].text == cold.choices[0].text
+
+
+def test_mock_workers_never_load_torch(mock_cluster: Cluster) -> None:
+    """A mock worker (Celery process and engine process) stays torch-free while serving,
+    which is what lets one machine run dozens of them."""
+    c = mock_cluster
+    complete(c, prompt(12, 40))
+    r = redis.Redis.from_url(c.redis_url)
+    pids = [p.popen.pid for p in c.workers]
+    for wid in (f"mock-w{i}" for i in range(N_WORKERS)):
+        info = json.loads(r.get(f"conveyor:worker:generate:{wid}") or "{}")
+        pids.append(int(info["engine_pid"]))
+    for pid in pids:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "libtorch" not in maps, f"process {pid} loaded torch"
