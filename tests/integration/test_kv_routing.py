@@ -185,3 +185,49 @@ def test_mock_workers_never_load_torch(mock_cluster: Cluster) -> None:
     for pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text()
         assert "libtorch" not in maps, f"process {pid} loaded torch"
+
+
+def test_two_api_processes_share_load_through_redis(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two API replicas route at the same time over real HTTP: each sees the requests the
+    other placed, so 8 long requests (4 per replica) land 4 and 4 on the two workers."""
+    import asyncio
+
+    url = redis_db(redis_url, 4)
+    redis.Redis.from_url(url).flushdb()
+    env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock",
+                   CONVEYOR_MOCK__DECODE_STEP_MS="40")  # fmt: skip
+    workers = [start_worker(f"w{i}", "generate", f"pair-w{i}", env, tmp_path) for i in range(2)]
+    procs: list[Proc] = list(workers)
+    try:
+        apis = [start_api(f"api{i}", env, tmp_path) for i in range(2)]
+        procs += [p for p, _ in apis]
+        wait_for(lambda: httpx.get(f"{apis[0][1]}/health", timeout=1).json()["workers"]
+                 ["generate"] == 2, 60, "2 workers", procs)  # fmt: skip
+
+        async def fire() -> list[int]:
+            clients = [openai.AsyncOpenAI(base_url=f"{u}/v1", api_key="x") for _, u in apis]
+            calls = [
+                clients[i % 2].completions.create(
+                    model=tiny_model_dir.name, prompt=prompt(200 + i, 64), max_tokens=40,
+                    temperature=0, extra_body={"ignore_eos": True},
+                )
+                for i in range(8)
+            ]  # fmt: skip
+            tasks = [asyncio.create_task(c) for c in calls]
+            await asyncio.sleep(0.8)  # all sent, none finished (40 steps x 40 ms)
+            r = redis.Redis.from_url(url)
+            reqs = [int(r.hget("conveyor:load:generate", f"pair-w{i}:reqs") or 0)
+                    for i in range(2)]  # fmt: skip
+            done = await asyncio.gather(*tasks)
+            assert all(d.usage is not None and d.usage.completion_tokens == 40 for d in done)
+            return reqs
+
+        assert asyncio.run(fire()) == [4, 4]
+        r = redis.Redis.from_url(url)
+        assert [int(r.hget("conveyor:load:generate", f"pair-w{i}:reqs") or 0)
+                for i in range(2)] == [0, 0]  # fmt: skip
+    finally:
+        for p in procs:
+            p.stop()
