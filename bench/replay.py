@@ -55,6 +55,7 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]
 
 import trace_gen as tg  # noqa: E402
+from sse import stream_chunks  # noqa: E402
 
 from tasks.router import LOAD_KEY  # noqa: E402
 from workers.registry import POOL_SET, WORKER_KEY  # noqa: E402
@@ -127,28 +128,14 @@ async def _send(
     finished_at: float | None = None
     usage: dict | None = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {_error_text(await r.aread())}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if "error" in obj:
-                    err = obj["error"]
-                    msg = err.get("message", err) if isinstance(err, dict) else err
-                    raise RuntimeError(f"stream error: {msg}")
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for ch in obj.get("choices") or ():
-                    if first is None and ch.get("text"):
-                        first = now
-                    if finished_at is None and ch.get("finish_reason") is not None:
-                        finished_at = now
+        async for now, obj in stream_chunks(client, "/v1/completions", body):
+            if obj.get("usage"):
+                usage = obj["usage"]
+            for ch in obj.get("choices") or ():
+                if first is None and ch.get("text"):
+                    first = now
+                if finished_at is None and ch.get("finish_reason") is not None:
+                    finished_at = now
         end = time.perf_counter()
         if usage is None:
             raise RuntimeError("no usage chunk (stream_options.include_usage ignored?)")
@@ -164,14 +151,6 @@ async def _send(
         rec.e2e_ms = (time.perf_counter() - t0) * 1e3
     finally:
         sem.release()
-
-
-def _error_text(body: bytes) -> str:
-    """The OpenAI error body's message, else the body's head."""
-    try:
-        return str(json.loads(body)["error"]["message"])[:200]
-    except (ValueError, KeyError, TypeError):
-        return repr(body[:200])
 
 
 async def _progress(recs: list[Record], start: float, label: str) -> None:

@@ -40,7 +40,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
+
+from sse import stream_chunks  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 # targets: TTFT / ITL p50 overhead (ms), throughput vs in-process (%), batching gain (x)
@@ -94,24 +96,12 @@ async def _one_http(client: httpx.AsyncClient, model: str, prompt: list[int], ou
     events: list[tuple[float, str, bool]] = []
     tokens = 0
     t0 = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            now = time.perf_counter()
-            obj = json.loads(data)
-            if "error" in obj:
-                raise RuntimeError(f"stream error: {obj['error']}")
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-            if obj.get("choices"):
-                ch = obj["choices"][0]
-                events.append((now, ch.get("text") or "", ch.get("finish_reason") is not None))
+    async for now, obj in stream_chunks(client, "/v1/completions", body):
+        if obj.get("usage"):
+            tokens = obj["usage"]["completion_tokens"]
+        if obj.get("choices"):
+            ch = obj["choices"][0]
+            events.append((now, ch.get("text") or "", ch.get("finish_reason") is not None))
     return request_record(t0, events, tokens)
 
 
