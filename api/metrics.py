@@ -70,6 +70,14 @@ class ApiMetrics:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
             registry=r,
         )
+        self.routed_prefix_blocks = Counter(
+            "conveyor_routing_prefix_blocks",
+            "Prompt blocks cached on the chosen worker (of=chosen) and on the best live "
+            "worker (of=best), by the index at routing time (kv mode); chosen/best shows "
+            "how much cache the load terms traded away",
+            ["pool", "of"],
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "conveyor_prompt_tokens_cached",
             "Prompt tokens served from a worker's prefix cache (hit rate: divide by "

@@ -137,6 +137,13 @@ class Runner:
                 self.metrics.overlap_ratio.labels(route.pool).observe(
                     route.overlap_blocks / n_blocks
                 )
+            if route.reason.startswith("kv"):
+                self.metrics.routed_prefix_blocks.labels(route.pool, "chosen").inc(
+                    route.overlap_blocks
+                )
+                self.metrics.routed_prefix_blocks.labels(route.pool, "best").inc(
+                    route.best_overlap_blocks
+                )
         sub = await self.hub.subscribe(tokens_channel(stream_id))
         run = RunningRequest(stream_id, sub, p, started)
         try:

@@ -198,24 +198,28 @@ def trace_stats(requests: list[TraceRequest], ideal: list[int]) -> dict:
 @dataclass(slots=True)
 class SyntheticConfig:
     system_prompts: int = 4
-    system_len: int = 8  # hash ids per system prompt
+    system_len: int = 4  # hash ids per system prompt
     system_skew: float = 1.0  # Zipf exponent of system prompt popularity
-    sessions: int = 64
-    turns: int = 4
+    sessions: int = 128
+    turns: int = 6
     user_len: int = 2  # hash ids per user turn
     output_len: int = 256  # tokens per answer
-    rate: float = 8.0  # requests/s, Poisson
-    active_sessions: int = 16  # sessions interleaved at any time
+    rate: float = 20.0  # requests/s, Poisson
+    active_sessions: int = 64  # sessions interleaved at any time
+    think_time_s: float = 2.0  # least time between two turns of one session
     seed: int = 0
     tokens_per_hash_id: int = MOONCAKE_TOKENS_PER_HASH_ID
 
 
 def synthesize(cfg: SyntheticConfig) -> list[TraceRequest]:
     """Sessions open in order, up to ``active_sessions`` at a time; each arrival goes to a
-    random open session, which closes after ``turns`` turns. Same config, same trace."""
+    random open session whose user has thought for ``think_time_s`` since its last turn
+    (a conversation's next turn follows the previous answer, as in real chat traces);
+    a session closes after ``turns`` turns. Same config, same trace."""
     if min(cfg.system_prompts, cfg.system_len, cfg.sessions, cfg.turns, cfg.user_len,
-           cfg.active_sessions, cfg.tokens_per_hash_id) < 1 or cfg.rate <= 0:  # fmt: skip
-        raise ValueError("synthetic knobs must be >= 1 (rate > 0)")
+           cfg.active_sessions, cfg.tokens_per_hash_id) < 1 or cfg.rate <= 0 \
+            or cfg.think_time_s < 0:  # fmt: skip
+        raise ValueError("synthetic knobs must be >= 1 (rate > 0, think time >= 0)")
     rng = random.Random(cfg.seed)
     next_id = 0
 
@@ -230,6 +234,7 @@ def synthesize(cfg: SyntheticConfig) -> list[TraceRequest]:
     waiting = list(range(cfg.sessions))
     history: dict[int, list[int]] = {}  # open session -> hash ids its next turn starts with
     turns_done: dict[int, int] = {}
+    ready_at: dict[int, float] = {}  # open session -> when its next turn may come
     out: list[TraceRequest] = []
     t = 0.0
     while waiting or history:
@@ -237,7 +242,12 @@ def synthesize(cfg: SyntheticConfig) -> list[TraceRequest]:
             s = waiting.pop(0)
             history[s] = list(rng.choices(systems, weights)[0])
             turns_done[s] = 0
-        s = rng.choice(sorted(history))
+            ready_at[s] = t
+        ready = sorted(s for s in history if ready_at[s] <= t)
+        if not ready:  # every open user is still thinking: the next arrival waits
+            t = min(ready_at[s] for s in history) + rng.expovariate(cfg.rate)
+            continue
+        s = rng.choice(ready)
         ids = history[s] + fresh(cfg.user_len)
         out.append(TraceRequest(round(t * 1e3), len(ids) * cfg.tokens_per_hash_id,
                                 cfg.output_len, ids))  # fmt: skip
@@ -246,6 +256,7 @@ def synthesize(cfg: SyntheticConfig) -> list[TraceRequest]:
             del history[s]
         else:
             history[s] = ids + fresh(answer_blocks)
+            ready_at[s] = t + cfg.think_time_s
         t += rng.expovariate(cfg.rate)
     return out
 
@@ -291,6 +302,10 @@ def add_synthetic_args(ap: argparse.ArgumentParser) -> None:
         default=d.active_sessions,
         help="sessions interleaved at once (%(default)s)",
     )
+    g.add_argument(
+        "--think-time", type=float, default=d.think_time_s,
+        help="least seconds between two turns of a session (%(default)s)",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, default=d.seed, help="(%(default)s)")  # fmt: skip
 
 
@@ -299,7 +314,8 @@ def synthetic_config(args: argparse.Namespace) -> SyntheticConfig:
                            system_skew=args.system_skew, sessions=args.sessions,
                            turns=args.turns, user_len=args.user_len,
                            output_len=args.output_len, rate=args.rate,
-                           active_sessions=args.active_sessions, seed=args.seed,
+                           active_sessions=args.active_sessions,
+                           think_time_s=args.think_time, seed=args.seed,
                            tokens_per_hash_id=args.tokens_per_hash_id)  # fmt: skip
 
 

@@ -102,6 +102,7 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
                 if pre is None:
                     result = Plan([("generate", dec)], fallback="no_prefill_worker")
                 else:
+                    pre.blocks = 0  # a prefill worker holds the KV only until it is pulled
                     result = Plan([("prefill", pre), ("decode", dec)])
         if req.pin and not pin_used:
             raise PinnedWorkerMissing(req.pin)

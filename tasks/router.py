@@ -10,11 +10,13 @@ Modes (``CONVEYOR_ROUTER_MODE``):
 
 ``kv`` (default)
     cost(w) = overlap_weight x (prompt blocks w would still compute + blocks of prompt
-    tokens already queued for prefill on w) + active blocks on w. Lowest cost wins (ties
-    broken at random), or with a temperature > 0 a softmax over the normalised costs.
-    A load guard first drops workers whose active blocks exceed ``guard_ratio`` x the
-    mean and ``guard_min_blocks`` above the least loaded one, so a system prompt shared by
-    every request cannot send all traffic to the worker that cached it first.
+    tokens already queued for prefill on w) + active decode blocks on w. The first term
+    is the work ahead of this request's first token, the second the decode load it joins.
+    Lowest cost wins (ties broken at random), or with a temperature > 0 a softmax over
+    the normalised costs. A load guard first drops workers whose load (decode blocks +
+    queued prefill blocks) exceeds ``guard_ratio`` x the mean and ``guard_min_blocks``
+    above the least loaded one, so a system prompt shared by every request cannot send
+    all traffic to the worker that cached it first.
     With ``router_kv_events`` off (engines that emit no KV events) the index is
     approximate: the router records its own decisions as the chosen worker's cache
     contents, forgotten after ``router_approx_ttl_s``.
@@ -23,11 +25,13 @@ Modes (``CONVEYOR_ROUTER_MODE``):
 
 A request may pin a worker id; it then goes to that worker if it is alive in the pool.
 
-Load, per worker, lives in the hash ``conveyor:load:{pool}:{id}``: ``reqs`` (requests routed
-and not finished), ``blocks`` (their KV blocks: prompt + one for decoding) and ``prefill``
-(prompt tokens still to prefill; the API takes them off when the first token arrives).
-The API gives the counts back when a request ends; untouched hashes expire, so an API
-process that died cannot pin load on a worker for good.
+Load, per worker, lives in the pool's hash ``conveyor:load:{pool}`` (fields
+``<worker>:reqs|prefill|blocks``): requests routed and not finished; prompt tokens routed
+and not yet prefilled; and the KV blocks (prompt + one for decoding) of requests past
+their first token. A request counts as prefill work until its first token arrives, then
+the API moves it to decode blocks; it gives everything back when the request ends. The
+hash expires when nobody touches it, so an API process that died cannot pin load on a
+worker for good.
 """
 
 from __future__ import annotations
@@ -92,16 +96,17 @@ elseif mode == 'random' then
   chosen = ids[math.min(math.floor(u * #ids), #ids - 1) + 1]
 else
   ov = overlaps(ids, hashes, approx, now)
-  local sum, minb = 0, nil
+  local load, sum, minl = {}, 0, nil
   for _, id in ipairs(ids) do
-    sum = sum + blocks[id]
-    if minb == nil or blocks[id] < minb then minb = blocks[id] end
+    load[id] = blocks[id] + math.ceil(queued[id] / bs)
+    sum = sum + load[id]
+    if minl == nil or load[id] < minl then minl = load[id] end
     if ov[id] > best_ov then best_ov = ov[id] end
   end
-  local limit = math.max(gratio * sum / #ids, minb + gmin)
+  local limit = math.max(gratio * sum / #ids, minl + gmin)
   local costs, cmin, cmax, guarded = {}, nil, nil, false
   for _, id in ipairs(ids) do
-    if blocks[id] <= limit then
+    if load[id] <= limit then
       local c = weight * (nblocks - ov[id] + math.ceil(queued[id] / bs)) + blocks[id]
       costs[#costs + 1] = {id, c}
       if cmin == nil or c < cmin then cmin = c end
@@ -135,7 +140,6 @@ local hit = ov[chosen]
 local add_blocks = nblocks + 1
 local add_prefill = math.max(plen - hit * bs, 1)
 redis.call('HINCRBY', lkey, chosen .. ':reqs', 1)
-redis.call('HINCRBY', lkey, chosen .. ':blocks', add_blocks)
 redis.call('HINCRBY', lkey, chosen .. ':prefill', add_prefill)
 redis.call('PEXPIRE', lkey, load_ttl)
 if approx and mode == 'kv' then
@@ -149,7 +153,8 @@ return {chosen, reason, info, hit, best_ov, blocks[chosen], add_blocks, add_pref
 """
 )
 
-# KEYS[1] the pool's load hash; ARGV: field, amount, ...; ttl ms last. Never below 0.
+# KEYS[1] the pool's load hash; ARGV: field, amount to take off (negative: to add), ...;
+# ttl ms last. Never below 0.
 _GIVE_BACK_LUA = """
 for i = 1, #ARGV - 1, 2 do
   local n = tonumber(ARGV[i + 1])
@@ -177,10 +182,10 @@ class RouterConfig:
     mode: str = "kv"
     kv_events: bool = True
     approx_ttl_s: float = 120.0
-    overlap_weight: float = 1.0
+    overlap_weight: float = 8.0
     temperature: float = 0.0
-    guard_ratio: float = 1.25
-    guard_min_blocks: int = 32
+    guard_ratio: float = 1.5
+    guard_min_blocks: int = 256
     block_size: int = 16
 
     def __post_init__(self) -> None:
@@ -192,13 +197,14 @@ class RouterConfig:
 class Route:
     pool: str
     worker_id: str
-    load_before: int  # the worker's active blocks before this request
+    load_before: int  # the worker's active decode blocks before this request
     info: dict
     reason: str = ""  # kv | kv_guarded | round_robin | random | pinned
     overlap_blocks: int = 0  # leading prompt blocks the chosen worker holds
     best_overlap_blocks: int = 0  # the most any live worker holds (kv mode)
-    blocks: int = 0  # counted against the worker until released
-    prefill_tokens: int = 0  # counted until the first token (or release)
+    blocks: int = 0  # decode load once the first token is out, until released
+    prefill_tokens: int = 0  # prefill load until the first token (or release)
+    decoding: bool = False  # the blocks count (the first token arrived)
 
     @property
     def queue(self) -> str:
@@ -258,23 +264,28 @@ class Router:
         )  # fmt: skip
 
     async def prefilled(self, route: Route) -> None:
-        """The route's prompt is prefilled: its tokens no longer queue on the worker."""
-        if route.prefill_tokens:
-            n, route.prefill_tokens = route.prefill_tokens, 0
-            await self._give_back(
-                keys=[LOAD_KEY.format(pool=route.pool)],
-                args=[f"{route.worker_id}:prefill", n, LOAD_TTL_S * 1000],
-            )
+        """The route's prompt is prefilled: its tokens no longer queue on the worker; its
+        blocks count as decode load from now on."""
+        if route.decoding:
+            return
+        route.decoding = True
+        n, route.prefill_tokens = route.prefill_tokens, 0
+        await self._give_back(
+            keys=[LOAD_KEY.format(pool=route.pool)],
+            args=[f"{route.worker_id}:prefill", n, f"{route.worker_id}:blocks",
+                  -route.blocks, LOAD_TTL_S * 1000],
+        )  # fmt: skip
 
     async def release(self, route: Route) -> None:
         """The request routed by ``route`` is over: stop counting it."""
         w = route.worker_id
         await self._give_back(
             keys=[LOAD_KEY.format(pool=route.pool)],
-            args=[f"{w}:reqs", 1, f"{w}:blocks", route.blocks, f"{w}:prefill",
-                  route.prefill_tokens, LOAD_TTL_S * 1000],
+            args=[f"{w}:reqs", 1, f"{w}:blocks", route.blocks if route.decoding else 0,
+                  f"{w}:prefill", route.prefill_tokens, LOAD_TTL_S * 1000],
         )  # fmt: skip
         route.prefill_tokens = 0
+        route.decoding = False
 
     async def load(self, pool: str, worker_id: str) -> dict[str, int]:
         """What the router counts on one worker: reqs, blocks, prefill."""

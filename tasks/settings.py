@@ -85,19 +85,22 @@ class Settings(BaseSettings):
         120.0, gt=0, description="How long the approximate index remembers a decision."
     )
     router_overlap_weight: float = Field(
-        1.0, ge=0, description="Weight of prefill blocks left to compute in the cost."
+        8.0,
+        ge=0,
+        description="Weight of a prompt block still to prefill against a block of running "
+        "decode in the cost (prefill work is what delays a first token).",
     )
     router_temperature: float = Field(
         0.0, ge=0, description="0: lowest cost wins; >0: softmax sampling over costs."
     )
     router_guard_ratio: float = Field(
-        1.25,
+        1.5,
         ge=1,
         description="Load guard: a worker with more than ratio x the mean active blocks "
         "(and router_guard_min_blocks above the least loaded) gets no cache-affine traffic.",
     )
     router_guard_min_blocks: int = Field(
-        32, ge=0, description="Load guard: imbalance in blocks tolerated regardless of ratio."
+        256, ge=0, description="Load guard: imbalance in blocks tolerated regardless of ratio."
     )
 
     # --- worker / engine -----------------------------------------------------------------

@@ -151,14 +151,17 @@ def test_synthetic_trace_shape() -> None:
         if len(r.hash_ids) > 5:
             prev = [p for p in reqs if p.hash_ids == r.hash_ids[: len(r.hash_ids) - 4]]
             assert len(prev) == 1 and prev[0].timestamp_ms <= r.timestamp_ms
+            # the user thinks (2 s by default) before the next turn of a conversation
+            assert r.timestamp_ms - prev[0].timestamp_ms >= cfg.think_time_s * 1000
 
 
 def test_default_synthetic_trace_is_prefix_heavy() -> None:
     reqs = tg.synthesize(tg.SyntheticConfig())
     st = tg.trace_stats(reqs, tg.ideal_reusable(reqs, 512, 16))
     assert 0.7 <= st["ideal_fraction"] <= 0.9
-    # the rate knob: 256 requests at 8/s span about 32 s
-    assert 20 <= st["span_s"] <= 45
+    # 768 requests at 20/s, slowed a little by the users' think time
+    assert st["requests"] == 768
+    assert 35 <= st["span_s"] <= 50
     # scaled down 8x the fraction stays (whole blocks stay whole)
     small = tg.scale_trace(reqs, 512, 8)
     st8 = tg.trace_stats(small, tg.ideal_reusable(small, 64, 16))
@@ -193,6 +196,7 @@ def test_load_spread_on_hand_made_samples() -> None:
 def test_load_summary_keeps_per_worker_means() -> None:
     out = replay.load_summary([{"a": 4, "b": 0}, {"a": 2, "b": 2}, {"b": 6}])
     assert out["per_worker_mean_blocks"] == {"a": 3.0, "b": 8 / 3}
+    assert out["spread"] == pytest.approx(3.0 / ((3.0 + 8 / 3) / 2))
     assert out["imbalance_mean"] == pytest.approx((2.0 + 1.0 + 1.0) / 3)
 
 
