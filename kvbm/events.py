@@ -1,9 +1,11 @@
 """Publish a worker's KV events to the Redis index, in order, from one thread.
 
 The engine loop hands each step's :class:`kvbm.block_pool.KVEvent` list over with
-:meth:`KVEventPublisher.publish` (a queue put; it never waits on Redis). The publisher
-thread folds everything queued into one batch, numbers it with the worker's next sequence
-number and applies it with one script call (:data:`kvbm.index.APPLY_LUA`).
+:meth:`KVEventPublisher.publish` (a list append: it never waits on Redis and wakes no
+thread, so the engine does not trade the GIL with the publisher every step). Every
+``interval_s`` the publisher thread folds everything queued into one batch, numbers it
+with the worker's next sequence number and applies it with one script call
+(:data:`kvbm.index.APPLY_LUA`).
 
 * It starts with ``cleared`` (this worker's old entries, if its id was used before, go).
 * A batch that fails to reach Redis is kept and retried with the same number, so the
@@ -17,8 +19,8 @@ number and applies it with one script call (:data:`kvbm.index.APPLY_LUA`).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 
 import redis
@@ -27,8 +29,6 @@ from kvbm.block_pool import KVEvent
 from kvbm.index import KVIndex
 
 log = logging.getLogger(__name__)
-
-_CLOSE = object()
 
 
 class KVEventPublisher:
@@ -39,14 +39,18 @@ class KVEventPublisher:
         worker_id: str,
         snapshot: Callable[[], list[int]],
         retry_s: float = 0.5,
+        interval_s: float = 0.01,
     ) -> None:
         self.index = KVIndex(client, pool)
         self.worker_id = worker_id
         self._snapshot = snapshot
         self._retry_s = retry_s
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._interval_s = interval_s
+        self._pending: deque[list[KVEvent]] = deque()
+        self._closing = False
         self._seq = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set only to close
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self.batches_sent = 0
         self.events_sent = 0
@@ -54,17 +58,18 @@ class KVEventPublisher:
         self.errors = 0
 
     def start(self) -> KVEventPublisher:
-        self._queue.put([KVEvent("cleared", [])])
+        self._pending.append([KVEvent("cleared", [])])
         self._thread.start()
         return self
 
     def publish(self, events: list[KVEvent]) -> None:
-        self._queue.put(events)
+        self._pending.append(events)
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued and a final ``cleared``, then stop."""
-        self._queue.put([KVEvent("cleared", [])])
-        self._queue.put(_CLOSE)
+        self._pending.append([KVEvent("cleared", [])])
+        self._closing = True
+        self._wake.set()
         self._thread.join(timeout)
         self._stop.set()
 
@@ -78,21 +83,16 @@ class KVEventPublisher:
 
     # ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        closing = False
-        while not closing:
-            item = self._queue.get()
+        while True:
+            self._wake.wait(self._interval_s)
+            closing = self._closing
             events: list[KVEvent] = []
-            while True:
-                if item is _CLOSE:
-                    closing = True
-                else:
-                    events.extend(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
+            while self._pending:
+                events.extend(self._pending.popleft())
             if events:
                 self._send(_fold(events), closing)
+            if closing:
+                return
 
     def _send(self, batch: list[tuple[str, list[int]]], closing: bool) -> None:
         while True:

@@ -159,7 +159,8 @@ def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None
         assert pool.allocate(8) is not None  # evicts all three
         pub.publish(pool.take_events())
         wait_for(lambda: index(db).worker_blocks("w") == set(), 5, "removed events")
-        assert int(r.get("conveyor:kvseq:generate:w")) == 2
+        # batches are numbered 0, 1, 2, ... (how many depends on how events were folded)
+        assert int(r.get("conveyor:kvseq:generate:w")) == pub.batches_sent - 1 >= 1
         # Redis loses the index (restart, flush): the next batch finds a gap and the
         # publisher answers with cleared + a snapshot of the pool
         pool2_blocks = [0]
