@@ -231,3 +231,26 @@ def test_two_api_processes_share_load_through_redis(
     finally:
         for p in procs:
             p.stop()
+
+
+def test_approximate_mode_routes_a_repeat_to_the_same_worker(
+    mock_cluster: Cluster, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """An API with ``CONVEYOR_ROUTER_KV_EVENTS=false`` ignores the workers' events and
+    trusts its own past decisions: the second request with a prefix goes where the first
+    went, and hits that worker's cache."""
+    c = mock_cluster
+    env = base_env(c.redis_url, tiny_model_dir, CONVEYOR_ENGINE="mock",
+                   CONVEYOR_ROUTER_KV_EVENTS="false")  # fmt: skip
+    api, url = start_api("api-approx", env, tmp_path)
+    try:
+        approx = Cluster(url, c.redis_url, c.model_dir, c.model_name, c.workers, api)
+        for i in range(3):
+            p = prompt(300 + i, 96)
+            assert cached(complete(approx, p)) == 0
+            again = complete(approx, p + prompt(400 + i, 10))
+            assert cached(again) == 96, f"repeat {i} went elsewhere"
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        assert 'conveyor_routing_decisions_total{pool="generate",reason="kv"} 6.0' in text
+    finally:
+        api.stop()
