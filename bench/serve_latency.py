@@ -8,7 +8,9 @@ until ``--requests-per-level`` (default max(8, 2c)) have finished, first through
 ``EngineLoop`` in this process, then through the server (streaming ``/v1/completions`` over
 SSE) with the same model, prompts (token ids), pattern, temperature 0 and ``ignore_eos`` so
 every request makes exactly ``--output-len`` tokens. The two never run at the same time:
-they would fight over the same cores. ``--start-server`` runs its own redis-server, one
+they would fight over the same cores. They alternate for ``--rounds`` rounds (default 3),
+and per level the round with the median server/in-process tok/s ratio is reported, with
+every round's ratio beside it: on a small shared machine one round can be off by 15%. ``--start-server`` runs its own redis-server, one
 ``conveyor worker --pool generate`` and ``conveyor api`` (logs in a temp dir), and stops
 them at the end, Ctrl-C included.
 
@@ -357,6 +359,10 @@ def report(res: dict, levels: list[int]) -> None:
         rv = _mark(r >= tg["tput"]) if c == hi else ""
         print(f"{c:>4}{dt:>12.2f} {_mark(dt <= tg['ttft'])}{di:>12.2f} {_mark(di <= tg['itl'])}"
               f"{r:>23.1f} % {rv}")  # fmt: skip
+    if len(res.get("round_ratios", {}).get(hi, [])) > 1:
+        print("  server/in-process tok/s of every round (the median round is shown above): "
+              + "; ".join(f"c={c}: " + ", ".join(f"{x:.1f}" for x in res["round_ratios"][c])
+                          for c in levels))  # fmt: skip
     print(f"\nContinuous batching gain = tok/s at c={hi} / c={lo}; target >= {tg['gain']:g}x")
     for name, side in (("server", srv), ("in-process", inp)):
         g = side[hi]["summary"]["tok_s"] / side[lo]["summary"]["tok_s"]
@@ -381,11 +387,24 @@ def report(res: dict, levels: list[int]) -> None:
             "on the last CPU, the API, Redis, Celery and this client on the others."
         )
     print(f"\nNotes: {os.cpu_count()} CPU cores; the server's api + worker + redis (and this "
-          "client) share them; the in-process engine ran alone, never at the same time.\n"
+          "client) share them; the in-process engine ran alone (the server idle), never at "
+          "the same time; the two sides alternate, round by round.\n"
           f"  1-min load average before the run: {res['loadavg_before']:.2f} (anything else "
           "busy on the machine skews both sides).\n"
           f"  {100 * (1 - tev):.0f}% of tokens end inside a UTF-8 character and carry no text: "
           "no SSE chunk, so ITL spans them on both sides.")  # fmt: skip
+
+
+def pick_median_rounds(res: dict, rounds: list[tuple[dict, dict]], levels: list[int]) -> None:
+    """Per level, keep the (in-process, server) pair of the round whose tok/s ratio is the
+    median of all rounds; every round's ratio is kept in ``res["round_ratios"]``."""
+    res["inprocess"], res["server"], res["round_ratios"] = {}, {}, {}
+    for c in levels:
+        ratios = [srv[c]["summary"]["tok_s"] / inp[c]["summary"]["tok_s"] for inp, srv in rounds]
+        order = sorted(range(len(rounds)), key=ratios.__getitem__)
+        mid = order[(len(order) - 1) // 2]
+        res["inprocess"][c], res["server"][c] = rounds[mid][0][c], rounds[mid][1][c]
+        res["round_ratios"][c] = [round(100 * r, 1) for r in ratios]
 
 
 # --------------------------------------------------------------------------------------
@@ -416,6 +435,11 @@ def main() -> int:
     ap.add_argument("--kv-transfer", default="auto", choices=["auto", "nixl", "redis"],
                     help="disagg KV transfer backend for --start-server")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--rounds", type=int, default=3,
+        help="alternate in-process and server runs this many times; per level the round "
+        "with the median tok/s ratio is reported (the machine's noise hits both sides)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, help="write raw results here")
     args = ap.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # keep the table and progress in order
@@ -449,30 +473,41 @@ def main() -> int:
     pin = args.pin_engine and ncpu >= 2
     res["pinned"] = pin
     everything = tuple(os.sched_getaffinity(0))
-    print("in-process engine ...", file=sys.stderr)
-    if pin:  # same core the server's engine gets
-        os.sched_setaffinity(0, engine_cpu)
-    res["inprocess"] = _inprocess_levels(model_dir, levels, prompts, args)
-    if pin:  # the client shares the front-end cores, never the engine's
-        os.sched_setaffinity(0, others)
-    print("server ...", file=sys.stderr)
+    rounds: list[tuple[dict, dict]] = []  # (in-process, server) results per round
+
+    def inprocess_round() -> dict:
+        if pin:  # same core the server's engine gets
+            os.sched_setaffinity(0, engine_cpu)
+        try:
+            return _inprocess_levels(model_dir, levels, prompts, args)
+        finally:
+            if pin:  # the client shares the front-end cores, never the engine's
+                os.sched_setaffinity(0, others)
+
+    def server_rounds(url: str, pids: dict[str, int]) -> None:
+        for r in range(args.rounds):
+            print(f"round {r + 1}/{args.rounds}: in-process engine ...", file=sys.stderr)
+            inp = inprocess_round()
+            print(f"round {r + 1}/{args.rounds}: server ...", file=sys.stderr)
+            res["model"], srv = asyncio.run(_server_levels(url, levels, prompts, args, pids))
+            rounds.append((inp, srv))
+
     if args.start_server:
         log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
         print(f"  starting redis + worker + api (logs in {log_dir})", file=sys.stderr)
+        if pin:
+            os.sched_setaffinity(0, others)
         with local_server(model_dir, log_dir, args.torch_threads, args.mode,
                           args.kv_transfer,
                           engine_cpus=",".join(map(str, engine_cpu)) if pin else None,
                           ) as (url, pids):  # fmt: skip
             res["url"] = url
             pids["client"] = os.getpid()
-            res["model"], res["server"] = asyncio.run(
-                _server_levels(url, levels, prompts, args, pids)
-            )
+            server_rounds(url, pids)
     else:
         res["url"] = args.url
-        res["model"], res["server"] = asyncio.run(
-            _server_levels(args.url, levels, prompts, args, {"client": os.getpid()})
-        )
+        server_rounds(args.url, {"client": os.getpid()})
+    pick_median_rounds(res, rounds, levels)
     os.sched_setaffinity(0, everything)
     report(res, levels)
     if args.json:
