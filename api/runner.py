@@ -43,6 +43,7 @@ class RunningRequest:
     last_frame_at: float | None = None
     usage: dict = field(default_factory=dict)
     frames_iter: AsyncIterator[dict] | None = None
+    prefilled_task: asyncio.Task[None] | None = None  # moves its load prefill -> decode
 
 
 class Runner:
@@ -218,10 +219,9 @@ class Runner:
             yield frame
 
     def _forget_prefill(self, run: RunningRequest) -> None:
-        """The first token is out: the prompt no longer queues for prefill anywhere."""
-        task = asyncio.get_running_loop().create_task(self._prefilled(run))
-        self._cleanup_tasks.add(task)
-        task.add_done_callback(self._cleanup_tasks.discard)
+        """The first token is out: the prompt no longer queues for prefill anywhere (the
+        release at the end waits for this, so the two never cross in Redis)."""
+        run.prefilled_task = asyncio.get_running_loop().create_task(self._prefilled(run))
 
     async def _prefilled(self, run: RunningRequest) -> None:
         try:
@@ -232,6 +232,8 @@ class Runner:
 
     async def _cleanup(self, run: RunningRequest) -> None:
         try:
+            if run.prefilled_task is not None:
+                await run.prefilled_task
             await run.subscription.close()
             # The key makes a copy of the task that the broker redelivers later (its worker
             # died holding it) skip the work; the message aborts a running one now.

@@ -10,9 +10,9 @@ SSE) with the same model, prompts (token ids), pattern, temperature 0 and ``igno
 every request makes exactly ``--output-len`` tokens. The two never run at the same time:
 they would fight over the same cores. They alternate for ``--rounds`` rounds (default 3),
 and per level the round with the median server/in-process tok/s ratio is reported, with
-every round's ratio beside it: on a small shared machine one round can be off by 15%. ``--start-server`` runs its own redis-server, one
-``conveyor worker --pool generate`` and ``conveyor api`` (logs in a temp dir), and stops
-them at the end, Ctrl-C included.
+every round's ratio beside it: on a small shared machine one round can be off by 15%.
+``--start-server`` runs its own redis-server, one ``conveyor worker --pool generate`` and
+``conveyor api`` (logs in a temp dir), and stops them at the end, Ctrl-C included.
 
 Timing is the same on both sides. An *event* is a server chunk carrying a choice or an
 engine output. TTFT = submit -> first event with text (or the finishing one); ITL = gaps
