@@ -139,6 +139,8 @@ class FramePublisher:
         with self._lock:
             try:
                 self._drain()
+            except (redis.RedisError, OSError):
+                pass  # closing anyway
             finally:
                 self._conn.disconnect()
 
@@ -164,7 +166,8 @@ class FramePublisher:
             log.error("publishing %d frames failed: %s", n, e)
 
     def _drain(self) -> None:
-        """Read the replies that have arrived, without waiting for the others."""
+        """Read the replies that have arrived, without waiting for the others (a failure
+        here surfaces in ``_write``: the next send on a broken connection fails)."""
         while self._unread and self._conn.can_read(timeout=0):
             self._unread -= 1
             try:
