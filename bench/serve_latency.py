@@ -4,7 +4,8 @@
     python bench/serve_latency.py --url http://127.0.0.1:8000 --model DIR   # a running server
 
 For each concurrency level (``--concurrency 1,4,16``) it keeps exactly c requests in flight
-until ``--requests-per-level`` (default max(8, 2c)) have finished, first through an
+until ``--requests-per-level`` (default max(32, 16c): seconds of steady load per level, so
+the noise of a shared machine averages out) have finished, first through an
 ``EngineLoop`` in this process, then through the server (streaming ``/v1/completions`` over
 SSE) with the same model, prompts (token ids), pattern, temperature 0 and ``ignore_eos`` so
 every request makes exactly ``--output-len`` tokens. The two never run at the same time:
@@ -418,7 +419,7 @@ def main() -> int:
     ap.add_argument("--start-server", action="store_true", help="run redis+worker+api here")
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the server's model dir")
     ap.add_argument("--concurrency", default="1,4,16")
-    ap.add_argument("--requests-per-level", type=int, help="default: max(8, 2*c)")
+    ap.add_argument("--requests-per-level", type=int, help="default: max(32, 16*c)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--torch-threads", type=int, default=1, help="as the worker's default")
@@ -453,7 +454,7 @@ def main() -> int:
         init_model(model_dir)
     vocab = json.loads((model_dir / "config.json").read_text())
     vocab = vocab.get("text_config", vocab)["vocab_size"]
-    counts = {c: args.requests_per_level or max(8, 2 * c) for c in levels}
+    counts = {c: args.requests_per_level or max(32, 16 * c) for c in levels}
     pool = make_prompts(2 + sum(counts.values()), args.prompt_len, vocab, args.seed)
     prompts: dict = {"warmup": pool[:2]}
     i = 2
