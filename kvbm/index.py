@@ -170,13 +170,18 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# ARGV: alive zset, pool set, kv prefix, kva prefix, worker-blocks prefix, seq prefix,
-#       approx (0/1), hashes...
-# returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
-QUERY_LUA = (
+# The first six ARGV of every script that reads the index: alive zset, pool set, then
+# ``index_args(pool)``. Scripts put this first, then FORGET_LUA (after a ``forget_more``).
+LOCALS_LUA = (
     "local alive, pset, kv, kva, wblocks, seqk = ARGV[1], ARGV[2], ARGV[3], ARGV[4], "
     "ARGV[5], ARGV[6]\n"
-    "local function forget_more(wid) end\n"
+)
+
+# ARGV: the six above, approx (0/1), hashes...
+# returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
+QUERY_LUA = (
+    LOCALS_LUA
+    + "local function forget_more(wid) end\n"
     + FORGET_LUA
     + LIVE_LUA
     + OVERLAP_LUA

@@ -43,7 +43,15 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from kvbm.index import FORGET_LUA, LIVE_LUA, NOW_LUA, OVERLAP_LUA, hex_hashes, index_args
+from kvbm.index import (
+    FORGET_LUA,
+    LIVE_LUA,
+    LOCALS_LUA,
+    NOW_LUA,
+    OVERLAP_LUA,
+    hex_hashes,
+    index_args,
+)
 from workers.registry import ALIVE_KEY, POOL_SET, WORKER_KEY, worker_queue
 
 LOAD_KEY = "conveyor:load:{pool}"  # HASH "<worker id>:reqs|blocks|prefill" -> count
@@ -52,9 +60,7 @@ LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
 
 _PICK_LUA = (
-    "local alive, pset, kv, kva, wblocks, seqk = ARGV[1], ARGV[2], ARGV[3], ARGV[4], "
-    "ARGV[5], ARGV[6]\n"
-    "local lkey = ARGV[7]\n"
+    LOCALS_LUA + "local lkey = ARGV[7]\n"
     "local function forget_more(wid) redis.call('HDEL', lkey, wid .. ':reqs', "
     "wid .. ':blocks', wid .. ':prefill') end\n"
     + FORGET_LUA
@@ -149,7 +155,7 @@ if approx and mode == 'kv' then
   end
 end
 local info = redis.call('GET', wprefix .. chosen) or '{}'
-return {chosen, reason, info, hit, best_ov, blocks[chosen], add_blocks, add_prefill}
+return {chosen, reason, info, hit, best_ov, add_blocks, add_prefill}
 """
 )
 
@@ -197,7 +203,6 @@ class RouterConfig:
 class Route:
     pool: str
     worker_id: str
-    load_before: int  # the worker's active decode blocks before this request
     info: dict
     reason: str = ""  # kv | kv_guarded | round_robin | random | pinned
     overlap_blocks: int = 0  # leading prompt blocks the chosen worker holds
@@ -257,10 +262,10 @@ class Router:
             return None
         if len(res) == 2:
             raise PinnedWorkerMissing(req.pin or "")
-        wid, reason, info, hit, best, before, blocks, prefill = res
+        wid, reason, info, hit, best, blocks, prefill = res
         return Route(
-            pool, _str(wid), int(before), json.loads(info), _str(reason), int(hit), int(best),
-            int(blocks), int(prefill),
+            pool, _str(wid), json.loads(info), _str(reason), int(hit), int(best), int(blocks),
+            int(prefill),
         )  # fmt: skip
 
     async def prefilled(self, route: Route) -> None:
