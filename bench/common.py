@@ -1,12 +1,25 @@
-"""Read an OpenAI-style SSE completion stream (shared by the bench scripts)."""
+"""Helpers the bench scripts share: free loopback ports, reading an OpenAI SSE stream."""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import AsyncIterator
 
 import httpx
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (all held open until all are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 async def stream_chunks(

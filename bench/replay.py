@@ -36,7 +36,6 @@ import math
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,7 +54,7 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]
 
 import trace_gen as tg  # noqa: E402
-from sse import stream_chunks  # noqa: E402
+from common import free_ports, stream_chunks  # noqa: E402
 
 from tasks.router import LOAD_KEY  # noqa: E402
 from workers.registry import POOL_SET, WORKER_KEY  # noqa: E402
@@ -324,17 +323,6 @@ async def run_mode(
 
 
 # --- A fresh server per mode ----------------------------------------------------------
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @contextmanager
 def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path) -> Iterator[tuple]:
     """``conveyor serve`` with router mode ``mode``; yields (api url, redis url)."""

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,9 @@ from pathlib import Path
 import redis
 import redis.asyncio as aioredis
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from common import free_ports  # noqa: E402
 
 from kvbm.hashing import block_hashes, namespace_hash  # noqa: E402
 from kvbm.index import KVIndex  # noqa: E402
@@ -38,17 +39,11 @@ from workers.registry import Heartbeat  # noqa: E402
 POOL = "generate"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_redis() -> tuple[subprocess.Popen, str]:
     exe = shutil.which("redis-server")
     if exe is None:
         sys.exit("redis-server not found; pass --redis-url")
-    port = free_port()
+    (port,) = free_ports(1)
     d = tempfile.mkdtemp(prefix="route-cost-")
     p = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

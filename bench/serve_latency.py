@@ -45,7 +45,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
-from sse import stream_chunks  # noqa: E402
+from common import free_ports, stream_chunks  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 # targets: TTFT / ITL p50 overhead (ms), throughput vs in-process (%), batching gain (x)
@@ -244,12 +244,6 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args) -
 
 
 # --- Local server: redis-server + one generate worker + api -------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -274,7 +268,7 @@ def _wait(pred, timeout: float, what: str, procs: list) -> None:
 def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str = "agg",
                  kv_transfer: str = "auto", engine_cpus: str | None = None):  # fmt: skip
     conveyor = str(Path(sys.executable).parent / "conveyor")
-    rport, aport = _free_port(), _free_port()
+    rport, aport = free_ports(2)
     env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
            "CONVEYOR_MODEL": str(model_dir),
            "CONVEYOR_TORCH_THREADS": str(torch_threads), "CONVEYOR_MODE": mode,
