@@ -32,6 +32,8 @@ class PrefillSegment:
     num_new: int  # new tokens of this sequence in the step
     context_len: int  # tokens in its KV after the step (cached + new)
     block_table: torch.Tensor  # int64 block ids covering context_len
+    # rows of those blocks' layer-0 K in the cache's block view (set by AttentionMetadata)
+    block_rows: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -39,16 +41,21 @@ class AttentionMetadata:
     """How one flattened step's rows map onto sequences and KV slots.
 
     Decode rows (one new token each) are attended in one batched call: their contexts are
-    gathered through ``decode_slots`` (padded to the longest context) and masked by
-    ``decode_mask``. Prefill chunks are attended one by one (they are few and long)."""
+    gathered a whole block at a time (padded to the most blocks any of them has) and
+    masked by ``decode_mask``. Prefill chunks are attended one by one (few and long).
 
-    # Positions are rows of the cache viewed flat as [blocks * layers * 2 * block_size, ...]:
-    # a token's row for (layer, k|v) is its base + (2 * layer + k|v) * block_size.
+    Two views of the cache are indexed. New tokens are written as rows of the cache viewed
+    flat as ``[blocks * layers * 2 * block_size, heads, dim]``: a token's row for (layer,
+    k|v) is its base + (2 * layer + k|v) * block_size. Contexts are read as blocks of the
+    cache viewed as ``[blocks * layers * 2, block_size, heads, dim]``: block b's (layer,
+    k|v) is row b * 2 * layers + 2 * layer + k|v, one contiguous run (copying whole runs
+    is ~5x faster than gathering the same bytes token by token)."""
+
     slot_base: torch.Tensor  # [T] base row of each new token
     prefills: list[PrefillSegment]
     decode_rows: torch.Tensor | None = None  # [D] rows (in the step) of the decode tokens
-    decode_base: torch.Tensor | None = None  # [D, max_ctx] base rows of their contexts
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_ctx] True where valid
+    decode_blocks: torch.Tensor | None = None  # [D * nb] block-view rows of their contexts
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb * block_size] True where valid
 
     @classmethod
     def build(
@@ -60,18 +67,19 @@ class AttentionMetadata:
         num_layers: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        stride = 2 * num_layers * block_size  # rows per block
+        stride = 2 * num_layers * block_size  # flat rows per block
         base = slot_mapping // block_size * stride + slot_mapping % block_size
+        for seg in prefills:
+            seg.block_rows = seg.block_table * (2 * num_layers)
         meta = cls(base, prefills)
         if decodes:
-            max_ctx = max(ctx for _, ctx, _ in decodes)
-            nb = -(-max_ctx // block_size)
+            nb = -(-max(ctx for _, ctx, _ in decodes) // block_size)
             rows = [(blocks[:nb] + [0] * (nb - len(blocks)))[:nb] for _, _, blocks in decodes]
             table = torch.tensor(rows, dtype=torch.long)
             lens = torch.tensor([ctx for _, ctx, _ in decodes], dtype=torch.long)
-            pos = torch.arange(max_ctx, dtype=torch.long)
+            pos = torch.arange(nb * block_size, dtype=torch.long)
             meta.decode_rows = torch.tensor([r for r, _, _ in decodes], device=device)
-            meta.decode_base = (table[:, pos // block_size] * stride + pos % block_size).to(device)
+            meta.decode_blocks = (table * (2 * num_layers)).flatten().to(device)
             meta.decode_mask = (pos[None, :] < lens[:, None]).to(device)[:, None, None, :]
         return meta
 
@@ -108,9 +116,10 @@ class PagedKVCache:
     def v(self) -> torch.Tensor:
         return self.data[:, :, 1].transpose(0, 1)
 
-    def layer(self, layer: int, which: int) -> torch.Tensor:
-        """K (``which=0``) or V (1) of one layer: ``[num_blocks, block_size, heads, dim]``."""
-        return self.data[:, layer, which]
+    def block_view(self) -> torch.Tensor:
+        """``[num_blocks * layers * 2, block_size, heads, dim]``: one row per block, layer
+        and K/V (see :class:`AttentionMetadata`)."""
+        return self.data.view(-1, *self.data.shape[3:])
 
 
 class LlamaModel:
@@ -191,13 +200,17 @@ class LlamaModel:
         flat.index_copy_(0, attn.slot_base + k_off, k)
         flat.index_copy_(0, attn.slot_base + v_off, v)
 
+        blocks = kv.block_view()
         groups = nh // nkv
         out = torch.empty_like(q)
         if attn.decode_rows is not None:
-            assert attn.decode_base is not None and attn.decode_mask is not None
+            assert attn.decode_blocks is not None and attn.decode_mask is not None
+            d, span = attn.decode_mask.shape[0], attn.decode_mask.shape[-1]
             qd = q[attn.decode_rows].unsqueeze(2)  # [D, H, 1, hd]
-            kd = flat[attn.decode_base + k_off].transpose(1, 2)  # [D, KV, ctx, hd]
-            vd = flat[attn.decode_base + v_off].transpose(1, 2)
+            kd = blocks.index_select(0, attn.decode_blocks + 2 * layer)
+            vd = blocks.index_select(0, attn.decode_blocks + 2 * layer + 1)
+            kd = kd.view(d, span, nkv, hd).transpose(1, 2)  # [D, KV, nb * block_size, hd]
+            vd = vd.view(d, span, nkv, hd).transpose(1, 2)
             if groups > 1:
                 kd = kd.repeat_interleave(groups, dim=1)
                 vd = vd.repeat_interleave(groups, dim=1)
@@ -207,9 +220,12 @@ class LlamaModel:
             out[attn.decode_rows] = od.squeeze(2)
         for seg in attn.prefills:
             n, ctx = seg.num_new, seg.context_len
+            assert seg.block_rows is not None
             qs = q[seg.start : seg.start + n].transpose(0, 1)  # [H, n, hd]
-            ks = kv.layer(layer, 0)[seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
-            vs = kv.layer(layer, 1)[seg.block_table].reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
+            ks = blocks.index_select(0, seg.block_rows + 2 * layer)
+            vs = blocks.index_select(0, seg.block_rows + 2 * layer + 1)
+            ks = ks.reshape(-1, nkv, hd)[:ctx].transpose(0, 1)  # [KV, ctx, hd]
+            vs = vs.reshape(-1, nkv, hd)[:ctx].transpose(0, 1)
             if groups > 1:
                 ks = ks.repeat_interleave(groups, dim=0)
                 vs = vs.repeat_interleave(groups, dim=0)
