@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -56,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         hub = StreamHub(client)
         await hub.start()
         state["redis"] = client
+        state["hub"] = hub
         state["runner"] = Runner(s, client, hub, metrics)
         state["created"] = int(time.time())
         log.info("api up: model %s, mode %s, redis %s", s.model_name, s.mode,
@@ -163,7 +163,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             "min_tokens": req.min_tokens,
         }
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rid = state["hub"].new_request_id(prefix)  # its stream needs no SUBSCRIBE
         runner: Runner = state["runner"]
         metrics.in_flight.inc()
         try:
@@ -189,21 +189,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
                 yield _data(fmt.chunk(fmt.role_delta(), None, include_usage))
-            async for frame in runner.frames(run):
-                if frame.get("error"):
-                    yield _data(frame_error(frame).body())
+            async for batch in runner.batches(run):
+                last = batch[-1]
+                if last.get("error"):
+                    text = "".join(f.get("text") or "" for f in batch[:-1])
+                    if text:
+                        yield fmt.text_event(text, include_usage)
+                    yield _data(frame_error(last).body())
                     return
-                text = frame.get("text") or ""
+                text = "".join(f.get("text") or "" for f in batch)
                 if text:
-                    yield _data(fmt.chunk(fmt.text_delta(text), None, include_usage))
-                if frame.get("done"):
-                    reason = frame.get("finish_reason")
+                    yield fmt.text_event(text, include_usage)
+                if last.get("done"):
+                    reason = last.get("finish_reason")
                     metrics.finish.labels(reason or "unknown").inc()
                     yield _data(fmt.chunk(fmt.empty_delta(), reason, include_usage,
-                                          stop_reason=frame.get("stop_reason")))  # fmt: skip
+                                          stop_reason=last.get("stop_reason")))  # fmt: skip
                     if include_usage:
-                        yield _data(fmt.usage_chunk(_usage(frame)))
-            yield {"data": "[DONE]"}
+                        yield _data(fmt.usage_chunk(_usage(last)))
+            yield _DONE
         except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
             err = stream_error(e)
             log.warning("[%s] stream ended with error: %s", run.request_id, err.message)
@@ -218,11 +222,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         parts: list[str] = []
         last: dict = {}
         try:
-            async for frame in runner.frames(run):
-                if frame.get("error"):
-                    raise frame_error(frame)
-                parts.append(frame.get("text") or "")
-                last = frame
+            async for batch in runner.batches(run):
+                for frame in batch:
+                    if frame.get("error"):
+                        raise frame_error(frame)
+                    parts.append(frame.get("text") or "")
+                last = batch[-1]
         except OpenAIError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -250,10 +255,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 # --------------------------------------------------------------------------------------
 
 
-def _data(obj: dict) -> dict:
+def _json(obj: object) -> str:
     # ASCII-escaped on purpose: raw U+2028, U+0085 ... in an SSE line break clients that
     # split lines with str.splitlines(), and random-weight models emit such characters.
-    return {"data": json.dumps(obj, separators=(",", ":"))}
+    # Escaped, the JSON is also one line, so an event is ``data: <json>`` and a blank line.
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def _data(obj: dict) -> bytes:
+    """One SSE event, encoded as sse-starlette would (it sends bytes as they are)."""
+    return b"data: " + _json(obj).encode() + b"\r\n\r\n"
+
+
+_DONE = b"data: [DONE]\r\n\r\n"
 
 
 def _usage(frame: dict) -> dict:
@@ -275,6 +289,18 @@ class _Formatter:
         self.rid = rid
         self.model = model
         self.created = int(time.time())
+        self._text_event: tuple[bytes, bytes] | None = None
+
+    def text_event(self, text: str, include_usage: bool) -> bytes:
+        """``_data(chunk(text_delta(text), None, include_usage))``, from a template: the
+        chunks of a stream differ only in their text (this is the per-token path)."""
+        if self._text_event is None:
+            probe = "\x00"
+            body = _json(self.chunk(self.text_delta(probe), None, include_usage))
+            head, tail = body.split(_json(probe))
+            self._text_event = b"data: " + head.encode(), tail.encode() + b"\r\n\r\n"
+        head, tail = self._text_event
+        return head + _json(text).encode() + tail
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}

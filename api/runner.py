@@ -184,6 +184,23 @@ class Runner:
         async for f in run.frames_iter:
             yield f
 
+    async def batches(self, run: RunningRequest) -> AsyncIterator[list[dict]]:
+        """The frames of :meth:`frames` in lists: each holds a frame that was waited for
+        and those that had already arrived behind it. A stream that fell behind (the API
+        busy) catches up in one SSE chunk rather than one per token, as vLLM merges the
+        outputs a client has not taken yet; a stream that keeps up gets one per token."""
+        async for frame in self.frames(run):
+            batch = [frame]
+            while not batch[-1].get("done"):
+                more = run.subscription.poll()
+                if more is None:
+                    break
+                self._observe(run, more)
+                batch.append(more)
+            yield batch
+            if batch[-1].get("done"):
+                return
+
     def finish(self, run: RunningRequest) -> None:
         """Release everything the request holds; cancel it on the worker if unfinished.
         Runs as a detached task so it completes even when the caller is being cancelled."""
@@ -205,18 +222,21 @@ class Runner:
             alive,
             check_every=min(1.0, self.s.heartbeat_s),
         ):
-            now = time.perf_counter()
-            if frame.get("token_ids"):
-                if run.last_frame_at is None:
-                    self.metrics.ttft.observe(now - run.started)
-                    self._forget_prefill(run)
-                else:
-                    self.metrics.itl.observe(now - run.last_frame_at)
-                run.last_frame_at = now
-            if frame.get("done"):
-                run.finished = True
-                run.usage = frame.get("usage") or {}
+            self._observe(run, frame)
             yield frame
+
+    def _observe(self, run: RunningRequest, frame: dict) -> None:
+        now = time.perf_counter()
+        if frame.get("token_ids"):
+            if run.last_frame_at is None:
+                self.metrics.ttft.observe(now - run.started)
+                self._forget_prefill(run)
+            else:
+                self.metrics.itl.observe(now - run.last_frame_at)
+            run.last_frame_at = now
+        if frame.get("done"):
+            run.finished = True
+            run.usage = frame.get("usage") or {}
 
     def _forget_prefill(self, run: RunningRequest) -> None:
         """The first token is out: the prompt no longer queues for prefill anywhere (the

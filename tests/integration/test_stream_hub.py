@@ -1,0 +1,140 @@
+"""The API's token-stream hub against a real redis-server: the pattern subscription that
+covers the hub's own request ids, ordering, gaps, and catching up several frames at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from api.metrics import ApiMetrics
+from api.runner import Runner, RunningRequest
+from api.streams import StreamGap, StreamHub
+from tasks.channels import tokens_channel
+from tasks.pipeline import Plan
+from tasks.settings import Settings
+from tests.integration.conftest import redis_db
+
+
+def _frame(seq: int, text: str, done: bool = False) -> str:
+    f: dict = {"seq": seq, "token_ids": [seq], "text": text}
+    if done:
+        f.update(done=True, finish_reason="length", usage={"completion_tokens": seq + 1})
+    return json.dumps(f)
+
+
+async def _until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def _run(redis_url: str, body) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_db(redis_url, 10))
+        hub = StreamHub(client)
+        await hub.start()
+        try:
+            await body(client, hub)
+        finally:
+            await hub.close()
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_own_request_ids_need_no_subscribe_of_their_own(redis_url: str) -> None:
+    async def body(client: aioredis.Redis, hub: StreamHub) -> None:
+        rid = hub.new_request_id("chatcmpl")
+        assert rid.startswith(f"chatcmpl-{hub.tag}") and len(rid) == len("chatcmpl-") + 32
+        assert hub.new_request_id("chatcmpl") != rid
+        channel = tokens_channel(rid)
+        assert hub.covers(channel) and hub.covers(tokens_channel(f"{rid}.r1"))
+        assert not hub.covers(tokens_channel(hub.new_request_id("x").replace(hub.tag, "0" * 8)))
+        sub = await hub.subscribe(channel)
+        # listening already: the hub's pattern delivers it, no SUBSCRIBE was sent
+        assert await client.pubsub_numsub(channel) == [(channel.encode(), 0)]
+        assert await client.pubsub_numpat() >= 1
+        assert await client.publish(channel, _frame(0, "a")) == 1
+        assert await client.publish(channel, _frame(1, "b", done=True)) == 1
+        got = [f async for f in sub.frames(5.0, 5.0)]
+        assert [(f["seq"], f["text"]) for f in got] == [(0, "a"), (1, "b")]
+        await sub.close()
+        await client.publish(channel, _frame(2, "late"))  # nobody listens: dropped
+        assert sub.queue.empty()
+
+    _run(redis_url, body)
+
+
+def test_a_foreign_channel_is_subscribed_and_confirmed(redis_url: str) -> None:
+    async def body(client: aioredis.Redis, hub: StreamHub) -> None:
+        channel = tokens_channel("made-elsewhere-1")
+        assert not hub.covers(channel)
+        sub = await hub.subscribe(channel)
+        assert await client.pubsub_numsub(channel) == [(channel.encode(), 1)]
+        await client.publish(channel, _frame(0, "x", done=True))
+        assert (await sub.next_frame(5.0))["text"] == "x"
+        await sub.close()
+        end = time.monotonic() + 5
+        while await client.pubsub_numsub(channel) != [(channel.encode(), 0)]:
+            assert time.monotonic() < end, "still subscribed"
+            await asyncio.sleep(0.01)
+
+    _run(redis_url, body)
+
+
+def test_poll_takes_what_arrived_in_order_and_drops_duplicates(redis_url: str) -> None:
+    async def body(client: aioredis.Redis, hub: StreamHub) -> None:
+        channel = tokens_channel(hub.new_request_id("cmpl"))
+        sub = await hub.subscribe(channel)
+        assert sub.poll() is None  # nothing yet, and it does not wait
+        for raw in (_frame(0, "a"), _frame(0, "a"), _frame(1, "b"), _frame(3, "d")):
+            await client.publish(channel, raw)
+        await _until(lambda: sub.queue.qsize() == 4)
+        assert (await sub.next_frame(1.0))["seq"] == 0
+        assert sub.poll()["seq"] == 1  # type: ignore[index]  # the duplicate 0 is dropped
+        with pytest.raises(StreamGap, match="frames 2..2 were lost"):
+            sub.poll()
+
+    _run(redis_url, body)
+
+
+def test_a_stream_that_fell_behind_catches_up_in_one_batch(redis_url: str) -> None:
+    """Runner.batches: frames that arrived while the API was busy come as one batch (one
+    SSE chunk); a frame that is waited for comes alone; the terminal frame ends it."""
+
+    async def body(client: aioredis.Redis, hub: StreamHub) -> None:
+        runner = Runner(Settings(), client, hub, ApiMetrics())
+        rid = hub.new_request_id("cmpl")
+        channel = tokens_channel(rid)
+        sub = await hub.subscribe(channel)
+        run = RunningRequest(rid, sub, Plan(steps=[]), time.perf_counter())
+        for i, t in enumerate("abcd"):
+            await client.publish(channel, _frame(i, t))
+        await _until(lambda: sub.queue.qsize() == 4)
+        run.frames_iter = runner._frames(run)
+        run.first_frame = await anext(run.frames_iter)
+        batches = runner.batches(run)
+        first = await anext(batches)
+        assert [f["text"] for f in first] == ["a", "b", "c", "d"]
+        assert run.last_frame_at is not None and not run.finished
+        later = asyncio.ensure_future(anext(batches))
+        await asyncio.sleep(0.05)
+        assert not later.done()  # waits for the next frame, not for a timeout
+        await client.publish(channel, _frame(4, "e"))
+        assert [f["text"] for f in await later] == ["e"]
+        await client.publish(channel, _frame(5, "f"))
+        await client.publish(channel, _frame(6, "g", done=True))
+        await client.publish(channel, _frame(7, "never"))  # after the terminal frame
+        await _until(lambda: sub.queue.qsize() == 3)
+        last = await anext(batches)
+        assert [f["text"] for f in last] == ["f", "g"] and last[-1]["done"]
+        assert run.finished and run.usage == {"completion_tokens": 7}
+        with pytest.raises(StopAsyncIteration):
+            await anext(batches)
+
+    _run(redis_url, body)
