@@ -46,6 +46,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
 import redis
 
@@ -54,7 +55,7 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]
 
 import trace_gen as tg  # noqa: E402
-from common import free_ports, stream_chunks  # noqa: E402
+from common import free_ports, session, stream_chunks  # noqa: E402
 
 from tasks.router import LOAD_KEY  # noqa: E402
 from workers.registry import POOL_SET, WORKER_KEY  # noqa: E402
@@ -84,7 +85,7 @@ class Record:
 
 
 async def replay(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     model: str,
     requests: list[tg.TraceRequest],
     ideal: list[int],
@@ -119,7 +120,7 @@ async def replay(
 
 
 async def _send(
-    client: httpx.AsyncClient, body: dict, rec: Record, sem: asyncio.Semaphore, start: float
+    client: aiohttp.ClientSession, body: dict, rec: Record, sem: asyncio.Semaphore, start: float
 ) -> None:
     t0 = time.perf_counter()
     rec.sent_s = t0 - start
@@ -298,12 +299,11 @@ async def run_mode(
     def prompt_of(req: tg.TraceRequest) -> list[int]:
         return tg.prompt_tokens(req, block, token_range)
 
-    limits = httpx.Limits(max_connections=args.max_inflight + 8,
-                          max_keepalive_connections=args.max_inflight)  # fmt: skip
-    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout,
-                                 trust_env=False) as client:  # fmt: skip
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with session(url, args.max_inflight + 8, args.request_timeout) as client:
+        model = args.model
+        if not model:
+            async with client.get("/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]
         sampler = LoadSampler(redis_url).start() if redis_url else None
         try:
             recs, wall = await replay(client, model, requests, ideal, prompt_of, args.speedup,
@@ -605,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
             results[args.label] = asyncio.run(
                 run_mode(args.label, args.url, args.redis_url, reqs, ideal, args)
             )
-        except (OSError, httpx.HTTPError, redis.RedisError, ValueError, KeyError) as e:
+        except (OSError, httpx.HTTPError, aiohttp.ClientError, redis.RedisError, ValueError,
+                KeyError) as e:  # fmt: skip
             failed[args.label] = f"{type(e).__name__}: {e}"
     else:
         log_dir = Path(tempfile.mkdtemp(prefix="conveyor-replay-"))
@@ -615,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with conveyor_server(mode, args, log_dir) as (url, redis_url):
                     results[mode] = asyncio.run(run_mode(mode, url, redis_url, reqs, ideal, args))
-            except (RuntimeError, OSError, httpx.HTTPError, redis.RedisError, ValueError,
+            except (RuntimeError, OSError, httpx.HTTPError, aiohttp.ClientError, redis.RedisError,
+                    ValueError,
                     KeyError) as e:  # fmt: skip
                 failed[mode] = f"{type(e).__name__}: {e}"
                 print(f"mode {mode} failed: {e}", file=sys.stderr)

@@ -40,12 +40,13 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
-from common import free_ports, stream_chunks  # noqa: E402
+from common import free_ports, session, stream_chunks  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 # targets: TTFT / ITL p50 overhead (ms), throughput vs in-process (%), batching gain (x)
@@ -93,7 +94,9 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 # --- Server side --------------------------------------------------------------------
-async def _one_http(client: httpx.AsyncClient, model: str, prompt: list[int], out_len: int) -> dict:
+async def _one_http(
+    client: aiohttp.ClientSession, model: str, prompt: list[int], out_len: int
+) -> dict:
     body = dict(model=model, prompt=prompt, max_tokens=out_len, temperature=0, ignore_eos=True,
                 stream=True, stream_options={"include_usage": True})  # fmt: skip
     events: list[tuple[float, str, bool]] = []
@@ -153,12 +156,9 @@ def _cpu_delta(pids: dict[str, int], before: dict) -> dict[str, float]:
 async def _server_levels(
     url: str, levels: list[int], prompts: dict, args, pids: dict[str, int]
 ) -> tuple[str, dict]:
-    limits = httpx.Limits(max_connections=max(levels) + 4, max_keepalive_connections=max(levels))
-    timeout = httpx.Timeout(300.0, connect=10.0)
-    async with httpx.AsyncClient(
-        base_url=url, limits=limits, timeout=timeout, trust_env=False
-    ) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+    async with session(url, max(levels) + 4, 300.0) as client:
+        async with client.get("/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
         for p in prompts["warmup"]:
             await _one_http(client, model, p, args.output_len)
         results = {}
