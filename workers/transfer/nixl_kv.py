@@ -4,10 +4,11 @@ directly — host-to-host over RDMA where it exists, process-to-process on one m
 
 Each engine process creates one agent, registers its whole KV cache once at start
 (memory registered and touched up front, so the first transfer is not slow) and publishes
-the agent's metadata in Redis under its name. Export only names the blocks; the decode side
-computes both sides' addresses from the two caches' bases (the cache is block-major, so a
-block is one region), merges runs of consecutive blocks into single descriptors, and
-issues one READ.
+the agent's metadata in Redis under its name. Export only names the blocks. The cache is
+block-major, so a block is one region: each side's cache is prepared once as a NIXL
+descriptor list with one descriptor per block (ours at start, a peer's on its first pull),
+and a pull is one READ made from block indices into those lists (NIXL merges runs of
+consecutive blocks). Nothing per pull builds descriptors or validates memory again.
 """
 
 from __future__ import annotations
@@ -59,8 +60,12 @@ class NixlKVTransfer(KVTransfer):
         self._devid = (kv.data.device.index or 0) if kv.data.is_cuda else 0
         self._mem_type = "VRAM" if kv.data.is_cuda else "DRAM"
         self._reg = self._agent.register_memory([kv.data])
+        self._local_side = self._prep("NIXL_INIT_AGENT", kv.data.data_ptr(), kv.num_blocks,
+                                      self._devid)  # fmt: skip
         client.set(AGENT_KEY.format(self.agent_name), self._agent.get_agent_metadata())
         self._remotes: dict[str, str] = {}
+        # per peer agent: (its prepared block list, its cache base, blocks in the list)
+        self._sides: dict[str, tuple[object, int, int]] = {}
         self._pump.start()
 
     # ----------------------------------------------------------------------------------
@@ -70,6 +75,7 @@ class NixlKVTransfer(KVTransfer):
             "layout": self.layout.to_dict(),
             "agent": self.agent_name,
             "base": self.kv.data.data_ptr(),
+            "num_blocks": self.kv.num_blocks,
             "devid": self._devid,
             "block_ids": list(block_ids),
         }
@@ -89,16 +95,9 @@ class NixlKVTransfer(KVTransfer):
     def _pull(self, meta: dict, src: list[int], dst_block_ids: list[int], timeout: float) -> int:
         t0 = time.perf_counter()
         remote = self._remote(meta["agent"])
-        bb = self.layout.block_bytes  # one whole block is one contiguous region
-        here, there = self.kv.data.data_ptr(), meta["base"]
-        local_rows, remote_rows = [], []
-        for s, d, n in _runs(src, dst_block_ids):
-            remote_rows.append((there + s * bb, n * bb, meta["devid"]))
-            local_rows.append((here + d * bb, n * bb, self._devid))
-        local = self._agent.get_xfer_descs(np.array(local_rows, dtype=np.uint64), self._mem_type)
-        rdescs = self._agent.get_xfer_descs(np.array(remote_rows, dtype=np.uint64),
-                                            self._mem_type)  # fmt: skip
-        handle = self._agent.initialize_xfer("READ", local, rdescs, remote)
+        side = self._remote_side(meta, remote, max(src, default=-1) + 1)  # keyed by agent
+        handle = self._agent.make_prepped_xfer("READ", self._local_side, dst_block_ids,
+                                               side, src)  # fmt: skip
         try:
             state = self._agent.transfer(handle)
             start = time.monotonic()
@@ -113,7 +112,7 @@ class NixlKVTransfer(KVTransfer):
                 raise TransferError(f"NIXL read from {meta['agent']} failed")
         finally:
             self._agent.release_xfer_handle(handle)
-        nbytes = sum(r[1] for r in local_rows)
+        nbytes = len(src) * self.layout.block_bytes
         self.bytes_moved += nbytes
         self.seconds += time.perf_counter() - t0
         self.transfers += 1
@@ -124,6 +123,9 @@ class NixlKVTransfer(KVTransfer):
         self._pump.join(1.0)
         try:
             self._r.delete(AGENT_KEY.format(self.agent_name))
+            for name in list(self._remotes):
+                self.forget(name)
+            self._agent.release_dlist_handle(self._local_side)
             self._agent.deregister_memory(self._reg)
         except Exception:  # noqa: BLE001, S110 - shutting down anyway
             pass
@@ -134,7 +136,8 @@ class NixlKVTransfer(KVTransfer):
         memory) every millisecond: near-zero CPU when idle."""
         while not self._stop.wait(period_s):
             try:
-                self._agent.get_new_notifs()
+                with self._lock:  # never inside the agent at the same time as a pull
+                    self._agent.get_new_notifs()
             except Exception as e:  # noqa: BLE001 - keep pumping; log once in a while
                 log.debug("nixl progress: %s", e)
 
@@ -149,21 +152,40 @@ class NixlKVTransfer(KVTransfer):
                 raise TransferError(f"cannot connect to NIXL agent {name}: {e}") from e
         return self._remotes[name]
 
+    def _prep(self, agent: str, base: int, num_blocks: int, devid: int) -> object:
+        """A prepared descriptor list of ``num_blocks`` whole blocks from ``base``."""
+        bb = self.layout.block_bytes
+        rows = np.array([[base, bb, devid, bb, num_blocks]], dtype=np.uint64)  # strided form
+        return self._agent.prep_xfer_dlist(agent, rows, self._mem_type)
+
+    def _remote_side(self, meta: dict, remote: str, need: int) -> object:
+        """The peer's prepared block list, made on its first pull (again if its cache moved
+        or a block lies past the list: a peer that did not say its block count)."""
+        side = self._sides.get(meta["agent"])
+        if side is None or side[1] != meta["base"] or side[2] < need:
+            if side is not None:
+                self._release(side[0])
+            n = max(need, int(meta.get("num_blocks") or 0))
+            try:
+                side = (self._prep(remote, meta["base"], n, meta["devid"]), meta["base"], n)
+            except Exception as e:  # noqa: BLE001
+                raise TransferError(f"cannot prepare {remote}'s blocks: {e}") from e
+            self._sides[meta["agent"]] = side
+        return side[0]
+
+    def _release(self, handle: object) -> None:
+        try:
+            self._agent.release_dlist_handle(handle)
+        except Exception:  # noqa: BLE001, S110 - gone with the peer anyway
+            pass
+
     def forget(self, name: str) -> None:
         """Drop a peer whose transfers failed, so the next attempt reconnects."""
+        side = self._sides.pop(name, None)
+        if side is not None:
+            self._release(side[0])
         if self._remotes.pop(name, None) is not None:
             try:
                 self._agent.remove_remote_agent(name)
             except Exception:  # noqa: BLE001, S110
                 pass
-
-
-def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) for runs where both block lists go up by one."""
-    out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if out and s == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((s, d, 1))
-    return out
