@@ -26,6 +26,8 @@ not counted; so is the CPU each idle process burns. ``--json PATH`` dumps raw ti
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -33,6 +35,7 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import time
 import traceback
 from types import SimpleNamespace
@@ -66,6 +69,33 @@ def _digests(kv: PagedKVCache, ids: list[int]) -> list[str]:
     return out
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _cma_read(pid: int, base: int, kv: PagedKVCache, src: list[int], dst: list[int]) -> int:
+    """``process_vm_readv`` of whole blocks from ``pid``'s cache at ``base`` into ours: the
+    kernel's cross-process copy, which UCX's cma transport uses for NIXL here, called
+    directly (the ceiling of any transfer between two processes on this machine)."""
+    libc = _libc()
+    bb, here = kv.data[0].numel() * kv.data.element_size(), kv.data.data_ptr()
+    total = 0
+    for i in range(0, len(src), 1024):  # IOV_MAX
+        s, d = src[i : i + 1024], dst[i : i + 1024]
+        local = (_IoVec * len(d))(*[(here + b * bb, bb) for b in d])
+        remote = (_IoVec * len(s))(*[(base + b * bb, bb) for b in s])
+        n = libc.process_vm_readv(pid, local, len(d), remote, len(s), 0)
+        if n != len(s) * bb:
+            raise OSError(ctypes.get_errno(), f"process_vm_readv read {n} of {len(s) * bb}")
+        total += n
+    return total
+
+
 def _worker(role: str, conn, port: int, layout: dict, num_blocks: int, backend: str) -> None:
     try:
         kv = PagedKVCache(SimpleNamespace(**layout), num_blocks, layout["block_size"],
@@ -96,6 +126,16 @@ def _worker(role: str, conn, port: int, layout: dict, num_blocks: int, backend: 
                 t0 = time.perf_counter()
                 nbytes = be.pull(meta, ids, timeout=120.0)
                 res = (nbytes, time.perf_counter() - t0, _digests(kv, ids))
+            elif op == "cma":
+                pid, base, src, dst = args
+                idx = torch.tensor(dst, dtype=torch.long)
+                kv.k[:, idx] = 0
+                kv.v[:, idx] = 0
+                t0 = time.perf_counter()
+                nbytes = _cma_read(pid, base, kv, src, dst)
+                res = (nbytes, time.perf_counter() - t0, _digests(kv, dst))
+            elif op == "pid":
+                res = (os.getpid(), kv.data.data_ptr())
             elif op == "discard":
                 be.discard(*args)
             elif op == "cpu":
@@ -189,9 +229,17 @@ def run_backend(name: str, port: int, layout: dict, nblocks: dict, a, res: dict)
         time.sleep(1.0)  # both sides idle: what does the backend burn meanwhile?
         cpu1, wall = [_call(c, "cpu") for c in conns], time.perf_counter() - t0
         res["idle_cores"][name] = [(y - x) / wall for x, y in zip(cpu0, cpu1, strict=True)]
+        pid, base = _call(pre, "pid")
         for s, n in nblocks.items():
             src = list(range(n))
             want = _call(pre, "digests", src)
+            if name == "nixl" and sys.platform == "linux":  # the ceiling, next to NIXL
+                rec = res["cases"].setdefault("cma_nc", {}).setdefault(s, {"pull": []})
+                for _ in range(a.repeats):
+                    nb, tp, got = _call(dec, "cma", pid, base, src, src[::-1])
+                    if got != want:
+                        raise RuntimeError(f"process_vm_readv of {n} blocks: data differs")
+                    rec["pull"].append(tp)
             for case, dst in [("nc", src[::-1]), ("contig", src)][: 2 if name == "nixl" else 1]:
                 rec = res["cases"].setdefault(f"{name}_{case}", {})
                 rec = rec.setdefault(s, {"export": [], "pull": []})
@@ -271,17 +319,23 @@ def main() -> None:
     def ratio(key: str, s: int) -> float:
         return _gbs(nblocks[s] * bb, cs[key][s]["pull"])[0] / best[s]
 
-    cols = ["MiB", "memcpy", "memcpy 1T", "NIXL non-contig", "NIXL contig", "NIXL %memcpy",
-            "Redis pull", "Redis end-to-end"]  # fmt: skip
+    cols = ["MiB", "memcpy", "memcpy 1T", "CMA ceiling", "NIXL non-contig", "NIXL contig",
+            "NIXL %memcpy", "CMA %memcpy", "NIXL %CMA", "Redis pull",
+            "Redis end-to-end"]  # fmt: skip
     rows = []
     for s in sizes:
         pct = f"{ratio('nixl_nc', s):.0%}/{ratio('nixl_contig', s):.0%}" if "nixl_nc" in cs else "-"
+        cma = f"{ratio('cma_nc', s):.0%}" if "cma_nc" in cs else "-"
+        of_cma = (f"{ratio('nixl_nc', s) / ratio('cma_nc', s):.0%}"
+                  if "cma_nc" in cs and "nixl_nc" in cs else "-")  # fmt: skip
         rows.append([f"{nblocks[s] * bb / 2**20:g}", cell(s, "memcpy"), cell(s, "memcpy_1t"),
-                     cell(s, "nixl_nc"), cell(s, "nixl_contig"), pct, cell(s, "redis_nc"),
-                     cell(s, "redis_nc", "e2e")])  # fmt: skip
+                     cell(s, "cma_nc"), cell(s, "nixl_nc"), cell(s, "nixl_contig"), pct, cma,
+                     of_cma, cell(s, "redis_nc"), cell(s, "redis_nc", "e2e")])  # fmt: skip
     w = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     print(f"\nGB/s best/median ({a.repeats} repeats, memcpy {mc_reps}); NIXL %memcpy = best "
-          "non-contig/contig over the best memcpy (either column)")  # fmt: skip
+          "non-contig/contig over the best memcpy (either column); CMA ceiling = "
+          "process_vm_readv of the same non-contig blocks, called directly (what UCX's cma "
+          "transport does for NIXL between two processes here)")  # fmt: skip
     for r in [cols, *rows]:
         print("  ".join(x.rjust(w[i]) for i, x in enumerate(r)))
     print("first transfer ms (1 block, incl. connection setup): "
