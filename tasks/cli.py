@@ -146,6 +146,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
         kv_transfer=s.kv_transfer if pool in ("prefill", "decode") else None,
+        kv_transfer_threads=s.kv_transfer_threads,
         transfer_timeout_s=s.transfer_timeout_s,
         engine_cpus=parse_cpus(s.engine_cpus),
         engine=s.engine,

@@ -130,6 +130,11 @@ class Settings(BaseSettings):
     kv_transfer: Literal["auto", "nixl", "redis"] = Field(
         "auto", description="How prefill KV reaches decode workers (auto: NIXL, else Redis)."
     )
+    kv_transfer_threads: int = Field(
+        2,
+        ge=1,
+        description="NIXL: threads that pull one transfer's blocks in parallel (16 MiB and up).",
+    )
     disagg_min_prompt_tokens: int = Field(
         256, ge=0, description="Shorter prompts are prefilled on the decode worker itself."
     )

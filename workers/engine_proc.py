@@ -43,6 +43,7 @@ class EngineProcSpec:
     engine: str = "reference"  # reference | mock
     mock: dict = field(default_factory=dict)  # MockTiming fields (engine == "mock")
     kv_transfer: str | None = None  # None: this pool moves no KV; else auto | nixl | redis
+    kv_transfer_threads: int = 2  # NIXL: threads pulling one large transfer
     transfer_timeout_s: float = 30.0
     torch_threads: int = 1
     cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
@@ -267,7 +268,8 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         if spec.kv_transfer:
             from workers.transfer import make_transfer  # torch: not for the mock engine
 
-            transfer = make_transfer(spec.kv_transfer, engine.kv, client, spec.worker_id)
+            transfer = make_transfer(spec.kv_transfer, engine.kv, client, spec.worker_id,
+                                     spec.kv_transfer_threads)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - report the reason to the parent
         log.exception("engine process failed to start")
         send(("error", f"{type(e).__name__}: {e}"))

@@ -12,6 +12,8 @@ import torch
 
 from tests.integration.conftest import redis_db
 from workers.llama import PagedKVCache
+from workers.transfer import nixl_kv
+from workers.transfer.base import TransferError
 from workers.transfer.nixl_kv import NixlKVTransfer, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed here")
@@ -49,6 +51,44 @@ def test_pulls_blocks_in_any_order_and_reconnects(redis_url: str) -> None:
         dec.pull({**old, "block_ids": [10, 11]}, [4, 5], timeout=10)
         assert torch.equal(dst_kv.data[4:6], src_kv.data[10:12])
         assert dec.transfers == 3
+    finally:
+        dec.close()
+        pre.close()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_large_pull_is_split_across_threads(
+    redis_url: str, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nixl_kv, "PARALLEL_MIN_BYTES", 0)  # these blocks are tiny
+    r = redis.Redis.from_url(redis_db(redis_url, 11))
+    src_kv, dst_kv = _cache(True), _cache(False)
+    pre = NixlKVTransfer(src_kv, r, "pre", threads=1)
+    dec = NixlKVTransfer(dst_kv, r, "dec", threads=threads)
+    reads: list[list[int]] = []
+    read, fail_on = dec._read, []
+
+    def counting_read(agent, side, src, dst, deadline):  # type: ignore[no-untyped-def]
+        reads.append(src)
+        if src in fail_on:
+            raise TransferError("injected")
+        return read(agent, side, src, dst, deadline)
+
+    monkeypatch.setattr(dec, "_read", counting_read)
+    try:
+        src, dst = [0, 1, 2, 3, 8, 5, 6], [11, 10, 9, 1, 2, 3, 4]
+        dec.pull(pre.export("r", src), dst, timeout=10)
+        assert len(reads) == threads  # contiguous slices, together the whole list
+        assert sorted(b for part in reads for b in part) == sorted(src)
+        assert all(part == src[src.index(part[0]) :][: len(part)] for part in reads)
+        for s, d in zip(src, dst, strict=True):
+            assert torch.equal(dst_kv.data[d], src_kv.data[s]), (s, d)
+        # a slice that fails fails the pull, once every slice has ended
+        reads.clear()
+        fail_on.append(src[: len(src) // threads])
+        with pytest.raises(TransferError, match="injected"):
+            dec.pull(pre.export("r", src), dst, timeout=10)
+        assert len(reads) == threads
     finally:
         dec.close()
         pre.close()

@@ -18,14 +18,17 @@ BACKENDS = ("auto", "nixl", "redis")
 __all__ = ["BACKENDS", "KVLayout", "KVTransfer", "TransferError", "make_transfer"]
 
 
-def make_transfer(kind: str, kv: PagedKVCache, client: redis.Redis, worker_id: str) -> KVTransfer:
-    """The backend ``kind`` names; ``auto`` takes NIXL when it loads here, else Redis."""
+def make_transfer(
+    kind: str, kv: PagedKVCache, client: redis.Redis, worker_id: str, threads: int = 2
+) -> KVTransfer:
+    """The backend ``kind`` names; ``auto`` takes NIXL when it loads here, else Redis.
+    ``threads``: NIXL pulls a large transfer's blocks from this many threads at once."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown KV transfer backend {kind!r}; choose from {BACKENDS}")
     if kind in ("auto", "nixl"):
         if nixl_available():
             try:
-                return NixlKVTransfer(kv, client, worker_id)
+                return NixlKVTransfer(kv, client, worker_id, threads)
             except Exception as e:  # noqa: BLE001
                 if kind == "nixl":
                     raise

@@ -8,7 +8,10 @@ the agent's metadata in Redis under its name. Export only names the blocks. The 
 block-major, so a block is one region: each side's cache is prepared once as a NIXL
 descriptor list with one descriptor per block (ours at start, a peer's on its first pull),
 and a pull is one READ made from block indices into those lists (NIXL merges runs of
-consecutive blocks). Nothing per pull builds descriptors or validates memory again.
+consecutive blocks). Nothing per pull builds descriptors or validates memory again. A pull
+of 16 MiB or more is split into ``threads`` contiguous slices read side by side, each by its
+own UCX worker (over cma each copy runs in the thread that posts it, so one thread alone
+stops well short of the memory bandwidth).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import redis
@@ -25,6 +29,8 @@ from workers.llama import PagedKVCache
 from workers.transfer.base import KVTransfer, TransferError
 
 AGENT_KEY = "conveyor:nixl:agent:{}"
+# below this a transfer is one READ from one thread: splitting would cost more than it saves
+PARALLEL_MIN_BYTES = 16 << 20
 log = logging.getLogger(__name__)
 
 
@@ -39,21 +45,32 @@ def nixl_available() -> bool:
 class NixlKVTransfer(KVTransfer):
     name = "nixl"
 
-    def __init__(self, kv: PagedKVCache, client: redis.Redis, worker_id: str) -> None:
+    def __init__(
+        self, kv: PagedKVCache, client: redis.Redis, worker_id: str, threads: int = 2
+    ) -> None:
         super().__init__(kv)
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self._r = client
         self.agent_name = f"conveyor-{worker_id}-{uuid.uuid4().hex[:8]}"
-        # Several threads use the agent at once: ask NIXL for strict locking, and serialise
-        # each pull's setup/poll on our side as well. NIXL's own progress thread polls
+        self.threads = max(1, threads)
+        # Several threads use the agent at once (a pull's helper threads, the pump): NIXL's
+        # reader-writer locking lets transfers run side by side and serialises the rest;
+        # each pull is serialised on our side as well. NIXL's own progress thread polls
         # without pause (a full core per idle worker); a light pump of ours replaces it.
         cfg = nixl_agent_config(
-            backends=["UCX"],
+            backends=[],
             enable_prog_thread=False,
-            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
         )
         self._agent = nixl_agent(self.agent_name, cfg)
+        # one UCX worker per pulling thread: each posts (and, over cma, copies) on its own
+        self._agent.create_backend("UCX", {"num_workers": str(self.threads)})
+        self._pool = (
+            ThreadPoolExecutor(self.threads - 1, thread_name_prefix="nixl-pull")
+            if self.threads > 1
+            else None
+        )
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pump = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
@@ -96,31 +113,53 @@ class NixlKVTransfer(KVTransfer):
         t0 = time.perf_counter()
         remote = self._remote(meta["agent"])
         side = self._remote_side(meta, remote, max(src, default=-1) + 1)  # keyed by agent
-        handle = self._agent.make_prepped_xfer("READ", self._local_side, dst_block_ids,
-                                               side, src)  # fmt: skip
-        try:
-            state = self._agent.transfer(handle)
-            start = time.monotonic()
-            while state not in ("DONE", "ERR"):
-                waited = time.monotonic() - start
-                if waited > timeout:
-                    raise TransferError(f"NIXL read from {meta['agent']} timed out")
-                if waited > 0.001:  # spin briefly, then yield the core to the engine
-                    time.sleep(0.0002)
-                state = self._agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise TransferError(f"NIXL read from {meta['agent']} failed")
-        finally:
-            self._agent.release_xfer_handle(handle)
         nbytes = len(src) * self.layout.block_bytes
+        deadline = time.monotonic() + timeout
+        k = min(self.threads, len(src)) if nbytes >= PARALLEL_MIN_BYTES else 1
+        if k > 1 and self._pool is not None:
+            # contiguous slices (runs of consecutive blocks stay whole), the first one here
+            cut = [len(src) * i // k for i in range(k + 1)]
+            parts = [(src[a:b], dst_block_ids[a:b]) for a, b in zip(cut, cut[1:], strict=False)]
+            futs = [self._pool.submit(self._read, meta["agent"], side, s_, d_, deadline)
+                    for s_, d_ in parts[1:]]  # fmt: skip
+            try:
+                self._read(meta["agent"], side, *parts[0], deadline)
+            finally:
+                errors = [f.exception() for f in futs]  # waits for every slice
+            for e in errors:
+                if e is not None:
+                    raise e
+        else:
+            self._read(meta["agent"], side, src, dst_block_ids, deadline)
         self.bytes_moved += nbytes
         self.seconds += time.perf_counter() - t0
         self.transfers += 1
         return nbytes
 
+    def _read(self, agent: str, side: object, src: list[int], dst: list[int],
+              deadline: float) -> None:  # fmt: skip
+        """One READ of ``src`` (the peer's block indices) into our ``dst``."""
+        handle = self._agent.make_prepped_xfer("READ", self._local_side, dst, side, src)
+        try:
+            state = self._agent.transfer(handle)
+            spin_until = time.monotonic() + 0.001
+            while state not in ("DONE", "ERR"):
+                now = time.monotonic()
+                if now > deadline:
+                    raise TransferError(f"NIXL read from {agent} timed out")
+                if now > spin_until:  # spin briefly, then yield the core to the engine
+                    time.sleep(0.0002)
+                state = self._agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise TransferError(f"NIXL read from {agent} failed")
+        finally:
+            self._agent.release_xfer_handle(handle)
+
     def close(self) -> None:
         self._stop.set()
         self._pump.join(1.0)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         try:
             self._r.delete(AGENT_KEY.format(self.agent_name))
             for name in list(self._remotes):
