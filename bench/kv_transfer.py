@@ -12,13 +12,17 @@ Layout: ``--layers`` (16), 8 KV heads, head_dim 128, ``--block-size`` (16), floa
 32 KiB per layer per K/V, as Llama-3-8B, and 1 MiB per block: every size is whole blocks.
 
 "non-contig" pulls src blocks 0..n-1 into dst blocks n-1..0 (no runs merge: one NIXL
-descriptor per block, layer and K/V); "contig" (NIXL only) pulls 0..n-1 into 0..n-1 (one
-descriptor per layer and K/V). Every pull is verified: the destination blocks are zeroed
-first, then per-block blake2b digests of both sides must match. Only ``pull`` is timed;
-Redis copies on export, so it also gets end-to-end = bytes / (export + pull). memcpy is
-``dst.copy_(src)`` of the same byte count between two preallocated, pre-touched tensors in
-one process, with torch's default threads and with one (CMA copies in one thread); the
-NIXL ratio is taken against the faster of the two. GB/s = 1e9 B/s; cells: best/median.
+descriptor per block); "contig" (NIXL only) pulls 0..n-1 into 0..n-1 (NIXL merges them
+into one). Every pull is verified: the destination blocks are zeroed first, then per-block
+blake2b digests of both sides must match. Only ``pull`` is timed; Redis copies on export,
+so it also gets end-to-end = bytes / (export + pull). memcpy is ``dst.copy_(src)`` of the
+same byte count between two preallocated, pre-touched tensors in one process, with torch's
+default threads and with one; the NIXL ratio is taken against the faster of the two.
+"CMA ceiling" is the kernel's cross-process copy (``process_vm_readv``, which UCX's cma
+transport runs for NIXL between two processes on one host) of the same non-contig blocks,
+called directly from the decode process, split over threads as NIXL splits its pulls: no
+transfer between two processes here can beat it, so "NIXL %CMA" is how much of what the
+machine allows NIXL gets. GB/s = 1e9 B/s; cells: best/median.
 A 1-block warm-up per backend (connection setup) is reported as "first transfer ms" and
 not counted; so is the CPU each idle process burns. ``--json PATH`` dumps raw timings.
 """
@@ -38,13 +42,14 @@ import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import redis
 import torch
 
 from workers.llama import PagedKVCache
-from workers.transfer.nixl_kv import NixlKVTransfer, nixl_available
+from workers.transfer.nixl_kv import PARALLEL_MIN_BYTES, NixlKVTransfer, nixl_available
 from workers.transfer.redis_kv import RedisKVTransfer
 
 TARGET = 0.70
@@ -78,22 +83,35 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _cma_read(pid: int, base: int, kv: PagedKVCache, src: list[int], dst: list[int]) -> int:
+def _cma_read(pid: int, base: int, kv: PagedKVCache, src: list[int], dst: list[int],
+              threads: int) -> int:  # fmt: skip
     """``process_vm_readv`` of whole blocks from ``pid``'s cache at ``base`` into ours: the
     kernel's cross-process copy, which UCX's cma transport uses for NIXL here, called
-    directly (the ceiling of any transfer between two processes on this machine)."""
+    directly (the ceiling of any transfer between two processes on this machine), in
+    ``threads`` contiguous slices side by side as NIXL's pull splits it."""
     libc = _libc()
     bb, here = kv.data[0].numel() * kv.data.element_size(), kv.data.data_ptr()
-    total = 0
-    for i in range(0, len(src), 1024):  # IOV_MAX
-        s, d = src[i : i + 1024], dst[i : i + 1024]
-        local = (_IoVec * len(d))(*[(here + b * bb, bb) for b in d])
-        remote = (_IoVec * len(s))(*[(base + b * bb, bb) for b in s])
-        n = libc.process_vm_readv(pid, local, len(d), remote, len(s), 0)
-        if n != len(s) * bb:
-            raise OSError(ctypes.get_errno(), f"process_vm_readv read {n} of {len(s) * bb}")
-        total += n
-    return total
+
+    def read(s_: list[int], d_: list[int]) -> int:
+        total = 0
+        for i in range(0, len(s_), 1024):  # IOV_MAX
+            s, d = s_[i : i + 1024], d_[i : i + 1024]
+            local = (_IoVec * len(d))(*[(here + b * bb, bb) for b in d])
+            remote = (_IoVec * len(s))(*[(base + b * bb, bb) for b in s])
+            n = libc.process_vm_readv(pid, local, len(d), remote, len(s), 0)  # GIL released
+            if n != len(s) * bb:
+                raise OSError(ctypes.get_errno(), f"process_vm_readv read {n} of {len(s) * bb}")
+            total += n
+        return total
+
+    k = min(threads, len(src)) if len(src) * bb >= PARALLEL_MIN_BYTES else 1
+    cut = [len(src) * i // k for i in range(k + 1)]
+    parts = [(src[a:b], dst[a:b]) for a, b in zip(cut, cut[1:], strict=False)]
+    if k == 1:
+        return read(*parts[0])
+    with ThreadPoolExecutor(k - 1) as pool:
+        futs = [pool.submit(read, *p) for p in parts[1:]]
+        return read(*parts[0]) + sum(f.result() for f in futs)
 
 
 def _worker(role: str, conn, port: int, layout: dict, num_blocks: int, backend: str) -> None:
@@ -132,7 +150,7 @@ def _worker(role: str, conn, port: int, layout: dict, num_blocks: int, backend: 
                 kv.k[:, idx] = 0
                 kv.v[:, idx] = 0
                 t0 = time.perf_counter()
-                nbytes = _cma_read(pid, base, kv, src, dst)
+                nbytes = _cma_read(pid, base, kv, src, dst, be.threads)
                 res = (nbytes, time.perf_counter() - t0, _digests(kv, dst))
             elif op == "pid":
                 res = (os.getpid(), kv.data.data_ptr())
@@ -335,7 +353,8 @@ def main() -> None:
     print(f"\nGB/s best/median ({a.repeats} repeats, memcpy {mc_reps}); NIXL %memcpy = best "
           "non-contig/contig over the best memcpy (either column); CMA ceiling = "
           "process_vm_readv of the same non-contig blocks, called directly (what UCX's cma "
-          "transport does for NIXL between two processes here)")  # fmt: skip
+          "transport does for NIXL between two processes here), from as many threads as NIXL "
+          "uses")  # fmt: skip
     for r in [cols, *rows]:
         print("  ".join(x.rjust(w[i]) for i, x in enumerate(r)))
     print("first transfer ms (1 block, incl. connection setup): "
