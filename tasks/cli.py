@@ -111,7 +111,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     """Run one Celery worker process for POOL (its pool queue + its own queue).
 
     Pools: generate (aggregated mode), prefill and decode (disagg mode)."""
-    from celery.signals import worker_ready
+    from celery.signals import worker_ready, worker_shutting_down
 
     from tasks.app import configure as configure_app
     from workers.engine_core import EngineConfig
@@ -160,7 +160,13 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     def _ready(**_: object) -> None:
         rt.announce()
 
+    def _leaving(**_: object) -> None:
+        # warm shutdown: routers stop picking this worker now; the tasks it holds run to
+        # the end on the engine (which a group-wide SIGTERM/SIGINT no longer kills)
+        rt.leave()
+
     worker_ready.connect(_ready, weak=False)
+    worker_shutting_down.connect(_leaving, weak=False)
     argv = [
         "worker",
         "--queues",

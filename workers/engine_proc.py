@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -241,6 +242,12 @@ class EngineClient:
 
 def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     """Entry point of the engine process."""
+    # Only the worker process stops this one: a "stop" message, or its end closing the
+    # pipe. Ctrl-C or a SIGTERM sent to the whole process group (a terminal, `docker stop`,
+    # a supervisor's killpg) would otherwise kill the engine under its worker mid-step, and
+    # the worker would report an engine crash while shutting down on purpose.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=spec.log_level,
         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",

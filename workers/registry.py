@@ -96,7 +96,8 @@ class Heartbeat:
     def stop(self) -> None:
         """Stop beating and leave the pool at once (graceful shutdown)."""
         self._stop.set()
-        self._thread.join(self._period + 1)
+        if self._thread.ident is not None:  # started (stop may come before the first beat)
+            self._thread.join(self._period + 1)
         try:
             pipe = self._r.pipeline(transaction=False)
             pipe.delete(self._key)

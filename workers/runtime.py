@@ -91,6 +91,12 @@ class WorkerRuntime:
         self.heartbeat.start()
         log.info("worker %s (pool %s) ready", self.worker_id, self.pool)
 
+    def leave(self) -> None:
+        """Leave the pool (routers stop picking this worker); keep serving what it has."""
+        self.heartbeat.stop()
+        log.info("worker %s leaving pool %s; finishing the requests it holds",
+                 self.worker_id, self.pool)  # fmt: skip
+
     def stop(self) -> None:
         self._stopping.set()
         self.heartbeat.stop()

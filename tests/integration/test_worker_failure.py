@@ -4,6 +4,7 @@ clear error instead of hanging until the timeout."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
-from workers.registry import Heartbeat
+from workers.registry import ALIVE_KEY, Heartbeat
 
 pytestmark = pytest.mark.integration
 
@@ -100,3 +101,47 @@ def test_worker_killed_mid_stream_ends_stream_with_error(
         api.stop()
         worker.stop()
         redis.Redis.from_url(url8).flushdb()
+
+
+def test_sigterm_drains_the_worker(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM to the worker's whole process group (as `docker stop` or a supervisor sends
+    it): the worker leaves the pool at once, so no new request is routed to it, while the
+    stream it holds runs to its end; its engine process is not killed under it."""
+    url13 = redis_db(redis_url, 13)
+    r = redis.Redis.from_url(url13)
+    env = base_env(url13, tiny_model_dir)
+    worker = start_worker("w-drain", "generate", "drain", env, tmp_path)
+    with stop_on_error(worker):
+        api, url = start_api("api-drain", env, tmp_path)
+    try:
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(
+            model=tiny_model_dir.name,
+            prompt="hello",
+            max_tokens=1500,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks, left_while_streaming, usage, reason = 0, False, None, None
+        for chunk in stream:
+            chunks += 1
+            if chunks == 3:
+                os.killpg(worker.popen.pid, signal.SIGTERM)
+            elif chunks > 3 and not left_while_streaming:
+                left_while_streaming = r.zscore(ALIVE_KEY.format(pool="generate"), "drain") is None
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        assert reason == "length" and usage is not None and usage.completion_tokens == 1500
+        assert left_while_streaming, "the worker stayed in the pool while draining"
+        assert httpx.get(f"{url}/health").status_code == 503  # no live worker now
+        assert worker.popen.wait(30) == 0, worker.tail()
+        log = worker.log.read_text(errors="replace")
+        assert "leaving pool generate" in log
+        assert "exited unexpectedly" not in log and "engine process died" not in log
+    finally:
+        api.stop()
+        worker.stop()
+        r.flushdb()
