@@ -117,6 +117,10 @@ def build_chain(p: Plan, payload: GeneratePayload) -> Signature:
     """The Celery canvas for one request."""
     body = payload.model_dump()
     tasks = {"generate": generate, "prefill": prefill, "decode": decode}
+    # What task events, Flower and the worker's log show for the arguments: the request,
+    # not the prompt's token ids (Celery would repr them all for every message it sends)
+    shown = dict(argsrepr=f"({payload.request_id}: {len(payload.prompt_token_ids)} prompt "
+                          "tokens)", kwargsrepr="{}")  # fmt: skip
     sigs = []
     for i, (name, route) in enumerate(p.steps):
         task = tasks[name]
@@ -124,8 +128,9 @@ def build_chain(p: Plan, payload: GeneratePayload) -> Signature:
         # The first is sent from here (a Queue object declares the route); later ones
         # travel inside the message, so they name their queue in plain JSON.
         if i == 0:
-            sig = task.si(body).set(queue=queue(route.queue), task_id=payload.request_id)
+            sig = task.si(body).set(queue=queue(route.queue), task_id=payload.request_id,
+                                    **shown)  # fmt: skip
         else:
-            sig = task.s(body).set(**route_to(route.queue))
+            sig = task.s(body).set(**route_to(route.queue), **shown)
         sigs.append(sig)
     return chain(*sigs)

@@ -163,6 +163,17 @@ def stop_on_error(*procs: Proc) -> Iterator[None]:
         raise
 
 
+def celery_at(redis_url: str, **settings: object) -> None:
+    """Point this test process's Celery app at ``redis_url`` (dropping connections made
+    for another deployment: Celery caches its broker pools)."""
+    from tasks.app import app, configure
+    from tasks.settings import Settings
+
+    configure(Settings(redis_url=redis_url, **settings))
+    app.close()
+    app.amqp._producer_pool = None
+
+
 def redis_db(redis_url: str, n: int) -> str:
     """The same redis-server, database ``n``: an isolated deployment for one test."""
     return redis_url.rsplit("/", 1)[0] + f"/{n}"

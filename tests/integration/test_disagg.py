@@ -21,6 +21,7 @@ from tests.integration.conftest import (
     Cluster,
     Proc,
     base_env,
+    celery_at,
     redis_db,
     start_api,
     start_worker,
@@ -267,14 +268,7 @@ def test_kv_never_pulled_is_freed_after_timeout(disagg: Disagg) -> None:
 
 
 def _celery_for(d: Disagg) -> None:
-    """Point this test process's Celery app at ``d``'s Redis (dropping connections made
-    for another deployment: Celery caches its broker pools)."""
-    from tasks.app import app, configure
-    from tasks.settings import Settings
-
-    configure(Settings(redis_url=d.redis_url, mode="disagg"))
-    app.close()
-    app.amqp._producer_pool = None
+    celery_at(d.redis_url, mode="disagg")
 
 
 def _listen(redis_url: str, rid: str) -> redis.client.PubSub:

@@ -1,0 +1,46 @@
+"""What the API puts on the broker for a request (real redis-server): the payload whole,
+and an argument summary for events, Flower and logs instead of a repr of every token id."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import redis
+
+from tasks.app import declare_queues
+from tasks.payloads import GeneratePayload
+from tasks.pipeline import Plan, build_chain
+from tasks.router import Route
+from tests.integration.conftest import celery_at, redis_db
+
+
+@pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
+def test_the_message_carries_the_payload_and_a_short_argsrepr(
+    redis_url: str, steps: list[str]
+) -> None:
+    url = redis_db(redis_url, 14)
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    celery_at(url)
+    pools = {"generate": "generate", "prefill": "prefill", "decode": "decode"}
+    plan = Plan(steps=[(n, Route(pools[n], f"w-{n}", {})) for n in steps])
+    declare_queues([route.queue for route in plan.routes])
+    ids = list(range(5, 405))
+    payload = GeneratePayload(request_id="cmpl-test", model="m", prompt_token_ids=ids,
+                              sampling={}, created=0.0)  # fmt: skip
+    build_chain(plan, payload).apply_async()
+    raw = r.lpop(plan.routes[0].queue)
+    assert raw is not None
+    msg = json.loads(raw)
+    headers = msg["headers"]
+    assert headers["id"] == "cmpl-test" and headers["task"] == f"conveyor.{steps[0]}"
+    assert headers["argsrepr"] == "(cmpl-test: 400 prompt tokens)"
+    assert "5, 6, 7" not in json.dumps(headers)  # no repr of the token ids beside the body
+    args, kwargs, embed = json.loads(base64.b64decode(msg["body"]))
+    assert args[0]["prompt_token_ids"] == ids
+    for link in embed.get("chain") or []:  # the next stage, sent later by the worker
+        assert link["options"]["argsrepr"] == "(cmpl-test: 400 prompt tokens)"
+    assert len(embed.get("chain") or []) == len(steps) - 1
+    r.flushdb()
