@@ -35,6 +35,29 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
+def _worker_and_api(redis_url: str, model_dir: Path, logdir: Path, wid: str):  # type: ignore[no-untyped-def]
+    """One real generate worker and an API in front of it, once the worker is live."""
+    env = base_env(redis_url, model_dir)
+    worker = start_worker(f"w-{wid}", "generate", wid, env, logdir)
+    with stop_on_error(worker):
+        api, url = start_api(f"api-{wid}", env, logdir)
+    with stop_on_error(worker, api):
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
+    return worker, api, url
+
+
+def _long_stream(url: str, model: str, max_tokens: int, stream_options: dict | None = None):  # type: ignore[no-untyped-def]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    return client.completions.create(
+        model=model,
+        prompt="hello",
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options=stream_options if stream_options is not None else openai.NOT_GIVEN,
+        extra_body={"ignore_eos": True},
+    )
+
+
 def test_request_redispatched_when_worker_dies_before_answering(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -73,20 +96,9 @@ def test_worker_killed_mid_stream_ends_stream_with_error(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     url8 = redis_db(redis_url, 8)
-    env = base_env(url8, tiny_model_dir)
-    worker = start_worker("w-doomed", "generate", "doomed", env, tmp_path)
-    with stop_on_error(worker):
-        api, url = start_api("api-kill", env, tmp_path)
+    worker, api, url = _worker_and_api(url8, tiny_model_dir, tmp_path, "doomed")
     try:
-        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        stream = client.completions.create(
-            model=tiny_model_dir.name,
-            prompt="hello",
-            max_tokens=2000,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        stream = _long_stream(url, tiny_model_dir.name, 2000)
         got = 0
         with pytest.raises(openai.APIError) as e:
             for _ in stream:
@@ -109,21 +121,9 @@ def test_sigterm_drains_the_worker(redis_url: str, tiny_model_dir: Path, tmp_pat
     stream it holds runs to its end; its engine process is not killed under it."""
     url13 = redis_db(redis_url, 13)
     r = redis.Redis.from_url(url13)
-    env = base_env(url13, tiny_model_dir)
-    worker = start_worker("w-drain", "generate", "drain", env, tmp_path)
-    with stop_on_error(worker):
-        api, url = start_api("api-drain", env, tmp_path)
+    worker, api, url = _worker_and_api(url13, tiny_model_dir, tmp_path, "drain")
     try:
-        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        stream = client.completions.create(
-            model=tiny_model_dir.name,
-            prompt="hello",
-            max_tokens=1500,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        )
+        stream = _long_stream(url, tiny_model_dir.name, 1500, {"include_usage": True})
         chunks, left_while_streaming, usage, reason = 0, False, None, None
         for chunk in stream:
             chunks += 1
