@@ -9,9 +9,11 @@ the noise of a shared machine averages out) have finished, first through an
 ``EngineLoop`` in this process, then through the server (streaming ``/v1/completions`` over
 SSE) with the same model, prompts (token ids), pattern, temperature 0 and ``ignore_eos`` so
 every request makes exactly ``--output-len`` tokens. The two never run at the same time:
-they would fight over the same cores. They alternate for ``--rounds`` rounds (default 3),
-and per level the round with the median server/in-process tok/s ratio is reported, with
-every round's ratio beside it: on a small shared machine one round can be off by 15%.
+they would fight over the same cores. Each level runs in-process and then through the
+server, back to back (this machine's speed drifts over tens of seconds: the two sides of
+one comparison should share a moment), and the levels repeat for ``--rounds`` rounds
+(default 3); per level the round with the median server/in-process tok/s ratio is
+reported, with every round's ratio beside it.
 ``--start-server`` runs its own redis-server, one ``conveyor worker --pool generate`` and
 ``conveyor api`` (logs in a temp dir), and stops them at the end, Ctrl-C included.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import queue
 import random
@@ -369,6 +372,17 @@ def report(res: dict, levels: list[int]) -> None:
             wall, cpu = side[c]["summary"]["wall_s"], side[c]["cpu_s"]
             parts = ", ".join(f"{k} {v / wall:.2f}" for k, v in cpu.items())
             print(f"{c:>4} {name:<11}{parts}")
+
+    # the same engine work costs the same CPU per token on both sides, unless something
+    # (the other processes' cache and memory traffic, the engine process's own threads)
+    # slows the server's engine down: a server that misses with a busier engine shows here
+    def per_token(side: dict, c: int, key: str) -> float:
+        return side[c]["cpu_s"].get(key, math.nan) * 1e6 / max(side[c]["summary"][
+            "completion_tokens"], 1)  # fmt: skip
+
+    print("\nEngine CPU per completion token, us (engine process / in-process): " + "; ".join(
+        f"c={c}: {per_token(srv, c, 'engine'):.0f} / {per_token(inp, c, 'in-process'):.0f}"
+        for c in levels))  # fmt: skip
     tev = inp[hi]["summary"]["text_events_per_token"]
     short = sum(r["tokens"] != res["output_len"] for x in (srv, inp) for c in levels
                 for r in x[c]["requests"])  # fmt: skip
@@ -383,7 +397,7 @@ def report(res: dict, levels: list[int]) -> None:
         )
     print(f"\nNotes: {os.cpu_count()} CPU cores; the server's api + worker + redis (and this "
           "client) share them; the in-process engine ran alone (the server idle), never at "
-          "the same time; the two sides alternate, round by round.\n"
+          "the same time; each level ran on both sides back to back, round after round.\n"
           f"  1-min load average before the run: {res['loadavg_before']:.2f} (anything else "
           "busy on the machine skews both sides).\n"
           f"  {100 * (1 - tev):.0f}% of tokens end inside a UTF-8 character and carry no text: "
@@ -470,21 +484,25 @@ def main() -> int:
     everything = tuple(os.sched_getaffinity(0))
     rounds: list[tuple[dict, dict]] = []  # (in-process, server) results per round
 
-    def inprocess_round() -> dict:
+    def inprocess_level(c: int) -> dict:
         if pin:  # same core the server's engine gets
             os.sched_setaffinity(0, engine_cpu)
         try:
-            return _inprocess_levels(model_dir, levels, prompts, args)
+            return _inprocess_levels(model_dir, [c], prompts, args)
         finally:
             if pin:  # the client shares the front-end cores, never the engine's
                 os.sched_setaffinity(0, others)
 
     def server_rounds(url: str, pids: dict[str, int]) -> None:
         for r in range(args.rounds):
-            print(f"round {r + 1}/{args.rounds}: in-process engine ...", file=sys.stderr)
-            inp = inprocess_round()
-            print(f"round {r + 1}/{args.rounds}: server ...", file=sys.stderr)
-            res["model"], srv = asyncio.run(_server_levels(url, levels, prompts, args, pids))
+            inp: dict = {}
+            srv: dict = {}
+            for c in levels:
+                print(f"round {r + 1}/{args.rounds}, c={c}: in-process, then server",
+                      file=sys.stderr)  # fmt: skip
+                inp.update(inprocess_level(c))
+                res["model"], got = asyncio.run(_server_levels(url, [c], prompts, args, pids))
+                srv.update(got)
             rounds.append((inp, srv))
 
     if args.start_server:
