@@ -49,7 +49,7 @@ import redis
 import torch
 
 from workers.llama import PagedKVCache
-from workers.transfer.nixl_kv import PARALLEL_MIN_BYTES, NixlKVTransfer, nixl_available
+from workers.transfer.nixl_kv import NixlKVTransfer, nixl_available, split_pull
 from workers.transfer.redis_kv import RedisKVTransfer
 
 TARGET = 0.70
@@ -104,12 +104,10 @@ def _cma_read(pid: int, base: int, kv: PagedKVCache, src: list[int], dst: list[i
             total += n
         return total
 
-    k = min(threads, len(src)) if len(src) * bb >= PARALLEL_MIN_BYTES else 1
-    cut = [len(src) * i // k for i in range(k + 1)]
-    parts = [(src[a:b], dst[a:b]) for a, b in zip(cut, cut[1:], strict=False)]
-    if k == 1:
+    parts = split_pull(src, dst, threads, len(src) * bb)
+    if len(parts) == 1:
         return read(*parts[0])
-    with ThreadPoolExecutor(k - 1) as pool:
+    with ThreadPoolExecutor(len(parts) - 1) as pool:
         futs = [pool.submit(read, *p) for p in parts[1:]]
         return read(*parts[0]) + sum(f.result() for f in futs)
 

@@ -34,6 +34,16 @@ PARALLEL_MIN_BYTES = 16 << 20
 log = logging.getLogger(__name__)
 
 
+def split_pull(
+    src: list[int], dst: list[int], threads: int, nbytes: int
+) -> list[tuple[list[int], list[int]]]:
+    """The (src, dst) block slices a pull of ``nbytes`` is read in: ``threads`` contiguous
+    slices from ``PARALLEL_MIN_BYTES`` up (runs of consecutive blocks stay whole), else one."""
+    k = min(threads, len(src)) if nbytes >= PARALLEL_MIN_BYTES else 1
+    cut = [len(src) * i // k for i in range(k + 1)] if k > 1 else [0, len(src)]
+    return [(src[a:b], dst[a:b]) for a, b in zip(cut, cut[1:], strict=False)]
+
+
 def nixl_available() -> bool:
     try:
         from nixl._api import nixl_agent  # noqa: F401
@@ -115,22 +125,17 @@ class NixlKVTransfer(KVTransfer):
         side = self._remote_side(meta, remote, max(src, default=-1) + 1)  # keyed by agent
         nbytes = len(src) * self.layout.block_bytes
         deadline = time.monotonic() + timeout
-        k = min(self.threads, len(src)) if nbytes >= PARALLEL_MIN_BYTES else 1
-        if k > 1 and self._pool is not None:
-            # contiguous slices (runs of consecutive blocks stay whole), the first one here
-            cut = [len(src) * i // k for i in range(k + 1)]
-            parts = [(src[a:b], dst_block_ids[a:b]) for a, b in zip(cut, cut[1:], strict=False)]
-            futs = [self._pool.submit(self._read, meta["agent"], side, s_, d_, deadline)
-                    for s_, d_ in parts[1:]]  # fmt: skip
-            try:
-                self._read(meta["agent"], side, *parts[0], deadline)
-            finally:
-                errors = [f.exception() for f in futs]  # waits for every slice
-            for e in errors:
-                if e is not None:
-                    raise e
-        else:
-            self._read(meta["agent"], side, src, dst_block_ids, deadline)
+        parts = split_pull(src, dst_block_ids, self.threads, nbytes)
+        assert self._pool is not None or len(parts) == 1
+        futs = [self._pool.submit(self._read, meta["agent"], side, s_, d_, deadline)
+                for s_, d_ in parts[1:]] if self._pool else []  # fmt: skip
+        try:
+            self._read(meta["agent"], side, *parts[0], deadline)  # the first slice here
+        finally:
+            errors = [f.exception() for f in futs]  # waits for every slice
+        for e in errors:
+            if e is not None:
+                raise e
         self.bytes_moved += nbytes
         self.seconds += time.perf_counter() - t0
         self.transfers += 1
