@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from kombu.exceptions import OperationalError as KombuOperationalError
 
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
@@ -30,6 +31,10 @@ from tasks.settings import Settings
 log = logging.getLogger(__name__)
 
 CANCELLED_TTL_S = 3 * 3600  # longer than the broker's visibility timeout (1 h)
+# Sending a request runs on the event loop (see Runner._dispatch): a broker that fails must
+# not hold it long, so two quick retries instead of Celery's default 3 x 0.2 s.
+SEND_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.05,
+                     "interval_max": 0.05}  # fmt: skip
 
 
 @dataclass
@@ -155,7 +160,12 @@ class Runner:
                 sampling=sampling,
                 created=time.time(),
             )
-            await asyncio.to_thread(self._send, p, payload)
+            # On the event loop, not in a thread: the send is ~1 ms of Python, and a thread
+            # doing it hands the GIL back and forth with this busy loop at every socket
+            # call (measured at c=4: 8 ms in a thread, 3 ms here; TTFT p50 27 -> 20 ms).
+            # Redis answered the router a moment ago, and the retry policy is short, so
+            # a broker failing now stalls the loop for a fraction of a second at most.
+            self._send(p, payload)
         except BaseException:
             self.finish(run)
             raise
@@ -168,11 +178,15 @@ class Runner:
         """Declare every queue the chain will reach (once per queue), then send it. Later
         links travel by exchange and routing key; declaring here means a link can never
         be dropped for want of a binding."""
-        fresh = [r.queue for r in p.routes if r.queue not in self._declared]
-        if fresh:
-            declare_queues(fresh)
-            self._declared.update(fresh)
-        build_chain(p, payload).apply_async()
+        try:
+            fresh = [r.queue for r in p.routes if r.queue not in self._declared]
+            if fresh:
+                declare_queues(fresh, max_retries=SEND_RETRY_POLICY["max_retries"])
+                self._declared.update(fresh)
+            build_chain(p, payload).apply_async(retry_policy=SEND_RETRY_POLICY)
+        except KombuOperationalError as e:
+            raise OpenAIError(503, f"the broker did not take the request: {e}",
+                              "server_error", None, "broker_unavailable") from e  # fmt: skip
 
     async def frames(self, run: RunningRequest) -> AsyncIterator[dict]:
         """All frames of a started request, the first included, up to the terminal one."""

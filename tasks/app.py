@@ -28,9 +28,13 @@ def route_to(name: str) -> dict:
     return {"exchange": name, "routing_key": name}
 
 
-def declare_queues(names: list[str]) -> None:
-    """Make sure queues (and their bindings) exist in the broker."""
+def declare_queues(names: list[str], max_retries: int | None = None) -> None:
+    """Make sure queues (and their bindings) exist in the broker. ``max_retries`` makes
+    the connection attempts few and quick (by default they back off for seconds)."""
     with app.connection_for_write() as conn:
+        if max_retries is not None:
+            conn.ensure_connection(max_retries=max_retries, interval_start=0,
+                                   interval_step=0.05, interval_max=0.05)  # fmt: skip
         channel = conn.default_channel
         for name in names:
             queue(name)(channel).declare()
@@ -41,6 +45,10 @@ def configure(settings: Settings | None = None, extra_queues: list[str] = ()) ->
     names = [*s.pools, *extra_queues]
     app.conf.update(
         broker_url=s.effective_redis_url,
+        # kombu's Redis transport, minus a new redis client per message (tasks.broker)
+        broker_transport="tasks.broker:Transport"
+        if s.effective_redis_url.split("://", 1)[0] in ("redis", "rediss")
+        else None,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},
         result_backend=None,

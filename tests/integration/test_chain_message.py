@@ -44,3 +44,37 @@ def test_the_message_carries_the_payload_and_a_short_argsrepr(
         assert link["options"]["argsrepr"] == "(cmpl-test: 400 prompt tokens)"
     assert len(embed.get("chain") or []) == len(steps) - 1
     r.flushdb()
+
+
+def test_a_broker_that_is_gone_fails_the_send_fast_with_503(redis_url: str) -> None:
+    """The API sends on its event loop: a dead broker must give a clear 503 quickly, not a
+    500 or a loop stalled on Celery's default publish retries."""
+    import time
+
+    import redis.asyncio as aioredis
+
+    from api.errors import OpenAIError
+    from api.metrics import ApiMetrics
+    from api.runner import Runner
+    from tasks.settings import Settings
+    from tests.integration.conftest import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    celery_at(dead)
+    try:
+        client = aioredis.Redis.from_url(dead)  # never used: the router is not asked
+        runner = Runner(Settings(redis_url=dead), client, None, ApiMetrics())  # type: ignore[arg-type]
+        plan = Plan(steps=[("generate", Route("generate", "w-gone", {}))])
+        payload = GeneratePayload(request_id="cmpl-gone", model="m", prompt_token_ids=[1, 2],
+                                  sampling={}, created=0.0)  # fmt: skip
+        for declared in (False, True):  # the queue declared before, or declared now
+            if declared:
+                runner._declared.add(plan.routes[0].queue)
+            t = time.perf_counter()
+            with pytest.raises(OpenAIError) as info:
+                runner._send(plan, payload)
+            took = time.perf_counter() - t
+            assert info.value.status == 503 and info.value.code == "broker_unavailable"
+            assert took < 1.0, f"the send held the caller {took:.2f}s"
+    finally:
+        celery_at(redis_url)
