@@ -78,3 +78,27 @@ def test_a_broker_that_is_gone_fails_the_send_fast_with_503(redis_url: str) -> N
             assert took < 1.0, f"the send held the caller {took:.2f}s"
     finally:
         celery_at(redis_url)
+
+
+def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:
+    """tasks.broker: publishes and acks reuse the channel's client (kombu's own transport
+    builds a new one per call); messages still land, and a closed channel lets it go."""
+    from tasks.app import app
+    from tasks.broker import Channel
+
+    url = redis_db(redis_url, 13)
+    celery_at(url)
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        assert isinstance(channel, Channel)
+        with channel.conn_or_acquire() as a, channel.conn_or_acquire() as b:
+            assert a is b
+        q = "generate.w-one-client"
+        declare_queues([q])
+        producer = conn.Producer()
+        for i in range(3):
+            producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+        assert redis.Redis.from_url(url).llen(q) == 3
+        channel.close()
+        assert channel._sync_client is None
+    redis.Redis.from_url(url).flushdb()
