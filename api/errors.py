@@ -1,8 +1,8 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
 
 Only the API turns errors into HTTP. Invalid bodies answer **400** (as OpenAI and vLLM do,
-not FastAPI's default 422); unknown model 404; body too large 413; no live worker 503;
-a worker that never answers 504.
+not FastAPI's default 422); unknown model 404; body too large 413; no live worker, or a
+broker that refuses the request, 503; a worker that never answers 504.
 """
 
 from __future__ import annotations

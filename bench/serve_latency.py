@@ -14,6 +14,13 @@ server, back to back (this machine's speed drifts over tens of seconds: the two 
 one comparison should share a moment), and the levels repeat for ``--rounds`` rounds
 (default 3); per level the round with the median server/in-process tok/s ratio is
 reported, with every round's ratio beside it.
+A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real
+clients' would arrive. Started together, in-process requests of one length finish together
+and come back together for ever: every prefill shares one step and the decode steps in
+between never carry one. The server never sees that lockstep (its HTTP hops spread
+arrivals out; a quarter of its steps carry a prefill at c=16), so the two sides would
+differ by schedule, not by pipeline. The lockstep in-process run is still made and printed
+as a reference (its ITL and tok/s are the engine's best case, its TTFT the worst).
 ``--start-server`` runs its own redis-server, one ``conveyor worker --pool generate`` and
 ``conveyor api`` (logs in a temp dir), and stops them at the end, Ctrl-C included.
 
@@ -38,6 +45,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -168,12 +176,14 @@ async def _server_levels(
         for c in levels:
             sem = asyncio.Semaphore(c)
 
-            async def run(p: list[int], sem: asyncio.Semaphore = sem) -> dict:
+            async def run(i: int, p: list[int], sem: asyncio.Semaphore = sem, c: int = c) -> dict:
                 async with sem:
+                    if i < c:  # the first wave starts staggered (see the module doc)
+                        await asyncio.sleep(i * args.stagger_ms / 1e3)
                     return await _one_http(client, model, p, args.output_len)
 
             cpu0, t = {k: _cpu_stats(pid) for k, pid in pids.items()}, time.perf_counter()
-            recs = await asyncio.gather(*(run(p) for p in prompts[c]))
+            recs = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts[c])))
             wall = time.perf_counter() - t
             cpu = _cpu_delta(pids, cpu0)
             results[c] = {"summary": summarize(recs, wall), "requests": recs, "cpu_s": cpu}
@@ -182,7 +192,8 @@ async def _server_levels(
 
 
 # --- In-process side ----------------------------------------------------------------
-def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args) -> dict:
+def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
+                      stagger_ms: float) -> dict:  # fmt: skip
     import torch
 
     from workers.engine import Engine, EngineConfig, EngineLoop, EngineRequest, RequestOutput
@@ -207,22 +218,25 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args) -
         starts: dict[str, float] = {}
         pending = list(batch)
         finished: list[RequestOutput] = []
+        lock = threading.Lock()  # the first wave's timers submit from their own threads
 
         def submit() -> None:
             rid = uuid.uuid4().hex
-            events[rid] = []
-            starts[rid] = time.perf_counter()
-            loop.submit(EngineRequest(rid, pending.pop(0), params))
+            with lock:
+                events[rid] = []
+                starts[rid] = time.perf_counter()
+                prompt = pending.pop(0)
+            loop.submit(EngineRequest(rid, prompt, params))
 
         t = time.perf_counter()
-        for _ in range(min(c, len(pending))):
-            submit()
+        for i in range(min(c, len(pending))):  # the first wave, staggered as on the server
+            threading.Timer(i * stagger_ms / 1e3, submit).start()
         while len(finished) < len(batch):
             out = done.get(timeout=300)
             if out.finish_reason == "error":
                 raise RuntimeError(f"engine error: {out.error}")
             finished.append(out)
-            if pending:
+            if len(finished) + c <= len(batch):  # the first wave's last ones may not be out
                 submit()
         wall = time.perf_counter() - t
         recs = [
@@ -361,6 +375,18 @@ def report(res: dict, levels: list[int]) -> None:
         print("  server/in-process tok/s of every round (the median round is shown above): "
               + "; ".join(f"c={c}: " + ", ".join(f"{x:.1f}" for x in res["round_ratios"][c])
                           for c in levels))  # fmt: skip
+    lock = res.get("lockstep") or {}
+    if lock:
+        print("\nFor reference, in-process with a level's first c requests started together "
+              "(--stagger-ms 0): they stay in\nlockstep, every prefill in one step "
+              "(best ITL and tok/s, worst TTFT); the server against that:")  # fmt: skip
+        print(f"{'c':>4}{'TTFT p50':>10}{'ITL p50':>9}{'tok/s':>9}{'server TTFT':>14}"
+              f"{'server ITL':>12}{'server tok/s':>14}")  # fmt: skip
+        for c in sorted(lock):
+            s, k = srv[c]["summary"], lock[c]["summary"]
+            print(f"{c:>4}{k['ttft_p50']:>10.2f}{k['itl_p50']:>9.2f}{k['tok_s']:>9.1f}"
+                  f"{s['ttft_p50'] - k['ttft_p50']:>+11.2f} ms{s['itl_p50'] - k['itl_p50']:>+9.2f}"
+                  f" ms{100 * s['tok_s'] / k['tok_s']:>12.1f} %")  # fmt: skip
     print(f"\nContinuous batching gain = tok/s at c={hi} / c={lo}; target >= {tg['gain']:g}x")
     for name, side in (("server", srv), ("in-process", inp)):
         g = side[hi]["summary"]["tok_s"] / side[lo]["summary"]["tok_s"]
@@ -404,15 +430,19 @@ def report(res: dict, levels: list[int]) -> None:
           "no SSE chunk, so ITL spans them on both sides.")  # fmt: skip
 
 
-def pick_median_rounds(res: dict, rounds: list[tuple[dict, dict]], levels: list[int]) -> None:
-    """Per level, keep the (in-process, server) pair of the round whose tok/s ratio is the
-    median of all rounds; every round's ratio is kept in ``res["round_ratios"]``."""
-    res["inprocess"], res["server"], res["round_ratios"] = {}, {}, {}
+def pick_median_rounds(res: dict, rounds: list[tuple[dict, dict, dict]], levels: list[int]) -> None:
+    """Per level, keep the (in-process, server, lockstep) results of the round whose tok/s
+    ratio is the median of all rounds; every round's ratio is kept in
+    ``res["round_ratios"]``."""
+    res["inprocess"], res["server"], res["lockstep"], res["round_ratios"] = {}, {}, {}, {}
     for c in levels:
-        ratios = [srv[c]["summary"]["tok_s"] / inp[c]["summary"]["tok_s"] for inp, srv in rounds]
+        ratios = [srv[c]["summary"]["tok_s"] / inp[c]["summary"]["tok_s"]
+                  for inp, srv, _ in rounds]  # fmt: skip
         order = sorted(range(len(rounds)), key=ratios.__getitem__)
         mid = order[(len(order) - 1) // 2]
         res["inprocess"][c], res["server"][c] = rounds[mid][0][c], rounds[mid][1][c]
+        if c in rounds[mid][2]:
+            res["lockstep"][c] = rounds[mid][2][c]
         res["round_ratios"][c] = [round(100 * r, 1) for r in ratios]
 
 
@@ -443,6 +473,11 @@ def main() -> int:
     )
     ap.add_argument("--kv-transfer", default="auto", choices=["auto", "nixl", "redis"],
                     help="disagg KV transfer backend for --start-server")  # fmt: skip
+    ap.add_argument(
+        "--stagger-ms", type=float, default=16.0,
+        help="start a level's first c requests this far apart, on both sides (0: all at "
+        "once; in-process they then stay in lockstep, every prefill in one step)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--rounds", type=int, default=3,
@@ -482,13 +517,13 @@ def main() -> int:
     pin = args.pin_engine and ncpu >= 2
     res["pinned"] = pin
     everything = tuple(os.sched_getaffinity(0))
-    rounds: list[tuple[dict, dict]] = []  # (in-process, server) results per round
+    rounds: list[tuple[dict, dict, dict]] = []  # (in-process, server, lockstep) per round
 
-    def inprocess_level(c: int) -> dict:
+    def inprocess_level(c: int, stagger_ms: float) -> dict:
         if pin:  # same core the server's engine gets
             os.sched_setaffinity(0, engine_cpu)
         try:
-            return _inprocess_levels(model_dir, [c], prompts, args)
+            return _inprocess_levels(model_dir, [c], prompts, args, stagger_ms)
         finally:
             if pin:  # the client shares the front-end cores, never the engine's
                 os.sched_setaffinity(0, others)
@@ -497,13 +532,16 @@ def main() -> int:
         for r in range(args.rounds):
             inp: dict = {}
             srv: dict = {}
+            lock: dict = {}
             for c in levels:
                 print(f"round {r + 1}/{args.rounds}, c={c}: in-process, then server",
                       file=sys.stderr)  # fmt: skip
-                inp.update(inprocess_level(c))
+                inp.update(inprocess_level(c, args.stagger_ms))
                 res["model"], got = asyncio.run(_server_levels(url, [c], prompts, args, pids))
                 srv.update(got)
-            rounds.append((inp, srv))
+                if c > 1 and args.stagger_ms > 0:  # the reference: all started at once
+                    lock.update(inprocess_level(c, 0.0))
+            rounds.append((inp, srv, lock))
 
     if args.start_server:
         log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
