@@ -47,7 +47,7 @@ def configure(settings: Settings | None = None, extra_queues: list[str] = ()) ->
         broker_url=s.effective_redis_url,
         # kombu's Redis transport, minus a new redis client per message (tasks.broker)
         broker_transport="tasks.broker:Transport"
-        if s.effective_redis_url.split("://", 1)[0] in ("redis", "rediss")
+        if s.effective_redis_url.startswith("redis://")
         else None,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},

@@ -7,8 +7,8 @@ callbacks each time: ~0.1 ms of CPU per call, several calls per request on both 
 profile of a worker at 4 concurrent streams put 17% of its CPU there. The client only wraps
 the channel's connection pool, which is thread-safe, so one per channel serves them all.
 
-Used for ``redis://`` and ``rediss://`` brokers (``tasks.app.configure``); other schemes
-(``sentinel://``) keep kombu's own transport.
+Used for ``redis://`` brokers (``tasks.app.configure``); other schemes (``rediss://``,
+whose TLS set-up kombu keys on the scheme, and ``sentinel://``) keep kombu's own transport.
 """
 
 from __future__ import annotations
