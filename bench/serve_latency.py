@@ -200,7 +200,9 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
     from workers.sampling import SamplingParams
 
     torch.set_num_threads(args.torch_threads)
-    engine = Engine.from_model_dir(model_dir, EngineConfig())
+    # the server's scheduling setting, so both sides run the same engine
+    delay = float(os.environ.get("CONVEYOR_SCHEDULER_DELAY_FACTOR") or 0)
+    engine = Engine.from_model_dir(model_dir, EngineConfig(scheduler_delay_factor=delay))
     events: dict[str, list[tuple[float, str, bool]]] = {}
     done: queue.Queue[RequestOutput] = queue.Queue()
 

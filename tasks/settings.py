@@ -127,6 +127,12 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(
         None, description="Context window; default: the model's max_position_embeddings."
     )
+    scheduler_delay_factor: float = Field(
+        0.0,
+        ge=0.0,
+        description="While sequences decode, a new prompt waits this many times the last "
+        "prefill step's duration (vLLM's scheduler_delay_factor); 0: admitted at once.",
+    )
     kv_transfer: Literal["auto", "nixl", "redis"] = Field(
         "auto", description="How prefill KV reaches decode workers (auto: NIXL, else Redis)."
     )

@@ -82,6 +82,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     namespace: str = ""  # folded into block hashes (model id); same on every worker
     record_kv_events: bool = True  # queue stored/removed events for the router's index
+    # while sequences decode, a new prompt waits until this many times the last prefill
+    # step's duration has passed since it arrived (vLLM's scheduler_delay_factor): prompts
+    # arriving close together share a step, and fewer decode steps stall on one. 0: at once
+    scheduler_delay_factor: float = 0.0
 
 
 @dataclass(slots=True)
@@ -95,6 +99,7 @@ class _Seq:
     output_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
+    arrival: float = field(default_factory=time.monotonic)
 
     @property
     def id(self) -> str:
@@ -140,6 +145,7 @@ class EngineCore:
         self.num_preemptions = 0
         self.num_steps = 0
         self.stalled = False  # work waits but nothing fits (blocks pinned or reserved)
+        self.last_prefill_s = 0.0  # duration of the last step that ran a prompt chunk
 
     # --- what a subclass provides ---------------------------------------------------------
     def _make_generator(self, params: SamplingParams) -> object | None:
@@ -251,7 +257,10 @@ class EngineCore:
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
+        t0 = time.monotonic()
         tokens = self._forward(batch, sampled)
+        if any(n > 1 for _, n in scheduled):
+            self.last_prefill_s = time.monotonic() - t0
         for seq, _, end in batch:
             seq.num_computed = end
             self.kv_manager.cache_blocks(seq.id, seq.token_ids, end)
@@ -302,7 +311,7 @@ class EngineCore:
                 i += 1
                 continue
             break  # seq itself was preempted: it was the last running one
-        if preempted:
+        if preempted or not self._admit_now():
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -325,6 +334,14 @@ class EngineCore:
             scheduled.append((seq, n))
             budget -= n
         return scheduled
+
+    def _admit_now(self) -> bool:
+        """Whether waiting prompts may start this step (see ``scheduler_delay_factor``)."""
+        factor = self.config.scheduler_delay_factor
+        if factor <= 0 or not self.running or not self.waiting:
+            return True
+        oldest = min(seq.arrival for seq in self.waiting)
+        return time.monotonic() - oldest >= factor * self.last_prefill_s
 
     def _preempt(self, seq: _Seq) -> None:
         self.kv_manager.free(seq.id)

@@ -345,3 +345,30 @@ def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:
         assert warm.kv_manager.pool.num_used == 0
         cold_branch, _ = run(cold, "cb", prompt[:40] + [9, 9, 9], sp)
         assert branch == cold_branch
+
+
+def test_scheduler_delay_holds_prompts_while_others_decode(make_engine) -> None:
+    """scheduler_delay_factor: a prompt arriving while another sequence decodes waits
+    (factor x the last prefill step) and then runs to the same greedy tokens; with nothing
+    decoding it starts at once."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ref = _run(_add(make_engine(), "b", _prompt(20, seed=2), params))["b"]
+
+    engine = make_engine(scheduler_delay_factor=1e6)  # the wait never passes by itself
+    _add(engine, "a", _prompt(20, seed=1), params)
+    engine.step()  # nothing decodes yet: "a" is admitted and prefilled at once
+    assert [s.id for s in engine.running] == ["a"] and engine.last_prefill_s > 0
+    _add(engine, "b", _prompt(20, seed=2), params)
+    for _ in range(3):
+        outs = engine.step()
+        assert [o.request_id for o in outs] == ["a"]  # "a" decodes; "b" waits
+    assert [s.id for s in engine.waiting] == ["b"]
+    engine.config.scheduler_delay_factor = 0.0  # the delay passed
+    outs = _run(engine)
+    assert _toks(outs["b"]) == _toks(ref)
+    assert not engine.waiting
+
+
+def _add(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> Engine:
+    assert engine.add_request(EngineRequest(rid, prompt, params)) is None
+    return engine
