@@ -28,13 +28,13 @@ def route_to(name: str) -> dict:
     return {"exchange": name, "routing_key": name}
 
 
-def declare_queues(names: list[str], max_retries: int | None = None) -> None:
-    """Make sure queues (and their bindings) exist in the broker. ``max_retries`` makes
-    the connection attempts few and quick (by default they back off for seconds)."""
+def declare_queues(names: list[str], retry_policy: dict | None = None) -> None:
+    """Make sure queues (and their bindings) exist in the broker. ``retry_policy`` (the
+    keys of Celery's publish retry policy: max_retries, interval_start/step/max) bounds
+    the connection attempts; by default they back off for seconds."""
     with app.connection_for_write() as conn:
-        if max_retries is not None:
-            conn.ensure_connection(max_retries=max_retries, interval_start=0,
-                                   interval_step=0.05, interval_max=0.05)  # fmt: skip
+        if retry_policy is not None:
+            conn.ensure_connection(**retry_policy)
         channel = conn.default_channel
         for name in names:
             queue(name)(channel).declare()
