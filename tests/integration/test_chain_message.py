@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from tasks.app import declare_queues
+from api.errors import OpenAIError
+from api.metrics import ApiMetrics
+from api.runner import Runner
+from tasks.app import app, declare_queues
+from tasks.broker import Channel
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route
-from tests.integration.conftest import celery_at, redis_db
+from tasks.settings import Settings
+from tests.integration.conftest import celery_at, free_port, redis_db
 
 
 @pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
@@ -49,16 +56,6 @@ def test_the_message_carries_the_payload_and_a_short_argsrepr(
 def test_a_broker_that_is_gone_fails_the_send_fast_with_503(redis_url: str) -> None:
     """The API sends on its event loop: a dead broker must give a clear 503 quickly, not a
     500 or a loop stalled on Celery's default publish retries."""
-    import time
-
-    import redis.asyncio as aioredis
-
-    from api.errors import OpenAIError
-    from api.metrics import ApiMetrics
-    from api.runner import Runner
-    from tasks.settings import Settings
-    from tests.integration.conftest import free_port
-
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     celery_at(dead)
     try:
@@ -83,9 +80,6 @@ def test_a_broker_that_is_gone_fails_the_send_fast_with_503(redis_url: str) -> N
 def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:
     """tasks.broker: publishes and acks reuse the channel's client (kombu's own transport
     builds a new one per call); messages still land, and a closed channel lets it go."""
-    from tasks.app import app
-    from tasks.broker import Channel
-
     url = redis_db(redis_url, 13)
     celery_at(url)
     with app.connection_for_write() as conn:

@@ -61,9 +61,13 @@ def _text(outs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outs)
 
 
+def _add(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> Engine:
+    assert engine.add_request(EngineRequest(rid, prompt, params)) is None
+    return engine
+
+
 def _one(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
-    assert engine.add_request(EngineRequest("r", prompt, params)) is None
-    outs = _run(engine)["r"]
+    outs = _run(_add(engine, "r", prompt, params))["r"]
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     return outs
 
@@ -367,8 +371,3 @@ def test_scheduler_delay_holds_prompts_while_others_decode(make_engine) -> None:
     outs = _run(engine)
     assert _toks(outs["b"]) == _toks(ref)
     assert not engine.waiting
-
-
-def _add(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> Engine:
-    assert engine.add_request(EngineRequest(rid, prompt, params)) is None
-    return engine
