@@ -63,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            await state["runner"].aclose()
             await hub.close()
             await client.aclose()
 

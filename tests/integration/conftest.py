@@ -81,32 +81,23 @@ def wait_for(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:  
     raise TimeoutError(f"timed out waiting for {what}\n{tails}")
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def start_redis(d: Path, *extra: str, auth: str = "") -> tuple[Proc, str]:
+    """A ``redis-server`` on a free loopback port, no persistence, files in ``d``; ``extra``
+    are more of its arguments, ``auth`` the ``user:password@`` part of the URL to use."""
     exe = redis_server_binary()
     assert exe, "integration tests need redis-server (make test installs it)"
     port = free_port()
-    d = tmp_path_factory.mktemp("redis")
-    p = spawn(
-        "redis",
-        [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(d),
-        ],
-        dict(os.environ),
-        d,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(d), *extra]  # fmt: skip
+    p = spawn("redis", argv, dict(os.environ), d)
+    url = f"redis://{auth}127.0.0.1:{port}/0"
     wait_for(lambda: redis.Redis.from_url(url).ping(), 10, "redis-server", [p])
+    return p, url
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    p, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     p.stop()
 

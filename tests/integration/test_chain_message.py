@@ -3,9 +3,11 @@ and an argument summary for events, Flower and logs instead of a repr of every t
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,12 +17,12 @@ from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.runner import Runner
 from tasks.app import app, declare_queues
-from tasks.broker import Channel
+from tasks.broker import Channel, deferred_publishes
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route
 from tasks.settings import Settings
-from tests.integration.conftest import celery_at, free_port, redis_db
+from tests.integration.conftest import celery_at, free_port, redis_db, start_redis
 
 
 @pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
@@ -53,28 +55,118 @@ def test_the_message_carries_the_payload_and_a_short_argsrepr(
     r.flushdb()
 
 
+def _gone_plan() -> tuple[Plan, GeneratePayload]:
+    plan = Plan(steps=[("generate", Route("generate", "w-gone", {}))])
+    payload = GeneratePayload(request_id="cmpl-gone", model="m", prompt_token_ids=[1, 2],
+                              sampling={}, created=0.0)  # fmt: skip
+    return plan, payload
+
+
+async def _send_fails_fast(runner: Runner, plan: Plan, payload: GeneratePayload) -> None:
+    t = time.perf_counter()
+    with pytest.raises(OpenAIError) as info:
+        await runner._send(plan, payload)
+    took = time.perf_counter() - t
+    assert info.value.status == 503 and info.value.code == "broker_unavailable"
+    assert took < 1.0, f"the send held the caller {took:.2f}s"
+
+
 def test_a_broker_that_is_gone_fails_the_send_fast_with_503(redis_url: str) -> None:
-    """The API sends on its event loop: a dead broker must give a clear 503 quickly, not a
-    500 or a loop stalled on Celery's default publish retries."""
+    """A dead broker must give a clear 503 quickly, not a 500 or a request (or the event
+    loop, for the part of a send that is synchronous) held by default publish retries."""
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     celery_at(dead)
-    try:
+
+    async def main() -> None:
         client = aioredis.Redis.from_url(dead)  # never used: the router is not asked
         runner = Runner(Settings(redis_url=dead), client, None, ApiMetrics())  # type: ignore[arg-type]
-        plan = Plan(steps=[("generate", Route("generate", "w-gone", {}))])
-        payload = GeneratePayload(request_id="cmpl-gone", model="m", prompt_token_ids=[1, 2],
-                                  sampling={}, created=0.0)  # fmt: skip
-        for declared in (False, True):  # the queue declared before, or declared now
-            if declared:
-                runner._declared.add(plan.routes[0].queue)
-            t = time.perf_counter()
-            with pytest.raises(OpenAIError) as info:
-                runner._send(plan, payload)
-            took = time.perf_counter() - t
-            assert info.value.status == 503 and info.value.code == "broker_unavailable"
-            assert took < 1.0, f"the send held the caller {took:.2f}s"
+        plan, payload = _gone_plan()
+        try:
+            await _send_fails_fast(runner, plan, payload)  # the queue declared now
+            runner._declared.add(plan.routes[0].queue)
+            await _send_fails_fast(runner, plan, payload)  # declared before
+        finally:
+            await runner.aclose()
+
+    try:
+        asyncio.run(main())
     finally:
         celery_at(redis_url)
+
+
+def test_a_broker_that_dies_after_connecting_fails_the_send_fast_with_503(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Once Celery's producer is connected, the send's Redis writes go through the API's
+    asyncio client: a broker gone by then gives the same quick 503."""
+    proc, url = start_redis(tmp_path)
+    celery_at(url)
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(url)
+        runner = Runner(Settings(redis_url=url), client, None, ApiMetrics())  # type: ignore[arg-type]
+        plan, payload = _gone_plan()
+        try:
+            await runner._send(plan, payload)  # alive: the message lands
+            assert redis.Redis.from_url(url).llen(plan.routes[0].queue) == 1
+            proc.stop()
+            await _send_fails_fast(runner, plan, payload)
+        finally:
+            await runner.aclose()
+            await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.stop()
+        celery_at(redis_url)
+
+
+@pytest.mark.parametrize("transport", ["tasks.broker:Transport", "redis"])
+def test_deferred_publishes_record_the_writes_and_send_nothing(
+    redis_url: str, transport: str
+) -> None:
+    """tasks.broker.deferred_publishes: inside the block a chain's send reaches Redis not
+    at all, and the recorded writes, sent later, put the same message on the queue and
+    the task-sent event on its channel. Kombu's own transport (for rediss://, sentinel://)
+    ignores the block and sends at once."""
+    url = redis_db(redis_url, 12)
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    celery_at(url)
+    app.conf.broker_transport = transport
+    try:
+        plan = Plan(steps=[("generate", Route("generate", "w-deferred", {}))])
+        q = plan.routes[0].queue
+        declare_queues([q])
+        payload = GeneratePayload(request_id="cmpl-deferred", model="m",
+                                  prompt_token_ids=[7, 8, 9], sampling={}, created=0.0)  # fmt: skip
+        events = r.pubsub()
+        events.psubscribe("*celeryev*")
+        assert events.get_message(timeout=1)["type"] == "psubscribe"
+        with deferred_publishes() as writes:
+            build_chain(plan, payload).apply_async()
+        if transport == "redis":
+            assert writes == [] and r.llen(q) == 1
+        else:
+            assert [w[0] for w in writes] == ["LPUSH", "PUBLISH"]
+            assert writes[0][1] == q
+            assert r.llen(q) == 0  # nothing sent yet
+            pipe = r.pipeline(transaction=False)
+            for w in writes:
+                pipe.execute_command(*w)
+            pipe.execute()
+        msg = json.loads(r.lpop(q))
+        assert msg["headers"]["id"] == "cmpl-deferred"
+        assert json.loads(base64.b64decode(msg["body"]))[0][0]["prompt_token_ids"] == [7, 8, 9]
+        event = events.get_message(timeout=2)
+        assert event is not None and event["channel"].endswith(b"task.sent")
+        body = json.loads(base64.b64decode(json.loads(event["data"])["body"]))
+        assert body["type"] == "task-sent" and body["uuid"] == "cmpl-deferred"
+        events.close()
+    finally:
+        celery_at(redis_url)
+        r.flushdb()
 
 
 def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:

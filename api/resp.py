@@ -1,0 +1,158 @@
+"""A lean asyncio Redis connection for the API's hot path: commands leave at once.
+
+redis-py's asyncio client yields to the event loop before it writes a command (its
+connection pool's checks), so a command sent from a busy loop waits behind every callback
+already queued: at 16 concurrent streams, the LPUSH of a new request reached Redis ~8 ms
+later than a blocking send put it there, and TTFT and throughput fell. :meth:`send` writes
+the commands to the socket before it returns and hands back a future for their replies,
+matched in order (Redis answers a connection's commands in the order they came), parsed by
+hiredis. One connection serves every caller; it connects on first use and again after a
+drop.
+
+Only ``redis://`` URLs (host, port, user, password, db), the scheme the API's deferred
+Celery sends are made for (see :mod:`tasks.broker`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+import hiredis
+from redis.asyncio.connection import parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+Command = tuple[Any, ...]
+
+
+def encode(commands: tuple[Command, ...] | list[Command]) -> bytes:
+    """RESP arrays of bulk strings, one per command."""
+    out: list[bytes] = []
+    for command in commands:
+        out.append(b"*%d\r\n" % len(command))
+        for arg in command:
+            if isinstance(arg, str):
+                arg = arg.encode()
+            elif isinstance(arg, int | float):
+                arg = repr(arg).encode()
+            out.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
+    return b"".join(out)
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, conn: RespConnection) -> None:
+        self.conn = conn
+        self.reader = hiredis.Reader()
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while (reply := self.reader.gets()) is not False:
+            self.conn._reply(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn._lost(self, exc)
+
+
+class RespConnection:
+    def __init__(self, url: str, connect_timeout: float = 5.0) -> None:
+        if not url.startswith("redis://"):
+            raise ValueError(f"RespConnection takes redis:// URLs, not {url!r}")
+        kw = parse_url(url)
+        self._host = kw.get("host", "localhost")
+        self._port = int(kw.get("port", 6379))
+        self._setup: list[Command] = []  # AUTH and SELECT, answered before anything else
+        if kw.get("password") is not None:
+            user = kw.get("username")
+            self._setup.append(("AUTH", user, kw["password"]) if user else ("AUTH", kw["password"]))
+        if kw.get("db"):
+            self._setup.append(("SELECT", int(kw["db"])))
+        self._connect_timeout = connect_timeout
+        self._transport: asyncio.Transport | None = None
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        # per send: the future, how many replies it takes, and those seen so far
+        self._waiting: deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = deque()
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None
+
+    async def connect(self) -> None:
+        """Connect if not connected (callers that arrive together share one attempt)."""
+        if self._transport is not None:
+            return
+        if self._connecting is None:
+            self._connecting = asyncio.get_running_loop().create_task(self._connect())
+        task = self._connecting
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and self._connecting is task:
+                self._connecting = None
+
+    async def _connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, protocol = await asyncio.wait_for(
+                loop.create_connection(lambda: _Protocol(self), self._host, self._port),
+                self._connect_timeout,
+            )
+        except (OSError, TimeoutError) as e:
+            raise RedisConnectionError(f"cannot connect to {self._host}:{self._port}: {e}") from e
+        self._transport, self._protocol = transport, protocol  # type: ignore[assignment]
+        if self._setup:
+            try:
+                await asyncio.wait_for(self.send(*self._setup), self._connect_timeout)
+            except BaseException:
+                self.close()
+                raise
+
+    def send(self, *commands: Command) -> asyncio.Future[list[Any]]:
+        """Write ``commands`` now; the future gets their replies in order, or the first
+        error reply as :class:`redis.exceptions.ResponseError`. Raises
+        :class:`redis.exceptions.ConnectionError` when not connected (see :meth:`connect`)."""
+        if self._transport is None or self._transport.is_closing():
+            raise RedisConnectionError(f"not connected to {self._host}:{self._port}")
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((fut, len(commands), []))
+        self._transport.write(encode(commands))
+        return fut
+
+    async def execute(self, *commands: Command) -> list[Any]:
+        """:meth:`connect` if needed, then :meth:`send` and wait for the replies."""
+        if self._transport is None:
+            await self.connect()
+        return await self.send(*commands)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()  # connection_lost fails whatever still waits
+
+    def _reply(self, reply: Any) -> None:
+        fut, n, replies = self._waiting[0]
+        replies.append(reply)
+        if len(replies) < n:
+            return
+        self._waiting.popleft()
+        if fut.done():  # its caller gave up waiting (a timeout)
+            return
+        error = next((r for r in replies if isinstance(r, hiredis.ReplyError)), None)
+        if error is not None:
+            fut.set_exception(ResponseError(str(error)))
+        else:
+            fut.set_result(replies)
+
+    def _lost(self, protocol: _Protocol, exc: Exception | None) -> None:
+        if protocol is not self._protocol:
+            return
+        self._transport = self._protocol = None
+        waiting, self._waiting = self._waiting, deque()
+        for fut, _, _ in waiting:
+            if not fut.done():
+                fut.set_exception(
+                    RedisConnectionError(
+                        f"connection to {self._host}:{self._port} lost: {exc or 'closed'}"
+                    )
+                )
