@@ -7,16 +7,20 @@ later than a blocking send put it there, and TTFT and throughput fell. :meth:`se
 the commands to the socket before it returns and hands back a future for their replies,
 matched in order (Redis answers a connection's commands in the order they came), parsed by
 hiredis. One connection serves every caller; it connects on first use and again after a
-drop.
+drop. :class:`PubSubConnection` is the same connection in subscriber mode: every message
+Redis pushes is handed to a callback as it is parsed, with no task or queue of its own.
 
-Only ``redis://`` URLs (host, port, user, password, db), the scheme the API's deferred
-Celery sends are made for (see :mod:`tasks.broker`).
+URLs as redis-py reads them: ``redis://``, ``rediss://`` (TLS: ``ssl_cert_reqs``,
+``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` in the query) and ``unix://``, with
+user, password and db.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -41,6 +45,19 @@ def encode(commands: tuple[Command, ...] | list[Command]) -> bytes:
     return b"".join(out)
 
 
+def _ssl_context(kw: dict[str, Any]) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=kw.get("ssl_ca_certs"))
+    if kw.get("ssl_certfile"):
+        ctx.load_cert_chain(kw["ssl_certfile"], kw.get("ssl_keyfile"))
+    reqs = kw.get("ssl_cert_reqs", "required")
+    if reqs in ("none", ssl.CERT_NONE):
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif reqs in ("optional", ssl.CERT_OPTIONAL):
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+    return ctx
+
+
 class _Protocol(asyncio.Protocol):
     def __init__(self, conn: RespConnection) -> None:
         self.conn = conn
@@ -55,13 +72,17 @@ class _Protocol(asyncio.Protocol):
         self.conn._lost(self, exc)
 
 
+Push = list[Any]  # [b"message", channel, data], [b"pmessage", pattern, channel, data], ...
+
+
 class RespConnection:
     def __init__(self, url: str, connect_timeout: float = 5.0) -> None:
-        if not url.startswith("redis://"):
-            raise ValueError(f"RespConnection takes redis:// URLs, not {url!r}")
-        kw = parse_url(url)
+        kw = parse_url(url)  # ValueError for a scheme it does not know
+        self._path: str | None = kw.get("path")
         self._host = kw.get("host", "localhost")
         self._port = int(kw.get("port", 6379))
+        self._where = self._path or f"{self._host}:{self._port}"
+        self._ssl = _ssl_context(kw) if url.startswith("rediss://") else None
         self._setup: list[Command] = []  # AUTH and SELECT, answered before anything else
         if kw.get("password") is not None:
             user = kw.get("username")
@@ -94,13 +115,16 @@ class RespConnection:
 
     async def _connect(self) -> None:
         loop = asyncio.get_running_loop()
-        try:
-            transport, protocol = await asyncio.wait_for(
-                loop.create_connection(lambda: _Protocol(self), self._host, self._port),
-                self._connect_timeout,
+        if self._path is not None:
+            opening = loop.create_unix_connection(lambda: _Protocol(self), self._path)
+        else:
+            opening = loop.create_connection(
+                lambda: _Protocol(self), self._host, self._port, ssl=self._ssl
             )
+        try:
+            transport, protocol = await asyncio.wait_for(opening, self._connect_timeout)
         except (OSError, TimeoutError) as e:
-            raise RedisConnectionError(f"cannot connect to {self._host}:{self._port}: {e}") from e
+            raise RedisConnectionError(f"cannot connect to {self._where}: {e}") from e
         self._transport, self._protocol = transport, protocol  # type: ignore[assignment]
         if self._setup:
             try:
@@ -114,7 +138,7 @@ class RespConnection:
         error reply as :class:`redis.exceptions.ResponseError`. Raises
         :class:`redis.exceptions.ConnectionError` when not connected (see :meth:`connect`)."""
         if self._transport is None or self._transport.is_closing():
-            raise RedisConnectionError(f"not connected to {self._host}:{self._port}")
+            raise RedisConnectionError(f"not connected to {self._where}")
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         self._waiting.append((fut, len(commands), []))
         self._transport.write(encode(commands))
@@ -152,7 +176,43 @@ class RespConnection:
         for fut, _, _ in waiting:
             if not fut.done():
                 fut.set_exception(
-                    RedisConnectionError(
-                        f"connection to {self._host}:{self._port} lost: {exc or 'closed'}"
-                    )
+                    RedisConnectionError(f"connection to {self._where} lost: {exc or 'closed'}")
                 )
+        self.on_lost(exc)
+
+    def on_lost(self, exc: Exception | None) -> None:
+        """Called once the connection is gone (a subclass may reconnect)."""
+
+
+class PubSubConnection(RespConnection):
+    """A subscriber connection: once connected, whatever Redis sends (messages,
+    subscribe confirmations, PING's pong) goes to ``on_push`` as it is parsed, in the
+    order it came; ``on_lost`` hears of a drop (nothing resubscribes by itself)."""
+
+    def __init__(
+        self,
+        url: str,
+        on_push: Callable[[Push], None],
+        on_lost: Callable[[Exception | None], None] = lambda exc: None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        super().__init__(url, connect_timeout)
+        self._on_push = on_push
+        self._on_lost = on_lost
+
+    def write(self, *commands: Command) -> None:
+        """Write ``commands`` now (SUBSCRIBE, PSUBSCRIBE, UNSUBSCRIBE, PING: their answers
+        come as pushes). Raises :class:`redis.exceptions.ConnectionError` when not
+        connected."""
+        if self._transport is None or self._transport.is_closing():
+            raise RedisConnectionError(f"not connected to {self._where}")
+        self._transport.write(encode(commands))
+
+    def _reply(self, reply: Any) -> None:
+        if self._waiting:  # AUTH and SELECT while connecting
+            super()._reply(reply)
+        else:
+            self._on_push(reply)
+
+    def on_lost(self, exc: Exception | None) -> None:
+        self._on_lost(exc)

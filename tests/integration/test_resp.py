@@ -5,6 +5,7 @@ servers behave."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from api.resp import RespConnection, encode
-from tests.integration.conftest import redis_db, start_redis
+from tests.integration.conftest import free_port, redis_db, start_redis
 
 
 def test_encode_is_resp_arrays_of_bulk_strings() -> None:
@@ -96,6 +97,36 @@ def test_password_and_database_come_from_the_url(tmp_path: Path) -> None:
         proc.stop()
 
 
-def test_only_redis_urls() -> None:
+def test_unix_socket_and_tls_urls(tmp_path: Path) -> None:
+    """unix:// and rediss:// (a self-signed certificate: verified against it as the CA,
+    and not verified with ssl_cert_reqs=none), and a scheme redis-py does not know."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)  # fmt: skip
+    sock = tmp_path / "redis.sock"
+    tls_port = free_port()
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+           "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]  # fmt: skip
+    proc, url = start_redis(tmp_path, "--unixsocket", str(sock), *tls)
+    try:
+        urls = [f"unix://{sock}?db=3",
+                f"rediss://localhost:{tls_port}/3?ssl_ca_certs={cert}",
+                f"rediss://127.0.0.1:{tls_port}/3?ssl_cert_reqs=none"]  # fmt: skip
+
+        async def main() -> None:
+            for i, u in enumerate(urls):
+                conn = RespConnection(u)
+                assert await conn.execute(("RPUSH", "schemes", str(i))) == [i + 1], u
+                conn.close()
+            strict = RespConnection(f"rediss://127.0.0.1:{tls_port}/3")  # not a trusted CA
+            with pytest.raises(RedisConnectionError):
+                await strict.connect()
+
+        asyncio.run(main())
+        assert redis.Redis.from_url(url.rsplit("/", 1)[0] + "/3").llen("schemes") == 3
+    finally:
+        proc.stop()
     with pytest.raises(ValueError):
-        RespConnection("rediss://127.0.0.1:6379/0")
+        RespConnection("http://127.0.0.1:6379/0")

@@ -33,10 +33,11 @@ async def _until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped
         await asyncio.sleep(0.01)
 
 
-def _run(redis_url: str, body) -> None:  # type: ignore[no-untyped-def]
+def _run(redis_url: str, body, **hub_kw) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
-        client = aioredis.Redis.from_url(redis_db(redis_url, 10))
-        hub = StreamHub(client)
+        url = redis_db(redis_url, 10)
+        client = aioredis.Redis.from_url(url)
+        hub = StreamHub(url, **hub_kw)
         await hub.start()
         try:
             await body(client, hub)
@@ -138,3 +139,52 @@ def test_a_stream_that_fell_behind_catches_up_in_one_batch(redis_url: str) -> No
             await anext(batches)
 
     _run(redis_url, body)
+
+
+async def _both_subscribed(client: aioredis.Redis, hub: StreamHub, foreign: str) -> None:
+    end = time.monotonic() + 5
+    while await client.pubsub_numpat() < 1 or await client.pubsub_numsub(foreign) != [
+        (foreign.encode(), 1)
+    ]:
+        assert time.monotonic() < end, "not subscribed again"
+        await asyncio.sleep(0.01)
+
+
+async def _frames_flow(client: aioredis.Redis, subs: list, channels: list[str], seq: int) -> None:
+    for sub, channel in zip(subs, channels, strict=True):
+        await client.publish(channel, _frame(seq, f"after-{seq}"))
+        assert (await sub.next_frame(5.0))["text"] == f"after-{seq}"
+
+
+def test_the_hub_reconnects_and_resubscribes_after_a_drop(redis_url: str) -> None:
+    """Redis closes the hub's connection: it is reopened, the pattern and the foreign
+    channel subscribed again, and frames flow to the same subscriptions."""
+
+    async def body(client: aioredis.Redis, hub: StreamHub) -> None:
+        own = tokens_channel(hub.new_request_id("cmpl"))
+        foreign = tokens_channel("made-elsewhere-2")
+        subs = [await hub.subscribe(own), await hub.subscribe(foreign)]
+        await _frames_flow(client, subs, [own, foreign], 0)
+        assert await client.client_kill_filter(_type="pubsub") >= 1
+        await _until(lambda: hub.reconnects >= 1)
+        await _both_subscribed(client, hub, foreign)
+        await _frames_flow(client, subs, [own, foreign], 1)
+
+    _run(redis_url, body)
+
+
+def test_a_connection_gone_silent_is_reopened_by_the_health_check(redis_url: str) -> None:
+    """Nothing comes back (Redis paused, as a dead peer would look): after three missed
+    PINGs the hub reconnects on its own, and streams go on."""
+
+    async def body(client: aioredis.Redis, hub: StreamHub) -> None:
+        own = tokens_channel(hub.new_request_id("cmpl"))
+        foreign = tokens_channel("made-elsewhere-3")
+        subs = [await hub.subscribe(own), await hub.subscribe(foreign)]
+        await client.execute_command("CLIENT", "PAUSE", 800, "ALL")
+        await _until(lambda: hub.reconnects >= 1, timeout=3.0)
+        await asyncio.sleep(0.9)  # the pause is over
+        await _both_subscribed(client, hub, foreign)
+        await _frames_flow(client, subs, [own, foreign], 0)
+
+    _run(redis_url, body, health_s=0.1)
