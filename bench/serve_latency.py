@@ -5,31 +5,39 @@
 
 For each concurrency level (``--concurrency 1,4,16``) it keeps exactly c requests in flight
 until ``--requests-per-level`` (default max(32, 16c): seconds of steady load per level, so
-the noise of a shared machine averages out) have finished, first through an
-``EngineLoop`` in this process, then through the server (streaming ``/v1/completions`` over
-SSE) with the same model, prompts (token ids), pattern, temperature 0 and ``ignore_eos`` so
-every request makes exactly ``--output-len`` tokens. The two never run at the same time:
-they would fight over the same cores. Each level runs in-process and then through the
-server, back to back (this machine's speed drifts over tens of seconds: the two sides of
-one comparison should share a moment), and the levels repeat for ``--rounds`` rounds
-(default 3); per level the round with the median server/in-process tok/s ratio is
-reported, with every round's ratio beside it.
-A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real
-clients' would arrive. Started together, in-process requests of one length finish together
-and come back together for ever: every prefill shares one step and the decode steps in
-between never carry one. The server never sees that lockstep (its HTTP hops spread
-arrivals out; a quarter of its steps carry a prefill at c=16), so the two sides would
-differ by schedule, not by pipeline. The lockstep in-process run is still made and printed
-as a reference (its ITL and tok/s are the engine's best case, its TTFT the worst).
-``--start-server`` runs its own redis-server, one ``conveyor worker --pool generate`` and
-``conveyor api`` (logs in a temp dir), and stops them at the end, Ctrl-C included.
+the noise of a shared machine averages out) have finished, first through an ``EngineLoop``
+in this process, then through the server (streaming ``/v1/completions`` over SSE) with the
+same model, prompts (token ids), pattern, temperature 0 and ``ignore_eos`` so every request
+makes exactly the tokens it asks for. Those are ``--output-len`` (64) spread by
+``--output-spread`` (0.5: from 32 to 96, drawn once from ``--seed``, the same list on both
+sides), as real requests' lengths differ. With one length for all, requests that once
+finish in the same engine step come back in the same step for ever: in-process, where
+nothing jitters, they drift into that lockstep (every prefill in a shared step, the decode
+steps between carrying none) and its ITL swung from 4.2 to 6.4 ms at c=16 from run to run,
+while the server's HTTP and Celery hops keep its requests apart (6.1 ms). The two never run
+at the same time: they would fight over the same cores. Each level runs in-process and then
+through the server, back to back (this machine's speed drifts over tens of seconds: the two
+sides of one comparison should share a moment), and the levels repeat for ``--rounds``
+rounds (default 3); per level the round with the median server/in-process tok/s ratio is
+reported, with every round's ratio beside it. A level's first c requests start
+``--stagger-ms`` (16) apart on both sides, as real clients' would arrive. Started together,
+in-process requests of one length finish together and come back together for ever: every
+prefill shares one step and the decode steps in between never carry one. The server never
+sees that lockstep (its HTTP hops spread arrivals out; a quarter of its steps carry a
+prefill at c=16), so the two sides would differ by schedule, not by pipeline. The lockstep
+in-process run (one length for all, started together) is still made and printed as a
+reference (its ITL and tok/s are the engine's best case, its TTFT the worst), against a
+server run of the same one length. ``--start-server`` runs its own redis-server, one
+``conveyor worker --pool generate`` and ``conveyor api`` (logs in a temp dir), and stops
+them at the end, Ctrl-C included.
 
 Timing is the same on both sides. An *event* is a server chunk carrying a choice or an
 engine output. TTFT = submit -> first event with text (or the finishing one); ITL = gaps
-between consecutive events with non-empty text. The API sends no chunk for a token whose
-text is empty (it ended inside a UTF-8 character), so the in-process side drops those too.
-Output tok/s = completion tokens / wall time of the level. ``--json PATH`` writes raw data.
-"""
+between consecutive events with non-empty text; TPOT = (last event - first event) / (tokens
+- 1) per request, which merged chunks do not change. The API sends no chunk for a token
+whose text is empty (it ended inside a UTF-8 character), so the in-process side drops those
+too. Output tok/s = completion tokens / wall time of the level. ``--json PATH`` writes raw
+data."""
 
 from __future__ import annotations
 
@@ -76,14 +84,19 @@ def pct(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def request_record(t0: float, events: list[tuple[float, str, bool]], tokens: int) -> dict:
-    """events: (time, text, finished) per chunk / output, in arrival order."""
+def request_record(t0: float, events: list[tuple[float, str, bool]], tokens: int,
+                   asked: int) -> dict:  # fmt: skip
+    """events: (time, text, finished) per chunk / output, in arrival order; ``asked``: the
+    request's max_tokens (with ignore_eos, what it must make)."""
     visible = [t for t, text, fin in events if text or fin]
     text_times = [t for t, text, _ in events if text]
-    return dict(ttft_ms=(visible[0] - t0) * 1e3 if visible else float("nan"),
-                e2e_ms=(events[-1][0] - t0) * 1e3 if events else float("nan"),
+    ttft = (visible[0] - t0) * 1e3 if visible else float("nan")
+    e2e = (events[-1][0] - t0) * 1e3 if events else float("nan")
+    return dict(ttft_ms=ttft, e2e_ms=e2e,
+                tpot_ms=(e2e - ttft) / (tokens - 1) if tokens > 1 else float("nan"),
                 itl_ms=[(b - a) * 1e3 for a, b in zip(text_times, text_times[1:], strict=False)],
-                tokens=tokens, events=len(events), text_events=len(text_times))  # fmt: skip
+                tokens=tokens, asked=asked, events=len(events),
+                text_events=len(text_times))  # fmt: skip
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
@@ -94,6 +107,7 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     return dict(requests=len(records), wall_s=wall_s, completion_tokens=tokens,
                 ttft_p50=pct(ttft, 50), ttft_p99=pct(ttft, 99),
                 itl_p50=pct(itl, 50), itl_p99=pct(itl, 99),
+                tpot_p50=pct([r["tpot_ms"] for r in records if not math.isnan(r["tpot_ms"])], 50),
                 tok_s=tokens / wall_s if wall_s > 0 else float("nan"),
                 text_events_per_token=text_events / max(tokens, 1))  # fmt: skip
 
@@ -102,6 +116,12 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     """Distinct fixed token-id prompts (ids 0-4 are the special tokens: avoided)."""
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def output_lengths(n: int, length: int, spread: float, seed: int) -> list[int]:
+    """Per request, ``length`` x (1 + spread x u), u uniform in [-1, 1], at least 2."""
+    rng = random.Random(seed + 1)
+    return [max(2, round(length * (1 + spread * rng.uniform(-1, 1)))) for _ in range(n)]
 
 
 # --- Server side --------------------------------------------------------------------
@@ -119,7 +139,7 @@ async def _one_http(
         if obj.get("choices"):
             ch = obj["choices"][0]
             events.append((now, ch.get("text") or "", ch.get("finish_reason") is not None))
-    return request_record(t0, events, tokens)
+    return request_record(t0, events, tokens, out_len)
 
 
 def _cpu_stats(pid: int) -> dict[str, tuple[float, float]]:
@@ -170,17 +190,18 @@ async def _server_levels(
     async with session(url, max(levels) + 4, 300.0) as client:
         async with client.get("/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
-        for p in prompts["warmup"]:
-            await _one_http(client, model, p, args.output_len)
+        for p, n in prompts["warmup"]:
+            await _one_http(client, model, p, n)
         results = {}
         for c in levels:
             sem = asyncio.Semaphore(c)
 
-            async def run(i: int, p: list[int], sem: asyncio.Semaphore = sem, c: int = c) -> dict:
+            async def run(i: int, job: tuple[list[int], int], sem: asyncio.Semaphore = sem,
+                          c: int = c) -> dict:  # fmt: skip
                 async with sem:
                     if i < c:  # the first wave starts staggered (see the module doc)
                         await asyncio.sleep(i * args.stagger_ms / 1e3)
-                    return await _one_http(client, model, p, args.output_len)
+                    return await _one_http(client, model, *job)
 
             cpu0, t = {k: _cpu_stats(pid) for k, pid in pids.items()}, time.perf_counter()
             recs = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts[c])))
@@ -214,10 +235,10 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
                 done.put(o)
 
     loop = EngineLoop(engine, sink).start()
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
-    def run_level(batch: list[list[int]], c: int) -> tuple[list[dict], float]:
+    def run_level(batch: list[tuple[list[int], int]], c: int) -> tuple[list[dict], float]:
         starts: dict[str, float] = {}
+        asked: dict[str, int] = {}
         pending = list(batch)
         finished: list[RequestOutput] = []
         lock = threading.Lock()  # the first wave's timers submit from their own threads
@@ -227,7 +248,8 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
             with lock:
                 events[rid] = []
                 starts[rid] = time.perf_counter()
-                prompt = pending.pop(0)
+                prompt, asked[rid] = pending.pop(0)
+            params = SamplingParams(max_tokens=asked[rid], temperature=0.0, ignore_eos=True)
             loop.submit(EngineRequest(rid, prompt, params))
 
         t = time.perf_counter()
@@ -242,9 +264,10 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
                 submit()
         wall = time.perf_counter() - t
         recs = [
-            request_record(starts[o.request_id], events.pop(o.request_id), o.num_output_tokens)
+            request_record(starts[o.request_id], events.pop(o.request_id), o.num_output_tokens,
+                           asked[o.request_id])
             for o in finished
-        ]
+        ]  # fmt: skip
         return recs, wall
 
     try:
@@ -353,16 +376,18 @@ def _mark(ok: bool) -> str:
 def report(res: dict, levels: list[int]) -> None:
     srv, inp, tg = res["server"], res["inprocess"], TARGETS
     lo, hi = levels[0], levels[-1]
+    spread = res.get("output_spread", 0)
+    lens = f"{res['output_len']}" + (f" +-{100 * spread:.0f}%" if spread else "")
     print(f"\nConveyor serve latency  mode={res['mode']}  model={res['model']}  prompt="
-          f"{res['prompt_len']} output={res['output_len']} tokens  (ms)")  # fmt: skip
+          f"{res['prompt_len']} output={lens} tokens  (ms)")  # fmt: skip
     print(f"{'c':>4} {'side':<11}{'req':>5}{'TTFT p50':>10}{'TTFT p99':>10}"
-          f"{'ITL p50':>9}{'ITL p99':>9}{'tok/s':>9}")  # fmt: skip
+          f"{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}{'tok/s':>9}")  # fmt: skip
     for c in levels:
         for name, side in (("server", srv), ("in-process", inp)):
             s = side[c]["summary"]
             print(f"{c:>4} {name:<11}{s['requests']:>5}{s['ttft_p50']:>10.2f}"
                   f"{s['ttft_p99']:>10.2f}{s['itl_p50']:>9.2f}{s['itl_p99']:>9.2f}"
-                  f"{s['tok_s']:>9.1f}")  # fmt: skip
+                  f"{s['tpot_p50']:>10.2f}{s['tok_s']:>9.1f}")  # fmt: skip
     print(f"\nOverhead per level (server - in-process); targets: TTFT p50 <= {tg['ttft']:g} "
           f"ms, ITL p50 <= {tg['itl']:g} ms, tok/s at c={hi} >= {tg['tput']:g}%")  # fmt: skip
     print(f"{'c':>4}{'TTFT p50 +ms':>17}{'ITL p50 +ms':>17}{'server/in-process tok/s':>29}")
@@ -378,14 +403,16 @@ def report(res: dict, levels: list[int]) -> None:
               + "; ".join(f"c={c}: " + ", ".join(f"{x:.1f}" for x in res["round_ratios"][c])
                           for c in levels))  # fmt: skip
     lock = res.get("lockstep") or {}
+    fixed_srv = res.get("server_fixed") or srv
     if lock:
-        print("\nFor reference, in-process with a level's first c requests started together "
-              "(--stagger-ms 0): they stay in\nlockstep, every prefill in one step "
-              "(best ITL and tok/s, worst TTFT); the server against that:")  # fmt: skip
+        print(f"\nFor reference, in-process with every request {res['output_len']} tokens and "
+              "a level's first c started together:\nthey stay in lockstep, every prefill in "
+              "one step (best ITL and tok/s, worst TTFT); the server (same\nlength, first "
+              "wave staggered) against that:")  # fmt: skip
         print(f"{'c':>4}{'TTFT p50':>10}{'ITL p50':>9}{'tok/s':>9}{'server TTFT':>14}"
               f"{'server ITL':>12}{'server tok/s':>14}")  # fmt: skip
         for c in sorted(lock):
-            s, k = srv[c]["summary"], lock[c]["summary"]
+            s, k = fixed_srv[c]["summary"], lock[c]["summary"]
             print(f"{c:>4}{k['ttft_p50']:>10.2f}{k['itl_p50']:>9.2f}{k['tok_s']:>9.1f}"
                   f"{s['ttft_p50'] - k['ttft_p50']:>+11.2f} ms{s['itl_p50'] - k['itl_p50']:>+9.2f}"
                   f" ms{100 * s['tok_s'] / k['tok_s']:>12.1f} %")  # fmt: skip
@@ -412,10 +439,10 @@ def report(res: dict, levels: list[int]) -> None:
         f"c={c}: {per_token(srv, c, 'engine'):.0f} / {per_token(inp, c, 'in-process'):.0f}"
         for c in levels))  # fmt: skip
     tev = inp[hi]["summary"]["text_events_per_token"]
-    short = sum(r["tokens"] != res["output_len"] for x in (srv, inp) for c in levels
+    short = sum(r["tokens"] != r["asked"] for x in (srv, inp) for c in levels
                 for r in x[c]["requests"])  # fmt: skip
     if short:
-        print(f"\nWARNING: {short} requests did not report exactly {res['output_len']} tokens")
+        print(f"\nWARNING: {short} requests did not make the tokens they asked for")
     if res["model"] != Path(res["model_dir"]).name:
         print(f"\nWARNING: the server serves {res['model']!r}; is it {res['model_dir']}?")
     if res.get("pinned"):
@@ -432,19 +459,22 @@ def report(res: dict, levels: list[int]) -> None:
           "no SSE chunk, so ITL spans them on both sides.")  # fmt: skip
 
 
-def pick_median_rounds(res: dict, rounds: list[tuple[dict, dict, dict]], levels: list[int]) -> None:
-    """Per level, keep the (in-process, server, lockstep) results of the round whose tok/s
-    ratio is the median of all rounds; every round's ratio is kept in
-    ``res["round_ratios"]``."""
-    res["inprocess"], res["server"], res["lockstep"], res["round_ratios"] = {}, {}, {}, {}
+def pick_median_rounds(res: dict, rounds: list[tuple[dict, dict, dict, dict]],
+                       levels: list[int]) -> None:  # fmt: skip
+    """Per level, keep the (in-process, server, lockstep, server at the lockstep's length)
+    results of the round whose tok/s ratio is the median of all rounds; every round's ratio
+    is kept in ``res["round_ratios"]``."""
+    keys = ("inprocess", "server", "lockstep", "server_fixed")
+    for k in (*keys, "round_ratios"):
+        res[k] = {}
     for c in levels:
         ratios = [srv[c]["summary"]["tok_s"] / inp[c]["summary"]["tok_s"]
-                  for inp, srv, _ in rounds]  # fmt: skip
+                  for inp, srv, _, _ in rounds]  # fmt: skip
         order = sorted(range(len(rounds)), key=ratios.__getitem__)
         mid = order[(len(order) - 1) // 2]
-        res["inprocess"][c], res["server"][c] = rounds[mid][0][c], rounds[mid][1][c]
-        if c in rounds[mid][2]:
-            res["lockstep"][c] = rounds[mid][2][c]
+        for k, side in zip(keys, rounds[mid], strict=True):
+            if c in side:
+                res[k][c] = side[c]
         res["round_ratios"][c] = [round(100 * r, 1) for r in ratios]
 
 
@@ -462,6 +492,10 @@ def main() -> int:
     ap.add_argument("--requests-per-level", type=int, help="default: max(32, 16*c)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-spread", type=float, default=0.5,
+                    help="each request's max_tokens is --output-len x (1 + spread x u), "
+                    "u uniform in [-1, 1] (same list on both sides); 0: all --output-len",
+                    )  # fmt: skip
     ap.add_argument("--torch-threads", type=int, default=1, help="as the worker's default")
     ap.add_argument("--no-pin-engine", dest="pin_engine", action="store_false",
                     help="don't pin the engine to the last CPU (CONVEYOR_ENGINE_CPUS) and the "
@@ -501,17 +535,22 @@ def main() -> int:
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     counts = {c: args.requests_per_level or max(32, 16 * c) for c in levels}
     pool = make_prompts(2 + sum(counts.values()), args.prompt_len, vocab, args.seed)
-    prompts: dict = {"warmup": pool[:2]}
+    lengths = output_lengths(len(pool), args.output_len, args.output_spread, args.seed)
+    jobs = list(zip(pool, lengths, strict=True))
+    prompts: dict = {"warmup": jobs[:2]}  # per level, (prompt, max_tokens) per request
     i = 2
     for c in levels:
-        prompts[c], i = pool[i : i + counts[c]], i + counts[c]
+        prompts[c], i = jobs[i : i + counts[c]], i + counts[c]
+    # the lockstep reference: one length for all (with a spread, the server runs it too)
+    fixed = {k: [(p, args.output_len) for p, _ in v] for k, v in prompts.items()}
 
     # Ctrl-C and SIGTERM both unwind through local_server's clean-up (SIGINT is set too: a
     # background job starts with it ignored)
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     res: dict = dict(mode=args.mode, prompt_len=args.prompt_len, output_len=args.output_len,
-                     levels=levels, model_dir=str(model_dir), cpu_count=os.cpu_count(),
+                     output_spread=args.output_spread, levels=levels,
+                     model_dir=str(model_dir), cpu_count=os.cpu_count(),
                      torch_threads=args.torch_threads,
                      loadavg_before=os.getloadavg()[0])  # fmt: skip
     ncpu = len(os.sched_getaffinity(0))
@@ -519,13 +558,14 @@ def main() -> int:
     pin = args.pin_engine and ncpu >= 2
     res["pinned"] = pin
     everything = tuple(os.sched_getaffinity(0))
-    rounds: list[tuple[dict, dict, dict]] = []  # (in-process, server, lockstep) per round
+    # per round: in-process, server, in-process lockstep, server at the lockstep's length
+    rounds: list[tuple[dict, dict, dict, dict]] = []
 
-    def inprocess_level(c: int, stagger_ms: float) -> dict:
+    def inprocess_level(c: int, stagger_ms: float, jobs: dict) -> dict:
         if pin:  # same core the server's engine gets
             os.sched_setaffinity(0, engine_cpu)
         try:
-            return _inprocess_levels(model_dir, [c], prompts, args, stagger_ms)
+            return _inprocess_levels(model_dir, [c], jobs, args, stagger_ms)
         finally:
             if pin:  # the client shares the front-end cores, never the engine's
                 os.sched_setaffinity(0, others)
@@ -535,15 +575,19 @@ def main() -> int:
             inp: dict = {}
             srv: dict = {}
             lock: dict = {}
+            srv_fixed: dict = {}
             for c in levels:
                 print(f"round {r + 1}/{args.rounds}, c={c}: in-process, then server",
                       file=sys.stderr)  # fmt: skip
-                inp.update(inprocess_level(c, args.stagger_ms))
+                inp.update(inprocess_level(c, args.stagger_ms, prompts))
                 res["model"], got = asyncio.run(_server_levels(url, [c], prompts, args, pids))
                 srv.update(got)
-                if c > 1 and args.stagger_ms > 0:  # the reference: all started at once
-                    lock.update(inprocess_level(c, 0.0))
-            rounds.append((inp, srv, lock))
+                if c > 1 and (args.stagger_ms > 0 or args.output_spread > 0):
+                    lock.update(inprocess_level(c, 0.0, fixed))  # the reference
+                    if args.output_spread > 0:  # the server at that one length
+                        srv_fixed.update(asyncio.run(
+                            _server_levels(url, [c], fixed, args, pids))[1])  # fmt: skip
+            rounds.append((inp, srv, lock, srv_fixed or srv))
 
     if args.start_server:
         log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
