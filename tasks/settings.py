@@ -114,6 +114,15 @@ class Settings(BaseSettings):
         description="CPU list the engine process is pinned to (e.g. '1' or '2-3'); keeps "
         "the API, Redis and Celery off the engine's cores. Unset: no pinning.",
     )
+    worker_nice: int = Field(
+        10,
+        ge=0,
+        le=19,
+        description="Niceness of a worker's Celery side (task intake, events, acks), set "
+        "once its engine process runs (which keeps the niceness it started with). On a "
+        "host it shares with the API, its per-request bursts then no longer hold up the "
+        "per-token relay; 0: leave it alone.",
+    )
     device: str = Field("cpu", description="torch device for the reference engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weight and KV dtype of the reference engine."

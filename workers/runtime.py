@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -239,3 +240,25 @@ def set_runtime(rt: WorkerRuntime | None) -> None:
 def get_runtime() -> WorkerRuntime:
     assert _runtime is not None, "no WorkerRuntime in this process: start it with conveyor worker"
     return _runtime
+
+
+def lower_priority(nice: int) -> int:
+    """Raise every thread of this process to niceness ``nice`` at least (Linux keeps it per
+    thread; threads started later inherit their creator's), or, elsewhere, the process.
+    Child processes already running keep theirs. Returns the threads changed."""
+    if nice <= 0:
+        return 0
+    if not sys.platform.startswith("linux"):
+        current = os.nice(0)
+        if current < nice:
+            os.nice(nice - current)
+        return 1
+    changed = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(tid)) < nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+                changed += 1
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            continue
+    return changed

@@ -6,6 +6,9 @@ nor reorder tokens."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -259,3 +262,33 @@ def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
     ]
     stream_cached = [s[-1].usage.prompt_tokens_details.cached_tokens for s in streams]
     assert set(stream_cached) <= {0, 96} and 96 in stream_cached
+
+
+def _nice(pid: int) -> set[int]:
+    """The niceness of every thread of ``pid``."""
+    return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux")
+def test_a_workers_celery_side_runs_nicer_than_its_engine(cluster: Cluster) -> None:
+    """CONVEYOR_WORKER_NICE (10): every Celery thread of a worker (pool threads included,
+    started after the change) runs at niceness 10; its engine process keeps 0, and it
+    still serves (the rest of this module)."""
+    worker = cluster.workers[0].popen.pid
+    engines = [
+        int(stat.parent.name)
+        for stat in Path("/proc").glob("[0-9]*/stat")
+        if stat.read_text().rsplit(")", 1)[1].split()[1] == str(worker)
+        and b"spawn_main" in (stat.parent / "cmdline").read_bytes()
+        and b"resource_tracker" not in (stat.parent / "cmdline").read_bytes()
+    ]
+    assert len(engines) == 1, engines
+    assert (
+        cluster.client()
+        .completions.create(model=cluster.model_name, prompt="nice", max_tokens=2)
+        .choices[0]
+        .text
+        is not None
+    )  # the pool's threads exist by now
+    assert _nice(worker) == {10}
+    assert _nice(engines[0]) == {0}
