@@ -68,20 +68,17 @@ class Runner:
         self.s = settings
         self.r = client
         self.hub = hub
-        self.router = Router(client, router_config(settings))
+        # Written before the first await (api.resp): every request's routing pick, and the
+        # Redis writes of its Celery message (Runner._send).
+        self._fast = RespConnection(settings.effective_redis_url)
+        self.router = Router(client, router_config(settings), fast=self._fast)
         self._namespace = namespace_hash(settings.model_name)
         self.metrics = metrics
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
         self._declared: set[str] = set()
-        # Sends the Celery messages' Redis writes (Runner._send). Celery's broker is
-        # ``effective_redis_url`` too (tasks.app.configure), and only a redis:// broker
-        # defers its writes (tasks.broker): other schemes never use this connection.
-        url = settings.effective_redis_url
-        self._broker = RespConnection(url) if url.startswith("redis://") else None
 
     async def aclose(self) -> None:
-        if self._broker is not None:
-            self._broker.close()
+        self._fast.close()
 
     # ----------------------------------------------------------------------------------
     async def start(
@@ -192,7 +189,7 @@ class Runner:
         Celery builds the message on the event loop (~0.8 ms of Python at c=16; in a
         thread it traded the GIL with this busy loop at every socket call: 8 ms at c=4).
         Its Redis writes (the LPUSH and the task-sent event) are recorded
-        (:func:`tasks.broker.deferred_publishes`) and written by ``self._broker`` before
+        (:func:`tasks.broker.deferred_publishes`) and written by ``self._fast`` before
         the first await, in one round trip whose answer the loop does not wait on: sent
         synchronously they held the loop 3.1 ms p50 per request at c=16, with every
         stream's frames behind them; through redis-py's asyncio client they left only
@@ -204,8 +201,10 @@ class Runner:
                 self._declared.update(fresh)
             with deferred_publishes() as writes:
                 build_chain(p, payload).apply_async(retry_policy=SEND_RETRY_POLICY)
-            if writes:  # empty when the broker's transport sent the message itself
-                assert self._broker is not None, "deferred writes from a non-redis:// broker"
+            # Celery's broker is ``effective_redis_url`` too (tasks.app.configure), so the
+            # writes go to the same Redis as the pick. Empty when the broker's transport
+            # sent the message itself (only a redis:// broker defers, see tasks.broker).
+            if writes:
                 async with asyncio.timeout(SEND_TIMEOUT_S):  # inline, unlike wait_for
                     await self._send_writes(writes)
         except (KombuOperationalError, RedisError, OSError, TimeoutError) as e:
@@ -216,8 +215,7 @@ class Runner:
         """The writes leave before the first ``await`` (:class:`api.resp.RespConnection`);
         a broker not connected is tried as often and as briefly as SEND_RETRY_POLICY says.
         Once written, a lost connection is not retried: the message may have landed."""
-        broker = self._broker
-        assert broker is not None
+        broker = self._fast
         for attempt in range(SEND_RETRY_POLICY["max_retries"] + 1):
             if broker.connected:
                 break

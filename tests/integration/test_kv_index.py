@@ -17,6 +17,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from api.resp import RespConnection
 from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
 from kvbm.hashing import block_hashes
@@ -59,16 +60,23 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 400 + 50 for i in range(n)]
 
 
-def pick(url: str, req: RouteRequest, n: int = 1, **cfg: object) -> list[str]:
+def pick(url: str, req: RouteRequest, n: int = 1, fast: bool = False, **cfg: object) -> list[str]:
+    """``fast``: the pick script through api.resp.RespConnection, as the API runs it."""
+
     async def go() -> list[str]:
         client = aioredis.Redis.from_url(url)
-        router = Router(client, RouterConfig(block_size=BS, **cfg))  # type: ignore[arg-type]
+        conn = RespConnection(url) if fast else None
+        router = Router(client, RouterConfig(block_size=BS, **cfg), fast=conn)  # type: ignore[arg-type]
         out = []
-        for _ in range(n):
-            route = await router.pick(POOL, req)
-            assert route is not None
-            out.append(route.worker_id)
-        await client.aclose()
+        try:
+            for _ in range(n):
+                route = await router.pick(POOL, req)
+                assert route is not None
+                out.append(route.worker_id)
+        finally:
+            await client.aclose()
+            if conn is not None:
+                conn.close()
         return out
 
     return asyncio.run(go())
@@ -180,14 +188,15 @@ def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None
 # ---------------------------------------------------------------------------------------
 # The router
 # ---------------------------------------------------------------------------------------
-def test_kv_mode_picks_the_prefix_holder_when_loads_are_equal(db: str) -> None:
+@pytest.mark.parametrize("fast", [False, True])
+def test_kv_mode_picks_the_prefix_holder_when_loads_are_equal(db: str, fast: bool) -> None:
     register(db, "a", "b", "c", "d")
     idx = index(db)
     for i, wid in enumerate("abcd"):
         idx.apply(wid, 0, [("stored", block_hashes(prompt(i, 256), BS))])
     for i, wid in enumerate("abcd"):
         req = RouteRequest(block_hashes(prompt(i, 300), BS), 300)
-        assert pick(db, req) == [wid]
+        assert pick(db, req, fast=fast) == [wid]
         # released right away, so loads stay equal: still the holder
         asyncio.run(_release_all(db))
 
@@ -240,15 +249,19 @@ def test_a_shared_prefix_does_not_pile_every_request_on_its_holder(db: str) -> N
     assert min(counts.values()) >= 8, counts
 
 
-def test_round_robin_random_and_pinning(db: str) -> None:
+@pytest.mark.parametrize("fast", [False, True])
+def test_round_robin_random_and_pinning(db: str, fast: bool) -> None:
     register(db, "a", "b", "c")
     req = RouteRequest(block_hashes(prompt(5, 64), BS), 64)
-    assert pick(db, req, n=6, mode="round_robin") == ["a", "b", "c", "a", "b", "c"]
-    rnd = pick(db, req, n=60, mode="random")
+    if fast:  # a Redis that lost its scripts (restarted, SCRIPT FLUSH): EVAL reloads it
+        redis.Redis.from_url(db).script_flush()
+    assert pick(db, req, n=6, fast=fast, mode="round_robin") == ["a", "b", "c", "a", "b", "c"]
+    rnd = pick(db, req, n=60, fast=fast, mode="random")
     assert set(rnd) == {"a", "b", "c"}
-    assert pick(db, RouteRequest(req.block_hashes, 64, pin="b"), n=3) == ["b", "b", "b"]
+    pinned = RouteRequest(req.block_hashes, 64, pin="b")
+    assert pick(db, pinned, n=3, fast=fast) == ["b", "b", "b"]
     with pytest.raises(PinnedWorkerMissing):
-        pick(db, RouteRequest(req.block_hashes, 64, pin="zz"))
+        pick(db, RouteRequest(req.block_hashes, 64, pin="zz"), fast=fast)
 
 
 def test_approximate_mode_remembers_its_own_decisions_for_a_ttl(db: str) -> None:
