@@ -146,6 +146,9 @@ class Runner:
                 None,
                 "no_live_worker",
             ) from None
+        except (RedisError, OSError) as e:  # the router's state lives in Redis
+            raise OpenAIError(503, f"Redis did not answer the router: {e}", "server_error",
+                              None, "redis_unavailable") from e  # fmt: skip
         if p.fallback is not None:
             self.metrics.disagg_fallbacks.labels(p.fallback).inc()
         n_blocks = len(route_req.block_hashes)

@@ -20,7 +20,7 @@ from tasks.app import app, declare_queues
 from tasks.broker import Channel, deferred_publishes
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import Plan, build_chain
-from tasks.router import Route
+from tasks.router import Route, RouteRequest
 from tasks.settings import Settings
 from tests.integration.conftest import celery_at, free_port, redis_db, start_redis
 
@@ -92,6 +92,25 @@ def test_a_broker_that_is_gone_fails_the_send_fast_with_503(redis_url: str) -> N
         asyncio.run(main())
     finally:
         celery_at(redis_url)
+
+
+def test_redis_gone_before_routing_gives_503_redis_unavailable() -> None:
+    """The router's pick is the first thing a request asks of Redis: no Redis there is a
+    clear 503, not a 500."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(dead)
+        runner = Runner(Settings(redis_url=dead), client, None, ApiMetrics())  # type: ignore[arg-type]
+        try:
+            with pytest.raises(OpenAIError) as info:
+                await runner._dispatch("cmpl-x", [1, 2], {}, 0.0, RouteRequest([], 2))
+            assert info.value.status == 503 and info.value.code == "redis_unavailable"
+        finally:
+            await runner.aclose()
+            await client.aclose()
+
+    asyncio.run(main())
 
 
 def test_a_broker_that_dies_after_connecting_fails_the_send_fast_with_503(
