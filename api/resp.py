@@ -137,12 +137,15 @@ class RespConnection:
         """Write ``commands`` now; the future gets their replies in order, or the first
         error reply as :class:`redis.exceptions.ResponseError`. Raises
         :class:`redis.exceptions.ConnectionError` when not connected (see :meth:`connect`)."""
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._write(commands)
+        self._waiting.append((fut, len(commands), []))
+        return fut
+
+    def _write(self, commands: tuple[Command, ...]) -> None:
         if self._transport is None or self._transport.is_closing():
             raise RedisConnectionError(f"not connected to {self._where}")
-        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self._waiting.append((fut, len(commands), []))
         self._transport.write(encode(commands))
-        return fut
 
     async def execute(self, *commands: Command) -> list[Any]:
         """:meth:`connect` if needed, then :meth:`send` and wait for the replies."""
@@ -204,9 +207,7 @@ class PubSubConnection(RespConnection):
         """Write ``commands`` now (SUBSCRIBE, PSUBSCRIBE, UNSUBSCRIBE, PING: their answers
         come as pushes). Raises :class:`redis.exceptions.ConnectionError` when not
         connected."""
-        if self._transport is None or self._transport.is_closing():
-            raise RedisConnectionError(f"not connected to {self._where}")
-        self._transport.write(encode(commands))
+        self._write(commands)
 
     def _reply(self, reply: Any) -> None:
         if self._waiting:  # AUTH and SELECT while connecting
