@@ -31,6 +31,7 @@ index needs one Redis (not Redis Cluster).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -85,6 +86,8 @@ end
 redis.call('SET', skey, seq)
 return {1, seq}
 """
+
+APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
 
 # --- Lua helpers shared by the scripts that read the index -------------------------------
 # Locals the helpers expect: kv, kva, wblocks, seqk (index prefixes), alive (the registry's
@@ -198,6 +201,21 @@ return out
 )
 
 
+def apply_argv(pool: str, worker_id: str, seq: int,
+               events: list[tuple[str, list[int]]]) -> list[str | int]:  # fmt: skip
+    """ARGV of :data:`APPLY_LUA` for one batch of ``worker_id``'s events."""
+    kv, _, wblocks, seqk = index_args(pool)
+    return [kv, wblocks + worker_id, seqk + worker_id, worker_id, seq, encode_batch(events)]
+
+
+def apply_command(pool: str, worker_id: str, seq: int, events: list[tuple[str, list[int]]],
+                  load: bool = False) -> tuple[str | int, ...]:  # fmt: skip
+    """The whole command that applies one batch, for a connection of one's own:
+    ``EVALSHA`` (``EVAL``, which also loads the script, with ``load``)."""
+    head = ("EVAL", APPLY_LUA) if load else ("EVALSHA", APPLY_SHA)
+    return (*head, 0, *apply_argv(pool, worker_id, seq, events))
+
+
 def index_args(pool: str) -> list[str]:
     """The key prefixes of ``pool``'s index, in the order the scripts take them."""
     return [
@@ -230,10 +248,7 @@ class KVIndex:
         self._query = client.register_script(QUERY_LUA)
 
     def apply(self, worker_id: str, seq: int, events: list[tuple[str, list[int]]]) -> ApplyResult:
-        kv, _, wblocks, seqk = index_args(self.pool)
-        status, last = self._apply(
-            args=[kv, wblocks + worker_id, seqk + worker_id, worker_id, seq, encode_batch(events)]
-        )
+        status, last = self._apply(args=apply_argv(self.pool, worker_id, seq, events))
         return ApplyResult(int(status), int(last))
 
     def overlaps(self, hashes: list[int], approx: bool = False) -> dict[str, int]:

@@ -2,7 +2,8 @@
 
 Other threads (the engine process's command reader, transfer threads) submit and abort
 through it; every step's outputs go to a sink callback, and the block pool's KV events to
-an event sink. Works with any :class:`workers.engine_core.EngineCore`; torch-free.
+an event sink (called after every step, with or without events). Works with any
+:class:`workers.engine_core.EngineCore`; torch-free.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from workers.engine_core import EngineCore, EngineRequest, RequestOutput
 log = logging.getLogger(__name__)
 
 OutputSink = Callable[[list[RequestOutput]], None]
-EventSink = Callable[[list[KVEvent]], None]
+# (this step's events, whether the engine is now idle: nothing held back may wait then)
+EventSink = Callable[[list[KVEvent], bool], None]
 
 
 class EngineLoop:
@@ -132,8 +134,8 @@ class EngineLoop:
                 except Exception:  # noqa: BLE001
                     log.exception("output sink failed")
             events = self.engine.take_kv_events()  # taken even unused: they would pile up
-            if events and self._event_sink is not None:
+            if self._event_sink is not None:  # every step: it may be holding some back
                 try:
-                    self._event_sink(events)
+                    self._event_sink(events, not self.engine.has_unfinished)
                 except Exception:  # noqa: BLE001
                     log.exception("KV event sink failed")

@@ -286,7 +286,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     publisher = FramePublisher(client, server.on_published)
     events = None
     if engine.kv_manager.pool.records_events:
-        events = KVEventPublisher(client, spec.pool, spec.worker_id, server.snapshot).start()
+        # on the frames' connection, from the engine loop's thread: no thread of its own
+        cached = engine.kv_manager.pool.cached_hashes
+        events = KVEventPublisher(publisher, spec.pool, spec.worker_id, cached).start()
     loop = EngineLoop(engine, publisher.publish_outputs,
                       event_sink=events.publish if events else None).start()  # fmt: skip
     server.attach(loop, publisher, events)
@@ -358,10 +360,6 @@ class _EngineServer:
         if self.events is not None:
             st.update(self.events.stats())
         return st
-
-    def snapshot(self) -> list[int]:
-        """Every block hash the engine has cached (asked by the KV event publisher)."""
-        return self.loop.call(lambda e: e.kv_manager.pool.cached_hashes()).result(10)
 
     # ----------------------------------------------------------------------------------
     def handle(self, kind: str, payload: tuple) -> None:
@@ -483,9 +481,9 @@ class _EngineServer:
     def close(self) -> None:
         self._stop.set()
         self.loop.stop()
-        self.publisher.stop()
         if self.events is not None:
-            self.events.close()
+            self.events.close()  # on the publisher's connection: before it closes
+        self.publisher.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.transfer is not None:
             self.transfer.close()

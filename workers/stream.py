@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -79,14 +81,17 @@ class FramePublisher:
 
     ``publish_outputs`` runs on the engine loop's thread, once per step: it encodes the
     step's frames as pipelined ``PUBLISH`` commands and writes them on a connection of its
-    own in one send, without waiting for the replies (they are drained, unread, on the
-    next write). No thread is woken and no round trip is awaited per step, so the engine
+    own in one send, without waiting for the replies (they are read on later writes, as
+    they arrive). No thread is woken and no round trip is awaited per step, so the engine
     does not trade its core and its GIL with a publisher thread (measured in-process at
     c=16: ~6% more tokens/s than a publisher thread making one Lua call per step). It then
     calls ``on_published`` with the outputs — so whoever waits for a request learns it
     finished only once its terminal frame is on its way. A write that fails drops those
-    frames (the API sees the gap or times out) and the next write reconnects. Thread-safe:
-    ``start_at`` and ``publish_error`` come from other threads.
+    frames (the API sees the gap or times out) and the next write reconnects.
+    ``send_command`` puts other commands on the same connection the same way (the KV
+    event batches: :class:`kvbm.events.KVEventPublisher`), their replies handed to a
+    callback. Thread-safe: ``start_at``, ``publish_error`` and ``send_command`` may come
+    from other threads.
     """
 
     def __init__(
@@ -99,7 +104,9 @@ class FramePublisher:
         self._on_published = on_published
         self._seq: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._unread = 0  # replies not drained yet
+        # per command written and not answered yet, in order: its reply callback (None for
+        # a frame's PUBLISH)
+        self._owed: deque[Callable[[object], None] | None] = deque()
         self.frames_published = 0
         self.publish_errors = 0
 
@@ -112,13 +119,35 @@ class FramePublisher:
                     seq = self._next_seq(out.request_id, out.finished or out.prefilled)
                     parts.append(_PUBLISH + _bulk(tokens_channel(out.request_id).encode())
                                  + _bulk(orjson.dumps(output_frame(out, seq))))  # fmt: skip
-                self._write(b"".join(parts), len(parts))
+                if self._write(b"".join(parts), [None] * len(parts)):
+                    self.frames_published += len(parts)
         finally:
             if self._on_published is not None:
                 try:
                     self._on_published(outputs)
                 except Exception:  # noqa: BLE001
                     log.exception("on_published callback failed")
+
+    def send_command(self, args: tuple, on_reply: Callable[[object], None]) -> None:
+        """Write one command on this connection without waiting; ``on_reply`` gets its
+        reply, or the exception that stands for it (an error reply, a lost connection),
+        when a later write or :meth:`wait_replies` reads it."""
+        with self._lock:
+            self._write(b"".join(self._conn.pack_command(*args)), [on_reply])
+
+    def wait_replies(self, timeout: float) -> bool:
+        """Read every reply still owed, waiting up to ``timeout`` s; False if some are not."""
+        end = time.monotonic() + timeout
+        with self._lock:
+            try:
+                while self._owed:
+                    left = end - time.monotonic()
+                    if left <= 0 or not self._conn.can_read(timeout=left):
+                        return False
+                    self._read_one()
+            except (redis.RedisError, OSError) as e:
+                self._lost(e)
+            return not self._owed
 
     def start_at(self, request_id: str, seq: int) -> None:
         """Number ``request_id``'s next frame ``seq`` (a decode worker continues the stream
@@ -153,25 +182,45 @@ class FramePublisher:
             self._seq[request_id] = n + 1
         return n
 
-    def _write(self, payload: bytes, n: int) -> None:
+    def _write(self, payload: bytes, callbacks: list[Callable[[object], None] | None]) -> bool:
         try:
             self._conn.send_packed_command([payload], check_health=False)
-            self._unread += n
-            self.frames_published += n
-            self._drain()
         except (redis.RedisError, OSError) as e:  # the API notices the gap or times out
-            self.publish_errors += 1
-            self._unread = 0
-            self._conn.disconnect()
-            log.error("publishing %d frames failed: %s", n, e)
+            log.error("writing %d commands failed: %s", len(callbacks), e)
+            self._owed.extend(callbacks)
+            self._lost(e)
+            return False
+        self._owed.extend(callbacks)
+        try:
+            self._drain()
+        except (redis.RedisError, OSError) as e:  # written, but the connection broke
+            self._lost(e)
+        return True
 
     def _drain(self) -> None:
         """Read the replies that have arrived, without waiting for the others (a failure
         here surfaces in ``_write``: the next send on a broken connection fails)."""
-        while self._unread and self._conn.can_read(timeout=0):
-            self._unread -= 1
-            try:
-                self._conn.read_response()
-            except redis.ResponseError as e:
+        while self._owed and self._conn.can_read(timeout=0):
+            self._read_one()
+
+    def _read_one(self) -> None:
+        on_reply = self._owed.popleft()
+        try:
+            reply: object = self._conn.read_response()
+        except redis.ResponseError as e:
+            if on_reply is None:
                 self.publish_errors += 1
                 log.error("a frame was refused: %s", e)
+                return
+            reply = e
+        if on_reply is not None:
+            on_reply(reply)
+
+    def _lost(self, e: BaseException) -> None:
+        """The connection broke: no owed reply will come; the next write reconnects."""
+        self.publish_errors += 1
+        self._conn.disconnect()
+        owed, self._owed = self._owed, deque()
+        for on_reply in owed:
+            if on_reply is not None:
+                on_reply(e)

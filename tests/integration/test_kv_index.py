@@ -25,6 +25,7 @@ from kvbm.index import KVIndex
 from tasks.router import LOAD_KEY, PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tests.integration.conftest import redis_db, wait_for
 from workers.registry import ALIVE_KEY, POOL_SET, WORKER_KEY, Heartbeat
+from workers.stream import FramePublisher
 
 POOL = "generate"
 BS = 16
@@ -151,16 +152,31 @@ def test_a_dead_worker_stops_counting_at_once_and_is_forgotten(db: str) -> None:
     assert r.zscore(ALIVE_KEY.format(pool=POOL), "a") is None
 
 
+def _publisher(url: str, pool: BlockPool, interval_s: float = 0.0):  # type: ignore[no-untyped-def]
+    """The engine process's pair: KV events on the frame publisher's connection."""
+    frames = FramePublisher(redis.Redis.from_url(url))
+    pub = KVEventPublisher(frames, POOL, "w", snapshot=pool.cached_hashes,
+                           interval_s=interval_s)  # fmt: skip
+    return frames, pub.start()
+
+
+def _cache(pool: BlockPool, hashes: list[int]) -> list[int]:
+    blocks = pool.allocate(len(hashes))
+    assert blocks is not None
+    for b, h in zip(blocks, hashes, strict=True):
+        pool.cache(b, h)
+    return blocks
+
+
 def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None:
     register(db, "w")
     pool = BlockPool(8, record_events=True)
     r = redis.Redis.from_url(db)
-    pub = KVEventPublisher(r, POOL, "w", snapshot=pool.cached_hashes).start()
+    r.sadd("conveyor:kvw:generate:w", "dead")  # an old entry of a worker with this id
+    frames, pub = _publisher(db, pool)
     try:
-        blocks = pool.allocate(3)
-        assert blocks is not None
-        for b, h in zip(blocks, [21, 22, 23], strict=True):
-            pool.cache(b, h)
+        wait_for(lambda: index(db).worker_blocks("w") == set(), 5, "the opening cleared")
+        blocks = _cache(pool, [21, 22, 23])
         pub.publish(pool.take_events())
         wait_for(lambda: index(db).worker_blocks("w") == {21, 22, 23}, 5, "stored events")
         pool.free(blocks)
@@ -168,21 +184,90 @@ def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None
         pub.publish(pool.take_events())
         wait_for(lambda: index(db).worker_blocks("w") == set(), 5, "removed events")
         # batches are numbered 0, 1, 2, ... (how many depends on how events were folded)
-        assert int(r.get("conveyor:kvseq:generate:w")) == pub.batches_sent - 1 >= 1
-        # Redis loses the index (restart, flush): the next batch finds a gap and the
-        # publisher answers with cleared + a snapshot of the pool
-        pool2_blocks = [0]
+        assert int(r.get("conveyor:kvseq:generate:w")) == pub.batches_sent - 1 >= 2
+        assert frames.wait_replies(5) and pub.errors == 0 and pub.resyncs == 0
+        # Redis loses the index (restart, flush): the next batch finds a gap, and once its
+        # answer is read the publisher sends cleared + a snapshot of the pool
         r.flushdb()
         register(db, "w")
         pool.free(list(range(8)))
-        assert pool.allocate(1) == pool2_blocks
+        assert pool.allocate(1) == [0]
         pool.cache(0, 77)
         pub.publish(pool.take_events())
-        wait_for(lambda: pub.resyncs == 1, 5, "a resync")
+        assert frames.wait_replies(5)
+        assert index(db).worker_blocks("w") == set()  # refused: it would skip numbers
+        pub.publish([])  # the next step, events or none
+        assert pub.resyncs == 1
         wait_for(lambda: index(db).worker_blocks("w") == {77}, 5, "the snapshot")
+        _cache(pool, [78])
+        pub.publish(pool.take_events())  # numbering goes on after the resync
+        wait_for(lambda: index(db).worker_blocks("w") == {77, 78}, 5, "events after it")
+        assert frames.wait_replies(5) and pub.resyncs == 1
+        # the same loss when the engine goes idle: the answer is read and the index
+        # repaired right away, not at the next request
+        r.flushdb()
+        register(db, "w")
+        _cache(pool, [79])
+        pub.publish(pool.take_events(), idle=True)
+        assert pub.resyncs == 2  # no later publish needed
+        wait_for(lambda: index(db).worker_blocks("w") == {77, 78, 79}, 5, "the idle resync")
     finally:
         pub.close()
+        frames.stop()
     assert index(db).worker_blocks("w") == set()  # close() takes the worker's entries away
+
+
+def test_publisher_holds_events_for_interval_but_not_when_idle(db: str) -> None:
+    register(db, "w")
+    pool = BlockPool(8, record_events=True)
+    frames, pub = _publisher(db, pool, interval_s=3600)
+    try:
+        _cache(pool, [31])
+        pub.publish(pool.take_events())  # within the interval of the opening batch: held
+        _cache(pool, [32])
+        pub.publish(pool.take_events())
+        assert frames.wait_replies(5)
+        assert index(db).worker_blocks("w") == set() and pub.batches_sent == 1
+        pub.publish([], idle=True)  # the engine has nothing left to run: out now, as one
+        wait_for(lambda: index(db).worker_blocks("w") == {31, 32}, 5, "the held events")
+        assert pub.batches_sent == 2
+    finally:
+        pub.close()
+        frames.stop()
+
+
+def test_publisher_reloads_a_flushed_script_and_survives_a_killed_connection(db: str) -> None:
+    register(db, "w")
+    pool = BlockPool(8, record_events=True)
+    r = redis.Redis.from_url(db)
+    frames, pub = _publisher(db, pool)
+    try:
+        _cache(pool, [41])
+        pub.publish(pool.take_events())
+        assert frames.wait_replies(5)
+        r.script_flush()  # EVALSHA now answers NOSCRIPT: that batch is lost
+        _cache(pool, [42])
+        pub.publish(pool.take_events())
+        assert frames.wait_replies(5) and pub.errors == 1
+        pub.publish([])  # EVAL: loads the script again, with cleared + the snapshot
+        wait_for(lambda: index(db).worker_blocks("w") == {41, 42}, 5, "the snapshot")
+        # the publisher's connection dies under it (a Redis restart, a proxy's timeout);
+        # only that one: the session's other clients share this redis-server
+        assert frames.wait_replies(5)
+        frames._conn.send_command("CLIENT", "ID")
+        r.client_kill_filter(_id=frames._conn.read_response())
+        _cache(pool, [43])
+        pub.publish(pool.take_events())  # lost with the connection, or written anew
+        frames.wait_replies(5)
+        pub.publish([])
+        _cache(pool, [44])
+        pub.publish(pool.take_events())
+        wait_for(lambda: index(db).worker_blocks("w") == {41, 42, 43, 44}, 5, "all blocks")
+        assert frames.wait_replies(5)
+        assert frames.publish_errors + pub.errors >= 1  # the kill was noticed
+    finally:
+        pub.close()
+        frames.stop()
 
 
 # ---------------------------------------------------------------------------------------
