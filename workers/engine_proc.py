@@ -179,11 +179,20 @@ class EngineClient:
         self._send(("abort", request_id))
 
     def _submit(self, kind: str, request_id: str, args: tuple) -> _Waiter:
+        """A request already running here (the broker redelivered its task: acks are late,
+        so a consumer that lost its connection puts its unacked tasks back) is not run
+        twice: the new task waits for the run in progress, and both end together."""
         waiter = _Waiter()
         with self._lock:
             if self._dead:
                 raise EngineDied("engine process is gone")
-            self._waiters[request_id] = waiter
+            running = self._waiters.get(request_id)
+            if running is None:
+                self._waiters[request_id] = waiter
+        if running is not None:
+            log.warning("[%s] delivered again while it runs here (%s); waiting for that run",
+                        request_id, kind)  # fmt: skip
+            return running
         self._send((kind, (request_id, *args)))
         return waiter
 

@@ -19,6 +19,7 @@ from tests.integration.conftest import (
     base_env,
     redis_db,
     start_api,
+    start_redis,
     start_worker,
     stop_on_error,
     wait_for,
@@ -113,6 +114,49 @@ def test_worker_killed_mid_stream_ends_stream_with_error(
         api.stop()
         worker.stop()
         redis.Redis.from_url(url8).flushdb()
+
+
+def test_a_lost_broker_connection_does_not_run_a_request_twice(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Acks are late, so a worker whose broker connection drops puts the task it is
+    running back on the queue, and gets it again: that second delivery waits for the run
+    in progress instead of starting the request over (which made the engine fail every
+    request it held)."""
+    rp, rurl = start_redis(tmp_path)  # its own: the test kills broker connections
+    worker, api, url = _worker_and_api(rurl, tiny_model_dir, tmp_path, "flaky")
+    r = redis.Redis.from_url(rurl)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        body = dict(model=tiny_model_dir.name, prompt="hello", max_tokens=1000, temperature=0,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(**body, stream=True,
+                                           stream_options={"include_usage": True})  # fmt: skip
+        chunks, text, usage, reason = 0, [], None, None
+        for chunk in stream:
+            chunks += 1
+            if chunks == 3:  # the worker's consumer loses Redis (a failover, a blip)
+                consumers = [c["id"] for c in r.client_list() if c["cmd"] == "brpop"]
+                assert consumers
+                for cid in consumers:
+                    r.client_kill_filter(_id=cid)
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        assert reason == "length" and usage is not None and usage.completion_tokens == 1000
+        log = worker.log
+        wait_for(lambda: "delivered again while it runs here" in log.read_text(), 10,
+                 "the redelivered task", [worker])  # fmt: skip
+        assert "engine step failed" not in log.read_text()
+        # both deliveries are acked once the run ends: nothing is left to redeliver
+        wait_for(lambda: r.hlen("unacked") == 0 and r.llen("generate") == 0, 10, "acks")
+        again = client.completions.create(**body)
+        assert again.choices[0].text == "".join(text)  # the stream was one greedy run
+    finally:
+        api.stop()
+        worker.stop()
+        rp.stop()
 
 
 def test_sigterm_drains_the_worker(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -231,6 +231,23 @@ def test_abort_waiting_request(make_engine) -> None:
     assert set(_run(engine)) == {"a"}
 
 
+def test_a_request_added_twice_runs_once(make_engine) -> None:
+    """A second copy of a running (or waiting) request id is dropped: it neither takes
+    the first one's blocks nor fails the step for every other request."""
+    ref = _greedy_ref(make_engine, _prompt(20), 12)
+    engine = make_engine(max_num_seqs=1)
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    _add(engine, "a", _prompt(20), p)
+    _add(engine, "b", _prompt(30, 1), p)
+    first = engine.step()  # a runs (its first token), b waits
+    _add(engine, "a", _prompt(20), p)
+    _add(engine, "b", _prompt(30, 1), p)
+    assert len(engine.running) == 1 and len(engine.waiting) == 1
+    outs = _run(engine)  # no step fails; a's blocks are all given back
+    assert [o.finish_reason for o in outs["a"] if o.finished] == ["length"]
+    assert _toks(first) + _toks(outs["a"]) == ref and len(_toks(outs["b"])) == 12
+
+
 # -------------------------------------------------------------------------- sampling
 
 
