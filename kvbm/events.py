@@ -104,8 +104,10 @@ class KVEventPublisher:
             self._send()
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send what is queued and a final ``cleared``, and wait for Redis to apply it."""
-        self._pending.append(KVEvent("cleared", []))
+        """Send a final ``cleared`` (it supersedes what is queued, a resync included) and
+        wait for Redis to apply it."""
+        self._resync = False
+        self._pending = [KVEvent("cleared", [])]
         self._send()
         if not self._writer.wait_replies(timeout):
             log.warning("KV events: the final batch was not confirmed in %.1fs", timeout)

@@ -211,6 +211,11 @@ def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None
         pub.publish(pool.take_events(), idle=True)
         assert pub.resyncs == 2  # no later publish needed
         wait_for(lambda: index(db).worker_blocks("w") == {77, 78, 79}, 5, "the idle resync")
+        # a resync still owed when the worker stops: the final cleared wins over it
+        r.set("conveyor:kvseq:generate:w", 0)
+        _cache(pool, [80])
+        pub.publish(pool.take_events())
+        assert frames.wait_replies(5) and pub._resync
     finally:
         pub.close()
         frames.stop()
