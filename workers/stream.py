@@ -198,8 +198,8 @@ class FramePublisher:
         return True
 
     def _drain(self) -> None:
-        """Read the replies that have arrived, without waiting for the others (a failure
-        here surfaces in ``_write``: the next send on a broken connection fails)."""
+        """Read the replies that have arrived, without waiting for the others (the caller
+        handles a broken connection)."""
         while self._owed and self._conn.can_read(timeout=0):
             self._read_one()
 
