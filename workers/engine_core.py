@@ -170,7 +170,7 @@ class EngineCore:
     def add_request(self, req: EngineRequest) -> RequestOutput | None:
         """Queue a request. Returns a finished error output if it can never run."""
         rid = req.request_id
-        if any(s.req.request_id == rid for s in (*self.running, *self.waiting)):
+        if any(s.id == rid for s in (*self.running, *self.waiting)):
             # a second copy must not take the first one's blocks (or fail the whole step)
             log.warning("[%s] is already running: the second copy is dropped", rid)
             return None
