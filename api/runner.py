@@ -68,8 +68,9 @@ class Runner:
         self.s = settings
         self.r = client
         self.hub = hub
-        # Written before the first await (api.resp): every request's routing pick, and the
-        # Redis writes of its Celery message (Runner._send).
+        # Written before the first await (api.resp): every request's routing pick, the
+        # Redis writes of its Celery message (Runner._send), and its clean-up (the load
+        # given back, the cancelled key): ~40 us of CPU per call, against ~100 through redis-py.
         self._fast = RespConnection(settings.effective_redis_url)
         self.router = Router(client, router_config(settings), fast=self._fast)
         self._namespace = namespace_hash(settings.model_name)
@@ -313,13 +314,14 @@ class Runner:
             await run.subscription.close()
             # The key makes a copy of the task that the broker redelivers later (its worker
             # died holding it) skip the work; the message aborts a running one now.
-            pipe = self.r.pipeline(transaction=False)
-            pipe.set(CANCELLED_KEY.format(run.request_id), 1, ex=CANCELLED_TTL_S)
+            commands: list[tuple] = [
+                ("SET", CANCELLED_KEY.format(run.request_id), 1, "EX", CANCELLED_TTL_S)
+            ]
             if not run.finished:
                 self.metrics.cancelled.inc()
                 log.info("[%s] not finished: cancelling on the worker", run.request_id)
-                pipe.publish(CANCEL_CHANNEL, run.request_id)
-            await pipe.execute()
+                commands.append(("PUBLISH", CANCEL_CHANNEL, run.request_id))
+            await self._fast.execute(*commands)
             for route in run.plan.routes:
                 await self.router.release(route)
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway

@@ -226,7 +226,8 @@ class PinnedWorkerMissing(Exception):
 
 
 class Router:
-    """``fast``, if given, runs the pick script: any object whose ``await execute(*commands)``
+    """``fast``, if given, runs the router's scripts (the pick, and the load given back
+    at the first token and at the end): any object whose ``await execute(*commands)``
     returns the replies, as ``api.resp.RespConnection`` does, writing the command before
     it first yields. redis-py's asyncio client yields to the event loop first, so on a
     busy API loop every pick (one per request, before anything is sent) waited a turn."""
@@ -280,16 +281,16 @@ class Router:
             int(prefill),
         )  # fmt: skip
 
-    async def _run(self, script: AsyncScript, args: list) -> Any:
-        """``script`` with no keys and ``args``, through ``fast`` when there is one."""
+    async def _run(self, script: AsyncScript, args: list, keys: tuple[str, ...] = ()) -> Any:
+        """``script`` on ``keys`` and ``args``, through ``fast`` when there is one."""
         if self._fast is None:
-            return await script(args=args)
+            return await script(keys=list(keys), args=args)
         try:
-            (res,) = await self._fast.execute(("EVALSHA", script.sha, 0, *args))
+            (res,) = await self._fast.execute(("EVALSHA", script.sha, len(keys), *keys, *args))
         except ResponseError as e:
             if not str(e).startswith("NOSCRIPT"):
                 raise
-            (res,) = await self._fast.execute(("EVAL", script.script, 0, *args))
+            (res,) = await self._fast.execute(("EVAL", script.script, len(keys), *keys, *args))
         return res
 
     async def prefilled(self, route: Route) -> None:
@@ -299,19 +300,21 @@ class Router:
             return
         route.decoding = True
         n, route.prefill_tokens = route.prefill_tokens, 0
-        await self._give_back(
-            keys=[LOAD_KEY.format(pool=route.pool)],
-            args=[f"{route.worker_id}:prefill", n, f"{route.worker_id}:blocks",
-                  -route.blocks, LOAD_TTL_S * 1000],
+        await self._run(
+            self._give_back,
+            [f"{route.worker_id}:prefill", n, f"{route.worker_id}:blocks", -route.blocks,
+             LOAD_TTL_S * 1000],
+            keys=(LOAD_KEY.format(pool=route.pool),),
         )  # fmt: skip
 
     async def release(self, route: Route) -> None:
         """The request routed by ``route`` is over: stop counting it."""
         w = route.worker_id
-        await self._give_back(
-            keys=[LOAD_KEY.format(pool=route.pool)],
-            args=[f"{w}:reqs", 1, f"{w}:blocks", route.blocks if route.decoding else 0,
-                  f"{w}:prefill", route.prefill_tokens, LOAD_TTL_S * 1000],
+        await self._run(
+            self._give_back,
+            [f"{w}:reqs", 1, f"{w}:blocks", route.blocks if route.decoding else 0,
+             f"{w}:prefill", route.prefill_tokens, LOAD_TTL_S * 1000],
+            keys=(LOAD_KEY.format(pool=route.pool),),
         )  # fmt: skip
         route.prefill_tokens = 0
         route.decoding = False

@@ -399,20 +399,27 @@ def test_two_router_processes_see_each_others_load(db: str) -> None:
     assert max(reqs) - min(reqs) <= 1, reqs
 
 
-def test_release_gives_back_exactly_what_the_pick_counted(db: str) -> None:
+@pytest.mark.parametrize("fast", [False, True])
+def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -> None:
+    """``fast``: every script through api.resp.RespConnection, as the API runs them (a
+    flushed script cache included: the give-back is reloaded with EVAL)."""
     register(db, "a")
 
     async def go() -> dict:
         client = aioredis.Redis.from_url(db)
-        router = Router(client, RouterConfig(block_size=BS))
+        conn = RespConnection(db) if fast else None
+        router = Router(client, RouterConfig(block_size=BS), fast=conn)  # type: ignore[arg-type]
         route = await router.pick(POOL, RouteRequest([], 100))
         assert route is not None
         during = await router.load(POOL, "a")
         await router.prefilled(route)
         after_prefill = await router.load(POOL, "a")
+        await client.script_flush()
         await router.release(route)
         after = await router.load(POOL, "a")
         await client.aclose()
+        if conn is not None:
+            conn.close()
         return {"during": during, "prefilled": after_prefill, "after": after}
 
     out = asyncio.run(go())
