@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
-from serve_latency import output_lengths, request_record, summarize  # noqa: E402
+from serve_latency import output_lengths, pool_rounds, request_record, summarize  # noqa: E402
 
 
 def test_output_lengths_spread_around_the_mean_and_repeat_for_a_seed() -> None:
@@ -34,3 +34,29 @@ def test_request_record_times_ttft_itl_and_tpot() -> None:
     s = summarize([r, one], wall_s=1.0)
     assert math.isclose(s["tpot_p50"], 2.5)  # a one-token request has no TPOT
     assert s["completion_tokens"] == 6
+
+
+def _side(itl_ms: list[float], tokens: int, wall_s: float, cpu_s: float) -> dict:
+    rec = dict(ttft_ms=10.0, e2e_ms=50.0, tpot_ms=1.0, itl_ms=itl_ms, tokens=tokens,
+               asked=tokens, events=len(itl_ms) + 1, text_events=len(itl_ms) + 1)  # fmt: skip
+    return {"summary": summarize([rec], wall_s), "requests": [rec], "cpu_s": {"api": cpu_s}}
+
+
+def test_rounds_are_pooled_per_side_and_each_round_ratio_is_kept() -> None:
+    # round 1: the server at half the in-process speed; round 2: equal
+    r1 = ({16: _side([4.0, 4.0, 4.0], 100, 1.0, 0.5)}, {16: _side([9.0, 9.0, 9.0], 100, 2.0, 1.0)},
+          {}, {})  # fmt: skip
+    r2 = ({16: _side([4.0, 8.0, 8.0], 100, 1.0, 0.5)}, {16: _side([5.0, 5.0, 5.0], 100, 1.0, 0.2)},
+          {}, {})  # fmt: skip
+    res: dict = {}
+    pool_rounds(res, [r1, r2], [16])
+    srv, inp = res["server"][16], res["inprocess"][16]
+    assert len(srv["requests"]) == 2 and srv["summary"]["requests"] == 2
+    # percentiles over both rounds' gaps, not one round's
+    assert srv["summary"]["itl_p50"] == 7.0  # [5, 5, 5, 9, 9, 9]
+    assert inp["summary"]["itl_p50"] == 4.0  # [4, 4, 4, 4, 8, 8]
+    assert math.isclose(srv["summary"]["tok_s"], 200 / 3.0)  # all tokens / all wall time
+    assert math.isclose(srv["cpu_s"]["api"], 1.2)
+    assert res["round_ratios"][16] == [50.0, 100.0]
+    assert [s["wall_s"] for s in res["round_summaries"]["server"][16]] == [2.0, 1.0]
+    assert res["lockstep"] == {}  # no round ran it
