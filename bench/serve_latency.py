@@ -22,14 +22,14 @@ rounds (default 3). Per level and side the rounds' requests are pooled (percenti
 all of them, tok/s = all tokens / all wall time), with each round's tok/s ratio beside.
 A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real
 clients' would arrive. Started together, in-process requests of one length finish together
-and come back together for ever: every prefill shares one step and the decode steps in between never carry one. The server never
-sees that lockstep (its HTTP hops spread arrivals out; a quarter of its steps carry a
-prefill at c=16), so the two sides would differ by schedule, not by pipeline. The lockstep
-in-process run (one length for all, started together) is still made and printed as a
-reference (its ITL and tok/s are the engine's best case, its TTFT the worst), against a
-server run of the same one length. ``--start-server`` runs its own redis-server, one
-``conveyor worker --pool generate`` and ``conveyor api`` (logs in a temp dir), and stops
-them at the end, Ctrl-C included.
+and come back together for ever: every prefill shares one step and the decode steps in
+between never carry one. The server never sees that lockstep (its HTTP hops spread
+arrivals out; a quarter of its steps carry a prefill at c=16), so the two sides would
+differ by schedule, not by pipeline. The lockstep in-process run (one length for all,
+started together) is still made and printed as a reference (its ITL and tok/s are the
+engine's best case, its TTFT the worst), against a server run of the same one length.
+``--start-server`` runs its own redis-server, one ``conveyor worker --pool generate`` and
+``conveyor api`` (logs in a temp dir), and stops them at the end, Ctrl-C included.
 
 Timing is the same on both sides. An *event* is a server chunk carrying a choice or an
 engine output. TTFT = submit -> first event with text (or the finishing one); ITL = gaps
