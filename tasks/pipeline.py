@@ -107,8 +107,7 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
         if req.pin and not pin_used:
             raise PinnedWorkerMissing(req.pin)
     except BaseException:
-        for r in picked:
-            await router.release(r)
+        await router.release(*picked)
         raise
     return result
 
@@ -133,4 +132,8 @@ def build_chain(p: Plan, payload: GeneratePayload) -> Signature:
         else:
             sig = task.s(body).set(**route_to(route.queue), **shown)
         sigs.append(sig)
-    return chain(*sigs)
+    # One stage (aggregated) goes as the task alone: the same message (its embed names no
+    # chain rather than an empty one), but Celery's chain deep-copies its tasks (the
+    # payload with every token id) to send one: ~390 against ~270 us of the API loop's
+    # CPU per request.
+    return sigs[0] if len(sigs) == 1 else chain(*sigs)
