@@ -138,6 +138,9 @@ class RespConnection:
         error reply as :class:`redis.exceptions.ResponseError`. Raises
         :class:`redis.exceptions.ConnectionError` when not connected (see :meth:`connect`)."""
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        if not commands:  # nothing to write, no reply to wait for
+            fut.set_result([])
+            return fut
         self._write(commands)
         self._waiting.append((fut, len(commands), []))
         return fut

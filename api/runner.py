@@ -321,9 +321,9 @@ class Runner:
                 self.metrics.cancelled.inc()
                 log.info("[%s] not finished: cancelling on the worker", run.request_id)
                 commands.append(("PUBLISH", CANCEL_CHANNEL, run.request_id))
-            await self._fast.execute(*commands)
-            for route in run.plan.routes:
-                await self.router.release(route)
+            # one write: each write to Redis on a shared core lets Redis (and whatever it
+            # wakes) run before the loop goes on (~0.4 ms per write at c=16 here)
+            await self.router.release(*run.plan.routes, before=tuple(commands))
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)
 

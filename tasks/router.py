@@ -283,15 +283,32 @@ class Router:
 
     async def _run(self, script: AsyncScript, args: list, keys: tuple[str, ...] = ()) -> Any:
         """``script`` on ``keys`` and ``args``, through ``fast`` when there is one."""
+        return (await self._run_all(script, [(keys, args)]))[0]
+
+    async def _run_all(
+        self, script: AsyncScript, calls: list[tuple[tuple[str, ...], list]],
+        before: tuple[tuple, ...] = (),
+    ) -> list[Any]:  # fmt: skip
+        """``script`` once per ``(keys, args)`` of ``calls``, after the commands ``before``;
+        through ``fast``, all of them in one round trip. The scripts' results, in order."""
+        if not calls and not before:
+            return []
         if self._fast is None:
-            return await script(keys=list(keys), args=args)
+            for command in before:
+                await self._r.execute_command(*command)
+            return [await script(keys=list(keys), args=args) for keys, args in calls]
         try:
-            (res,) = await self._fast.execute(("EVALSHA", script.sha, len(keys), *keys, *args))
+            replies = await self._fast.execute(
+                *before, *(("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls)
+            )
         except ResponseError as e:
             if not str(e).startswith("NOSCRIPT"):
                 raise
-            (res,) = await self._fast.execute(("EVAL", script.script, len(keys), *keys, *args))
-        return res
+            # The script cache was flushed: every EVALSHA failed alike (``before`` ran).
+            return await self._fast.execute(
+                *(("EVAL", script.script, len(k), *k, *a) for k, a in calls)
+            )
+        return replies[len(before) :]
 
     async def prefilled(self, route: Route) -> None:
         """The route's prompt is prefilled: its tokens no longer queue on the worker; its
@@ -307,17 +324,21 @@ class Router:
             keys=(LOAD_KEY.format(pool=route.pool),),
         )  # fmt: skip
 
-    async def release(self, route: Route) -> None:
-        """The request routed by ``route`` is over: stop counting it."""
-        w = route.worker_id
-        await self._run(
-            self._give_back,
-            [f"{w}:reqs", 1, f"{w}:blocks", route.blocks if route.decoding else 0,
-             f"{w}:prefill", route.prefill_tokens, LOAD_TTL_S * 1000],
-            keys=(LOAD_KEY.format(pool=route.pool),),
-        )  # fmt: skip
-        route.prefill_tokens = 0
-        route.decoding = False
+    async def release(self, *routes: Route, before: tuple[tuple, ...] = ()) -> None:
+        """The request routed by ``routes`` is over: stop counting it. ``before``: commands
+        to run first, in the same round trip (the caller's own clean-up)."""
+        calls = []
+        for route in routes:
+            w = route.worker_id
+            calls.append((
+                (LOAD_KEY.format(pool=route.pool),),
+                [f"{w}:reqs", 1, f"{w}:blocks", route.blocks if route.decoding else 0,
+                 f"{w}:prefill", route.prefill_tokens, LOAD_TTL_S * 1000],
+            ))  # fmt: skip
+        await self._run_all(self._give_back, calls, before)
+        for route in routes:
+            route.prefill_tokens = 0
+            route.decoding = False
 
     async def load(self, pool: str, worker_id: str) -> dict[str, int]:
         """What the router counts on one worker: reqs, blocks, prefill."""

@@ -38,10 +38,10 @@ def db(redis_url: str) -> str:
     return url
 
 
-def register(url: str, *ids: str, ttl_s: float = 30.0) -> None:
+def register(url: str, *ids: str, ttl_s: float = 30.0, pool: str = POOL) -> None:
     r = redis.Redis.from_url(url)
     for wid in ids:
-        Heartbeat(r, POOL, wid, dict, ttl_s=ttl_s).beat()
+        Heartbeat(r, pool, wid, dict, ttl_s=ttl_s).beat()
 
 
 def kill(url: str, wid: str) -> None:
@@ -402,7 +402,8 @@ def test_two_router_processes_see_each_others_load(db: str) -> None:
 @pytest.mark.parametrize("fast", [False, True])
 def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -> None:
     """``fast``: every script through api.resp.RespConnection, as the API runs them (a
-    flushed script cache included: the give-back is reloaded with EVAL)."""
+    flushed script cache included: the give-back is reloaded with EVAL), and the release
+    with a command of the caller's ahead of it in the same round trip."""
     register(db, "a")
 
     async def go() -> dict:
@@ -415,8 +416,9 @@ def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -
         await router.prefilled(route)
         after_prefill = await router.load(POOL, "a")
         await client.script_flush()
-        await router.release(route)
+        await router.release(route, before=(("SET", "conveyor:test:before", 7),))
         after = await router.load(POOL, "a")
+        assert await client.get("conveyor:test:before") == b"7"
         await client.aclose()
         if conn is not None:
             conn.close()
@@ -428,3 +430,30 @@ def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -
     assert out["prefilled"] == {"reqs": 1, "blocks": 8, "prefill": 0}
     assert out["after"] == {"reqs": 0, "blocks": 0, "prefill": 0}
     assert json.dumps(out)  # plain ints
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_one_release_gives_back_every_route_of_a_request(db: str, fast: bool) -> None:
+    """A disaggregated request holds a prefill and a decode route: one call (one round
+    trip through ``fast``) releases both pools' counts."""
+    for pool in ("prefill", "decode"):
+        register(db, "a", pool=pool)
+
+    async def go() -> list[dict]:
+        client = aioredis.Redis.from_url(db)
+        conn = RespConnection(db) if fast else None
+        router = Router(client, RouterConfig(block_size=BS), fast=conn)  # type: ignore[arg-type]
+        routes = [await router.pick(pool, RouteRequest([], 40)) for pool in ("prefill", "decode")]
+        assert all(r is not None for r in routes)
+        during = [await router.load(pool, "a") for pool in ("prefill", "decode")]
+        await router.release(*routes)  # type: ignore[arg-type]
+        after = [await router.load(pool, "a") for pool in ("prefill", "decode")]
+        await asyncio.wait_for(router.release(), 1.0)  # nothing picked: nothing to wait for
+        await client.aclose()
+        if conn is not None:
+            conn.close()
+        return during + after
+
+    during_p, during_d, after_p, after_d = asyncio.run(go())
+    assert during_p["reqs"] == during_d["reqs"] == 1
+    assert after_p == after_d == {"reqs": 0, "blocks": 0, "prefill": 0}

@@ -49,6 +49,9 @@ def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> 
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(slow, 0.05)
         assert await conn.execute(("LLEN", "l")) == [50]
+        # nothing to send: answered at once, and the next replies stay in step
+        assert await asyncio.wait_for(conn.send(), 1.0) == []
+        assert await conn.execute(("LLEN", "l")) == [50]
         conn.close()
 
     asyncio.run(main())
