@@ -37,8 +37,10 @@ def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(redis_ur
 
         # the server drops the publisher's connection: frames written meanwhile are lost
         # (the API notices the gap), later ones go out on a new connection, still numbered
-        pub._conn.send_command("CLIENT", "ID")
-        r.client_kill_filter(_id=pub._conn.read_response())
+        ids: list[object] = []
+        pub.send_command(("CLIENT", "ID"), ids.append)
+        assert pub.wait_replies(2.0) and isinstance(ids[0], int)
+        r.client_kill_filter(_id=ids[0])
         got = None
         for i in range(10):
             pub.publish_outputs([RequestOutput("b", [10 + i], f"t{i}")])
@@ -51,3 +53,23 @@ def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(redis_ur
     finally:
         pub.stop()
         sub.close()
+
+
+def test_a_publish_never_waits_for_replies(redis_url: str) -> None:
+    """The engine thread writes a step's frames and goes on: replies that have not come
+    yet are read on a later write (a socket with a timeout would otherwise wait in recv)."""
+    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    pub = FramePublisher(r)
+    try:
+        pub.publish_outputs([RequestOutput("c", [1], "x")])  # connected, answered
+        assert pub.wait_replies(2.0)
+        r.execute_command("CLIENT", "PAUSE", 600, "ALL")  # Redis answers nobody for 0.6 s
+        t = time.monotonic()
+        for i in range(5):
+            pub.publish_outputs([RequestOutput("c", [2 + i], "y")])
+        assert time.monotonic() - t < 0.3
+        assert not pub.wait_replies(0.05)  # still owed
+        assert pub.wait_replies(3.0)  # and read once Redis answers again
+        assert pub.publish_errors == 0 and pub.frames_published == 6
+    finally:
+        pub.stop()
