@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
-import select
-import socket
-import ssl
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import hiredis
 import orjson
 import redis
 
@@ -111,13 +107,6 @@ class FramePublisher:
         # per command written and not answered yet, in order: its reply callback (None for
         # a frame's PUBLISH)
         self._owed: deque[Callable[[object], None] | None] = deque()
-        # Replies are read here, not through redis-py: with its read_response per reply
-        # (and a non-blocking poll per check) a step's publish of 16 frames cost the engine
-        # thread ~180 us; one recv for all of them and hiredis's parser, ~80 us. redis-py
-        # still connects (AUTH, SELECT, TLS) and writes.
-        self._reader = hiredis.Reader()
-        self._sock: socket.socket | None = None  # the socket the reader's bytes came from
-        self._poll = select.poll()
         self.frames_published = 0
         self.publish_errors = 0
 
@@ -151,7 +140,11 @@ class FramePublisher:
         end = time.monotonic() + timeout
         with self._lock:
             try:
-                self._drain(end)
+                while self._owed:
+                    left = end - time.monotonic()
+                    if left <= 0 or not self._conn.can_read(timeout=left):
+                        return False
+                    self._read_one()
             except (redis.RedisError, OSError) as e:
                 self._lost(e)
             return not self._owed
@@ -197,10 +190,6 @@ class FramePublisher:
             self._owed.extend(callbacks)
             self._lost(e)
             return False
-        if self._conn._sock is not self._sock:  # (re)connected: a fresh reply stream
-            self._sock, self._reader = self._conn._sock, hiredis.Reader()
-            self._poll = select.poll()  # (select.select fails on descriptors past 1023)
-            self._poll.register(self._sock, select.POLLIN)
         self._owed.extend(callbacks)
         try:
             self._drain()
@@ -208,53 +197,28 @@ class FramePublisher:
             self._lost(e)
         return True
 
-    def _drain(self, until: float | None = None) -> None:
-        """Hand out the replies that have arrived; with ``until`` (a ``time.monotonic``
-        deadline), wait for the rest until then. The caller handles a broken connection."""
-        while self._owed:
-            reply = self._reader.gets()
-            if reply is False:
-                wait = 0.0 if until is None else until - time.monotonic()
-                if wait < 0 or not self._receive(wait):
-                    return
-                continue
-            on_reply = self._owed.popleft()
-            if isinstance(reply, hiredis.ReplyError):
-                msg = str(reply)
-                error = (redis.exceptions.NoScriptError if msg.startswith("NOSCRIPT")
-                         else redis.ResponseError)(msg)  # fmt: skip
-                if on_reply is None:
-                    self.publish_errors += 1
-                    log.error("a frame was refused: %s", msg)
-                    continue
-                reply = error
-            if on_reply is not None:
-                on_reply(reply)
+    def _drain(self) -> None:
+        """Read the replies that have arrived, without waiting for the others (the caller
+        handles a broken connection)."""
+        while self._owed and self._conn.can_read(timeout=0):
+            self._read_one()
 
-    def _receive(self, wait: float) -> bool:
-        """Feed the reader what the socket holds, waiting up to ``wait`` s for something;
-        False if nothing came."""
-        sock = self._sock
-        if sock is None:
-            raise redis.ConnectionError("not connected")
-        # poll first: a socket with a timeout (redis-py's default is 5 s) waits that long
-        # in recv for data, MSG_DONTWAIT or not
-        buffered = isinstance(sock, ssl.SSLSocket) and sock.pending()
-        if not buffered and not self._poll.poll(wait * 1000):
-            return False
+    def _read_one(self) -> None:
+        on_reply = self._owed.popleft()
         try:
-            data = sock.recv(65536)
-        except (BlockingIOError, ssl.SSLWantReadError):
-            return False
-        if not data:
-            raise redis.ConnectionError("Redis closed the connection")
-        self._reader.feed(data)
-        return True
+            reply: object = self._conn.read_response()
+        except redis.ResponseError as e:
+            if on_reply is None:
+                self.publish_errors += 1
+                log.error("a frame was refused: %s", e)
+                return
+            reply = e
+        if on_reply is not None:
+            on_reply(reply)
 
     def _lost(self, e: BaseException) -> None:
         """The connection broke: no owed reply will come; the next write reconnects."""
         self.publish_errors += 1
-        self._sock, self._reader = None, hiredis.Reader()
         self._conn.disconnect()
         owed, self._owed = self._owed, deque()
         for on_reply in owed:
