@@ -66,7 +66,6 @@ class Runner:
         metrics: ApiMetrics,
     ) -> None:
         self.s = settings
-        self.r = client
         self.hub = hub
         # Written before the first await (api.resp): every request's routing pick, the
         # Redis writes of its Celery message (Runner._send), and its clean-up (the load
