@@ -467,8 +467,9 @@ def pool_rounds(res: dict, rounds: list[tuple[dict, dict, dict, dict]],
     tok/s = all tokens / all wall time, CPU seconds summed. At c=16 single rounds of the
     same code put the ITL p50 overhead anywhere from -2.4 to +3.0 ms (the machine's speed
     drifts, and the p50 sits where one-step gaps give way to two-step ones), so one round
-    decided the target by chance. Each round's own summary stays in ``res["round_summaries"]`` and
-    its server/in-process tok/s ratio in ``res["round_ratios"]``."""
+    decided the target by chance. Each round's own summary stays in
+    ``res["round_summaries"]`` and its server/in-process tok/s ratio in
+    ``res["round_ratios"]``."""
     keys = ("inprocess", "server", "lockstep", "server_fixed")
     for k in (*keys, "round_ratios", "round_summaries"):
         res[k] = {}

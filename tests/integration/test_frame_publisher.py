@@ -57,7 +57,7 @@ def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(redis_ur
 
 def test_a_publish_never_waits_for_replies(redis_url: str) -> None:
     """The engine thread writes a step's frames and goes on: replies that have not come
-    yet are read on a later write (a socket with a timeout would otherwise wait in recv)."""
+    yet are read on a later write, never waited for (Redis paused: no reply comes)."""
     r = redis.Redis.from_url(redis_db(redis_url, 8))
     pub = FramePublisher(r)
     try:
