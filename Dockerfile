@@ -21,6 +21,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # wheel from PyPI. Kept in its own layer: it is the largest and changes least.
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
+# A C compiler for the reference engine's decode-attention kernel, which each worker builds
+# for its host's CPU on first use (workers/paged_kernel.py); without it, torch's slower path.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN groupadd --system --gid 10001 conveyor \
     && useradd --system --uid 10001 --gid conveyor --create-home --home-dir /home/conveyor \
        --shell /usr/sbin/nologin conveyor

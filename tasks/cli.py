@@ -137,6 +137,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=s.max_model_len,
             scheduler_delay_factor=s.scheduler_delay_factor,
+            decode_attention=s.decode_attention,
             dtype=s.dtype,
             device=s.device,
             kv_pin_timeout_s=s.kv_pin_timeout_s,

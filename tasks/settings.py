@@ -142,6 +142,12 @@ class Settings(BaseSettings):
         description="While sequences decode, a new prompt waits this many times the last "
         "prefill step's duration (vLLM's scheduler_delay_factor); 0: admitted at once.",
     )
+    decode_attention: Literal["auto", "kernel", "torch"] = Field(
+        "auto",
+        description="Decode attention of the reference engine: kernel (a C kernel that "
+        "reads KV blocks in place; float32 on CPU; built with the host's cc on first use), "
+        "torch (gather the blocks, then SDPA), auto (the kernel where it builds, else torch).",
+    )
     kv_transfer: Literal["auto", "nixl", "redis"] = Field(
         "auto", description="How prefill KV reaches decode workers (auto: NIXL, else Redis)."
     )

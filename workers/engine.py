@@ -8,11 +8,13 @@ request's own seeded generator.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
+from workers import paged_kernel
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.engine_core import (  # noqa: F401 - re-exported: the engine's public types
     EngineConfig,
@@ -25,7 +27,10 @@ from workers.engine_core import (  # noqa: F401 - re-exported: the engine's publ
 )
 from workers.engine_loop import EngineLoop  # noqa: F401 - re-exported
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
+from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
 from workers.sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +43,9 @@ class Engine(EngineCore):
         self.model = model
         self.kv = PagedKVCache(cfg, config.num_kv_blocks, config.block_size, model.dtype,
                                str(model.device))  # fmt: skip
+        self.decode_kernel = _decode_kernel(config.decode_attention, model)
+        self.decode_attention = "kernel" if self.decode_kernel is not None else "torch"
+        log.info("decode attention: %s", self.decode_attention)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> Engine:
@@ -100,6 +108,8 @@ class Engine(EngineCore):
             bs,
             self.model.cfg.num_layers,
             dev,
+            kernel=self.decode_kernel,
+            num_heads=self.model.cfg.num_heads,
         )
         return self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
@@ -108,3 +118,24 @@ class Engine(EngineCore):
             self.kv,
             torch.tensor(logits_index, dtype=torch.long, device=dev),
         )
+
+
+def _decode_kernel(choice: str, model: LlamaModel) -> PagedDecodeKernel | None:
+    """The C decode-attention kernel when ``choice`` asks for it and it can serve ``model``;
+    None for the torch path. ``"kernel"`` raises where it cannot."""
+    if choice not in ("auto", "kernel", "torch"):
+        raise ValueError(f"decode_attention must be auto, kernel or torch, not {choice!r}")
+    if choice == "torch":
+        return None
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        why = f"it runs float32 on CPU only (model: {model.dtype} on {model.device})"
+        if choice == "kernel":
+            raise KernelUnavailable(f"decode_attention=kernel: {why}")
+        return None
+    try:
+        return paged_kernel.load()
+    except KernelUnavailable as e:
+        if choice == "kernel":
+            raise KernelUnavailable(f"decode_attention=kernel: {e}") from e
+        log.warning("decode attention: the C kernel is unavailable, using torch's: %s", e)
+        return None

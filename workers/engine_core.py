@@ -86,6 +86,9 @@ class EngineConfig:
     # step's duration has passed since it arrived (vLLM's scheduler_delay_factor): prompts
     # arriving close together share a step, and fewer decode steps stall on one. 0: at once
     scheduler_delay_factor: float = 0.0
+    # decode attention: "kernel" (the C kernel that reads KV blocks in place; float32 on
+    # CPU), "torch" (gather the blocks, then SDPA) or "auto" (the kernel where it builds)
+    decode_attention: str = "auto"
 
 
 @dataclass(slots=True)

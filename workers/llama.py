@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.checkpoint import TextModelConfig
+from workers.paged_kernel import PagedDecodeKernel
 
 
 @dataclass(slots=True)
@@ -42,7 +43,9 @@ class AttentionMetadata:
 
     Decode rows (one new token each) are attended in one batched call: their contexts are
     gathered a whole block at a time (padded to the most blocks any of them has) and
-    masked by ``decode_mask``. Prefill chunks are attended one by one (few and long).
+    masked by ``decode_mask``; or, with the C kernel (``workers/paged_kernel.py``), read
+    in place through ``decode_table`` up to ``decode_lens``, with nothing gathered. Prefill
+    chunks are attended one by one (few and long).
 
     Two views of the cache are indexed. New tokens are written as rows of the cache viewed
     flat as ``[blocks * layers * 2 * block_size, heads, dim]``: a token's row for (layer,
@@ -56,6 +59,12 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [D] rows (in the step) of the decode tokens
     decode_blocks: torch.Tensor | None = None  # [D * nb] block-view rows of their contexts
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb * block_size] True where valid
+    # with the C kernel, its view of the same decodes instead: block ids [D, nb], context
+    # lengths [D], and scratch for one layer's scores (heads * the longest context)
+    decode_kernel: PagedDecodeKernel | None = None
+    decode_table: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    decode_scores: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -66,6 +75,8 @@ class AttentionMetadata:
         block_size: int,
         num_layers: int,
         device: torch.device | str = "cpu",
+        kernel: PagedDecodeKernel | None = None,  # decode attention by the C kernel
+        num_heads: int = 0,  # query heads (the kernel's scratch)
     ) -> AttentionMetadata:
         stride = 2 * num_layers * block_size  # flat rows per block
         base = slot_mapping // block_size * stride + slot_mapping % block_size
@@ -73,14 +84,19 @@ class AttentionMetadata:
             seg.block_rows = seg.block_table * (2 * num_layers)
         meta = cls(base, prefills)
         if decodes:
-            nb = -(-max(ctx for _, ctx, _ in decodes) // block_size)
+            longest = max(ctx for _, ctx, _ in decodes)
+            nb = -(-longest // block_size)
             rows = [(blocks[:nb] + [0] * (nb - len(blocks)))[:nb] for _, _, blocks in decodes]
             table = torch.tensor(rows, dtype=torch.long)
             lens = torch.tensor([ctx for _, ctx, _ in decodes], dtype=torch.long)
-            pos = torch.arange(nb * block_size, dtype=torch.long)
             meta.decode_rows = torch.tensor([r for r, _, _ in decodes], device=device)
-            meta.decode_blocks = (table * (2 * num_layers)).flatten().to(device)
-            meta.decode_mask = (pos[None, :] < lens[:, None]).to(device)[:, None, None, :]
+            if kernel is not None:
+                meta.decode_kernel, meta.decode_table, meta.decode_lens = kernel, table, lens
+                meta.decode_scores = torch.empty(num_heads * longest, dtype=torch.float32)
+            else:
+                pos = torch.arange(nb * block_size, dtype=torch.long)
+                meta.decode_blocks = (table * (2 * num_layers)).flatten().to(device)
+                meta.decode_mask = (pos[None, :] < lens[:, None]).to(device)[:, None, None, :]
         return meta
 
 
@@ -103,6 +119,11 @@ class PagedKVCache:
         self._mapping: mmap.mmap | None = None
         if torch.device(device).type == "cpu":
             self.data, self._mapping = _huge_page_zeros(shape, dtype)
+            # Fault every page in now (~50 ms for 128 MiB), as a GPU pool is written when
+            # allocated. Left lazy, the first write to each page faults in the middle of a
+            # step: on a fresh worker the KV writes cost ~7x (54 against 8 us per layer
+            # and K|V at 16 decodes), until the pool has handed out every block once.
+            self.data.zero_()
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
@@ -203,7 +224,15 @@ class LlamaModel:
         blocks = kv.block_view()
         groups = nh // nkv
         out = torch.empty_like(q)
-        if attn.decode_rows is not None:
+        if attn.decode_rows is not None and attn.decode_kernel is not None:
+            assert attn.decode_table is not None and attn.decode_lens is not None
+            assert attn.decode_scores is not None
+            qd = q[attn.decode_rows]  # [D, H, hd], a contiguous copy
+            od = torch.empty_like(qd)
+            attn.decode_kernel(kv.data, layer, qd, attn.decode_table, attn.decode_lens,
+                               self.scale, od, attn.decode_scores)  # fmt: skip
+            out[attn.decode_rows] = od
+        elif attn.decode_rows is not None:
             assert attn.decode_blocks is not None and attn.decode_mask is not None
             d, span = attn.decode_mask.shape[0], attn.decode_mask.shape[-1]
             qd = q[attn.decode_rows].unsqueeze(2)  # [D, H, 1, hd]

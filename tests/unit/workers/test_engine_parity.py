@@ -5,7 +5,8 @@ plain ``LlamaForCausalLM`` written by ``transformers`` itself (``model.*`` names
 grouped-query attention 8 heads / 2 kv heads, head_dim != hidden/heads, rope_theta 5e5 in
 ``rope_parameters``, tied embeddings, non-trivial norm gains). HF runs every prompt alone
 (batch 1, no padding); the engine runs them with staggered arrivals, chunked prefill
-alongside decodes, and — in one variant — a KV pool so small that it has to preempt.
+alongside decodes, and — in one variant — a KV pool so small that it has to preempt; both
+variants run each decode-attention path (the C kernel and torch's gather + SDPA).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 import transformers
 
+from workers import paged_kernel
 from workers.engine import Engine, EngineConfig, EngineRequest, RequestOutput
 from workers.model_init import EOS
 from workers.sampling import SamplingParams
@@ -203,10 +205,29 @@ def _check(engine: Engine, case: Case, outs: dict[str, list[RequestOutput]]) -> 
     assert engine.running == [] and len(engine.waiting) == 0
 
 
-def test_parity_staggered_chunked(case: Case) -> None:
+@pytest.fixture(params=["kernel", "torch"])
+def decode_attention(request: pytest.FixtureRequest) -> str:
+    """Both decode-attention paths: the C kernel (skipped, visibly, on a host that cannot
+    build it) and the torch gather + SDPA."""
+    if request.param == "kernel":
+        try:
+            paged_kernel.load()
+        except paged_kernel.KernelUnavailable as e:
+            pytest.skip(f"the C decode-attention kernel cannot be built here: {e}")
+    return request.param
+
+
+def test_parity_staggered_chunked(case: Case, decode_attention: str) -> None:
     engine = Engine.from_model_dir(
-        case.model_dir, EngineConfig(max_num_batched_tokens=64, num_kv_blocks=512, max_num_seqs=12)
+        case.model_dir,
+        EngineConfig(
+            max_num_batched_tokens=64,
+            num_kv_blocks=512,
+            max_num_seqs=12,
+            decode_attention=decode_attention,
+        ),
     )
+    assert engine.decode_attention == decode_attention
     sched = _spy_schedule(engine)
     outs = _drive(engine, case, waves=[3, 2, 4, 1, 5, 3], steps_between=4)
     _check(engine, case, outs)
@@ -224,7 +245,7 @@ def test_parity_staggered_chunked(case: Case) -> None:
     assert max(sum(n for _, n, _ in step) for step in sched) == 64
 
 
-def test_parity_under_preemption(case: Case) -> None:
+def test_parity_under_preemption(case: Case, decode_attention: str) -> None:
     engine = Engine.from_model_dir(
         case.model_dir,
         EngineConfig(
@@ -233,8 +254,10 @@ def test_parity_under_preemption(case: Case) -> None:
             block_size=16,
             max_num_batched_tokens=96,
             max_num_seqs=16,
+            decode_attention=decode_attention,
         ),
     )
+    assert engine.decode_attention == decode_attention
     keep = [i for i, p in enumerate(case.prompts) if len(p) + case.max_tokens[i] <= 256]
     assert len(keep) >= 25
     sub = Case(
