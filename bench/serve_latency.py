@@ -221,9 +221,12 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
     from workers.sampling import SamplingParams
 
     torch.set_num_threads(args.torch_threads)
-    # the server's scheduling setting, so both sides run the same engine
+    # the server's scheduling and attention settings, so both sides run the same engine
     delay = float(os.environ.get("CONVEYOR_SCHEDULER_DELAY_FACTOR") or 0)
-    engine = Engine.from_model_dir(model_dir, EngineConfig(scheduler_delay_factor=delay))
+    attention = os.environ.get("CONVEYOR_DECODE_ATTENTION") or "auto"
+    engine = Engine.from_model_dir(
+        model_dir, EngineConfig(scheduler_delay_factor=delay, decode_attention=attention)
+    )
     events: dict[str, list[tuple[float, str, bool]]] = {}
     done: queue.Queue[RequestOutput] = queue.Queue()
 
