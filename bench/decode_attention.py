@@ -53,8 +53,7 @@ def layer_times(engine: Engine, seqs: int, ctx: int, iters: int, seed: int) -> d
     with torch.inference_mode():
         for name in PATHS:
             meta = AttentionMetadata.build(slots, [], decodes, bs, cfg.num_layers,
-                                           kernel=kernel if name == "kernel" else None,
-                                           num_heads=cfg.num_heads)  # fmt: skip
+                                           kernel=kernel if name == "kernel" else None)  # fmt: skip
             times = []
             for i in range(iters + 5):
                 t = time.perf_counter()

@@ -109,7 +109,6 @@ class Engine(EngineCore):
             self.model.cfg.num_layers,
             dev,
             kernel=self.decode_kernel,
-            num_heads=self.model.cfg.num_heads,
         )
         return self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -60,11 +60,11 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [D * nb] block-view rows of their contexts
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb * block_size] True where valid
     # with the C kernel, its view of the same decodes instead: block ids [D, nb], context
-    # lengths [D], and scratch for one layer's scores (heads * the longest context)
+    # lengths [D] and the longest of them
     decode_kernel: PagedDecodeKernel | None = None
     decode_table: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
-    decode_scores: torch.Tensor | None = None
+    decode_longest: int = 0
 
     @classmethod
     def build(
@@ -76,7 +76,6 @@ class AttentionMetadata:
         num_layers: int,
         device: torch.device | str = "cpu",
         kernel: PagedDecodeKernel | None = None,  # decode attention by the C kernel
-        num_heads: int = 0,  # query heads (the kernel's scratch)
     ) -> AttentionMetadata:
         stride = 2 * num_layers * block_size  # flat rows per block
         base = slot_mapping // block_size * stride + slot_mapping % block_size
@@ -92,7 +91,7 @@ class AttentionMetadata:
             meta.decode_rows = torch.tensor([r for r, _, _ in decodes], device=device)
             if kernel is not None:
                 meta.decode_kernel, meta.decode_table, meta.decode_lens = kernel, table, lens
-                meta.decode_scores = torch.empty(num_heads * longest, dtype=torch.float32)
+                meta.decode_longest = longest
             else:
                 pos = torch.arange(nb * block_size, dtype=torch.long)
                 meta.decode_blocks = (table * (2 * num_layers)).flatten().to(device)
@@ -226,11 +225,10 @@ class LlamaModel:
         out = torch.empty_like(q)
         if attn.decode_rows is not None and attn.decode_kernel is not None:
             assert attn.decode_table is not None and attn.decode_lens is not None
-            assert attn.decode_scores is not None
             qd = q[attn.decode_rows]  # [D, H, hd], a contiguous copy
             od = torch.empty_like(qd)
             attn.decode_kernel(kv.data, layer, qd, attn.decode_table, attn.decode_lens,
-                               self.scale, od, attn.decode_scores)  # fmt: skip
+                               attn.decode_longest, self.scale, od)  # fmt: skip
             out[attn.decode_rows] = od
         elif attn.decode_rows is not None:
             assert attn.decode_blocks is not None and attn.decode_mask is not None
