@@ -26,14 +26,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
+from serve_latency import make_prompts, output_lengths  # noqa: E402
+
+from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
 from workers import paged_kernel  # noqa: E402
 from workers.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
 from workers.llama import AttentionMetadata  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 
-DEFAULT_MODEL = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 PATHS = ("torch", "kernel")
 
 
@@ -66,17 +68,18 @@ def layer_times(engine: Engine, seqs: int, ctx: int, iters: int, seed: int) -> d
 
 def engine_run(engine: Engine, steps: int, seed: int) -> tuple[float, float, list[list[int]]]:
     """tok/s and median step (ms) over ``steps`` steps of the serving bench's stream."""
-    rng = random.Random(seed)
-    vocab = engine.model.cfg.vocab_size
+    # Every request makes at least 32 tokens, one per step, 16 at a time: steps / 2 + 16
+    # requests at most, all distinct (as on the serving bench: no prefix-cache hits).
+    n = steps + 16
+    prompts = make_prompts(n, 128, engine.model.cfg.vocab_size, seed)
+    lengths = output_lengths(n, 64, 0.5, seed)
     tokens: dict[str, list[int]] = {}
 
     def submit() -> None:
-        rid = str(len(tokens))
-        tokens[rid] = []
-        n = max(2, round(64 * (1 + 0.5 * rng.uniform(-1, 1))))
-        prompt = [rng.randrange(5, vocab) for _ in range(128)]
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        engine.add_request(EngineRequest(rid, prompt, params))
+        i = len(tokens)
+        tokens[str(i)] = []
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+        engine.add_request(EngineRequest(str(i), prompts[i], params))
 
     for _ in range(16):
         submit()
@@ -99,7 +102,7 @@ def engine_run(engine: Engine, steps: int, seed: int) -> tuple[float, float, lis
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--seqs", default="1,4,16,64", help="decode batch sizes (table 1)")
     ap.add_argument("--contexts", default="128,512,2048", help="context lengths (table 1)")
     ap.add_argument("--iters", type=int, default=100, help="calls per cell (table 1)")

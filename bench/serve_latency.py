@@ -67,7 +67,8 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
 from common import free_ports, session, stream_chunks  # noqa: E402
 
-DEFAULT_MODEL = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
+from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
+
 # targets: TTFT / ITL p50 overhead (ms), throughput vs in-process (%), batching gain (x)
 TARGETS = {"ttft": 15.0, "itl": 1.0, "tput": 90.0, "gain": 2.5}
 
@@ -504,7 +505,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--start-server", action="store_true", help="run redis+worker+api here")
-    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the server's model dir")
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="the server's model dir")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--requests-per-level", type=int, help="default: max(32, 16*c)")
     ap.add_argument("--prompt-len", type=int, default=128)
