@@ -44,8 +44,12 @@ class Engine(EngineCore):
         self.kv = PagedKVCache(cfg, config.num_kv_blocks, config.block_size, model.dtype,
                                str(model.device))  # fmt: skip
         self.decode_kernel = _decode_kernel(config.decode_attention, model)
-        self.decode_attention = "kernel" if self.decode_kernel is not None else "torch"
         log.info("decode attention: %s", self.decode_attention)
+
+    @property
+    def decode_attention(self) -> str:
+        """The decode-attention path this engine runs: ``"kernel"`` or ``"torch"``."""
+        return "kernel" if self.decode_kernel is not None else "torch"
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig) -> Engine:
