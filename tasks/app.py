@@ -63,6 +63,7 @@ def configure(settings: Settings | None = None, extra_queues: list[str] = ()) ->
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         worker_send_task_events=True,
+        worker_consumer="tasks.consumer:Consumer",  # task events sent in batches
         task_send_sent_event=True,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
