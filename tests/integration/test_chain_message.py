@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.runner import Runner
-from tasks.app import app, declare_queues
-from tasks.broker import Channel, deferred_publishes
+from tasks.app import app, declare_queues, queue
+from tasks.broker import ACK_FLUSH_S, Channel, deferred_publishes
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route, RouteRequest
@@ -207,3 +207,57 @@ def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:
         channel.close()
         assert channel._sync_client is None
     redis.Redis.from_url(url).flushdb()
+
+
+class _FakeHub:
+    def __init__(self) -> None:
+        self.timers: list[tuple[float, object]] = []
+
+    def call_later(self, delay: float, fn) -> None:  # type: ignore[no-untyped-def]
+        self.timers.append((delay, fn))
+
+
+def test_a_worker_writes_its_acks_in_batches_and_before_closing(redis_url: str) -> None:
+    """tasks.broker.QoS: on a worker's event loop an ack frees its prefetch slot at once
+    but leaves the message in the unacked hash until the batch is written, once for all
+    the acks of the window (ACK_FLUSH_S); closing the channel writes what is held back.
+    Without an event loop an ack is written at once."""
+    url = redis_db(redis_url, 14)
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    celery_at(url)
+    q = "generate.w-acks"
+    declare_queues([q])
+    try:
+        with app.connection_for_write() as conn:
+            producer = conn.Producer()
+            for i in range(5):
+                producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+            channel = conn.channel()
+            consumer_q = queue(q)(channel)
+            msgs = [consumer_q.get(no_ack=False) for _ in range(5)]
+            assert r.hlen("unacked") == 5
+            qos = channel.qos
+            qos.prefetch_count = 3
+            assert not qos.can_consume()  # 5 unacked
+            msgs[0].ack()  # no event loop yet: written at once, as kombu does
+            assert r.hlen("unacked") == 4
+
+            hub = _FakeHub()
+            conn.transport.conveyor_hub = hub
+            msgs[1].ack()
+            msgs[2].ack()
+            assert r.hlen("unacked") == 4  # held back ...
+            assert qos.can_consume()  # ... but their prefetch slots are free (2 unacked)
+            assert len(hub.timers) == 1 and hub.timers[0][0] == ACK_FLUSH_S
+            hub.timers[0][1]()  # the loop fires the flush: one transaction for both
+            assert r.hlen("unacked") == 2 and r.zcard("unacked_index") == 2
+
+            msgs[3].ack()
+            channel.close()  # held-back acks are written; the unacked one is restored
+            assert r.hlen("unacked") == 0
+            assert r.llen(q) == 1 and json.loads(base64.b64decode(
+                json.loads(r.lindex(q, 0))["body"]))["n"] == 4  # fmt: skip
+    finally:
+        celery_at(redis_url)
+        r.flushdb()
