@@ -203,7 +203,10 @@ class Runner:
                 declare_queues(fresh, retry_policy=SEND_RETRY_POLICY)
                 self._declared.update(fresh)
             with deferred_publishes() as writes:
-                build_chain(p, payload).apply_async(retry_policy=SEND_RETRY_POLICY)
+                # declare=[]: declared above, once per queue; kombu's per-message check
+                # (a bound copy of the queue looked up in its cache) was a third of a send
+                build_chain(p, payload).apply_async(retry_policy=SEND_RETRY_POLICY,
+                                                    declare=[])  # fmt: skip
             # Celery's broker is ``effective_redis_url`` too (tasks.app.configure), so the
             # writes go to the same Redis as the pick. Empty when the broker's transport
             # sent the message itself (only a redis:// broker defers, see tasks.broker).

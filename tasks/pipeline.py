@@ -124,8 +124,9 @@ def build_chain(p: Plan, payload: GeneratePayload) -> Signature:
     for i, (name, route) in enumerate(p.steps):
         task = tasks[name]
         # the first task gets the payload alone; later ones get the previous handle first.
-        # The first is sent from here (a Queue object declares the route); later ones
-        # travel inside the message, so they name their queue in plain JSON.
+        # The first is sent from here (a Queue object names the route: the anonymous
+        # exchange, straight onto the list); later ones travel inside the message, so they
+        # name their queue in plain JSON.
         if i == 0:
             sig = task.si(body).set(queue=queue(route.queue), task_id=payload.request_id,
                                     **shown)  # fmt: skip
