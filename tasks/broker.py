@@ -15,9 +15,11 @@ commands with its asyncio client. Reads (a binding lookup) still go to Redis at 
 Measured in the API at 16 concurrent streams, the synchronous send held the event loop
 3.1 ms (p50) per request, two round trips to a Redis on the same busy core.
 
-In a worker, acknowledgements are written in batches (:class:`QoS`): an ack is a
-``MULTI``/``ZREM``/``HDEL``/``EXEC`` round trip per request, a sixth of the worker's CPU
-per request at 16 streams; written together at most every ``ACK_FLUSH_S`` they cost one.
+In a worker, the unacked bookkeeping is written in batches (:class:`QoS`): kombu makes a
+``MULTI``...``EXEC`` round trip for every message received, before the task reaches its
+thread, and another for every ack (a sixth of the worker's CPU per request at 16
+streams); here a task is handed over first, and the writes of a loop turn (acks: of up to
+``ACK_FLUSH_S``) go in one transaction.
 
 Used for ``redis://`` brokers (``tasks.app.configure``); other schemes (``rediss://``,
 whose TLS set-up kombu keys on the scheme, and ``sentinel://``) keep kombu's own transport,
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -35,6 +38,7 @@ from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.json import dumps as json_dumps
 
 log = logging.getLogger(__name__)
 
@@ -94,43 +98,76 @@ ACK_FLUSH_S = 0.05  # the longest an ack waits to be written with others
 
 
 class QoS(kombu_redis.QoS):
-    """Kombu's Redis ack emulation, with acks written in batches on the worker's event loop.
+    """Kombu's Redis ack emulation, its writes batched on the worker's event loop.
 
-    An ack frees its prefetch slot at once (the in-memory bookkeeping); the Redis side,
-    dropping the message from the unacked hash and index, waits up to ``ACK_FLUSH_S`` for
-    the acks after it and goes in one transaction with them. A worker that dies before
-    writing them leaves those messages in the unacked hash, where the broker redelivers
-    them after the visibility timeout, as it would any task the worker held: the API's
-    cancelled key (set for every request that ended) makes such a copy skip the work.
-    Closing the channel writes them first. Without an event loop (any process but a
-    worker's consumer) an ack is written at once, as kombu does."""
+    A message received is recorded in the unacked hash and index, and removed from them
+    when acked. Kombu writes each as a transaction of its own and waits for it: a task
+    reached its thread only after a round trip to Redis (on a worker whose Celery side
+    runs niced on a busy core, a wait for the CPU after the answer too), and each ack was
+    another. On a worker's event loop:
+
+    * the record of a message received is written once the loop's current callback is
+      done, that is once Celery has handed the task to a thread, not before;
+    * an ack frees its prefetch slot at once, and its write waits up to ``ACK_FLUSH_S``
+      for the next batch;
+    * whatever is pending goes in one transaction, records before acks.
+
+    A worker that dies before writing its acks leaves those messages in the unacked hash,
+    where the broker redelivers them after the visibility timeout, as it would any task
+    the worker held: the API's cancelled key (set for every request that ended) makes
+    such a copy skip the work. Closing the channel writes what is pending. Without an
+    event loop (any process but a worker's consumer) both are written at once, as kombu
+    does."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._received: list[tuple[Any, float]] = []  # (message, when)
         self._acks: list[str] = []
-        self._acks_lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+
+    def _hub(self) -> Any:
+        return getattr(self.channel.connection, "conveyor_hub", None)
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        hub = self._hub()
+        if hub is None:
+            super().append(message, delivery_tag)
+            return
+        virtual.QoS.append(self, message, delivery_tag)
+        with self._pending_lock:
+            self._received.append((message, time.time()))
+            first = len(self._received) == 1
+        if first:
+            hub.call_soon(self.flush)
 
     def ack(self, delivery_tag: str) -> None:
-        hub = getattr(self.channel.connection, "conveyor_hub", None)
+        hub = self._hub()
         if hub is None:
             super().ack(delivery_tag)
             return
-        with self._acks_lock:
+        with self._pending_lock:
             self._acks.append(delivery_tag)
             first = len(self._acks) == 1
         virtual.QoS.ack(self, delivery_tag)
         if first:
-            hub.call_later(ACK_FLUSH_S, self.flush_acks)
+            hub.call_later(ACK_FLUSH_S, self.flush)
 
-    def flush_acks(self) -> None:
-        """Write the acks held back so far, in one transaction."""
-        with self._acks_lock:
-            tags, self._acks = self._acks, []
-        if tags:
-            with self.pipe_or_acquire() as pipe:
-                for tag in tags:
-                    self._remove_from_indices(tag, pipe)
-                pipe.execute()
+    def flush(self) -> None:
+        """Write the pending records and acks, in one transaction."""
+        with self._pending_lock:
+            received, self._received = self._received, []
+            acks, self._acks = self._acks, []
+        if not received and not acks:
+            return
+        with self.pipe_or_acquire() as pipe:
+            for message, when in received:  # as kombu's append writes them
+                info = message.delivery_info
+                raw = json_dumps([message._raw, info["exchange"], info["routing_key"]])
+                pipe.zadd(self.unacked_index_key, {message.delivery_tag: when})
+                pipe.hset(self.unacked_key, message.delivery_tag, raw)
+            for tag in acks:
+                self._remove_from_indices(tag, pipe)
+            pipe.execute()
 
 
 class Channel(kombu_redis.Channel):
@@ -155,9 +192,9 @@ class Channel(kombu_redis.Channel):
     def close(self) -> None:
         if self._qos is not None and not self.closed:
             try:
-                self._qos.flush_acks()
+                self._qos.flush()
             except Exception as e:  # noqa: BLE001 - redelivered later, then skipped
-                log.warning("acks not written before closing the channel: %s", e)
+                log.warning("unacked bookkeeping not written before closing: %s", e)
         self._sync_client = None
         super().close()
 
