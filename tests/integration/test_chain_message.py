@@ -22,6 +22,7 @@ from tasks.payloads import GeneratePayload
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route, RouteRequest
 from tasks.settings import Settings
+from tests.fakes import FakeHub
 from tests.integration.conftest import celery_at, free_port, redis_db, start_redis
 
 
@@ -259,18 +260,6 @@ def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:
     redis.Redis.from_url(url).flushdb()
 
 
-class _FakeHub:
-    def __init__(self) -> None:
-        self.soon: list[object] = []
-        self.timers: list[tuple[float, object]] = []
-
-    def call_soon(self, fn) -> None:  # type: ignore[no-untyped-def]
-        self.soon.append(fn)
-
-    def call_later(self, delay: float, fn) -> None:  # type: ignore[no-untyped-def]
-        self.timers.append((delay, fn))
-
-
 def test_a_worker_batches_its_unacked_bookkeeping_and_writes_it_before_closing(
     redis_url: str,
 ) -> None:
@@ -300,7 +289,7 @@ def test_a_worker_batches_its_unacked_bookkeeping_and_writes_it_before_closing(
             msgs[0].ack()  # no event loop: written at once
             assert r.hlen("unacked") == 4
 
-            hub = _FakeHub()
+            hub = FakeHub()
             conn.transport.conveyor_hub = hub
             msgs.append(consumer_q.get(no_ack=False))  # received on the loop
             assert r.hlen("unacked") == 4 and len(hub.soon) == 1  # recorded after the turn

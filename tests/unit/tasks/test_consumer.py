@@ -7,14 +7,7 @@ from __future__ import annotations
 import time
 
 from tasks.consumer import EVENT_FLUSH_S, Consumer
-
-
-class FakeHub:
-    def __init__(self) -> None:
-        self.timers: list[tuple[float, object]] = []
-
-    def call_later(self, delay: float, fn) -> None:  # type: ignore[no-untyped-def]
-        self.timers.append((delay, fn))
+from tests.fakes import FakeHub
 
 
 class FakeDispatcher:
