@@ -59,13 +59,13 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
-from common import free_ports, session, stream_chunks  # noqa: E402
+from common import free_ports  # noqa: E402
+from sse_client import SSEClient, run_loop  # noqa: E402
 
 from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
 
@@ -126,15 +126,13 @@ def output_lengths(n: int, length: int, spread: float, seed: int) -> list[int]:
 
 
 # --- Server side --------------------------------------------------------------------
-async def _one_http(
-    client: aiohttp.ClientSession, model: str, prompt: list[int], out_len: int
-) -> dict:
+async def _one_http(client: SSEClient, model: str, prompt: list[int], out_len: int) -> dict:
     body = dict(model=model, prompt=prompt, max_tokens=out_len, temperature=0, ignore_eos=True,
                 stream=True, stream_options={"include_usage": True})  # fmt: skip
     events: list[tuple[float, str, bool]] = []
     tokens = 0
     t0 = time.perf_counter()
-    async for now, obj in stream_chunks(client, "/v1/completions", body):
+    for now, obj in await client.stream("/v1/completions", body):
         if obj.get("usage"):
             tokens = obj["usage"]["completion_tokens"]
         if obj.get("choices"):
@@ -188,9 +186,8 @@ def _cpu_delta(pids: dict[str, int], before: dict) -> dict[str, float]:
 async def _server_levels(
     url: str, levels: list[int], prompts: dict, args, pids: dict[str, int]
 ) -> tuple[str, dict]:
-    async with session(url, max(levels) + 4, 300.0) as client:
-        async with client.get("/v1/models") as r:
-            model = (await r.json())["data"][0]["id"]
+    async with SSEClient(url, max(levels) + 4, 300.0) as client:
+        model = (await client.get_json("/v1/models"))["data"][0]["id"]
         for p, n in prompts["warmup"]:
             await _one_http(client, model, p, n)
         results = {}
@@ -598,12 +595,12 @@ def main() -> int:
                 print(f"round {r + 1}/{args.rounds}, c={c}: in-process, then server",
                       file=sys.stderr)  # fmt: skip
                 inp.update(inprocess_level(c, args.stagger_ms, prompts))
-                res["model"], got = asyncio.run(_server_levels(url, [c], prompts, args, pids))
+                res["model"], got = run_loop(_server_levels(url, [c], prompts, args, pids))
                 srv.update(got)
                 if c > 1 and (args.stagger_ms > 0 or args.output_spread > 0):
                     lock.update(inprocess_level(c, 0.0, fixed))  # the reference
                     if args.output_spread > 0:  # the server at that one length
-                        srv_fixed.update(asyncio.run(
+                        srv_fixed.update(run_loop(
                             _server_levels(url, [c], fixed, args, pids))[1])  # fmt: skip
             rounds.append((inp, srv, lock, srv_fixed or srv))
 

@@ -281,3 +281,38 @@ def test_a_workers_celery_side_runs_nicer_than_its_engine(cluster: Cluster) -> N
     assert done.choices[0].text is not None  # the pool's threads exist by now
     assert _nice(worker) == {10}
     assert _nice(engine) == {0}
+
+
+def test_the_bench_client_reads_what_the_openai_client_reads(cluster: Cluster) -> None:
+    """bench/sse_client.py (the serving benchmark's lean client) against the real API: the
+    same text and usage as the official client streams for the same greedy request (how
+    tokens group into chunks depends on timing: frames that wait are sent as one)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from sse_client import SSEClient, run_loop
+
+    body = dict(model=cluster.model_name, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                ignore_eos=True, stream=True, stream_options={"include_usage": True})  # fmt: skip
+    ref = list(
+        cluster.client().completions.create(
+            model=cluster.model_name,
+            prompt=PROMPTS[0],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    )
+
+    async def read() -> list[tuple[float, dict]]:
+        async with SSEClient(cluster.url, 2, 60.0) as client:
+            assert (await client.get_json("/v1/models"))["data"][0]["id"] == cluster.model_name
+            return await client.stream("/v1/completions", body)
+
+    got = run_loop(read())
+    texts = [obj["choices"][0]["text"] for _, obj in got if obj["choices"]]
+    assert "".join(texts) == "".join(ch.choices[0].text for ch in ref if ch.choices)
+    assert got[-2][1]["choices"][0]["finish_reason"] == "length"
+    assert got[-1][1]["usage"]["completion_tokens"] == ref[-1].usage.completion_tokens == 24
+    times = [t for t, _ in got]
+    assert times == sorted(times)
