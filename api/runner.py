@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import redis.asyncio as aioredis
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -53,8 +54,8 @@ class RunningRequest:
     finished: bool = False
     last_frame_at: float | None = None
     usage: dict = field(default_factory=dict)
-    frames_iter: AsyncIterator[dict] | None = None
     prefilled_task: asyncio.Task[None] | None = None  # moves its load prefill -> decode
+    alive: Callable[[], Awaitable[bool]] | None = None  # are its workers alive (Runner)
 
 
 class Runner:
@@ -100,9 +101,7 @@ class Runner:
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
             run = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req)
             try:
-                it = self._frames(run)
-                run.first_frame = await anext(it)
-                run.frames_iter = it
+                run.first_frame = await self._next(run)
             except WorkerLost as e:
                 self.finish(run)
                 self.metrics.redispatched.inc()
@@ -167,6 +166,7 @@ class Runner:
                 )
         sub = await self.hub.subscribe(tokens_channel(stream_id))
         run = RunningRequest(stream_id, sub, p, started)
+        run.alive = partial(self._alive, run)
         try:
             payload = GeneratePayload(
                 request_id=stream_id,
@@ -233,32 +233,29 @@ class Runner:
                 await asyncio.sleep(SEND_RETRY_POLICY["interval_step"])
         await broker.send(*writes)
 
-    async def frames(self, run: RunningRequest) -> AsyncIterator[dict]:
-        """All frames of a started request, the first included, up to the terminal one."""
-        assert run.first_frame is not None, "frames() before start() returned"
-        yield run.first_frame
-        if run.first_frame.get("done"):
-            return
-        assert run.frames_iter is not None
-        async for f in run.frames_iter:
-            yield f
-
     async def batches(self, run: RunningRequest) -> AsyncIterator[list[dict]]:
-        """The frames of :meth:`frames` in lists: each holds a frame that was waited for
-        and those that had already arrived behind it. A stream that fell behind (the API
-        busy) catches up in one SSE chunk rather than one per token, as vLLM merges the
-        outputs a client has not taken yet; a stream that keeps up gets one per token."""
-        async for frame in self.frames(run):
+        """A started request's frames, the first included, up to the terminal one, in
+        lists: each holds a frame that was waited for and those that had already arrived
+        behind it. A stream that fell behind (the API busy) catches up in one SSE chunk
+        rather than one per token, as vLLM merges the outputs a client has not taken yet;
+        a stream that keeps up gets one per token. Frames come straight from the
+        subscription (no generator per layer: this runs once per token per stream)."""
+        assert run.first_frame is not None, "batches() before start() returned"
+        frame = run.first_frame
+        sub = run.subscription
+        while True:
             batch = [frame]
-            while not batch[-1].get("done"):
-                more = run.subscription.poll()
+            while not frame.get("done"):
+                more = sub.poll()
                 if more is None:
                     break
                 self._observe(run, more)
                 batch.append(more)
+                frame = more
             yield batch
-            if batch[-1].get("done"):
+            if frame.get("done"):
                 return
+            frame = await self._next(run)
 
     def finish(self, run: RunningRequest) -> None:
         """Release everything the request holds; cancel it on the worker if unfinished.
@@ -268,21 +265,23 @@ class Runner:
         task.add_done_callback(self._cleanup_tasks.discard)
 
     # ----------------------------------------------------------------------------------
-    async def _frames(self, run: RunningRequest) -> AsyncIterator[dict]:
-        async def alive() -> bool:
-            # Before the first frame every stage's worker matters; after it, only the
-            # last one's (a prefill worker may come and go once it handed over the KV).
-            routes = run.plan.routes if run.first_frame is None else run.plan.routes[-1:]
-            return await self.router.all_alive(routes)
-
-        async for frame in run.subscription.frames(
-            self.s.first_frame_timeout_s,
-            self.s.frame_timeout_s,
-            alive,
+    async def _next(self, run: RunningRequest) -> dict:
+        """The request's next frame (waited for, with the timeouts and liveness checks of
+        :meth:`api.streams.Subscription.next_frame`), observed for the metrics."""
+        first = run.first_frame is None
+        frame = await run.subscription.next_frame(
+            self.s.first_frame_timeout_s if first else self.s.frame_timeout_s,
+            run.alive,
             check_every=min(1.0, self.s.heartbeat_s),
-        ):
-            self._observe(run, frame)
-            yield frame
+        )
+        self._observe(run, frame)
+        return frame
+
+    async def _alive(self, run: RunningRequest) -> bool:
+        # Before the first frame every stage's worker matters; after it, only the last
+        # one's (a prefill worker may come and go once it handed over the KV).
+        routes = run.plan.routes if run.first_frame is None else run.plan.routes[-1:]
+        return await self.router.all_alive(routes)
 
     def _observe(self, run: RunningRequest, frame: dict) -> None:
         now = time.perf_counter()

@@ -66,7 +66,7 @@ def test_own_request_ids_need_no_subscribe_of_their_own(redis_url: str) -> None:
         assert [(f["seq"], f["text"]) for f in got] == [(0, "a"), (1, "b")]
         await sub.close()
         await client.publish(channel, _frame(2, "late"))  # nobody listens: dropped
-        assert sub.queue.empty()
+        assert sub.pending == 0
 
     _run(redis_url, body)
 
@@ -95,7 +95,7 @@ def test_poll_takes_what_arrived_in_order_and_drops_duplicates(redis_url: str) -
         assert sub.poll() is None  # nothing yet, and it does not wait
         for raw in (_frame(0, "a"), _frame(0, "a"), _frame(1, "b"), _frame(3, "d")):
             await client.publish(channel, raw)
-        await _until(lambda: sub.queue.qsize() == 4)
+        await _until(lambda: sub.pending == 4)
         assert (await sub.next_frame(1.0))["seq"] == 0
         assert sub.poll()["seq"] == 1  # type: ignore[index]  # the duplicate 0 is dropped
         with pytest.raises(StreamGap, match="frames 2..2 were lost"):
@@ -116,9 +116,8 @@ def test_a_stream_that_fell_behind_catches_up_in_one_batch(redis_url: str) -> No
         run = RunningRequest(rid, sub, Plan(steps=[]), time.perf_counter())
         for i, t in enumerate("abcd"):
             await client.publish(channel, _frame(i, t))
-        await _until(lambda: sub.queue.qsize() == 4)
-        run.frames_iter = runner._frames(run)
-        run.first_frame = await anext(run.frames_iter)
+        await _until(lambda: sub.pending == 4)
+        run.first_frame = await runner._next(run)
         batches = runner.batches(run)
         first = await anext(batches)
         assert [f["text"] for f in first] == ["a", "b", "c", "d"]
@@ -131,7 +130,7 @@ def test_a_stream_that_fell_behind_catches_up_in_one_batch(redis_url: str) -> No
         await client.publish(channel, _frame(5, "f"))
         await client.publish(channel, _frame(6, "g", done=True))
         await client.publish(channel, _frame(7, "never"))  # after the terminal frame
-        await _until(lambda: sub.queue.qsize() == 3)
+        await _until(lambda: sub.pending == 3)
         last = await anext(batches)
         assert [f["text"] for f in last] == ["f", "g"] and last[-1]["done"]
         assert run.finished and run.usage == {"completion_tokens": 7}
