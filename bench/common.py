@@ -55,12 +55,18 @@ async def stream_chunks(
                 return
             now = time.perf_counter()
             obj = json.loads(data)
-            if "error" in obj:
-                err = obj["error"]
-                msg = err.get("message", err) if isinstance(err, dict) else err
+            if (msg := event_error(obj)) is not None:
                 raise RuntimeError(f"stream error: {msg}")
             yield now, obj
         raise RuntimeError("stream ended without [DONE]")
+
+
+def event_error(obj: dict) -> object | None:
+    """An SSE error event's message (the event itself if it has none); None otherwise."""
+    if "error" not in obj:
+        return None
+    err = obj["error"]
+    return err.get("message", err) if isinstance(err, dict) else err
 
 
 def error_text(body: bytes) -> str:

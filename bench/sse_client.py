@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
-from common import error_text
+from common import error_text, event_error
 
 
 class StreamError(RuntimeError):
@@ -139,23 +139,20 @@ class SSEClient:
     async def _send(self, head: bytes, body: bytes, sse: bool) -> tuple[int, list, bytes]:
         async with self._slots:
             conn, reused = await self._connection()
-            try:
-                out = await conn.request(head, body, self.timeout_s, sse)
-            except StreamError:
-                conn.transport.close()  # type: ignore[union-attr]
-                if not reused or conn.answered:
-                    raise
-                # the server closed the idle connection as we sent on it (an idle
-                # keep-alive timeout): nothing was answered, so send once more on a new one
-                conn, _ = await self._connection(reuse=False)
+            while True:
                 try:
                     out = await conn.request(head, body, self.timeout_s, sse)
+                    break
+                except StreamError:
+                    conn.transport.close()  # type: ignore[union-attr]
+                    if not reused or conn.answered:
+                        raise
+                    # the server closed the idle connection as we sent on it (an idle
+                    # keep-alive timeout): nothing was answered, so once more on a new one
+                    conn, reused = await self._connection(reuse=False)
                 except BaseException:
                     conn.transport.close()  # type: ignore[union-attr]
                     raise
-            except BaseException:
-                conn.transport.close()  # type: ignore[union-attr]
-                raise
             if not conn.lost:
                 self._idle.append(conn)
         if out[0] != 200:
@@ -175,9 +172,7 @@ class SSEClient:
             if raw == b"[DONE]":
                 return out
             obj = json.loads(raw)
-            if "error" in obj:
-                err = obj["error"]
-                msg = err.get("message", err) if isinstance(err, dict) else err
+            if (msg := event_error(obj)) is not None:
                 raise StreamError(f"stream error: {msg}")
             out.append((now, obj))
         raise StreamError("stream ended without [DONE]")
