@@ -8,9 +8,9 @@ start, to one pattern that covers every request id it hands out (``new_request_i
 registering its queue is enough, and it is listening before the API sends its chain, with
 no round trip and no wait for a confirmation that would queue behind every other stream's
 frames. A channel the pattern does not cover is subscribed to on its own, and
-``subscribe`` returns only once Redis has confirmed it. ``Subscription.frames`` yields
-frames in ``seq`` order, drops duplicates, raises on a gap (pub/sub lost a frame) and on
-silence past a timeout, and ends after the terminal frame.
+``subscribe`` returns only once Redis has confirmed it. ``Subscription.next_frame`` and
+``poll`` hand out frames in ``seq`` order, drop duplicates, and raise on a gap (pub/sub lost
+a frame) and on silence past a timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import secrets
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 
@@ -119,22 +119,6 @@ class Subscription:
             frame = self.poll()
             if frame is not None:
                 return frame
-
-    async def frames(
-        self,
-        first_timeout: float,
-        frame_timeout: float,
-        alive: Callable[[], Awaitable[bool]] | None = None,
-        check_every: float = 1.0,
-    ) -> AsyncIterator[dict]:
-        """Frames in order up to the terminal one (see :meth:`next_frame`)."""
-        timeout = first_timeout
-        while True:
-            frame = await self.next_frame(timeout, alive, check_every)
-            timeout = frame_timeout
-            yield frame
-            if frame.get("done"):
-                return
 
     def _accept(self, raw: bytes) -> dict | None:
         """The frame if it is the next in order; ``None`` for a duplicate; a gap raises."""
