@@ -62,7 +62,8 @@ async def stream_chunks(
 
 
 def event_error(obj: dict) -> object | None:
-    """An SSE error event's message (the event itself if it has none); None otherwise."""
+    """An SSE error event's message (its ``error`` value if that has no message); None
+    when the event is not an error."""
     if "error" not in obj:
         return None
     err = obj["error"]
