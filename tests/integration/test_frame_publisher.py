@@ -73,3 +73,57 @@ def test_a_publish_never_waits_for_replies(redis_url: str) -> None:
         assert pub.publish_errors == 0 and pub.frames_published == 6
     finally:
         pub.stop()
+
+
+def _calls(r: redis.Redis, command: str) -> int:
+    return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_a_step_owes_one_reply_where_the_server_takes_client_reply(redis_url: str) -> None:
+    """A step's PUBLISH commands go between CLIENT REPLY OFF and ON: the frames all arrive,
+    and the publisher reads one reply per step instead of one per frame."""
+    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    sub = r.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(*(f"tokens:q{i}" for i in range(8)))
+    pub = FramePublisher(r)
+    try:
+        before = _calls(r, "client|reply")
+        for step in range(3):
+            pub.publish_outputs([RequestOutput(f"q{i}", [i], f"{step}") for i in range(8)])
+        assert pub.quiet
+        assert pub.wait_replies(2.0)
+        frames = [_next(sub) for _ in range(24)]
+        assert sorted((f["seq"], f["text"]) for f in frames if f) == sorted(
+            (s, str(s)) for s in range(3) for _ in range(8)
+        )
+        # the probe on connecting (ON) and OFF + ON for each of the 3 steps
+        assert _calls(r, "client|reply") - before == 7
+        assert pub.publish_errors == 0 and pub.frames_published == 24
+    finally:
+        pub.stop()
+        sub.close()
+
+
+def test_a_server_that_refuses_client_reply_gets_frames_read_one_by_one(redis_url: str) -> None:
+    """A server (or proxy, or an ACL) that refuses CLIENT REPLY: every PUBLISH is answered
+    and read, and the frames still arrive in order."""
+    admin = redis.Redis.from_url(redis_db(redis_url, 8))
+    admin.acl_setuser("noreply", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                      commands=["+@all", "-client|reply"])  # fmt: skip
+    kw = admin.connection_pool.connection_kwargs
+    r = redis.Redis(host=kw["host"], port=kw["port"], db=8, username="noreply", password="pw")
+    sub = admin.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe("tokens:n")
+    pub = FramePublisher(r)
+    try:
+        for i in range(4):
+            pub.publish_outputs([RequestOutput("n", [i], f"t{i}")])
+        assert not pub.quiet
+        assert pub.wait_replies(2.0)
+        texts = [(f or {}).get("text") for f in (_next(sub) for _ in range(4))]
+        assert texts == ["t0", "t1", "t2", "t3"]
+        assert pub.publish_errors == 0 and pub.frames_published == 4
+    finally:
+        pub.stop()
+        sub.close()
+        admin.acl_deluser("noreply")
