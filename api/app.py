@@ -193,22 +193,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 yield _data(fmt.chunk(fmt.role_delta(), None, include_usage))
             async for batch in runner.batches(run):
                 last = batch[-1]
-                if last.get("error"):
-                    text = "".join(f.get("text") or "" for f in batch[:-1])
-                    if text:
-                        yield fmt.text_event(text, include_usage)
-                    yield _data(frame_error(last).body())
+                failed = bool(last.get("error"))
+                text = "".join(f.get("text") or "" for f in (batch[:-1] if failed else batch))
+                event = fmt.text_event(text, include_usage) if text else b""
+                if not (failed or last.get("done")):
+                    if event:
+                        yield event
+                    continue
+                # The stream's last events go out as one chunk (one write, one wake of the
+                # client): its last text, the finish (or error) and usage, and [DONE].
+                if failed:
+                    yield event + _data(frame_error(last).body())
                     return
-                text = "".join(f.get("text") or "" for f in batch)
-                if text:
-                    yield fmt.text_event(text, include_usage)
-                if last.get("done"):
-                    reason = last.get("finish_reason")
-                    metrics.finish.labels(reason or "unknown").inc()
-                    yield _data(fmt.chunk(fmt.empty_delta(), reason, include_usage,
-                                          stop_reason=last.get("stop_reason")))  # fmt: skip
-                    if include_usage:
-                        yield _data(fmt.usage_chunk(_usage(last)))
+                reason = last.get("finish_reason")
+                metrics.finish.labels(reason or "unknown").inc()
+                event += _data(fmt.chunk(fmt.empty_delta(), reason, include_usage,
+                                         stop_reason=last.get("stop_reason")))  # fmt: skip
+                if include_usage:
+                    event += _data(fmt.usage_chunk(_usage(last)))
+                yield event + _DONE
+                return
             yield _DONE
         except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
             err = stream_error(e)

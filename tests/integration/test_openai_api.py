@@ -316,3 +316,51 @@ def test_the_bench_client_reads_what_the_openai_client_reads(cluster: Cluster) -
     assert got[-1][1]["usage"]["completion_tokens"] == ref[-1].usage.completion_tokens == 24
     times = [t for t, _ in got]
     assert times == sorted(times)
+
+
+def _http_chunks(url: str, path: str, body: dict) -> list[bytes]:
+    """The body of a streamed response as the HTTP chunks the server wrote (h11 on a raw
+    socket: each chunk of the chunked encoding as one item)."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    import h11
+
+    u = urlsplit(url)
+    payload = json.dumps(body).encode()
+    conn = h11.Connection(h11.CLIENT)
+    chunks: list[bytes] = []
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        headers = [("host", u.netloc), ("content-type", "application/json"),
+                   ("content-length", str(len(payload)))]  # fmt: skip
+        sock.sendall(conn.send(h11.Request(method="POST", target=path, headers=headers)))
+        sock.sendall(conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(sock.recv(65536))
+            elif isinstance(event, h11.Response):
+                assert event.status_code == 200
+            elif isinstance(event, h11.Data):
+                if event.chunk_start or not chunks:
+                    chunks.append(b"")
+                chunks[-1] += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return chunks
+
+
+@pytest.mark.parametrize("usage", [True, False])
+def test_a_stream_ends_with_one_chunk(cluster: Cluster, usage: bool) -> None:
+    """The finish, the usage (when asked for) and [DONE] reach the client as one HTTP chunk:
+    one write and one wake of the client for the end of every stream."""
+    body = dict(model=cluster.model_name, prompt="abc", max_tokens=6, temperature=0,
+                ignore_eos=True, stream=True, stream_options={"include_usage": usage})  # fmt: skip
+    chunks = _http_chunks(cluster.url, "/v1/completions", body)
+    last = chunks[-1].decode()
+    events = [e for e in last.split("\r\n\r\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert '"finish_reason":"length"' in last
+    assert ('"completion_tokens":6' in last) == usage
+    # every chunk before it is a whole event (or a few), none of them the end
+    assert all(c.endswith(b"\r\n\r\n") and b"[DONE]" not in c for c in chunks[:-1])
