@@ -142,7 +142,7 @@ class FramePublisher:
                     # a prefill worker's part of a stream ends with its first frame
                     seq, head = self._next(out.request_id, out.finished or out.prefilled)
                     frame = orjson.dumps(output_frame(out, seq))
-                    parts.append(b"%b$%d\r\n%b\r\n" % (head, len(frame), frame))
+                    parts.append(head + _bulk(frame))
                 if not self._connected and not self._connect(len(parts)):
                     return  # the API notices the gap or times out
                 if self.quiet:  # the PUBLISH replies (receiver counts) are not needed
