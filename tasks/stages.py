@@ -17,7 +17,13 @@ from tasks.payloads import GeneratePayload
 log = logging.getLogger(__name__)
 
 
-@app.task(name="conveyor.generate", bind=True, acks_late=True, ignore_result=True)
+# generate and prefill reach the engine as their message arrives, ahead of Celery's
+# hand-over to a pool thread (tasks.intake)
+BEGIN_ON_RECEIPT = "tasks.intake:begin_on_receipt"
+
+
+@app.task(name="conveyor.generate", bind=True, acks_late=True, ignore_result=True,
+          Strategy=BEGIN_ON_RECEIPT)  # fmt: skip
 def generate(self: Task, payload: dict) -> dict:
     """Aggregated stage: prefill and decode the request on this worker, streaming tokens."""
     req = GeneratePayload.model_validate(payload)
@@ -25,7 +31,8 @@ def generate(self: Task, payload: dict) -> dict:
                                                 req.sampling, req.forced_first_token))  # fmt: skip
 
 
-@app.task(name="conveyor.prefill", bind=True, acks_late=True, ignore_result=True)
+@app.task(name="conveyor.prefill", bind=True, acks_late=True, ignore_result=True,
+          Strategy=BEGIN_ON_RECEIPT)  # fmt: skip
 def prefill(self: Task, payload: dict) -> dict:
     """Prefill stage: stream the first token, pin the KV, return the handle (which Celery
     hands to the chain's decode task)."""

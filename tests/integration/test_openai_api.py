@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -281,6 +281,25 @@ def test_a_workers_celery_side_runs_nicer_than_its_engine(cluster: Cluster) -> N
     assert done.choices[0].text is not None  # the pool's threads exist by now
     assert _nice(worker) == {10}
     assert _nice(engine) == {0}
+
+
+def test_a_request_starts_in_the_engine_as_its_message_arrives(cluster: Cluster) -> None:
+    """tasks.intake: the worker's event loop starts each request in the engine as its
+    message arrives, and the task thread Celery runs later waits for that run; the worker
+    says so in the request's log line. The request's tokens are those of any other run
+    (the greedy tests above went the same way)."""
+    c = cluster.client()
+    outs = [c.completions.create(model=cluster.model_name, prompt=f"begin {i}", max_tokens=3,
+                                 temperature=0) for i in range(4)]  # fmt: skip
+    assert all(o.usage.completion_tokens == 3 for o in outs)
+
+    def logged() -> bool:
+        lines = [line for w in cluster.workers
+                 for line in w.log.read_text(errors="replace").splitlines()]  # fmt: skip
+        return all(any(f"[{o.id}]" in line and "tokens in" in line and "(begun on receipt)"
+                       in line for line in lines) for o in outs)  # fmt: skip
+
+    wait_for(logged, 10, "the worker's log lines for the requests", cluster.workers)
 
 
 def test_the_bench_client_reads_what_the_openai_client_reads(cluster: Cluster) -> None:
