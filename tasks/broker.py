@@ -170,9 +170,88 @@ class QoS(kombu_redis.QoS):
             pipe.execute()
 
 
+MULTI_POP_MAX = 16  # the most messages one BLMPOP takes (the prefetch credit bounds it too)
+
+
 class Channel(kombu_redis.Channel):
     QoS = QoS
     _sync_client = None
+    _multi_pop: bool | None = None  # BLMPOP in place of BRPOP (decided on first use)
+    _popping_many = False  # the command in flight on the consumer's connection is BLMPOP
+
+    def _brpop_start(self, timeout: int | None = None) -> None:
+        """Wait for the next messages: kombu sends ``BRPOP`` on every queue, one message per
+        round trip; here (Redis >= 7) ``BLMPOP`` on the same keys in the same order takes up
+        to as many of the first non-empty queue's messages as the prefetch credit allows.
+
+        Requests reach a worker in bursts (streams that started together end together, and
+        their clients come back together), and its event loop handled them one per turn:
+        at 16 streams a message that arrived while the loop was busy waited 9 ms (p50) for
+        the next ``BRPOP``, two thirds of them behind others of the same burst."""
+        if not self._can_pop_many():
+            self._popping_many = False
+            super()._brpop_start(timeout)
+            return
+        if timeout is None:
+            timeout = self.brpop_timeout
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        qos = self.qos
+        credit = MULTI_POP_MAX
+        if qos.prefetch_count:
+            credit = min(credit, qos.prefetch_count - (len(qos._delivered) - len(qos._dirty)))
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()
+        self._popping_many = True
+        self.client.connection.send_command(
+            "BLMPOP", timeout or 0, len(keys), *keys, "RIGHT", "COUNT", max(credit, 1)
+        )
+
+    def _brpop_read(self, **options: Any) -> bool:
+        if not self._popping_many:
+            return super()._brpop_read(**options)
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, "BLMPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # the next turn reconnects
+                raise
+            if not reply:
+                raise kombu_redis.Empty()
+            key, items = reply
+            dest = kombu_redis.bytes_to_str(key).rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(dest)
+            for i, item in enumerate(items):
+                try:
+                    self.connection._deliver(kombu_redis.loads(kombu_redis.bytes_to_str(item)),
+                                             dest)  # fmt: skip
+                except BaseException:
+                    if rest := items[i + 1 :]:  # back where they were, first out first again
+                        self.client.rpush(key, *reversed(rest))
+                    raise
+            return True
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+
+    def _can_pop_many(self) -> bool:
+        if self._multi_pop is None:
+            self._multi_pop = False
+            if not self.global_keyprefix:  # kombu would not prefix BLMPOP's keys
+                pool = self.client.connection_pool
+                conn = pool.get_connection()
+                try:  # read raw: redis-py's parser for COMMAND fails on an unknown one
+                    conn.send_command("COMMAND", "INFO", "BLMPOP")
+                    info = conn.read_response()
+                    self._multi_pop = bool(info and info[0])
+                except Exception as e:  # noqa: BLE001 - a server or proxy without it
+                    log.info("broker: no COMMAND INFO (%s); one message per BRPOP", e)
+                    conn.disconnect()
+                finally:
+                    pool.release(conn)
+        return self._multi_pop
 
     def _create_client(self, asynchronous: bool = False):  # type: ignore[no-untyped-def]
         if asynchronous:  # the consumer's BRPOP client: kombu keeps that one itself

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from kombu import Consumer
 
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
@@ -312,3 +313,74 @@ def test_a_worker_batches_its_unacked_bookkeeping_and_writes_it_before_closing(
     finally:
         celery_at(redis_url)
         r.flushdb()
+
+
+def _n(raw: bytes) -> int:
+    return json.loads(base64.b64decode(json.loads(raw)["body"]))["n"]
+
+
+@pytest.mark.parametrize("many", [True, False])
+def test_a_consumer_takes_a_burst_of_messages_in_one_round_trip(
+    redis_url: str, tmp_path: Path, many: bool
+) -> None:
+    """tasks.broker.Channel: a consumer waiting on its queues takes every message waiting
+    in one of them, up to its prefetch credit, with one BLMPOP (Redis >= 7), oldest first;
+    the rest wait for the credit an ack gives back. Where BLMPOP is not to be had (set
+    off here) it takes one per BRPOP, as kombu does. A message whose delivery raises
+    puts those behind it back in the queue, in order."""
+    proc, url = start_redis(tmp_path)  # its own: the test counts the server's commands
+    celery_at(url)
+    r = redis.Redis.from_url(url)
+    q = "generate.w-burst"
+    declare_queues([q])
+    try:
+        with app.connection_for_write() as conn:
+            producer = conn.Producer()
+            for i in range(5):
+                producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+            channel = conn.channel()
+            channel._multi_pop = None if many else False
+            channel.basic_qos(0, 3, False)
+            got: list = []
+            fail_on: set[int] = set()
+
+            def on_message(body: dict, message: object) -> None:
+                got.append((body["n"], message))
+                if body["n"] in fail_on:
+                    raise RuntimeError("delivery failed")
+
+            consumer = Consumer(channel, [queue(q)], callbacks=[on_message], accept=["json"])
+            consumer.consume()
+            r.config_resetstat()
+            conn.drain_events(timeout=2)
+            if many:  # one round trip, as much as the credit allows
+                assert [n for n, _ in got] == [0, 1, 2]
+                assert _calls(r, "blmpop") == 1 and _calls(r, "brpop") == 0
+            else:
+                while len(got) < 3:
+                    conn.drain_events(timeout=2)
+                assert [n for n, _ in got] == [0, 1, 2] and _calls(r, "brpop") == 3
+            assert [_n(m) for m in reversed(r.lrange(q, 0, -1))] == [3, 4]
+            assert not channel.qos.can_consume()
+            got[0][1].ack()  # one slot back: one more message
+            conn.drain_events(timeout=2)
+            assert [n for n, _ in got] == [0, 1, 2, 3]
+
+            for _, m in got[1:]:
+                m.ack()
+            for i in range(5, 9):
+                producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+            fail_on.add(5)
+            with pytest.raises(RuntimeError):
+                while True:
+                    conn.drain_events(timeout=2)
+            # 4 was taken with 5 (or before it, one at a time); 6..8 wait in order
+            assert [n for n, _ in got][4:] == [4, 5]
+            assert [_n(m) for m in reversed(r.lrange(q, 0, -1))] == [6, 7, 8]
+    finally:
+        proc.stop()
+        celery_at(redis_url)
+
+
+def _calls(r: redis.Redis, command: str) -> int:
+    return r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
