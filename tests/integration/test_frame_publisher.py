@@ -9,7 +9,7 @@ import redis
 
 from tests.integration.conftest import redis_db
 from workers.engine_core import RequestOutput
-from workers.stream import FramePublisher
+from workers.stream import DRAIN_AFTER, FramePublisher
 
 
 def _next(sub: redis.client.PubSub, timeout: float = 2.0) -> dict | None:
@@ -71,6 +71,26 @@ def test_a_publish_never_waits_for_replies(redis_url: str) -> None:
         assert not pub.wait_replies(0.05)  # still owed
         assert pub.wait_replies(3.0)  # and read once Redis answers again
         assert pub.publish_errors == 0 and pub.frames_published == 6
+    finally:
+        pub.stop()
+
+
+def test_replies_are_read_in_batches_not_after_every_write(redis_url: str) -> None:
+    """Looking for replies costs the engine thread system calls: a write reads those that
+    have come only once DRAIN_AFTER are owed, and then all of them."""
+    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    pub = FramePublisher(r)
+    got: list[object] = []
+    try:
+        pub.send_command(("PING",), got.append)
+        for i in range(DRAIN_AFTER - 2):
+            pub.publish_outputs([RequestOutput("d", [i], "x")])
+        assert pub.quiet  # one reply owed per step
+        time.sleep(0.3)  # every reply has come by now; none was read
+        assert got == [] and len(pub._owed) == DRAIN_AFTER - 1
+        pub.publish_outputs([RequestOutput("d", [99], "y")])  # the DRAIN_AFTER-th
+        assert got == [b"PONG"] and len(pub._owed) <= 1
+        assert pub.wait_replies(2.0) and pub.publish_errors == 0
     finally:
         pub.stop()
 
