@@ -14,9 +14,10 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import redis.asyncio as aioredis
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -138,14 +139,7 @@ class Runner:
             sampling=sampling,
             created=time.time(),
         )
-        # Shielded: once the pick has counted the request (and, folded, queued its task),
-        # a caller cancelled meanwhile must not leave it running unseen
-        task = asyncio.ensure_future(self._route_and_send(sub, payload, started, route_req))
-        try:
-            run = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(self._abandon)
-            raise
+        run = await self._route_and_send(sub, payload, started, route_req)
         p = run.plan
         log.info("[%s] sent %s (%d prompt tokens)%s", stream_id,
                  " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
@@ -176,11 +170,6 @@ class Runner:
                 await sub.close()
             raise
         return run
-
-    def _abandon(self, task: asyncio.Task[RunningRequest]) -> None:
-        """A dispatch whose caller went away: cancel the request if it got under way."""
-        if not task.cancelled() and task.exception() is None:
-            self.finish(task.result())
 
     def _running(self, sub: Subscription, payload: GeneratePayload, p: Plan, started: float,
                  route_req: RouteRequest) -> RunningRequest:  # fmt: skip
@@ -229,7 +218,10 @@ class Runner:
 
         Returns the plan and the task-sent event to publish (its body is base64, which the
         script cannot edit: corrected here). ``None``: the message did not come out as
-        expected and nothing was sent; route and send the usual way."""
+        expected and nothing was sent; route and send the usual way. A pick whose answer
+        is lost (the connection dropped, the caller was cancelled) may have queued the
+        task: the request is cancelled by its id. What the pick counted against the worker
+        stays counted until the load hash expires, as when a pick of :func:`plan` is lost."""
         stand_in = Route("generate", self._mark, {})
         try:
             with deferred_publishes() as writes:
@@ -245,8 +237,13 @@ class Runner:
         push = Push(self._mark, writes[0][1], writes[0][2])
         try:
             route = await self.router.pick("generate", route_req, push)
-        except (RedisError, OSError) as e:
-            raise routing_error(e, self.s.pools) from None
+        except BaseException as e:
+            # the script may have queued the task before its answer was lost (a dropped
+            # connection, the caller cancelled): no one would hear it
+            self._detach(self._cancel(payload.request_id))
+            if isinstance(e, RedisError | OSError):
+                raise routing_error(e, self.s.pools) from None
+            raise
         if route is None:
             raise routing_error(NoLiveWorker("generate"), self.s.pools)
         return Plan([("generate", route)]), retarget_event(writes[1], self._mark, route.worker_id)
@@ -334,9 +331,19 @@ class Runner:
     def finish(self, run: RunningRequest) -> None:
         """Release everything the request holds; cancel it on the worker if unfinished.
         Runs as a detached task so it completes even when the caller is being cancelled."""
-        task = asyncio.get_running_loop().create_task(self._cleanup(run))
+        self._detach(self._cleanup(run))
+
+    def _detach(self, cleanup: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(cleanup)
         self._cleanup_tasks.add(task)
         task.add_done_callback(self._cleanup_tasks.discard)
+
+    async def _cancel(self, request_id: str) -> None:
+        """Cancel a request that may be queued or running, its route unknown."""
+        try:
+            await self._fast.execute(*cancel_commands(request_id))
+        except Exception as e:  # noqa: BLE001 - best effort, as every clean-up
+            log.warning("[%s] could not cancel: %s", request_id, e)
 
     # ----------------------------------------------------------------------------------
     async def _next(self, run: RunningRequest) -> dict:
@@ -387,18 +394,14 @@ class Runner:
             if run.prefilled_task is not None:
                 await run.prefilled_task
             await run.subscription.close()
-            # The key makes a copy of the task that the broker redelivers later (its worker
-            # died holding it) skip the work; the message aborts a running one now.
-            commands: list[tuple] = [
-                ("SET", CANCELLED_KEY.format(run.request_id), 1, "EX", CANCELLED_TTL_S)
-            ]
+            # the cancelled key for every request, the cancel message for an unfinished one
+            commands = cancel_commands(run.request_id, publish=not run.finished)
             if not run.finished:
                 self.metrics.cancelled.inc()
                 log.info("[%s] not finished: cancelling on the worker", run.request_id)
-                commands.append(("PUBLISH", CANCEL_CHANNEL, run.request_id))
             # one write: each write to Redis on a shared core lets Redis (and whatever it
             # wakes) run before the loop goes on (~0.4 ms per write at c=16 here)
-            await self.router.release(*run.plan.routes, before=tuple(commands))
+            await self.router.release(*run.plan.routes, before=commands)
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)
 
@@ -414,6 +417,13 @@ def router_config(s: Settings) -> RouterConfig:
         guard_min_blocks=s.router_guard_min_blocks,
         block_size=s.block_size,
     )
+
+
+def cancel_commands(request_id: str, publish: bool = True) -> tuple[tuple, ...]:
+    """The key that makes a copy of the request's task the broker redelivers later (its
+    worker died holding it) skip the work, and the message that aborts a running one."""
+    key = ("SET", CANCELLED_KEY.format(request_id), 1, "EX", CANCELLED_TTL_S)
+    return (key, ("PUBLISH", CANCEL_CHANNEL, request_id)) if publish else (key,)
 
 
 def routing_error(e: Exception, pools: list[str] | tuple[str, ...]) -> OpenAIError:
