@@ -9,15 +9,11 @@ request had not finished a cancel is signalled so the worker frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import logging
-import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import redis.asyncio as aioredis
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -29,12 +25,12 @@ from api.metrics import ApiMetrics
 from api.resp import RespConnection
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
 from kvbm.hashing import block_hashes, namespace_hash
-from tasks.app import declare_queues, records_publishes
+from tasks.app import declare_queues
 from tasks.broker import deferred_publishes
 from tasks.channels import CANCEL_CHANNEL, CANCELLED_KEY, tokens_channel
 from tasks.payloads import GeneratePayload
 from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan
-from tasks.router import PinnedWorkerMissing, Push, Route, Router, RouterConfig, RouteRequest
+from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -81,8 +77,6 @@ class Runner:
         self.metrics = metrics
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
         self._declared: set[str] = set()
-        # stands for the worker id in a task built before its worker is picked
-        self._mark = f"conveyormark{secrets.token_hex(8)}"
 
     async def aclose(self) -> None:
         self._fast.close()
@@ -131,49 +125,29 @@ class Runner:
         self, stream_id: str, prompt_ids: list[int], sampling: dict, started: float,
         route_req: RouteRequest,
     ) -> RunningRequest:  # fmt: skip
-        sub = await self.hub.subscribe(tokens_channel(stream_id))
-        payload = GeneratePayload(
-            request_id=stream_id,
-            model=self.s.model_name,
-            prompt_token_ids=prompt_ids,
-            sampling=sampling,
-            created=time.time(),
-        )
-        run = await self._route_and_send(sub, payload, started, route_req)
-        p = run.plan
-        log.info("[%s] sent %s (%d prompt tokens)%s", stream_id,
-                 " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
-                 f" [aggregated: {p.fallback}]" if p.fallback else "")  # fmt: skip
-        return run
-
-    async def _route_and_send(
-        self, sub: Subscription, payload: GeneratePayload, started: float,
-        route_req: RouteRequest,
-    ) -> RunningRequest:  # fmt: skip
-        run = None
         try:
-            folded = None
-            if self._folds(route_req):
-                folded = await self._route_and_push(route_req, payload)
-            if folded is None:
-                p = await self._plan(route_req)
-                run = self._running(sub, payload, p, started, route_req)
-                await self._send(p, payload)
-            else:
-                p, event = folded
-                run = self._running(sub, payload, p, started, route_req)
-                await self._send_event(payload.request_id, event)
-        except BaseException:
-            if run is not None:
-                self.finish(run)  # gives back what the pick counted, cancels what was sent
-            else:
-                await sub.close()
-            raise
-        return run
-
-    def _running(self, sub: Subscription, payload: GeneratePayload, p: Plan, started: float,
-                 route_req: RouteRequest) -> RunningRequest:  # fmt: skip
-        """The request routed by ``p``, counted in the routing metrics."""
+            p = await plan(self.router, self.s, route_req)
+        except PinnedWorkerMissing as e:
+            raise OpenAIError(
+                400,
+                f"worker {e.worker_id!r} is not a live worker of this deployment's pools "
+                f"({', '.join(self.s.pools)})",
+                "invalid_request_error",
+                "worker_id",
+                "worker_not_found",
+            ) from None
+        except NoLiveWorker as e:
+            raise OpenAIError(
+                503,
+                f"no live worker in pool {e.pool!r}; start one with "
+                f"`conveyor worker --pool {e.pool}`",
+                "server_error",
+                None,
+                "no_live_worker",
+            ) from None
+        except (RedisError, OSError) as e:  # the router's state lives in Redis
+            raise OpenAIError(503, f"Redis did not answer the router: {e}", "server_error",
+                              None, "redis_unavailable") from e  # fmt: skip
         if p.fallback is not None:
             self.metrics.disagg_fallbacks.labels(p.fallback).inc()
         n_blocks = len(route_req.block_hashes)
@@ -190,71 +164,25 @@ class Runner:
                 self.metrics.routed_prefix_blocks.labels(route.pool, "best").inc(
                     route.best_overlap_blocks
                 )
-        run = RunningRequest(payload.request_id, sub, p, started)
+        sub = await self.hub.subscribe(tokens_channel(stream_id))
+        run = RunningRequest(stream_id, sub, p, started)
         run.alive = partial(self._alive, run)
-        return run
-
-    async def _plan(self, route_req: RouteRequest) -> Plan:
         try:
-            return await plan(self.router, self.s, route_req)
-        except (PinnedWorkerMissing, NoLiveWorker, RedisError, OSError) as e:
-            raise routing_error(e, self.s.pools) from None
-
-    def _folds(self, route_req: RouteRequest) -> bool:
-        """Whether the request's task can ride in its routing pick (:meth:`_route_and_push`):
-        one stage (agg), no pinned worker, and a broker whose writes are recorded."""
-        return self.s.mode == "agg" and not route_req.pin and records_publishes()
-
-    async def _route_and_push(
-        self, route_req: RouteRequest, payload: GeneratePayload
-    ) -> tuple[Plan, tuple] | None:
-        """Route an aggregated request and queue its task in one round trip.
-
-        The task message is built first, for the queue of a stand-in worker id
-        (``self._mark``), and the pick script pushes it onto the chosen worker's queue
-        with the real id in its place (:class:`tasks.router.Push`). Sent after the pick,
-        it waited for the pick's answer to come back through the busy API loop: at 16
-        streams that was 1.8 ms (mean) of every request's time to first token.
-
-        Returns the plan and the task-sent event to publish (its body is base64, which the
-        script cannot edit: corrected here). ``None``: the message did not come out as
-        expected and nothing was sent; route and send the usual way. A pick whose answer
-        is lost (the connection dropped, the caller was cancelled) may have queued the
-        task: the request is cancelled by its id. What the pick counted against the worker
-        stays counted until the load hash expires, as when a pick of :func:`plan` is lost."""
-        stand_in = Route("generate", self._mark, {})
-        try:
-            with deferred_publishes() as writes:
-                build_chain(Plan([("generate", stand_in)]), payload).apply_async(
-                    retry_policy=SEND_RETRY_POLICY, declare=[]
-                )
-        except (KombuOperationalError, RedisError, OSError) as e:
-            raise broker_error(e) from e
-        if [w[0] for w in writes] != ["LPUSH", "PUBLISH"] or writes[0][1] != stand_in.queue:
-            log.warning("unexpected broker writes %s; routing first, then sending",
-                        [w[:2] for w in writes])  # fmt: skip
-            return None
-        push = Push(self._mark, writes[0][1], writes[0][2])
-        try:
-            route = await self.router.pick("generate", route_req, push)
-        except BaseException as e:
-            # the script may have queued the task before its answer was lost (a dropped
-            # connection, the caller cancelled): no one would hear it
-            self._detach(self._cancel(payload.request_id))
-            if isinstance(e, RedisError | OSError):
-                raise routing_error(e, self.s.pools) from None
+            payload = GeneratePayload(
+                request_id=stream_id,
+                model=self.s.model_name,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
+                created=time.time(),
+            )
+            await self._send(p, payload)
+        except BaseException:
+            self.finish(run)
             raise
-        if route is None:
-            raise routing_error(NoLiveWorker("generate"), self.s.pools)
-        return Plan([("generate", route)]), retarget_event(writes[1], self._mark, route.worker_id)
-
-    async def _send_event(self, request_id: str, event: tuple) -> None:
-        """Publish a task-sent event; the task is queued already, so a failure is logged."""
-        try:
-            async with asyncio.timeout(SEND_TIMEOUT_S):
-                await self._send_writes([event])
-        except (RedisError, OSError, TimeoutError) as e:
-            log.warning("[%s] task-sent event not published: %s", request_id, e)
+        log.info("[%s] sent %s (%d prompt tokens)%s", stream_id,
+                 " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
+                 f" [aggregated: {p.fallback}]" if p.fallback else "")  # fmt: skip
+        return run
 
     async def _send(self, p: Plan, payload: GeneratePayload) -> None:
         """Declare every queue the chain will reach (once per queue), then send it. Later
@@ -286,7 +214,8 @@ class Runner:
                 async with asyncio.timeout(SEND_TIMEOUT_S):  # inline, unlike wait_for
                     await self._send_writes(writes)
         except (KombuOperationalError, RedisError, OSError, TimeoutError) as e:
-            raise broker_error(e) from e
+            raise OpenAIError(503, f"the broker did not take the request: {e}",
+                              "server_error", None, "broker_unavailable") from e  # fmt: skip
 
     async def _send_writes(self, writes: list[tuple]) -> None:
         """The writes leave before the first ``await`` (:class:`api.resp.RespConnection`);
@@ -331,19 +260,9 @@ class Runner:
     def finish(self, run: RunningRequest) -> None:
         """Release everything the request holds; cancel it on the worker if unfinished.
         Runs as a detached task so it completes even when the caller is being cancelled."""
-        self._detach(self._cleanup(run))
-
-    def _detach(self, cleanup: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(cleanup)
+        task = asyncio.get_running_loop().create_task(self._cleanup(run))
         self._cleanup_tasks.add(task)
         task.add_done_callback(self._cleanup_tasks.discard)
-
-    async def _cancel(self, request_id: str) -> None:
-        """Cancel a request that may be queued or running, its route unknown."""
-        try:
-            await self._fast.execute(*cancel_commands(request_id))
-        except Exception as e:  # noqa: BLE001 - best effort, as every clean-up
-            log.warning("[%s] could not cancel: %s", request_id, e)
 
     # ----------------------------------------------------------------------------------
     async def _next(self, run: RunningRequest) -> dict:
@@ -394,14 +313,18 @@ class Runner:
             if run.prefilled_task is not None:
                 await run.prefilled_task
             await run.subscription.close()
-            # the cancelled key for every request, the cancel message for an unfinished one
-            commands = cancel_commands(run.request_id, publish=not run.finished)
+            # The key makes a copy of the task that the broker redelivers later (its worker
+            # died holding it) skip the work; the message aborts a running one now.
+            commands: list[tuple] = [
+                ("SET", CANCELLED_KEY.format(run.request_id), 1, "EX", CANCELLED_TTL_S)
+            ]
             if not run.finished:
                 self.metrics.cancelled.inc()
                 log.info("[%s] not finished: cancelling on the worker", run.request_id)
+                commands.append(("PUBLISH", CANCEL_CHANNEL, run.request_id))
             # one write: each write to Redis on a shared core lets Redis (and whatever it
             # wakes) run before the loop goes on (~0.4 ms per write at c=16 here)
-            await self.router.release(*run.plan.routes, before=commands)
+            await self.router.release(*run.plan.routes, before=tuple(commands))
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)
 
@@ -417,56 +340,6 @@ def router_config(s: Settings) -> RouterConfig:
         guard_min_blocks=s.router_guard_min_blocks,
         block_size=s.block_size,
     )
-
-
-def cancel_commands(request_id: str, publish: bool = True) -> tuple[tuple, ...]:
-    """The key that makes a copy of the request's task the broker redelivers later (its
-    worker died holding it) skip the work, and the message that aborts a running one."""
-    key = ("SET", CANCELLED_KEY.format(request_id), 1, "EX", CANCELLED_TTL_S)
-    return (key, ("PUBLISH", CANCEL_CHANNEL, request_id)) if publish else (key,)
-
-
-def routing_error(e: Exception, pools: list[str] | tuple[str, ...]) -> OpenAIError:
-    """What the client gets when its request could not be routed."""
-    if isinstance(e, PinnedWorkerMissing):
-        return OpenAIError(
-            400,
-            f"worker {e.worker_id!r} is not a live worker of this deployment's pools "
-            f"({', '.join(pools)})",
-            "invalid_request_error",
-            "worker_id",
-            "worker_not_found",
-        )
-    if isinstance(e, NoLiveWorker):
-        return OpenAIError(
-            503,
-            f"no live worker in pool {e.pool!r}; start one with `conveyor worker --pool {e.pool}`",
-            "server_error",
-            None,
-            "no_live_worker",
-        )
-    # the router's state lives in Redis
-    return OpenAIError(503, f"Redis did not answer the router: {e}", "server_error", None,
-                       "redis_unavailable")  # fmt: skip
-
-
-def broker_error(e: Exception) -> OpenAIError:
-    return OpenAIError(503, f"the broker did not take the request: {e}", "server_error", None,
-                       "broker_unavailable")  # fmt: skip
-
-
-def retarget_event(event: tuple, mark: str, worker_id: str) -> tuple:
-    """A recorded ``PUBLISH`` of a task-sent event, with ``mark`` in its (base64) body
-    replaced by ``worker_id``."""
-    name, channel, raw = event
-    message = json.loads(raw)
-    body = message["body"]
-    if message.get("properties", {}).get("body_encoding") == "base64":
-        text = base64.b64decode(body).decode().replace(mark, worker_id)
-        message["body"] = base64.b64encode(text.encode()).decode()
-    else:
-        message["body"] = body.replace(mark, worker_id)
-    return (name, channel, json.dumps(message))
 
 
 def frame_error(frame: dict) -> OpenAIError:

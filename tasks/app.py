@@ -15,10 +15,6 @@ from tasks.settings import Settings, get_settings
 
 app = Celery("conveyor", include=["tasks.stages"])
 
-# kombu's Redis transport, minus a new redis client per message, able to record the writes
-# of a send (tasks.broker); used for redis:// brokers
-TRANSPORT = "tasks.broker:Transport"
-
 
 def queue(name: str) -> Queue:
     """A direct queue bound to an exchange of the same name (routing key = name)."""
@@ -44,18 +40,15 @@ def declare_queues(names: list[str], retry_policy: dict | None = None) -> None:
             queue(name)(channel).declare()
 
 
-def records_publishes() -> bool:
-    """Whether a send inside :func:`tasks.broker.deferred_publishes` is recorded, not sent
-    (the broker goes through :data:`TRANSPORT`)."""
-    return app.conf.broker_transport == TRANSPORT
-
-
 def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
     s = settings or get_settings()
     names = [*s.pools, *extra_queues]
     app.conf.update(
         broker_url=s.effective_redis_url,
-        broker_transport=TRANSPORT if s.effective_redis_url.startswith("redis://") else None,
+        # kombu's Redis transport, minus a new redis client per message (tasks.broker)
+        broker_transport="tasks.broker:Transport"
+        if s.effective_redis_url.startswith("redis://")
+        else None,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},
         result_backend=None,

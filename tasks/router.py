@@ -40,7 +40,7 @@ import json
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -76,9 +76,8 @@ local plen, bs = tonumber(ARGV[13]), tonumber(ARGV[14])
 local weight, temp = tonumber(ARGV[15]), tonumber(ARGV[16])
 local gratio, gmin, u = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
 local load_ttl, approx_ttl = tonumber(ARGV[20]), tonumber(ARGV[21])
-local mark, push_key, push_msg = ARGV[22], ARGV[23], ARGV[24]
 local hashes = {}
-for i = 25, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+for i = 22, #ARGV do hashes[#hashes + 1] = ARGV[i] end
 
 local ids = live(now)
 if #ids == 0 then return false end
@@ -159,10 +158,6 @@ if approx and mode == 'kv' then
   end
 end
 local info = redis.call('GET', wprefix .. chosen) or '{}'
-if mark ~= '' then
-  local function id() return chosen end  -- a function: the id is taken literally
-  redis.call('LPUSH', (string.gsub(push_key, mark, id)), (string.gsub(push_msg, mark, id)))
-end
 return {chosen, reason, info, hit, best_ov, add_blocks, add_prefill}
 """
 )
@@ -180,14 +175,6 @@ end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[#ARGV]))
 return 1
 """
-
-
-class Push(NamedTuple):
-    """A message the pick pushes onto the chosen worker's list (:meth:`Router.pick`)."""
-
-    mark: str  # stands for the worker id in key and message; letters and digits only
-    key: str
-    message: str | bytes
 
 
 @dataclass(slots=True)
@@ -254,17 +241,10 @@ class Router:
         self._give_back = client.register_script(_GIVE_BACK_LUA)
         self._fast = fast
 
-    async def pick(
-        self, pool: str, req: RouteRequest | None = None, push: Push | None = None
-    ) -> Route | None:
+    async def pick(self, pool: str, req: RouteRequest | None = None) -> Route | None:
         """The best live worker of ``pool`` for ``req``, already counted; ``None`` if no
         worker lives. Raises :class:`PinnedWorkerMissing` when the pinned worker is not a
-        live member of ``pool``.
-
-        ``push``: a message to ``LPUSH`` in the same script once the worker is chosen (a
-        Celery task for its own queue, built before the pick was known), with every
-        occurrence of ``push.mark`` in its key and its text replaced by the worker's id.
-        Nothing is pushed when no worker is picked."""
+        live member of ``pool``."""
         c = self.config
         req = req or RouteRequest([], 1)
         res = await self._run(
@@ -288,7 +268,6 @@ class Router:
                 random.random(),
                 LOAD_TTL_S * 1000,
                 int(c.approx_ttl_s * 1000),
-                *(push or ("", "", "")),
                 *(hex_hashes(req.block_hashes) if c.mode == "kv" or req.pin else []),
             ],
         )

@@ -25,8 +25,6 @@ from tasks.router import Route, RouteRequest
 from tasks.settings import Settings
 from tests.fakes import FakeHub
 from tests.integration.conftest import celery_at, free_port, redis_db, start_redis
-from workers.registry import Heartbeat
-from workers.stream import CANCEL_CHANNEL, CANCELLED_KEY
 
 
 @pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
@@ -148,47 +146,23 @@ def test_a_broker_that_is_gone_fails_the_send_fast_with_503(redis_url: str) -> N
         celery_at(redis_url)
 
 
-class _Hub:
-    """The stream hub's part in a dispatch: a subscription, closed when it fails."""
-
-    def __init__(self) -> None:
-        self.open: set[str] = set()
-
-    async def subscribe(self, channel: str) -> _Hub:
-        self.open.add(channel)
-        self.channel = channel
-        return self
-
-    async def close(self) -> None:
-        self.open.discard(self.channel)
-
-
-@pytest.mark.parametrize("pin", [None, "w-pinned"])
-def test_redis_gone_before_routing_gives_503(redis_url: str, pin: str | None) -> None:
-    """No Redis for the router (or, for an aggregated request, for the Celery producer that
-    builds the task first): a clear 503, not a 500, and the subscription is let go."""
+def test_redis_gone_before_routing_gives_503_redis_unavailable() -> None:
+    """The router's pick is the first thing a request asks of Redis: no Redis there is a
+    clear 503, not a 500."""
     dead = f"redis://127.0.0.1:{free_port()}/0"
 
     async def main() -> None:
         client = aioredis.Redis.from_url(dead)
-        hub = _Hub()
-        runner = Runner(Settings(redis_url=dead), client, hub, ApiMetrics())  # type: ignore[arg-type]
+        runner = Runner(Settings(redis_url=dead), client, None, ApiMetrics())  # type: ignore[arg-type]
         try:
             with pytest.raises(OpenAIError) as info:
-                await runner._dispatch("cmpl-x", [1, 2], {}, 0.0, RouteRequest([], 2, pin))
-            # a pinned request is routed first; an unpinned one builds its task first
-            code = "redis_unavailable" if pin else "broker_unavailable"
-            assert info.value.status == 503 and info.value.code == code
-            assert hub.open == set()
+                await runner._dispatch("cmpl-x", [1, 2], {}, 0.0, RouteRequest([], 2))
+            assert info.value.status == 503 and info.value.code == "redis_unavailable"
         finally:
             await runner.aclose()
             await client.aclose()
 
-    celery_at(dead)
-    try:
-        asyncio.run(main())
-    finally:
-        celery_at(redis_url)
+    asyncio.run(main())
 
 
 def test_a_broker_that_dies_after_connecting_fails_the_send_fast_with_503(
@@ -410,114 +384,3 @@ def test_a_consumer_takes_a_burst_of_messages_in_one_round_trip(
 
 def _calls(r: redis.Redis, command: str) -> int:
     return r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
-
-
-def _event_body(raw: bytes) -> dict:
-    return json.loads(base64.b64decode(json.loads(raw)["body"]))
-
-
-def test_an_aggregated_request_is_routed_and_queued_by_one_script(
-    redis_url: str, tmp_path: Path
-) -> None:
-    """api.runner: an aggregated request's task is built before its worker is known and
-    rides in the routing pick: it lands on the chosen worker's queue naming that queue,
-    with its payload, and the task-sent event published after it names the queue too; no
-    trace of the stand-in id is left anywhere."""
-    proc, url = start_redis(tmp_path)
-    celery_at(url)
-    r = redis.Redis.from_url(url)
-    Heartbeat(r, "generate", "w-fold", dict, ttl_s=30.0).beat()
-    events = r.pubsub()
-    events.psubscribe("*celeryev*")
-    assert events.get_message(timeout=1)["type"] == "psubscribe"
-
-    async def main() -> tuple:
-        client = aioredis.Redis.from_url(url)
-        runner = Runner(Settings(redis_url=url), client, None, ApiMetrics())  # type: ignore[arg-type]
-        payload = GeneratePayload(request_id="cmpl-fold", model="m", prompt_token_ids=[4, 5],
-                                  sampling={"temperature": 0}, created=0.0)  # fmt: skip
-        try:
-            assert runner._folds(RouteRequest([], 2))
-            folded = await runner._route_and_push(RouteRequest([], 2), payload)
-            assert folded is not None
-            await runner._send_event("cmpl-fold", folded[1])
-            return folded[0], runner._mark
-        finally:
-            await runner.aclose()
-            await client.aclose()
-
-    try:
-        plan, mark = asyncio.run(main())
-        assert [(n, route.worker_id) for n, route in plan.steps] == [("generate", "w-fold")]
-        raw = r.lpop("generate.w-fold")
-        assert raw is not None and mark.encode() not in raw and r.keys("*conveyormark*") == []
-        msg = json.loads(raw)
-        assert msg["headers"]["id"] == "cmpl-fold"
-        assert msg["properties"]["delivery_info"]["routing_key"] == "generate.w-fold"
-        assert json.loads(base64.b64decode(msg["body"]))[0][0]["prompt_token_ids"] == [4, 5]
-        event = events.get_message(timeout=2)
-        assert event is not None and event["channel"].endswith(b"task.sent")
-        body = _event_body(event["data"])
-        assert body["uuid"] == "cmpl-fold" and body["queue"] == "generate.w-fold"
-        assert mark not in json.dumps(body)
-    finally:
-        events.close()
-        proc.stop()
-        celery_at(redis_url)
-
-
-def test_a_dispatch_cancelled_during_its_pick_cancels_the_task_it_queued(
-    redis_url: str, tmp_path: Path
-) -> None:
-    """The pick that queues an aggregated request's task may be answered after its caller
-    was cancelled (a shutdown) or its connection lost: the task is queued with no one to
-    hear it, so the request is cancelled by its id (cancelled key, cancel message) and its
-    subscription let go."""
-    proc, url = start_redis(tmp_path)
-    celery_at(url)
-    r = redis.Redis.from_url(url)
-    Heartbeat(r, "generate", "w-gone", dict, ttl_s=30.0).beat()
-    cancels = r.pubsub()
-    cancels.subscribe(CANCEL_CHANNEL)
-    assert cancels.get_message(timeout=1)["type"] == "subscribe"
-
-    async def main() -> None:
-        client = aioredis.Redis.from_url(url)
-        hub = _Hub()
-        runner = Runner(Settings(redis_url=url), client, hub, ApiMetrics())  # type: ignore[arg-type]
-        gate = asyncio.Event()
-        fast = runner._fast
-        await fast.connect()
-        r.script_load(runner.router._pick.script)  # EVALSHA finds it: one round trip
-
-        async def slow_execute(*commands):  # type: ignore[no-untyped-def]
-            answer = fast.send(*commands)  # written: the script runs in Redis
-            await gate.wait()  # ... while its caller waits for the answer, and is cancelled
-            return await answer
-
-        fast.execute = slow_execute  # type: ignore[method-assign]
-        rid = "cmpl-gone"
-        task = asyncio.create_task(runner._dispatch(rid, [1, 2, 3], {}, 0.0, RouteRequest([], 3)))
-        await asyncio.sleep(0.2)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        gate.set()
-        for _ in range(50):  # the cancel goes out on its own
-            if r.exists(CANCELLED_KEY.format(rid)):
-                break
-            await asyncio.sleep(0.05)
-        assert r.llen("generate.w-gone") == 1  # it had been queued ...
-        assert r.exists(CANCELLED_KEY.format(rid))  # ... and is cancelled
-        msg = cancels.get_message(timeout=2)
-        assert msg is not None and msg["data"] == rid.encode()
-        assert hub.open == set()
-        await runner.aclose()
-        await client.aclose()
-
-    try:
-        asyncio.run(main())
-    finally:
-        cancels.close()
-        proc.stop()
-        celery_at(redis_url)

@@ -22,7 +22,7 @@ from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
 from kvbm.hashing import block_hashes
 from kvbm.index import KVIndex
-from tasks.router import LOAD_KEY, PinnedWorkerMissing, Push, Router, RouterConfig, RouteRequest
+from tasks.router import LOAD_KEY, PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tests.integration.conftest import redis_db, wait_for
 from workers.registry import ALIVE_KEY, POOL_SET, WORKER_KEY, Heartbeat
 from workers.stream import FramePublisher
@@ -430,36 +430,6 @@ def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -
     assert out["prefilled"] == {"reqs": 1, "blocks": 8, "prefill": 0}
     assert out["after"] == {"reqs": 0, "blocks": 0, "prefill": 0}
     assert json.dumps(out)  # plain ints
-
-
-@pytest.mark.parametrize("fast", [False, True])
-def test_a_pick_pushes_a_message_onto_the_chosen_workers_queue(db: str, fast: bool) -> None:
-    """Router.pick with a Push: in the same script the message lands on the chosen
-    worker's list, the mark replaced by its id in key and text (taken literally: the id
-    here has a '%', special in a Lua replacement string); with no live worker nothing is
-    pushed."""
-    register(db, "w%1")
-    r = redis.Redis.from_url(db)
-    push = Push("mark0f", f"{POOL}.mark0f", '{"to": "mark0f", "key": "generate.mark0f"}')
-
-    async def go() -> list:
-        client = aioredis.Redis.from_url(db)
-        conn = RespConnection(db) if fast else None
-        router = Router(client, RouterConfig(block_size=BS), fast=conn)  # type: ignore[arg-type]
-        try:
-            first = await router.pick(POOL, RouteRequest([], 20), push)
-            kill(db, "w%1")
-            none = await router.pick(POOL, RouteRequest([], 20), push)
-            return [first, none]
-        finally:
-            await client.aclose()
-            if conn is not None:
-                conn.close()
-
-    first, none = asyncio.run(go())
-    assert first is not None and first.worker_id == "w%1" and none is None
-    assert r.lrange(f"{POOL}.w%1", 0, -1) == [b'{"to": "w%1", "key": "generate.w%1"}']
-    assert not r.exists(f"{POOL}.mark0f")
 
 
 @pytest.mark.parametrize("fast", [False, True])
