@@ -1,4 +1,4 @@
-"""Kombu's Redis transport, keeping one client per channel and able to defer publishes.
+"""Kombu's Redis transport: one client per channel, deferred publishes, batched consuming.
 
 Kombu's Redis channel builds a new ``redis.Redis`` for every publish, ack and event it
 sends (``Channel.conn_or_acquire``), and redis-py fills a fresh table of some 200 response
@@ -21,6 +21,10 @@ thread, and another for every ack (a sixth of the worker's CPU per request at 16
 streams); here a task is handed over first, and the writes of a loop turn (acks: of up to
 ``ACK_FLUSH_S``) go in one transaction.
 
+A worker's consumer waits with ``BLMPOP`` (Redis >= 7) instead of kombu's ``BRPOP``: one
+round trip takes every message waiting in a queue, up to the prefetch credit
+(:meth:`Channel._brpop_start`).
+
 Used for ``redis://`` brokers (``tasks.app.configure``); other schemes (``rediss://``,
 whose TLS set-up kombu keys on the scheme, and ``sentinel://``) keep kombu's own transport,
 which ignores :func:`deferred_publishes` and sends at once.
@@ -34,11 +38,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from queue import Empty
 from typing import Any
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import dumps as json_dumps
+from kombu.utils.json import loads as json_loads
 
 log = logging.getLogger(__name__)
 
@@ -219,14 +226,13 @@ class Channel(kombu_redis.Channel):
                 self.client.connection.disconnect()  # the next turn reconnects
                 raise
             if not reply:
-                raise kombu_redis.Empty()
+                raise Empty()
             key, items = reply
-            dest = kombu_redis.bytes_to_str(key).rsplit(self.sep, 1)[0]
+            dest = bytes_to_str(key).rsplit(self.sep, 1)[0]
             self._queue_cycle.rotate(dest)
             for i, item in enumerate(items):
                 try:
-                    self.connection._deliver(kombu_redis.loads(kombu_redis.bytes_to_str(item)),
-                                             dest)  # fmt: skip
+                    self.connection._deliver(json_loads(bytes_to_str(item)), dest)
                 except BaseException:
                     if rest := items[i + 1 :]:  # back where they were, first out first again
                         self.client.rpush(key, *reversed(rest))
