@@ -252,9 +252,7 @@ def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:
             assert a is b
         q = "generate.w-one-client"
         declare_queues([q])
-        producer = conn.Producer()
-        for i in range(3):
-            producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+        _publish(conn, q, range(3))
         assert redis.Redis.from_url(url).llen(q) == 3
         channel.close()
         assert channel._sync_client is None
@@ -277,9 +275,7 @@ def test_a_worker_batches_its_unacked_bookkeeping_and_writes_it_before_closing(
     declare_queues([q])
     try:
         with app.connection_for_write() as conn:
-            producer = conn.Producer()
-            for i in range(6):
-                producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+            _publish(conn, q, range(6))
             channel = conn.channel()
             consumer_q = queue(q)(channel)
             msgs = [consumer_q.get(no_ack=False) for _ in range(5)]
@@ -315,6 +311,13 @@ def test_a_worker_batches_its_unacked_bookkeeping_and_writes_it_before_closing(
         r.flushdb()
 
 
+def _publish(conn: object, q: str, ns: range) -> None:
+    """Messages ``{"n": n}`` for each n of ``ns``, onto queue ``q`` by its exchange."""
+    producer = conn.Producer()  # type: ignore[attr-defined]
+    for n in ns:
+        producer.publish({"n": n}, exchange=q, routing_key=q, serializer="json")
+
+
 def _n(raw: bytes) -> int:
     return json.loads(base64.b64decode(json.loads(raw)["body"]))["n"]
 
@@ -335,9 +338,7 @@ def test_a_consumer_takes_a_burst_of_messages_in_one_round_trip(
     declare_queues([q])
     try:
         with app.connection_for_write() as conn:
-            producer = conn.Producer()
-            for i in range(5):
-                producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+            _publish(conn, q, range(5))
             channel = conn.channel()
             channel._multi_pop = None if many else False
             channel.basic_qos(0, 3, False)
@@ -368,8 +369,7 @@ def test_a_consumer_takes_a_burst_of_messages_in_one_round_trip(
 
             for _, m in got[1:]:
                 m.ack()
-            for i in range(5, 9):
-                producer.publish({"n": i}, exchange=q, routing_key=q, serializer="json")
+            _publish(conn, q, range(5, 9))
             fail_on.add(5)
             with pytest.raises(RuntimeError):
                 while True:
