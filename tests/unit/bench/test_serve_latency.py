@@ -8,7 +8,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
-from serve_latency import output_lengths, pool_rounds, request_record, summarize  # noqa: E402
+from serve_latency import (  # noqa: E402
+    output_lengths,
+    pool_rounds,
+    request_record,
+    round_result,
+    summarize,
+)
 
 
 def test_output_lengths_spread_around_the_mean_and_repeat_for_a_seed() -> None:
@@ -60,3 +66,19 @@ def test_rounds_are_pooled_per_side_and_each_round_ratio_is_kept() -> None:
     assert res["round_ratios"][16] == [50.0, 100.0]
     assert [s["wall_s"] for s in res["round_summaries"]["server"][16]] == [2.0, 1.0]
     assert res["lockstep"] == {}  # no round ran it
+
+
+def test_the_reference_is_pooled_from_the_rounds_that_ran_it_only() -> None:
+    inp, srv = {16: _side([4.0], 100, 1.0, 0.5)}, {16: _side([5.0], 100, 1.0, 0.5)}
+    lock, fixed = {16: _side([3.0], 100, 1.0, 0.5)}, {16: _side([6.0], 100, 2.0, 0.5)}
+    first = round_result(inp, srv, lock, fixed)
+    later = round_result(inp, srv, {}, {})
+    assert later == (inp, srv, {}, {})  # its server run is not one at the reference's length
+    res: dict = {}
+    pool_rounds(res, [first, later, later], [16])
+    assert len(res["server"][16]["requests"]) == 3  # the targets: every round
+    assert len(res["lockstep"][16]["requests"]) == 1
+    assert res["server_fixed"][16]["summary"]["itl_p50"] == 6.0  # round 1's own run only
+    assert res["round_ratios"][16] == [100.0, 100.0, 100.0]
+    # no spread: the main server run is the one at the reference's length
+    assert round_result(inp, srv, lock, {})[3] is srv
