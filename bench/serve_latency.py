@@ -55,6 +55,7 @@ import queue
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -409,6 +410,10 @@ def report(res: dict, levels: list[int]) -> None:
               "server/in-process tok/s of each round: "
               + "; ".join(f"c={c}: " + ", ".join(f"{x:.1f}" for x in res["round_ratios"][c])
                           for c in levels))  # fmt: skip
+        sd = statistics.stdev(res["round_ratios"][hi])
+        print(f"  c={hi}: the rounds' ratios spread by {sd:.1f} points (sd), so the pooled "
+              f"ratio is good to about +-{sd / math.sqrt(len(res['round_ratios'][hi])):.1f} "
+              "(one standard error)")  # fmt: skip
     lock = res.get("lockstep") or {}
     fixed_srv = res.get("server_fixed") or srv
     if lock:
@@ -427,10 +432,12 @@ def report(res: dict, levels: list[int]) -> None:
             print(f"{c:>4}{k['ttft_p50']:>10.2f}{k['itl_p50']:>9.2f}{k['tok_s']:>9.1f}"
                   f"{s['ttft_p50'] - k['ttft_p50']:>+11.2f} ms{s['itl_p50'] - k['itl_p50']:>+9.2f}"
                   f" ms{100 * s['tok_s'] / k['tok_s']:>12.1f} %")  # fmt: skip
-    print(f"\nContinuous batching gain = tok/s at c={hi} / c={lo}; target >= {tg['gain']:g}x")
-    for name, side in (("server", srv), ("in-process", inp)):
-        g = side[hi]["summary"]["tok_s"] / side[lo]["summary"]["tok_s"]
-        print(f"  {name:<11}{g:>6.2f}x {_mark(g >= tg['gain'])}")
+    if lo < hi:  # one level alone has nothing to compare
+        print(f"\nContinuous batching gain = tok/s at c={hi} / c={lo}; target >= "
+              f"{tg['gain']:g}x")  # fmt: skip
+        for name, side in (("server", srv), ("in-process", inp)):
+            g = side[hi]["summary"]["tok_s"] / side[lo]["summary"]["tok_s"]
+            print(f"  {name:<11}{g:>6.2f}x {_mark(g >= tg['gain'])}")
     print("\nCPU during each level, in cores (CPU s / wall s); the engine thread is blocked "
           "(I/O, GIL, idle) for the rest of its wall time")  # fmt: skip
     for c in levels:
