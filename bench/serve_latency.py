@@ -22,7 +22,8 @@ rounds (default 5). Per level and side the rounds' requests are pooled (percenti
 all of them, tok/s = all tokens / all wall time), with each round's tok/s ratio beside.
 One round's c=16 ratio swings with the machine (sd ~7 points over 44 runs of 3 rounds; the
 in-process side alone took 4.95 to 6.04 s for the same 256 requests, 12 s apart, with no
-CPU time stolen), so the pooled ratio needs rounds: 5 rounds where 3 gave sd 4 points.
+CPU time stolen), so the pooled ratio needs rounds: over 12 runs of 5 rounds its sd was
+3.4 points, 4.0 over those 44 runs of 3.
 A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real
 clients' would arrive. Started together, in-process requests of one length finish together
 and come back together for ever: every prefill shares one step and the decode steps in
