@@ -172,9 +172,7 @@ class WorkerRuntime:
     def forget(self, request_id: str) -> None:
         """A request begun whose task will not run (revoked, or refused by Celery): abort
         it in the engine."""
-        with self._begun_lock:
-            waiter = self._begun.pop(request_id, None)
-        if waiter is not None:
+        if self._take_begun(request_id) is not None:
             log.info("[%s] begun but its task will not run: aborting", request_id)
             self.engine.abort(request_id)
 
