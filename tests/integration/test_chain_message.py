@@ -303,8 +303,7 @@ def test_a_worker_batches_its_unacked_bookkeeping_and_writes_it_before_closing(
             msgs[3].ack()
             channel.close()  # the held-back ack is written; the unacked two are restored
             assert r.hlen("unacked") == 0
-            left = sorted(json.loads(base64.b64decode(json.loads(m)["body"]))["n"]
-                          for m in r.lrange(q, 0, -1))  # fmt: skip
+            left = sorted(_n(m) for m in r.lrange(q, 0, -1))
             assert left == [4, 5]
     finally:
         celery_at(redis_url)
