@@ -35,6 +35,7 @@ from api.runner import Runner, RunningRequest, frame_error, stream_error
 from api.streams import StreamHub
 from api.tokenization import PromptBuilder
 from tasks.app import configure as configure_celery
+from tasks.heap import freeze_startup_heap
 from tasks.pipeline import required_pools, stages
 from tasks.settings import Settings, get_settings
 
@@ -59,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state["hub"] = hub
         state["runner"] = Runner(s, client, hub, metrics)
         state["created"] = int(time.time())
+        freeze_startup_heap("api")  # no full collection pauses every stream later
         log.info("api up: model %s, mode %s, redis %s", s.model_name, s.mode,
                  s.effective_redis_url)  # fmt: skip
         try:

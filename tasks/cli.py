@@ -114,6 +114,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     from celery.signals import worker_ready, worker_shutting_down
 
     from tasks.app import configure as configure_app
+    from tasks.heap import freeze_startup_heap
     from workers.engine_core import EngineConfig
     from workers.engine_proc import parse_cpus
     from workers.registry import worker_queue
@@ -166,6 +167,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     # saw it alive earlier could route to a queue nobody has declared yet.
     def _ready(**_: object) -> None:
         rt.announce()
+        freeze_startup_heap(f"worker {wid}")  # Celery consumes from now on
 
     def _leaving(**_: object) -> None:
         # warm shutdown: routers stop picking this worker now; the tasks it holds run to
