@@ -5,25 +5,34 @@
 
 For each concurrency level (``--concurrency 1,4,16``) it keeps exactly c requests in flight
 until ``--requests-per-level`` (default max(32, 16c): seconds of steady load per level, so
-the noise of a shared machine averages out) have finished, first through an ``EngineLoop``
-in this process, then through the server (streaming ``/v1/completions`` over SSE) with the
+the noise of a shared machine averages out) have finished, through an ``EngineLoop`` in
+this process and through the server (streaming ``/v1/completions`` over SSE) with the
 same model, prompts (token ids), pattern, temperature 0 and ``ignore_eos`` so every request
 makes exactly the tokens it asks for. Those are ``--output-len`` (64) spread by
 ``--output-spread`` (0.5: from 32 to 96, drawn once from ``--seed``, the same list on both
-sides), as real requests' lengths differ. With one length for all, requests that once
-finish in the same engine step come back in the same step for ever: in-process, where
-nothing jitters, they drift into that lockstep (every prefill in a shared step, the decode
-steps between carrying none) and its ITL swung from 4.2 to 6.4 ms at c=16 from run to run,
-while the server's HTTP and Celery hops keep its requests apart (6.1 ms). The two never run
-at the same time: they would fight over the same cores. Each level runs in-process and then
-through the server, back to back (this machine's speed drifts over tens of seconds: the two
-sides of one comparison should share a moment), and the levels repeat for ``--rounds``
-rounds (default 5). Per level and side the rounds' requests are pooled (percentiles over
-all of them, tok/s = all tokens / all wall time), with each round's tok/s ratio beside.
-One round's c=16 ratio swings with the machine (sd ~7 points over 44 runs of 3 rounds; the
-in-process side alone took 4.95 to 6.04 s for the same 256 requests, 12 s apart, with no
-CPU time stolen), so the pooled ratio needs rounds: over 12 runs of 5 rounds its sd was
-3.4 points, 4.0 over those 44 runs of 3.
+sides and in every round), as real requests' lengths differ. With one length for all,
+requests that once finish in the same engine step come back in the same step for ever:
+in-process, where nothing jitters, they drift into that lockstep (every prefill in a shared
+step, the decode steps between carrying none) and its ITL swung from 4.2 to 6.4 ms at c=16
+from run to run, while the server's HTTP and Celery hops keep its requests apart (6.1 ms).
+The two never run at the same time: they would fight over the same cores. Each level runs
+on both sides back to back (this machine's speed drifts over tens of seconds: the two
+sides of one comparison should share a moment), the side that goes first alternating from
+round to round (a fixed order would hand one side the same end of every drift), and the
+rounds repeat: ``--rounds`` (10) at the highest level, whose throughput ratio is the
+noisiest target, and the first ``--rounds-below`` (3) of them at the others, whose targets
+are latency percentiles over hundreds of requests. Every round sends new prompts (and the
+reference below its own), so no timed request finds its prompt in the server's prefix
+cache from an earlier run while the in-process engine, new at every level, finds none; the
+report warns if any timed request was served from that cache. Per level and side the
+rounds' requests are pooled (percentiles over all of them, tok/s = all tokens / all wall
+time), with each round's tok/s ratio beside, their spread (sd) and the pooled ratio's
+standard error. One round's c=16 ratio swings with the machine (sd 8.0 points over the 90
+rounds of 9 runs, with no order effect: 94.6 in-process first, 95.8 server first; the
+in-process side alone ran the same 128 requests at 1992 to 2798 tok/s, 20 times in 3
+minutes, with no CPU time stolen), so the pooled ratio needs rounds: over those 9 runs of
+10 rounds it had an sd of 1.9 points, where runs of 5 rounds, always in-process first,
+had 3.4 over 12 runs.
 A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real
 clients' would arrive. Started together, in-process requests of one length finish together
 and come back together for ever: every prefill shares one step and the decode steps in
@@ -93,9 +102,10 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def request_record(t0: float, events: list[tuple[float, str, bool]], tokens: int,
-                   asked: int) -> dict:  # fmt: skip
+                   asked: int, cached: int = 0) -> dict:  # fmt: skip
     """events: (time, text, finished) per chunk / output, in arrival order; ``asked``: the
-    request's max_tokens (with ignore_eos, what it must make)."""
+    request's max_tokens (with ignore_eos, what it must make); ``cached``: prompt tokens
+    the engine found in its prefix cache (it then skipped their prefill)."""
     visible = [t for t, text, fin in events if text or fin]
     text_times = [t for t, text, _ in events if text]
     ttft = (visible[0] - t0) * 1e3 if visible else float("nan")
@@ -103,7 +113,7 @@ def request_record(t0: float, events: list[tuple[float, str, bool]], tokens: int
     return dict(ttft_ms=ttft, e2e_ms=e2e,
                 tpot_ms=(e2e - ttft) / (tokens - 1) if tokens > 1 else float("nan"),
                 itl_ms=[(b - a) * 1e3 for a, b in zip(text_times, text_times[1:], strict=False)],
-                tokens=tokens, asked=asked, events=len(events),
+                tokens=tokens, asked=asked, cached=cached, events=len(events),
                 text_events=len(text_times))  # fmt: skip
 
 
@@ -118,6 +128,31 @@ def summarize(records: list[dict], wall_s: float) -> dict:
                 tpot_p50=pct([r["tpot_ms"] for r in records if not math.isnan(r["tpot_ms"])], 50),
                 tok_s=tokens / wall_s if wall_s > 0 else float("nan"),
                 text_events_per_token=text_events / max(tokens, 1))  # fmt: skip
+
+
+def workload(levels: list[int], counts: dict[int, int], prompt_len: int, output_len: int,
+             spread: float, vocab: int, seed: int,
+             round_index: int) -> tuple[dict, dict]:  # fmt: skip
+    """One round's requests: per level, (prompt, max_tokens) each, plus two warm-up ones;
+    and the lockstep reference's, every request ``output_len`` tokens. The output lengths
+    are the same list every round; the prompts are new in every round and for the
+    reference, so no timed request finds its prompt in the server's prefix cache from an
+    earlier run (the in-process engine starts empty at every level): a round-1 reference
+    at c=4 that reused the main run's prompts found 7392 of their 8448 tokens cached."""
+    n = sum(counts[c] for c in levels)
+    lengths = output_lengths(2 + n, output_len, spread, seed)
+    warm = make_prompts(2, prompt_len, vocab, seed)  # untimed: the same every round
+    main = make_prompts(n, prompt_len, vocab, seed + 1 + 2 * round_index)
+    ref = make_prompts(n, prompt_len, vocab, seed + 2 + 2 * round_index)
+    prompts: dict = {"warmup": list(zip(warm, lengths[:2], strict=True))}
+    fixed: dict = {"warmup": [(p, output_len) for p in warm]}
+    i = 0
+    for c in levels:
+        prompts[c] = list(zip(main[i : i + counts[c]], lengths[2 + i : 2 + i + counts[c]],
+                              strict=True))  # fmt: skip
+        fixed[c] = [(p, output_len) for p in ref[i : i + counts[c]]]
+        i += counts[c]
+    return prompts, fixed
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -137,15 +172,16 @@ async def _one_http(client: SSEClient, model: str, prompt: list[int], out_len: i
     body = dict(model=model, prompt=prompt, max_tokens=out_len, temperature=0, ignore_eos=True,
                 stream=True, stream_options={"include_usage": True})  # fmt: skip
     events: list[tuple[float, str, bool]] = []
-    tokens = 0
+    tokens = cached = 0
     t0 = time.perf_counter()
     for now, obj in await client.stream("/v1/completions", body):
         if obj.get("usage"):
             tokens = obj["usage"]["completion_tokens"]
+            cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         if obj.get("choices"):
             ch = obj["choices"][0]
             events.append((now, ch.get("text") or "", ch.get("finish_reason") is not None))
-    return request_record(t0, events, tokens, out_len)
+    return request_record(t0, events, tokens, out_len, cached)
 
 
 def _cpu_stats(pid: int) -> dict[str, tuple[float, float]]:
@@ -273,7 +309,7 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
         wall = time.perf_counter() - t
         recs = [
             request_record(starts[o.request_id], events.pop(o.request_id), o.num_output_tokens,
-                           asked[o.request_id])
+                           asked[o.request_id], o.num_cached_tokens)
             for o in finished
         ]  # fmt: skip
         return recs, wall
@@ -462,6 +498,12 @@ def report(res: dict, levels: list[int]) -> None:
                 for r in x[c]["requests"])  # fmt: skip
     if short:
         print(f"\nWARNING: {short} requests did not make the tokens they asked for")
+    hits = {name: sum(r.get("cached", 0) for c in levels for r in side[c]["requests"])
+            for name, side in (("server", srv), ("in-process", inp))}  # fmt: skip
+    if any(hits.values()):  # a prefix hit skips prefill: that side would be flattered
+        print("\nWARNING: timed requests found prompt tokens in the prefix cache ("
+              + ", ".join(f"{k} {v}" for k, v in hits.items()) + "); the sides are not "
+              "doing the same work")  # fmt: skip
     if res["model"] != Path(res["model_dir"]).name:
         print(f"\nWARNING: the server serves {res['model']!r}; is it {res['model_dir']}?")
     if res.get("pinned"):
@@ -503,6 +545,7 @@ def pool_rounds(res: dict, rounds: list[tuple[dict, dict, dict, dict]],
         res["round_ratios"][c] = [
             round(100 * srv[c]["summary"]["tok_s"] / inp[c]["summary"]["tok_s"], 1)
             for inp, srv, _, _ in rounds
+            if c in srv  # a level below the top one runs in the first rounds only
         ]  # fmt: skip
         for i, k in enumerate(keys):
             sides = [r[i][c] for r in rounds if c in r[i]]
@@ -556,9 +599,15 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--rounds", type=int, default=5,
-        help="alternate in-process and server runs this many times; per level and side "
-        "the rounds' requests are pooled (the machine's noise hits both sides)",
+        "--rounds", type=int, default=10,
+        help="alternate in-process and server runs this many times at the highest "
+        "concurrency; per level and side the rounds' requests are pooled (the machine's "
+        "noise hits both sides)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--rounds-below", type=int, default=3,
+        help="the lower concurrency levels run in this many of the first rounds (their "
+        "targets are latency percentiles over hundreds of requests, far from their limits)",
     )  # fmt: skip
     ap.add_argument(
         "--reference-rounds", type=int, default=1,
@@ -579,15 +628,6 @@ def main() -> int:
     vocab = json.loads((model_dir / "config.json").read_text())
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     counts = {c: args.requests_per_level or max(32, 16 * c) for c in levels}
-    pool = make_prompts(2 + sum(counts.values()), args.prompt_len, vocab, args.seed)
-    lengths = output_lengths(len(pool), args.output_len, args.output_spread, args.seed)
-    jobs = list(zip(pool, lengths, strict=True))
-    prompts: dict = {"warmup": jobs[:2]}  # per level, (prompt, max_tokens) per request
-    i = 2
-    for c in levels:
-        prompts[c], i = jobs[i : i + counts[c]], i + counts[c]
-    # the lockstep reference: one length for all (with a spread, the server runs it too)
-    fixed = {k: [(p, args.output_len) for p, _ in v] for k, v in prompts.items()}
 
     # Ctrl-C and SIGTERM both unwind through local_server's clean-up (SIGINT is set too: a
     # background job starts with it ignored)
@@ -621,12 +661,22 @@ def main() -> int:
             srv: dict = {}
             lock: dict = {}
             srv_fixed: dict = {}
-            for c in levels:
-                print(f"round {r + 1}/{args.rounds}, c={c}: in-process, then server",
+            # the lockstep reference: one length for all (with a spread, the server runs
+            # it too), on prompts of its own
+            prompts, fixed = workload(levels, counts, args.prompt_len, args.output_len,
+                                      args.output_spread, vocab, args.seed, r)  # fmt: skip
+            for c in [c for c in levels if c == levels[-1] or r < args.rounds_below]:
+                # which side goes first alternates: the machine's speed drifts, and a
+                # fixed order would hand one side the same end of every drift
+                first = "server" if r % 2 else "in-process"
+                print(f"round {r + 1}/{args.rounds}, c={c}: {first} first",
                       file=sys.stderr)  # fmt: skip
-                inp.update(inprocess_level(c, args.stagger_ms, prompts))
+                if r % 2 == 0:
+                    inp.update(inprocess_level(c, args.stagger_ms, prompts))
                 res["model"], got = run_loop(_server_levels(url, [c], prompts, args, pids))
                 srv.update(got)
+                if r % 2:
+                    inp.update(inprocess_level(c, args.stagger_ms, prompts))
                 reference = r < args.reference_rounds
                 if reference and c > 1 and (args.stagger_ms > 0 or args.output_spread > 0):
                     lock.update(inprocess_level(c, 0.0, fixed))  # the reference
