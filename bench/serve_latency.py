@@ -27,11 +27,11 @@ cache from an earlier run while the in-process engine, new at every level, finds
 report warns if any timed request was served from that cache. Per level and side the
 rounds' requests are pooled (percentiles over all of them, tok/s = all tokens / all wall
 time), with each round's tok/s ratio beside, their spread (sd) and the pooled ratio's
-standard error. One round's c=16 ratio swings with the machine (sd 8.0 points over the 90
-rounds of 9 runs, with no order effect: 94.6 in-process first, 95.8 server first; the
+standard error. One round's c=16 ratio swings with the machine (sd 8.2 points over the
+120 rounds of 12 runs, with no order effect: 95.2 in-process first, 95.4 server first; the
 in-process side alone ran the same 128 requests at 1992 to 2798 tok/s, 20 times in 3
-minutes, with no CPU time stolen), so the pooled ratio needs rounds: over those 9 runs of
-10 rounds it had an sd of 1.9 points, where runs of 5 rounds, always in-process first,
+minutes, with no CPU time stolen), so the pooled ratio needs rounds: over those 12 runs
+of 10 rounds it had an sd of 2.3 points, where runs of 5 rounds, always in-process first,
 had 3.4 over 12 runs.
 A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real
 clients' would arrive. Started together, in-process requests of one length finish together
