@@ -668,15 +668,16 @@ def main() -> int:
             for c in [c for c in levels if c == levels[-1] or r < args.rounds_below]:
                 # which side goes first alternates: the machine's speed drifts, and a
                 # fixed order would hand one side the same end of every drift
-                first = "server" if r % 2 else "in-process"
-                print(f"round {r + 1}/{args.rounds}, c={c}: {first} first",
+                order = ("server", "in-process") if r % 2 else ("in-process", "server")
+                print(f"round {r + 1}/{args.rounds}, c={c}: {order[0]} first",
                       file=sys.stderr)  # fmt: skip
-                if r % 2 == 0:
-                    inp.update(inprocess_level(c, args.stagger_ms, prompts))
-                res["model"], got = run_loop(_server_levels(url, [c], prompts, args, pids))
-                srv.update(got)
-                if r % 2:
-                    inp.update(inprocess_level(c, args.stagger_ms, prompts))
+                for side in order:
+                    if side == "in-process":
+                        inp.update(inprocess_level(c, args.stagger_ms, prompts))
+                    else:
+                        res["model"], got = run_loop(
+                            _server_levels(url, [c], prompts, args, pids))  # fmt: skip
+                        srv.update(got)
                 reference = r < args.reference_rounds
                 if reference and c > 1 and (args.stagger_ms > 0 or args.output_spread > 0):
                     lock.update(inprocess_level(c, 0.0, fixed))  # the reference
