@@ -8,41 +8,35 @@ into Prometheus families, so any API replica exports the same cluster view.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from tasks.channels import POOL_SET, WORKER_KEY, worker_queue
-from tasks.pipeline import stages
-from tasks.router import LOAD_KEY, parse_loads
+from kvbm.protocol import load_key, pool_queue
+from tasks.modes import Mode
+from tasks.router import Router, parse_loads
 
 
 class ClusterCollector:
-    def __init__(self, mode: str) -> None:
-        self.pools = stages(mode)
+    def __init__(self, mode: Mode) -> None:
+        self.pools = mode.pools
         self._workers: list[dict] = []
         self._queues: dict[str, int] = {}
         self._loads: dict[str, dict[str, dict[str, int]]] = {}  # pool -> worker -> counts
 
-    async def refresh(self, client: aioredis.Redis) -> None:
+    async def refresh(self, client: aioredis.Redis, router: Router) -> None:
         workers: list[dict] = []
-        queues: list[str] = list(self.pools)
+        queues: list[str] = [pool_queue(p) for p in self.pools]
         for pool in self.pools:
-            ids = sorted(m.decode() for m in await client.smembers(POOL_SET.format(pool=pool)))
-            if not ids:
-                continue
-            raws = await client.mget([WORKER_KEY.format(pool=pool, id=i) for i in ids])
-            for wid, raw in zip(ids, raws, strict=True):
-                if raw is not None:
-                    workers.append(json.loads(raw))
-                    queues.append(worker_queue(pool, wid))
+            for w in await router.live_workers(pool):
+                workers.append({"worker_id": w.worker_id, "pool": pool, **w.load})
+                queues.append(w.queue)
         pipe = client.pipeline(transaction=False)
         for q in queues:
             pipe.llen(q)
         for pool in self.pools:
-            pipe.hgetall(LOAD_KEY.format(pool=pool))
+            pipe.hgetall(load_key(pool))
         res = await pipe.execute()
         self._queues = dict(zip(queues, res[: len(queues)], strict=True))
         live = {(w.get("pool"), w.get("worker_id")) for w in workers}

@@ -12,21 +12,28 @@ Redis pushes is handed to a callback as it is parsed, with no task or queue of i
 
 URLs as redis-py reads them: ``redis://``, ``rediss://`` (TLS: ``ssl_cert_reqs``,
 ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` in the query) and ``unix://``, with
-user, password and db.
+user, password and db. No redis-py internals: replies are parsed by hiredis (its public
+``Reader``), written by :func:`encode`. :class:`RedisPyPubSub` is the stock alternative of
+:class:`PubSubConnection` (``CONVEYOR_BROKER_FASTPATH=false``), on redis-py's asyncio
+``PubSub``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
-from redis.asyncio.connection import parse_url
+import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
+
+log = logging.getLogger(__name__)
 
 Command = tuple[Any, ...]
 
@@ -43,6 +50,31 @@ def encode(commands: tuple[Command, ...] | list[Command]) -> bytes:
                 arg = repr(arg).encode()
             out.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
     return b"".join(out)
+
+
+def parse_redis_url(url: str) -> dict[str, Any]:
+    """``redis://[[user]:password@]host[:port][/db][?query]``, ``rediss://...`` and
+    ``unix://[[user]:password@]/path[?db=N]`` -> host, port, path, username, password, db
+    and the query's ``ssl_*`` options. ``ValueError`` for another scheme."""
+    u = urlsplit(url)
+    if u.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://: {url!r}")
+    query = {k: v[-1] for k, v in parse_qs(u.query).items()}
+    out: dict[str, Any] = {k: v for k, v in query.items() if k.startswith("ssl_")}
+    if u.username:
+        out["username"] = unquote(u.username)
+    if u.password is not None:
+        out["password"] = unquote(u.password)
+    db = query.get("db")
+    if u.scheme == "unix":
+        out["path"] = unquote(u.path)
+    else:
+        out["host"] = u.hostname or "localhost"
+        out["port"] = u.port or 6379
+        db = u.path.lstrip("/") or db
+    if db:
+        out["db"] = int(db)
+    return out
 
 
 def _ssl_context(kw: dict[str, Any]) -> ssl.SSLContext:
@@ -77,7 +109,7 @@ Push = list[Any]  # [b"message", channel, data], [b"pmessage", pattern, channel,
 
 class RespConnection:
     def __init__(self, url: str, connect_timeout: float = 5.0) -> None:
-        kw = parse_url(url)  # ValueError for a scheme it does not know
+        kw = parse_redis_url(url)  # ValueError for a scheme it does not know
         self._path: str | None = kw.get("path")
         self._host = kw.get("host", "localhost")
         self._port = int(kw.get("port", 6379))
@@ -220,3 +252,102 @@ class PubSubConnection(RespConnection):
 
     def on_lost(self, exc: Exception | None) -> None:
         self._on_lost(exc)
+
+
+class RedisPyPubSub:
+    """:class:`PubSubConnection`'s interface over redis-py's asyncio ``PubSub`` (the stock
+    path): a reader task hands every message on as the same list a RESP push is, and
+    commands are sent in the order they were written."""
+
+    def __init__(
+        self,
+        url: str,
+        on_push: Callable[[Push], None],
+        on_lost: Callable[[Exception | None], None] = lambda exc: None,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self._url = url
+        self._on_push = on_push
+        self._on_lost = on_lost
+        self._timeout = connect_timeout
+        self._client: aioredis.Redis | None = None
+        self._ps: Any = None
+        self._reader: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # commands leave in the order they were written
+
+    @property
+    def connected(self) -> bool:
+        return self._ps is not None
+
+    async def connect(self) -> None:
+        if self._ps is not None:
+            return
+        client = aioredis.Redis.from_url(self._url, socket_connect_timeout=self._timeout)
+        try:
+            await client.ping()
+        except RedisError as e:
+            await client.aclose()
+            raise RedisConnectionError(f"cannot connect to {self._url}: {e}") from e
+        self._client, self._ps = client, client.pubsub()
+        self._reader = asyncio.get_running_loop().create_task(self._read(self._ps))
+
+    def write(self, *commands: Command) -> None:
+        if self._ps is None:
+            raise RedisConnectionError(f"not connected to {self._url}")
+        asyncio.get_running_loop().create_task(self._send(self._ps, commands))
+
+    def close(self) -> None:
+        ps, client, self._ps, self._client = self._ps, self._client, None, None
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        if client is not None:
+            asyncio.get_running_loop().create_task(self._aclose(ps, client))
+
+    # ----------------------------------------------------------------------------------
+    async def _send(self, ps: Any, commands: tuple[Command, ...]) -> None:
+        methods = {"SUBSCRIBE": ps.subscribe, "PSUBSCRIBE": ps.psubscribe,
+                   "UNSUBSCRIBE": ps.unsubscribe, "PUNSUBSCRIBE": ps.punsubscribe,
+                   "PING": ps.ping}  # fmt: skip
+        async with self._lock:
+            try:
+                for name, *args in commands:
+                    await methods[name.upper()](*args)
+            except RedisError as e:
+                self._lost(ps, e)
+
+    async def _read(self, ps: Any) -> None:
+        while True:
+            try:
+                msg = await ps.get_message(ignore_subscribe_messages=False, timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the connection is gone
+                self._lost(ps, e)
+                return
+            if msg is None:
+                continue
+            kind = msg["type"].encode() if isinstance(msg["type"], str) else msg["type"]
+            if kind == b"pmessage":
+                self._on_push([kind, msg["pattern"], msg["channel"], msg["data"]])
+            elif kind == b"pong":
+                self._on_push([kind, msg["data"]])
+            else:
+                self._on_push([kind, msg["channel"], msg["data"]])
+
+    def _lost(self, ps: Any, exc: Exception | None) -> None:
+        if ps is not self._ps:
+            return
+        self._ps = None
+        client, self._client = self._client, None
+        if client is not None:
+            asyncio.get_running_loop().create_task(self._aclose(ps, client))
+        self._on_lost(exc)
+
+    @staticmethod
+    async def _aclose(ps: Any, client: aioredis.Redis) -> None:
+        try:
+            await ps.aclose()
+            await client.aclose()
+        except Exception as e:  # noqa: BLE001 - closing anyway
+            log.debug("closing the pub/sub connection: %s", e)

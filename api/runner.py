@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import redis.asyncio as aioredis
@@ -24,11 +24,19 @@ from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.resp import RespConnection
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
-from kvbm.hashing import block_hashes, namespace_hash
+from kvbm.protocol import (
+    CANCEL_CHANNEL,
+    Sampling,
+    StagePayload,
+    TokenFrame,
+    Usage,
+    block_hashes,
+    cancelled_key,
+    model_namespace,
+    tokens_channel,
+)
 from tasks.app import declare_queues
 from tasks.broker import deferred_publishes
-from tasks.channels import CANCEL_CHANNEL, CANCELLED_KEY, tokens_channel
-from tasks.payloads import GeneratePayload
 from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan
 from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tasks.settings import Settings
@@ -50,10 +58,10 @@ class RunningRequest:
     subscription: Subscription
     plan: Plan
     started: float
-    first_frame: dict | None = None
+    first_frame: TokenFrame | None = None
     finished: bool = False
     last_frame_at: float | None = None
-    usage: dict = field(default_factory=dict)
+    usage: Usage | None = None
     prefilled_task: asyncio.Task[None] | None = None  # moves its load prefill -> decode
     alive: Callable[[], Awaitable[bool]] | None = None  # are its workers alive (Runner)
 
@@ -68,22 +76,27 @@ class Runner:
     ) -> None:
         self.s = settings
         self.hub = hub
-        # Written before the first await (api.resp): every request's routing pick, the
-        # Redis writes of its Celery message (Runner._send), and its clean-up (the load
-        # given back, the cancelled key): ~40 us of CPU per call, against ~100 through redis-py.
-        self._fast = RespConnection(settings.effective_redis_url)
-        self.router = Router(client, router_config(settings), fast=self._fast)
-        self._namespace = namespace_hash(settings.model_name)
+        # The fast path: every request's routing pick, the Redis writes of its Celery
+        # message (Runner._send) and its clean-up are written before the first await
+        # (api.resp; docs/performance.md, "API: commands leave before the first await").
+        # Off: redis-py's asyncio client, and Celery sends from a thread.
+        self._fast = RespConnection(settings.effective_redis_url) \
+            if settings.broker_fastpath else None  # fmt: skip
+        self.router = Router(client, RouterConfig.from_settings(settings), fast=self._fast)
+        self._client = client
+        # the same hash function and namespace as the workers' block pools
+        self._namespace = model_namespace(settings.model_name)
         self.metrics = metrics
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
         self._declared: set[str] = set()
 
     async def aclose(self) -> None:
-        self._fast.close()
+        if self._fast is not None:
+            self._fast.close()
 
     # ----------------------------------------------------------------------------------
     async def start(
-        self, request_id: str, prompt_ids: list[int], sampling: dict, started: float,
+        self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         pin: str | None = None,
     ) -> RunningRequest:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
@@ -94,7 +107,6 @@ class Runner:
         id (``<id>``, ``<id>.r1``, ...), so a late answer from a lost attempt can never mix
         into the stream of the next one, and is cancelled like any abandoned request."""
         attempts = self.s.dispatch_attempts
-        # the same hash function and namespace as the workers' block pools
         hashes = block_hashes(prompt_ids, self.s.block_size, self._namespace)
         route_req = RouteRequest(hashes, len(prompt_ids), pin)
         for attempt in range(attempts):
@@ -114,7 +126,7 @@ class Runner:
                     raise OpenAIError(504, f"the worker did not answer in time ({e})",
                                       "server_error", None, "timeout") from e  # fmt: skip
                 raise
-            if run.first_frame.get("error") and run.first_frame.get("done"):
+            if run.first_frame.error is not None:
                 self.finish(run)
                 raise frame_error(run.first_frame)
             return run
@@ -122,7 +134,7 @@ class Runner:
                           "server_error", None, "worker_lost")  # fmt: skip
 
     async def _dispatch(
-        self, stream_id: str, prompt_ids: list[int], sampling: dict, started: float,
+        self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         route_req: RouteRequest,
     ) -> RunningRequest:  # fmt: skip
         try:
@@ -168,7 +180,7 @@ class Runner:
         run = RunningRequest(stream_id, sub, p, started)
         run.alive = partial(self._alive, run)
         try:
-            payload = GeneratePayload(
+            payload = StagePayload(
                 request_id=stream_id,
                 model=self.s.model_name,
                 prompt_token_ids=prompt_ids,
@@ -184,44 +196,44 @@ class Runner:
                  f" [aggregated: {p.fallback}]" if p.fallback else "")  # fmt: skip
         return run
 
-    async def _send(self, p: Plan, payload: GeneratePayload) -> None:
+    async def _send(self, p: Plan, payload: StagePayload) -> None:
         """Declare every queue the chain will reach (once per queue), then send it. Later
         links travel by exchange and routing key; declaring here means a link can never
         be dropped for want of a binding.
 
-        Celery builds the message on the event loop (~0.8 ms of Python at c=16; in a
-        thread it traded the GIL with this busy loop at every socket call: 8 ms at c=4).
-        Its Redis writes (the LPUSH and the task-sent event) are recorded
-        (:func:`tasks.broker.deferred_publishes`) and written by ``self._fast`` before
-        the first await, in one round trip whose answer the loop does not wait on: sent
-        synchronously they held the loop 3.1 ms p50 per request at c=16, with every
-        stream's frames behind them; through redis-py's asyncio client they left only
-        at the loop's next turn, ~8 ms later at c=16, and TTFT and throughput fell."""
+        Fast path: Celery builds the message on the event loop, its Redis writes (the
+        LPUSH and the task-sent event) are recorded (:func:`tasks.broker.deferred_publishes`)
+        and ``self._fast`` writes them before the first await, in one round trip whose
+        answer the loop does not wait on (docs/performance.md, "API: deferred sends").
+        Stock path: Celery sends it from a thread."""
         try:
             fresh = [r.queue for r in p.routes if r.queue not in self._declared]
             if fresh:  # once per queue: synchronous, with the short retry policy
                 declare_queues(fresh, retry_policy=SEND_RETRY_POLICY)
                 self._declared.update(fresh)
+            sig = build_chain(p, payload)
+            # declare=[]: declared above, once per queue (kombu checks each message else)
+            if self._fast is None:
+                await asyncio.to_thread(sig.apply_async, retry_policy=SEND_RETRY_POLICY,
+                                        declare=[])  # fmt: skip
+                return
             with deferred_publishes() as writes:
-                # declare=[]: declared above, once per queue; kombu's per-message check
-                # (a bound copy of the queue looked up in its cache) was a third of a send
-                build_chain(p, payload).apply_async(retry_policy=SEND_RETRY_POLICY,
-                                                    declare=[])  # fmt: skip
+                sig.apply_async(retry_policy=SEND_RETRY_POLICY, declare=[])
             # Celery's broker is ``effective_redis_url`` too (tasks.app.configure), so the
             # writes go to the same Redis as the pick. Empty when the broker's transport
             # sent the message itself (only a redis:// broker defers, see tasks.broker).
             if writes:
                 async with asyncio.timeout(SEND_TIMEOUT_S):  # inline, unlike wait_for
-                    await self._send_writes(writes)
+                    await self._send_writes(self._fast, writes)
         except (KombuOperationalError, RedisError, OSError, TimeoutError) as e:
             raise OpenAIError(503, f"the broker did not take the request: {e}",
                               "server_error", None, "broker_unavailable") from e  # fmt: skip
 
-    async def _send_writes(self, writes: list[tuple]) -> None:
+    @staticmethod
+    async def _send_writes(broker: RespConnection, writes: list[tuple]) -> None:
         """The writes leave before the first ``await`` (:class:`api.resp.RespConnection`);
         a broker not connected is tried as often and as briefly as SEND_RETRY_POLICY says.
         Once written, a lost connection is not retried: the message may have landed."""
-        broker = self._fast
         for attempt in range(SEND_RETRY_POLICY["max_retries"] + 1):
             if broker.connected:
                 break
@@ -233,7 +245,7 @@ class Runner:
                 await asyncio.sleep(SEND_RETRY_POLICY["interval_step"])
         await broker.send(*writes)
 
-    async def batches(self, run: RunningRequest) -> AsyncIterator[list[dict]]:
+    async def batches(self, run: RunningRequest) -> AsyncIterator[list[TokenFrame]]:
         """A started request's frames, the first included, up to the terminal one, in
         lists: each holds a frame that was waited for and those that had already arrived
         behind it. A stream that fell behind (the API busy) catches up in one SSE chunk
@@ -245,7 +257,7 @@ class Runner:
         sub = run.subscription
         while True:
             batch = [frame]
-            while not frame.get("done"):
+            while not frame.done:
                 more = sub.poll()
                 if more is None:
                     break
@@ -253,7 +265,7 @@ class Runner:
                 batch.append(more)
                 frame = more
             yield batch
-            if frame.get("done"):
+            if frame.done:
                 return
             frame = await self._next(run)
 
@@ -265,7 +277,7 @@ class Runner:
         task.add_done_callback(self._cleanup_tasks.discard)
 
     # ----------------------------------------------------------------------------------
-    async def _next(self, run: RunningRequest) -> dict:
+    async def _next(self, run: RunningRequest) -> TokenFrame:
         """The request's next frame (waited for, with the timeouts and liveness checks of
         :meth:`api.streams.Subscription.next_frame`), observed for the metrics."""
         first = run.first_frame is None
@@ -281,20 +293,20 @@ class Runner:
         # Before the first frame every stage's worker matters; after it, only the last
         # one's (a prefill worker may come and go once it handed over the KV).
         routes = run.plan.routes if run.first_frame is None else run.plan.routes[-1:]
-        return await self.router.all_alive(routes)
+        return await self.router.all_live(routes)
 
-    def _observe(self, run: RunningRequest, frame: dict) -> None:
+    def _observe(self, run: RunningRequest, frame: TokenFrame) -> None:
         now = time.perf_counter()
-        if frame.get("token_ids"):
+        if frame.token_ids:
             if run.last_frame_at is None:
                 self.metrics.ttft.observe(now - run.started)
                 self._forget_prefill(run)
             else:
                 self.metrics.itl.observe(now - run.last_frame_at)
             run.last_frame_at = now
-        if frame.get("done"):
+        if frame.done:
             run.finished = True
-            run.usage = frame.get("usage") or {}
+            run.usage = frame.usage
 
     def _forget_prefill(self, run: RunningRequest) -> None:
         """The first token is out: the prompt no longer queues for prefill anywhere (the
@@ -316,7 +328,7 @@ class Runner:
             # The key makes a copy of the task that the broker redelivers later (its worker
             # died holding it) skip the work; the message aborts a running one now.
             commands: list[tuple] = [
-                ("SET", CANCELLED_KEY.format(run.request_id), 1, "EX", CANCELLED_TTL_S)
+                ("SET", cancelled_key(run.request_id), 1, "EX", CANCELLED_TTL_S)
             ]
             if not run.finished:
                 self.metrics.cancelled.inc()
@@ -329,24 +341,11 @@ class Runner:
             log.exception("[%s] cleanup failed", run.request_id)
 
 
-def router_config(s: Settings) -> RouterConfig:
-    return RouterConfig(
-        mode=s.router_mode,
-        kv_events=s.router_kv_events,
-        approx_ttl_s=s.router_approx_ttl_s,
-        overlap_weight=s.router_overlap_weight,
-        temperature=s.router_temperature,
-        guard_ratio=s.router_guard_ratio,
-        guard_min_blocks=s.router_guard_min_blocks,
-        block_size=s.block_size,
-    )
-
-
-def frame_error(frame: dict) -> OpenAIError:
+def frame_error(frame: TokenFrame) -> OpenAIError:
     """The error a worker's error frame reports, as the client gets it."""
-    err = frame["error"]
-    return OpenAIError(500, err.get("message", "generation failed"),
-                       err.get("type", "server_error"), None, err.get("code"))  # fmt: skip
+    err = frame.error
+    assert err is not None, "frame_error of a frame without an error"
+    return OpenAIError(500, err.message, err.type, None, err.code)
 
 
 def stream_error(e: BaseException) -> OpenAIError:

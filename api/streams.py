@@ -23,14 +23,10 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-import orjson
-
-from api.resp import PubSubConnection
-from tasks.channels import tokens_channel
+from api.resp import PubSubConnection, RedisPyPubSub
+from kvbm.protocol import TOKENS_PREFIX, TokenFrame
 
 log = logging.getLogger(__name__)
-
-_TOKENS_PREFIX = tokens_channel("")
 
 
 class StreamTimeout(Exception):
@@ -77,7 +73,7 @@ class Subscription:
         if self._waiter is not None:
             _wake(self._waiter)
 
-    def poll(self) -> dict | None:
+    def poll(self) -> TokenFrame | None:
         """The next frame if it has already arrived; never waits."""
         while self._raw:
             frame = self._accept(self._raw.popleft())
@@ -90,7 +86,7 @@ class Subscription:
         timeout: float,
         alive: Callable[[], Awaitable[bool]] | None = None,
         check_every: float = 1.0,
-    ) -> dict:
+    ) -> TokenFrame:
         """The next frame in order, waiting up to ``timeout``. While waiting, ``alive()`` is
         asked every ``check_every`` seconds; ``False`` raises :class:`WorkerLost` at once
         rather than letting the client wait out the whole timeout."""
@@ -120,10 +116,10 @@ class Subscription:
             if frame is not None:
                 return frame
 
-    def _accept(self, raw: bytes) -> dict | None:
+    def _accept(self, raw: bytes) -> TokenFrame | None:
         """The frame if it is the next in order; ``None`` for a duplicate; a gap raises."""
-        frame = orjson.loads(raw)
-        seq = frame.get("seq", -1)
+        frame = TokenFrame.decode(raw)
+        seq = frame.seq
         if seq < self._expected:
             log.warning("%s: duplicate frame %d dropped", self.channel, seq)
             return None
@@ -137,10 +133,11 @@ class Subscription:
 
 
 class StreamHub:
-    """Every token stream of this API over one subscriber connection
-    (:class:`api.resp.PubSubConnection`): frames are parsed by hiredis and put on their
-    request's queue as they arrive, with no reader task and no per-message await (redis-py's
-    ``PubSub.get_message`` cost ~13 us of CPU per frame, 12% of the API at 16 streams).
+    """Every token stream of this API over one subscriber connection: with ``fast``,
+    :class:`api.resp.PubSubConnection`, whose frames are parsed by hiredis and put on their
+    request's queue as they arrive, with no reader task and no per-message await
+    (docs/performance.md, "API: pub/sub without redis-py"); else redis-py's own
+    (:class:`api.resp.RedisPyPubSub`).
 
     A dropped connection is reopened in the background (``reconnect_s`` apart at first,
     backing off to 2 s) and subscribed again: the pattern and every foreign channel. Frames
@@ -150,11 +147,12 @@ class StreamHub:
 
     def __init__(
         self, url: str, tag: str | None = None, health_s: float = 5.0,
-        reconnect_s: float = 0.2,
+        reconnect_s: float = 0.2, fast: bool = True,
     ) -> None:  # fmt: skip
-        self._conn = PubSubConnection(url, self._on_push, self._on_lost)
+        conn = PubSubConnection if fast else RedisPyPubSub
+        self._conn = conn(url, self._on_push, self._on_lost)
         self.tag = tag or secrets.token_hex(4)
-        self._pattern = f"{_TOKENS_PREFIX}*-{self.tag}*"
+        self._pattern = f"{TOKENS_PREFIX}*-{self.tag}*"
         self._pattern_ready = asyncio.Event()
         self._subs: dict[str, Subscription] = {}
         self._confirm: dict[str, asyncio.Future[None]] = {}
@@ -186,7 +184,7 @@ class StreamHub:
 
     def covers(self, channel: str) -> bool:
         """Whether the hub's pattern subscription already delivers ``channel``."""
-        return channel.startswith(_TOKENS_PREFIX) and f"-{self.tag}" in channel
+        return channel.startswith(TOKENS_PREFIX) and f"-{self.tag}" in channel
 
     async def subscribe(self, channel: str, timeout: float = 5.0) -> Subscription:
         sub = Subscription(self, channel)

@@ -32,7 +32,8 @@ from serve_latency import make_prompts, output_lengths  # noqa: E402
 
 from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
 from workers import paged_kernel  # noqa: E402
-from workers.engine import Engine, EngineConfig, EngineRequest  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.engine_api import EngineConfig, EngineRequest  # noqa: E402
 from workers.llama import AttentionMetadata  # noqa: E402
 from workers.sampling import SamplingParams  # noqa: E402
 

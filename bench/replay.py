@@ -57,8 +57,8 @@ sys.path[:0] = [str(BENCH), str(ROOT)]
 import trace_gen as tg  # noqa: E402
 from common import free_ports, session, stream_chunks  # noqa: E402
 
-from tasks.router import LOAD_KEY  # noqa: E402
-from workers.registry import POOL_SET, WORKER_KEY  # noqa: E402
+from kvbm.protocol import load_key  # noqa: E402
+from workers.registry import live_workers  # noqa: E402
 
 MODES = ("kv", "round_robin", "random")
 POOL = "generate"
@@ -188,16 +188,11 @@ class LoadSampler:
         return self.samples
 
     def sample(self) -> dict[str, int]:
-        members = self._r.smembers(POOL_SET.format(pool=self.pool))
-        ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
+        ids = [w.worker_id for w in live_workers(self._r, self.pool)]
         if not ids:
             return {}
-        pipe = self._r.pipeline(transaction=False)
-        for i in ids:
-            pipe.exists(WORKER_KEY.format(pool=self.pool, id=i))
-        pipe.hmget(LOAD_KEY.format(pool=self.pool), [f"{i}:blocks" for i in ids])
-        *alive, blocks = pipe.execute()
-        return {i: int(b or 0) for i, a, b in zip(ids, alive, blocks, strict=True) if a}
+        blocks = self._r.hmget(load_key(self.pool), [f"{i}:blocks" for i in ids])
+        return {i: int(b or 0) for i, b in zip(ids, blocks, strict=True)}
 
     def _run(self) -> None:
         due = time.monotonic()
@@ -443,7 +438,7 @@ def report(results: dict[str, dict], trace: dict) -> str:
                        "--max-inflight reached or the client is CPU-bound")  # fmt: skip
         if ld is not None and ld["busy_samples"] == 0:
             out.append(f"{label}: no load sample had blocks in use "
-                       f"({LOAD_KEY.format(pool=POOL)} '<worker>:blocks')")  # fmt: skip
+                       f"({load_key(POOL)} '<worker>:blocks')")  # fmt: skip
     return "\n".join(out)
 
 

@@ -31,9 +31,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from common import free_ports  # noqa: E402
 
-from kvbm.hashing import block_hashes, namespace_hash  # noqa: E402
 from kvbm.index import KVIndex  # noqa: E402
-from tasks.router import LOAD_KEY, Router, RouterConfig, RouteRequest  # noqa: E402
+from kvbm.protocol import (  # noqa: E402
+    block_hashes,
+    load_key,  # noqa: E402
+    namespace_hash,
+)
+from tasks.router import Router, RouterConfig, RouteRequest  # noqa: E402
 from workers.registry import Heartbeat  # noqa: E402
 
 POOL = "generate"
@@ -82,7 +86,7 @@ def setup(url: str, workers: int, prompt: list[int], scenario: str, bs: int, ns:
         else:
             held = block_hashes(tokens(1000 + i, len(prompt)), bs, ns)  # unrelated content
         idx.apply(wid, 0, [("cleared", []), ("stored", held)])
-        r.hset(LOAD_KEY.format(pool=POOL), mapping={f"{wid}:blocks": 50 + i % 7, f"{wid}:reqs": 3})
+        r.hset(load_key(POOL), mapping={f"{wid}:blocks": 50 + i % 7, f"{wid}:reqs": 3})
 
 
 async def measure(url: str, prompt: list[int], iters: int, bs: int, ns: int) -> dict:

@@ -258,7 +258,9 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
                       stagger_ms: float) -> dict:  # fmt: skip
     import torch
 
-    from workers.engine import Engine, EngineConfig, EngineLoop, EngineRequest, RequestOutput
+    from workers.engine import Engine
+    from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+    from workers.engine_loop import EngineLoop
     from workers.sampling import SamplingParams
 
     torch.set_num_threads(args.torch_threads)

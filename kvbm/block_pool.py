@@ -16,16 +16,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvbm.hashing import ROOT_PARENT, block_hashes
+from kvbm.protocol import ROOT_PARENT, ExtraKeys, block_hashes
 
 
 @dataclass(slots=True)
 class Allocation:
-    """A sequence's view of the pool after an allocation: its whole block table and how
-    many of its leading tokens were already cached (0 until prefix caching lands)."""
+    """A sequence's view of the pool after an allocation: its whole block table."""
 
     block_ids: list[int]
-    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -34,7 +32,6 @@ class KVEvent:
 
     kind: str  # "stored" | "removed" | "cleared"
     block_hashes: list[int]
-    tier: str = "G1"
 
 
 class BlockPool:
@@ -208,6 +205,7 @@ class BlockPool:
 class _Table:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # of the first len(hashes) blocks
+    extra_keys: list[ExtraKeys] | None = None  # per block (images, adapters), if any
 
 
 class KVCacheManager:
@@ -238,21 +236,27 @@ class KVCacheManager:
         have = len(self._tables[seq_id].block_ids) if seq_id in self._tables else 0
         return self.blocks_needed(num_tokens) - have <= self.pool.num_free
 
-    def find_prefix(self, seq_id: str, token_ids: list[int]) -> int:
+    def find_prefix(
+        self, seq_id: str, token_ids: list[int], extra_keys: list[ExtraKeys] | None = None
+    ) -> int:
         """Start ``seq_id`` on the cached blocks of its longest cached prefix; returns the
         number of tokens they cover (0 without a hit). At least one token is always left
-        to compute, since the step that computes it also yields the next token."""
+        to compute, since the step that computes it also yields the next token.
+        ``extra_keys``: per block, what else its content depends on (an image's hash);
+        they name the sequence's blocks from now on."""
         assert seq_id not in self._tables, f"{seq_id} already has blocks"
         if not self.caching:
             return 0
-        hashes = block_hashes(token_ids, self.block_size, self.namespace)
+        hashes = block_hashes(token_ids, self.block_size, self.namespace, extra_keys)
         hits = self.pool.lookup(hashes)
         if hits and len(hits) * self.block_size >= len(token_ids):
             hits = hits[:-1]
         if not hits:
+            if extra_keys:
+                self._tables[seq_id] = _Table(extra_keys=extra_keys)
             return 0
         self.pool.incref(hits)
-        self._tables[seq_id] = _Table(list(hits), hashes[: len(hits)])
+        self._tables[seq_id] = _Table(list(hits), hashes[: len(hits)], extra_keys)
         return len(hits) * self.block_size
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> Allocation | None:
@@ -282,7 +286,8 @@ class KVCacheManager:
             return
         parent = table.hashes[-1] if table.hashes else ROOT_PARENT
         new = block_hashes(token_ids[: full * self.block_size], self.block_size,
-                           self.namespace, start=done, parent=parent)  # fmt: skip
+                           self.namespace, table.extra_keys, start=done,
+                           parent=parent)  # fmt: skip
         for i, h in enumerate(new, start=done):
             self.pool.cache(table.block_ids[i], h, parent)
             parent = h

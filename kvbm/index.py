@@ -5,14 +5,11 @@ worker (:mod:`kvbm.events`) applies them here, each batch with the next number o
 worker's monotonic sequence. The router asks, in the same round trip in which it picks a
 worker, how long a prefix of a request's block hashes each live worker holds.
 
-Keys, per worker pool (a prefill worker's cache says nothing about a decode worker's)::
-
-    conveyor:kv:{pool}:{hash}       SET of worker ids holding the block   (event-fed)
-    conveyor:kvw:{pool}:{worker}    SET of block hashes the worker holds  (for cleanup)
-    conveyor:kvseq:{pool}:{worker}  last applied event sequence number
-    conveyor:kva:{pool}:{hash}      ZSET worker id -> expiry (ms); the approximate index:
-                                    the router's own past decisions, for engines that emit
-                                    no events, forgotten after a TTL
+Keys, per worker pool (a prefill worker's cache says nothing about a decode worker's),
+named in :func:`kvbm.protocol.index_keys`: the holders of each block (a SET of worker ids,
+event-fed), each worker's blocks (for cleanup), each worker's last applied batch number,
+and the approximate index (a ZSET worker id -> expiry per block: the router's own past
+decisions, for engines that emit no events, forgotten after a TTL).
 
 Block hashes travel as lowercase hex (a 64-bit hash is not exact in a Lua number).
 
@@ -37,10 +34,7 @@ from dataclasses import dataclass
 
 import redis
 
-KV_KEY = "conveyor:kv:{pool}:"  # + hex hash
-APPROX_KEY = "conveyor:kva:{pool}:"  # + hex hash
-WORKER_BLOCKS_KEY = "conveyor:kvw:{pool}:"  # + worker id
-SEQ_KEY = "conveyor:kvseq:{pool}:"  # + worker id
+from kvbm.protocol import LIVE_LUA, NOW_LUA, alive_key, index_keys
 
 
 def hex_hashes(hashes: list[int]) -> list[str]:
@@ -91,8 +85,8 @@ APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
 
 # --- Lua helpers shared by the scripts that read the index -------------------------------
 # Locals the helpers expect: kv, kva, wblocks, seqk (index prefixes), alive (the registry's
-# ZSET worker id -> heartbeat expiry in ms), pset (the registry's pool set), forget_more
-# (a function(wid) the including script may use to drop more of a dead worker's state).
+# ZSET worker id -> heartbeat expiry in ms), forget_more (a function(wid) the including
+# script may use to drop more of a dead worker's state).
 
 # forget(wid): drop every index entry of a (dead) worker
 FORGET_LUA = """
@@ -102,22 +96,23 @@ local function forget(wid)
   for _, h in ipairs(hs) do redis.call('SREM', kv .. h, wid) end
   redis.call('DEL', wkey, seqk .. wid)
   redis.call('ZREM', alive, wid)
-  redis.call('SREM', pset, wid)
   forget_more(wid)
 end
 """
 
-# live(now) -> sorted live worker ids; workers whose heartbeat expired are forgotten
-LIVE_LUA = """
+# live(now) -> sorted live worker ids (kvbm.protocol's rule); workers whose heartbeat
+# expired are forgotten on the way
+PRUNE_LUA = (
+    LIVE_LUA
+    + """
 local function live(now)
-  for _, id in ipairs(redis.call('ZRANGE', alive, '-inf', '(' .. now, 'BYSCORE')) do
+  for _, id in ipairs(redis.call('ZRANGE', alive, '-inf', now, 'BYSCORE')) do
     forget(id)
   end
-  local ids = redis.call('ZRANGE', alive, now, '+inf', 'BYSCORE')
-  table.sort(ids)
-  return ids
+  return live_ids(alive, now)
 end
 """
+)
 
 # overlaps(ids, hashes, approx, now) -> {wid = number of leading blocks held}.
 # Block hashes are chained and a block pool evicts a sequence's descendants before its
@@ -168,32 +163,24 @@ local function overlaps(ids, hashes, approx, now)
 end
 """
 
-NOW_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# The first six ARGV of every script that reads the index: alive zset, pool set, then
+# The first five ARGV of every script that reads the index: the alive zset, then
 # ``index_args(pool)``. Scripts put this first, then FORGET_LUA (after a ``forget_more``).
-LOCALS_LUA = (
-    "local alive, pset, kv, kva, wblocks, seqk = ARGV[1], ARGV[2], ARGV[3], ARGV[4], "
-    "ARGV[5], ARGV[6]\n"
-)
+LOCALS_LUA = "local alive, kv, kva, wblocks, seqk = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]\n"
 
-# ARGV: the six above, approx (0/1), hashes...
+# ARGV: the five above, approx (0/1), hashes...
 # returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
 QUERY_LUA = (
     LOCALS_LUA
     + "local function forget_more(wid) end\n"
     + FORGET_LUA
-    + LIVE_LUA
+    + PRUNE_LUA
     + OVERLAP_LUA
     + NOW_LUA
     + """
 local ids = live(now)
 local hashes = {}
-for i = 8, #ARGV do hashes[#hashes + 1] = ARGV[i] end
-local ov = overlaps(ids, hashes, ARGV[7] == '1', now)
+for i = 7, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+local ov = overlaps(ids, hashes, ARGV[6] == '1', now)
 local out = {}
 for _, id in ipairs(ids) do out[#out + 1] = id; out[#out + 1] = ov[id] end
 return out
@@ -218,12 +205,7 @@ def apply_command(pool: str, worker_id: str, seq: int, events: list[tuple[str, l
 
 def index_args(pool: str) -> list[str]:
     """The key prefixes of ``pool``'s index, in the order the scripts take them."""
-    return [
-        KV_KEY.format(pool=pool),
-        APPROX_KEY.format(pool=pool),
-        WORKER_BLOCKS_KEY.format(pool=pool),
-        SEQ_KEY.format(pool=pool),
-    ]
+    return index_keys(pool).as_args()
 
 
 @dataclass(slots=True)
@@ -235,15 +217,10 @@ class ApplyResult:
 class KVIndex:
     """Synchronous access to one pool's index (workers publish, tools and tests read)."""
 
-    def __init__(
-        self, client: redis.Redis, pool: str, alive_key: str = "", pool_set: str = ""
-    ) -> None:
-        """``alive_key`` / ``pool_set``: the worker registry's liveness ZSET (worker id ->
-        heartbeat expiry, ms) and member set of the pool, needed by :meth:`overlaps`."""
+    def __init__(self, client: redis.Redis, pool: str) -> None:
         self._r = client
         self.pool = pool
-        self._alive = alive_key
-        self._pool_set = pool_set
+        self._keys = index_keys(pool)
         self._apply = client.register_script(APPLY_LUA)
         self._query = client.register_script(QUERY_LUA)
 
@@ -255,7 +232,7 @@ class KVIndex:
         """Each live worker's number of leading blocks of ``hashes`` held (dead workers
         are pruned and forgotten on the way)."""
         flat = self._query(
-            args=[self._alive, self._pool_set, *index_args(self.pool), int(approx),
+            args=[alive_key(self.pool), *index_args(self.pool), int(approx),
                   *hex_hashes(hashes)]
         )  # fmt: skip
         ids = [w.decode() if isinstance(w, bytes) else w for w in flat[::2]]
@@ -263,9 +240,9 @@ class KVIndex:
 
     def holders(self, block_hash: int) -> set[str]:
         """Workers the index says hold one block (live or not)."""
-        members = self._r.smembers(KV_KEY.format(pool=self.pool) + format(block_hash, "x"))
+        members = self._r.smembers(self._keys.holders + format(block_hash, "x"))
         return {m.decode() if isinstance(m, bytes) else m for m in members}
 
     def worker_blocks(self, worker_id: str) -> set[int]:
-        key = WORKER_BLOCKS_KEY.format(pool=self.pool) + worker_id
+        key = self._keys.worker_blocks + worker_id
         return {int(h, 16) for h in self._r.smembers(key)}

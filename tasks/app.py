@@ -11,6 +11,7 @@ from __future__ import annotations
 from celery import Celery
 from kombu import Exchange, Queue
 
+from kvbm.protocol import pool_queue
 from tasks.settings import Settings, get_settings
 
 app = Celery("conveyor", include=["tasks.stages"])
@@ -42,12 +43,14 @@ def declare_queues(names: list[str], retry_policy: dict | None = None) -> None:
 
 def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
     s = settings or get_settings()
-    names = [*s.pools, *extra_queues]
+    names = [*(pool_queue(p) for p in s.pools), *extra_queues]
+    # the fast path: kombu's Redis transport, minus its per-message costs (tasks.broker),
+    # and Celery's consumer sending task events in batches (tasks.celery_ext); off: stock
+    fast = s.broker_fastpath
     app.conf.update(
         broker_url=s.effective_redis_url,
-        # kombu's Redis transport, minus a new redis client per message (tasks.broker)
         broker_transport="tasks.broker:Transport"
-        if s.effective_redis_url.startswith("redis://")
+        if fast and s.effective_redis_url.startswith("redis://")
         else None,
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},
@@ -58,12 +61,12 @@ def configure(settings: Settings | None = None, extra_queues: list[str] = ()) ->
         result_serializer="json",
         task_create_missing_queues=False,
         task_queues=[queue(n) for n in names],
-        task_default_queue=s.pools[0],
+        task_default_queue=pool_queue(s.pools[0]),
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         worker_send_task_events=True,
-        worker_consumer="tasks.consumer:Consumer",  # task events sent in batches
+        worker_consumer="tasks.celery_ext:Consumer" if fast else "celery.worker.consumer:Consumer",
         task_send_sent_event=True,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,

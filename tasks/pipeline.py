@@ -1,16 +1,16 @@
 """Plan and send a request's chain of stage tasks.
 
-The mode decides the stages, the router picks a worker per stage, and each signature goes
-to that worker's own queue:
+The deployment's row of the stage table (:mod:`tasks.modes`) names the stages; the router
+picks a worker per stage, and each signature goes to that worker's own queue. A stage's
+result is the next one's first argument (Celery chains pass results along): the prefill
+task's handle says where the decode task finds the prompt's KV.
 
-    agg      generate                 on a generate worker
-    disagg   prefill -> decode        the prefill task's handle becomes the decode task's
-                                      first argument (Celery chains pass results along)
-
-Disaggregation degrades as Dynamo's does: with no live prefill worker, or a prompt whose
-part the chosen decode worker has not cached is shorter than ``disagg_min_prompt_tokens``
-(not worth a KV transfer), the request runs aggregated on that decode worker — a decode
-worker runs ``generate`` tasks too.
+Stages are routed last to first: the last stage's worker is where the request ends up, and
+what it has cached decides whether an optional stage before it is worth running. An
+optional stage is left out, as Dynamo degrades, when its pool has no live worker
+(``no_<pool>_worker``) or when it hands KV on and the prompt's part the next worker has
+not cached is shorter than ``disagg_min_prompt_tokens`` (``short_prompt``, not worth a
+transfer); the next stage then runs the merged task (:data:`tasks.modes.MERGED`).
 """
 
 from __future__ import annotations
@@ -20,17 +20,20 @@ from dataclasses import dataclass, replace
 from celery import chain
 from celery.canvas import Signature
 
+from kvbm.protocol import StagePayload
 from tasks.app import queue, route_to
-from tasks.payloads import GeneratePayload
+from tasks.modes import merged
 from tasks.router import PinnedWorkerMissing, Route, Router, RouteRequest
-from tasks.settings import POOLS_BY_MODE, Settings
+from tasks.settings import Settings
 from tasks.stages import decode, generate, prefill
+
+TASKS = {"generate": generate, "prefill": prefill, "decode": decode}
 
 
 @dataclass(slots=True)
 class Plan:
-    """Which task runs where, in order; ``fallback`` says why a disagg request runs
-    aggregated (``no_prefill_worker`` / ``short_prompt``)."""
+    """Which task runs where, in order; ``fallback`` says why an optional stage was left
+    out (``no_<pool>_worker`` / ``short_prompt``)."""
 
     steps: list[tuple[str, Route]]
     fallback: str | None = None
@@ -44,19 +47,6 @@ class NoLiveWorker(Exception):
     def __init__(self, pool: str) -> None:
         super().__init__(pool)
         self.pool = pool
-
-
-def stages(mode: str) -> tuple[str, ...]:
-    """The worker pools a mode uses."""
-    try:
-        return POOLS_BY_MODE[mode]
-    except KeyError:
-        raise ValueError(f"unknown mode {mode!r}; known: {sorted(POOLS_BY_MODE)}") from None
-
-
-def required_pools(mode: str) -> tuple[str, ...]:
-    """Pools without which a mode cannot serve (disagg survives without prefill workers)."""
-    return ("decode",) if mode == "disagg" else stages(mode)
 
 
 async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
@@ -82,47 +72,50 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
             picked.append(route)
         return route
 
+    steps: list[tuple[str, Route]] = []  # filled from the last stage back
+    fallback = None
     try:
-        if s.mode == "agg":
-            route = await pick("generate")
-            if route is None:
-                raise NoLiveWorker("generate")
-            result = Plan([("generate", route)])
-        else:
-            stages(s.mode)  # validates
-            dec = await pick("decode")
-            if dec is None:
-                raise NoLiveWorker("decode")
-            pin_pending = bool(req.pin) and not pin_used  # the pin names a prefill worker
-            uncached = req.prompt_len - dec.overlap_blocks * s.block_size
-            if uncached < s.disagg_min_prompt_tokens and not pin_pending:
-                result = Plan([("generate", dec)], fallback="short_prompt")
-            else:
-                pre = await pick("prefill")
-                if pre is None:
-                    result = Plan([("generate", dec)], fallback="no_prefill_worker")
+        for stage in reversed(s.serving_mode.stages):
+            if stage.optional:
+                nxt_task, nxt = steps[0]
+                uncached = req.prompt_len - nxt.overlap_blocks * s.block_size
+                pin_pending = bool(req.pin) and not pin_used  # the pin may name this pool
+                route = None
+                if stage.kv_transfer and uncached < s.disagg_min_prompt_tokens \
+                        and not pin_pending:  # fmt: skip
+                    why = "short_prompt"
                 else:
-                    pre.blocks = 0  # a prefill worker holds the KV only until it is pulled
-                    result = Plan([("prefill", pre), ("decode", dec)])
+                    route = await pick(stage.pool)
+                    why = f"no_{stage.pool}_worker"
+                if route is None:
+                    steps[0] = (merged(stage.task, nxt_task), nxt)
+                    fallback = why
+                    continue
+            else:
+                route = await pick(stage.pool)
+                if route is None:
+                    raise NoLiveWorker(stage.pool)
+            if steps:
+                route.blocks = 0  # it holds the KV only until the next stage takes it
+            steps.insert(0, (stage.task, route))
         if req.pin and not pin_used:
             raise PinnedWorkerMissing(req.pin)
     except BaseException:
         await router.release(*picked)
         raise
-    return result
+    return Plan(steps, fallback)
 
 
-def build_chain(p: Plan, payload: GeneratePayload) -> Signature:
+def build_chain(p: Plan, payload: StagePayload) -> Signature:
     """The Celery canvas for one request."""
     body = payload.model_dump()
-    tasks = {"generate": generate, "prefill": prefill, "decode": decode}
     # What task events, Flower and the worker's log show for the arguments: the request,
     # not the prompt's token ids (Celery would repr them all for every message it sends)
     shown = dict(argsrepr=f"({payload.request_id}: {len(payload.prompt_token_ids)} prompt "
                           "tokens)", kwargsrepr="{}")  # fmt: skip
     sigs = []
     for i, (name, route) in enumerate(p.steps):
-        task = tasks[name]
+        task = TASKS[name]
         # the first task gets the payload alone; later ones get the previous handle first.
         # The first is sent from here (a Queue object names the route: the anonymous
         # exchange, straight onto the list); later ones travel inside the message, so they
@@ -133,8 +126,7 @@ def build_chain(p: Plan, payload: GeneratePayload) -> Signature:
         else:
             sig = task.s(body).set(**route_to(route.queue), **shown)
         sigs.append(sig)
-    # One stage (aggregated) goes as the task alone: the same message (its embed names no
-    # chain rather than an empty one), but Celery's chain deep-copies its tasks (the
-    # payload with every token id) to send one: ~390 against ~270 us of the API loop's
-    # CPU per request.
+    # One stage (aggregated) goes as the task alone: the same message, without the copy
+    # of every task Celery's chain makes to send one (docs/performance.md, "one-stage
+    # requests skip the chain").
     return sigs[0] if len(sigs) == 1 else chain(*sigs)

@@ -25,7 +25,7 @@ Modes (``CONVEYOR_ROUTER_MODE``):
 
 A request may pin a worker id; it then goes to that worker if it is alive in the pool.
 
-Load, per worker, lives in the pool's hash ``conveyor:load:{pool}`` (fields
+Load, per worker, lives in the pool's hash :func:`kvbm.protocol.load_key` (fields
 ``<worker>:reqs|prefill|blocks``): requests routed and not finished; prompt tokens routed
 and not yet prefilled; and the KV blocks (prompt + one for decoding) of requests past
 their first token. A request counts as prefill work until its first token arrives, then
@@ -39,47 +39,51 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
-from kvbm.index import (
-    FORGET_LUA,
-    LIVE_LUA,
-    LOCALS_LUA,
+from kvbm.index import FORGET_LUA, LOCALS_LUA, OVERLAP_LUA, PRUNE_LUA, hex_hashes, index_args
+from kvbm.protocol import (
+    ALL_LIVE_LUA,
+    LIVE_WORKERS_LUA,
     NOW_LUA,
-    OVERLAP_LUA,
-    hex_hashes,
-    index_args,
+    alive_key,
+    load_key,
+    round_robin_key,
+    worker_key,
+    worker_queue,
 )
-from workers.registry import ALIVE_KEY, POOL_SET, WORKER_KEY, worker_queue
+from tasks.settings import Settings
+from workers.registry import WorkerInfo, parse_live
 
-LOAD_KEY = "conveyor:load:{pool}"  # HASH "<worker id>:reqs|blocks|prefill" -> count
-RR_KEY = "conveyor:rr:{pool}"
 LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
 
 _PICK_LUA = (
-    LOCALS_LUA + "local lkey = ARGV[7]\n"
+    LOCALS_LUA + "local lkey = ARGV[6]\n"
     "local function forget_more(wid) redis.call('HDEL', lkey, wid .. ':reqs', "
     "wid .. ':blocks', wid .. ':prefill') end\n"
     + FORGET_LUA
-    + LIVE_LUA
+    + PRUNE_LUA
     + OVERLAP_LUA
     + NOW_LUA
     + """
-local wprefix, rrkey, mode, approx, pin = ARGV[8], ARGV[9], ARGV[10], ARGV[11] == '1', ARGV[12]
-local plen, bs = tonumber(ARGV[13]), tonumber(ARGV[14])
-local weight, temp = tonumber(ARGV[15]), tonumber(ARGV[16])
-local gratio, gmin, u = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
-local load_ttl, approx_ttl = tonumber(ARGV[20]), tonumber(ARGV[21])
+local wprefix, rrkey, mode, approx, pin = ARGV[7], ARGV[8], ARGV[9], ARGV[10] == '1', ARGV[11]
+local plen, bs = tonumber(ARGV[12]), tonumber(ARGV[13])
+local weight, temp = tonumber(ARGV[14]), tonumber(ARGV[15])
+local gratio, gmin, u = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
+local load_ttl, approx_ttl = tonumber(ARGV[19]), tonumber(ARGV[20])
+local excluded = {}
+for id in string.gmatch(ARGV[21], "[^\\n]+") do excluded[id] = true end
 local hashes = {}
 for i = 22, #ARGV do hashes[#hashes + 1] = ARGV[i] end
 
-local ids = live(now)
+local ids = {}
+for _, id in ipairs(live(now)) do if not excluded[id] then ids[#ids + 1] = id end end
 if #ids == 0 then return false end
 local nblocks = math.ceil(plen / bs)
 
@@ -184,6 +188,7 @@ class RouteRequest:
     block_hashes: list[int]  # of the prompt's full blocks
     prompt_len: int
     pin: str | None = None  # a worker id the request must run on
+    exclude: set[str] = field(default_factory=set)  # worker ids it must not run on
 
 
 @dataclass(slots=True)
@@ -200,6 +205,19 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown router mode {self.mode!r}; known: {list(MODES)}")
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> RouterConfig:
+        return cls(
+            mode=s.router_mode,
+            kv_events=s.router_kv_events,
+            approx_ttl_s=s.router_approx_ttl_s,
+            overlap_weight=s.router_overlap_weight,
+            temperature=s.router_temperature,
+            guard_ratio=s.router_guard_ratio,
+            guard_min_blocks=s.router_guard_min_blocks,
+            block_size=s.block_size,
+        )
 
 
 @dataclass(slots=True)
@@ -239,6 +257,8 @@ class Router:
         self.config = config or RouterConfig()
         self._pick = client.register_script(_PICK_LUA)
         self._give_back = client.register_script(_GIVE_BACK_LUA)
+        self._live = client.register_script(LIVE_WORKERS_LUA)
+        self._all_live = client.register_script(ALL_LIVE_LUA)
         self._fast = fast
 
     async def pick(self, pool: str, req: RouteRequest | None = None) -> Route | None:
@@ -250,12 +270,11 @@ class Router:
         res = await self._run(
             self._pick,
             [
-                ALIVE_KEY.format(pool=pool),
-                POOL_SET.format(pool=pool),
+                alive_key(pool),
                 *index_args(pool),
-                LOAD_KEY.format(pool=pool),
-                WORKER_KEY.format(pool=pool, id=""),
-                RR_KEY.format(pool=pool),
+                load_key(pool),
+                worker_key(pool, ""),
+                round_robin_key(pool),
                 c.mode,
                 int(not c.kv_events),
                 req.pin or "",
@@ -268,6 +287,7 @@ class Router:
                 random.random(),
                 LOAD_TTL_S * 1000,
                 int(c.approx_ttl_s * 1000),
+                "\n".join(sorted(req.exclude)),
                 *(hex_hashes(req.block_hashes) if c.mode == "kv" or req.pin else []),
             ],
         )
@@ -321,7 +341,7 @@ class Router:
             self._give_back,
             [f"{route.worker_id}:prefill", n, f"{route.worker_id}:blocks", -route.blocks,
              LOAD_TTL_S * 1000],
-            keys=(LOAD_KEY.format(pool=route.pool),),
+            keys=(load_key(route.pool),),
         )  # fmt: skip
 
     async def release(self, *routes: Route, before: tuple[tuple, ...] = ()) -> None:
@@ -331,7 +351,7 @@ class Router:
         for route in routes:
             w = route.worker_id
             calls.append((
-                (LOAD_KEY.format(pool=route.pool),),
+                (load_key(route.pool),),
                 [f"{w}:reqs", 1, f"{w}:blocks", route.blocks if route.decoding else 0,
                  f"{w}:prefill", route.prefill_tokens, LOAD_TTL_S * 1000],
             ))  # fmt: skip
@@ -343,25 +363,21 @@ class Router:
     async def load(self, pool: str, worker_id: str) -> dict[str, int]:
         """What the router counts on one worker: reqs, blocks, prefill."""
         names = ("reqs", "blocks", "prefill")
-        raw = await self._r.hmget(LOAD_KEY.format(pool=pool), [f"{worker_id}:{n}" for n in names])
+        raw = await self._r.hmget(load_key(pool), [f"{worker_id}:{n}" for n in names])
         return {n: int(v or 0) for n, v in zip(names, raw, strict=True)}
 
     async def loads(self, pool: str) -> dict[str, dict[str, int]]:
         """Every worker's counts in ``pool`` (workers with no entry are absent)."""
-        return parse_loads(await self._r.hgetall(LOAD_KEY.format(pool=pool)))
+        return parse_loads(await self._r.hgetall(load_key(pool)))
 
-    async def all_alive(self, routes: Iterable[Route]) -> bool:
-        """Whether every routed worker still heartbeats (one round trip)."""
-        keys = [WORKER_KEY.format(pool=r.pool, id=r.worker_id) for r in routes]
-        return not keys or await self._r.exists(*keys) == len(keys)
+    async def all_live(self, routes: Iterable[Route]) -> bool:
+        """Whether every routed worker is still live (one round trip)."""
+        args = [a for r in routes for a in (alive_key(r.pool), r.worker_id)]
+        return not args or bool(await self._run(self._all_live, args))
 
-    async def live_count(self, pool: str) -> int:
-        members = await self._r.smembers(POOL_SET.format(pool=pool))
-        if not members:
-            return 0
-        ids = [_str(m) for m in members]
-        vals = await self._r.mget([WORKER_KEY.format(pool=pool, id=i) for i in ids])
-        return sum(v is not None for v in vals)
+    async def live_workers(self, pool: str) -> list[WorkerInfo]:
+        """``pool``'s live workers with their last heartbeat reports."""
+        return parse_live(pool, await self._live(args=[alive_key(pool), worker_key(pool, "")]))
 
 
 def parse_loads(raw: dict) -> dict[str, dict[str, int]]:

@@ -13,10 +13,9 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
+from tasks.modes import MODES, Mode, get_mode
 
-Mode = Literal["agg", "disagg"]
-POOLS_BY_MODE: dict[str, tuple[str, ...]] = {"agg": ("generate",), "disagg": ("prefill", "decode")}
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 
 
 class MockTimingSettings(BaseModel):
@@ -53,13 +52,21 @@ class Settings(BaseSettings):
     frame_timeout_s: float = Field(
         30.0, description="Seconds the API waits between two frames of one stream."
     )
+    broker_fastpath: bool = Field(
+        True,
+        description="Use Conveyor's fast paths through kombu, Celery and redis-py (batched "
+        "acks and events, deferred sends, hand-written RESP for frames and routing); "
+        "false: the libraries' stock behaviour.",
+    )
     dispatch_attempts: int = Field(
         3, ge=1, description="Tries to start a request when its worker dies before answering."
     )
 
     # --- deployment ----------------------------------------------------------------------
     model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
-    mode: Mode = Field("agg", description="Serving mode (which stages each request runs).")
+    mode: str = Field(
+        "agg", description=f"Serving mode, a row of the stage table: {', '.join(MODES)}."
+    )
     workers: int = Field(1, ge=0, description="Worker processes per pool (conveyor serve).")
     prefill_workers: int | None = Field(
         None, ge=0, description="Prefill workers in disagg mode (serve); default: workers."
@@ -191,6 +198,12 @@ class Settings(BaseSettings):
     def _expand(cls, v: object) -> object:
         return Path(v).expanduser() if isinstance(v, str) else v
 
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, v: str) -> str:
+        get_mode(v)  # ValueError listing the known modes
+        return v
+
     # --- derived -------------------------------------------------------------------------
     @property
     def effective_redis_url(self) -> str:
@@ -201,16 +214,18 @@ class Settings(BaseSettings):
         return self.served_model_name or self.model.name
 
     @property
+    def serving_mode(self) -> Mode:
+        """This deployment's row of the stage table."""
+        return get_mode(self.mode)
+
+    @property
     def pools(self) -> tuple[str, ...]:
-        return POOLS_BY_MODE[self.mode]
+        return self.serving_mode.pools
 
     def workers_in(self, pool: str) -> int:
         """How many workers ``conveyor serve`` starts for ``pool``."""
-        if pool == "prefill" and self.prefill_workers is not None:
-            return self.prefill_workers
-        if pool == "decode" and self.decode_workers is not None:
-            return self.decode_workers
-        return self.workers
+        own = {"prefill": self.prefill_workers, "decode": self.decode_workers}.get(pool)
+        return self.workers if own is None else own
 
 
 _settings: Settings | None = None

@@ -7,28 +7,38 @@ imported by importing this module, so the API can import the app to send tasks.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 
 from celery import Task, chain
 
+from kvbm.protocol import (
+    PrefillHandle,
+    StagePayload,
+    StageSummary,
+    block_hashes,
+    model_namespace,
+    worker_queue,
+)
 from tasks.app import app, queue, route_to
-from tasks.payloads import GeneratePayload
 
 log = logging.getLogger(__name__)
 
 
 # generate and prefill reach the engine as their message arrives, ahead of Celery's
-# hand-over to a pool thread (tasks.intake)
-BEGIN_ON_RECEIPT = "tasks.intake:begin_on_receipt"
+# hand-over to a pool thread (tasks.celery_ext)
+BEGIN_ON_RECEIPT = "tasks.celery_ext:begin_on_receipt"
 
 
 @app.task(name="conveyor.generate", bind=True, acks_late=True, ignore_result=True,
           Strategy=BEGIN_ON_RECEIPT)  # fmt: skip
 def generate(self: Task, payload: dict) -> dict:
     """Aggregated stage: prefill and decode the request on this worker, streaming tokens."""
-    req = GeneratePayload.model_validate(payload)
+    req = StagePayload.model_validate(payload)
     return _guarded(req, lambda rt: rt.generate(req.request_id, req.prompt_token_ids,
-                                                req.sampling, req.forced_first_token))  # fmt: skip
+                                                req.sampling.model_dump(),
+                                                req.forced_first_token)).model_dump()  # fmt: skip
 
 
 @app.task(name="conveyor.prefill", bind=True, acks_late=True, ignore_result=True,
@@ -36,9 +46,10 @@ def generate(self: Task, payload: dict) -> dict:
 def prefill(self: Task, payload: dict) -> dict:
     """Prefill stage: stream the first token, pin the KV, return the handle (which Celery
     hands to the chain's decode task)."""
-    req = GeneratePayload.model_validate(payload)
+    req = StagePayload.model_validate(payload)
     return _guarded(req, lambda rt: rt.prefill(req.request_id, req.prompt_token_ids,
-                                               req.sampling, req.forced_first_token))  # fmt: skip
+                                               req.sampling.model_dump(),
+                                               req.forced_first_token)).model_dump()  # fmt: skip
 
 
 @app.task(name="conveyor.decode", bind=True, acks_late=True, ignore_result=True)
@@ -46,55 +57,82 @@ def decode(self: Task, handle: dict, payload: dict) -> dict:
     """Decode stage: pull the KV named by ``handle`` and generate from the second token.
 
     A failed pull (prefill worker gone, transfer error, timeout) sends the request through
-    prefill again — on another prefill worker, keeping the first token the client already
-    has — up to ``prefill_retries`` times; with no prefill worker alive it is redone here,
-    aggregated. Past the limit the stream ends with an error frame."""
+    prefill again, on another prefill worker the router picks, keeping the first token
+    the client already has, up to ``prefill_retries`` times; with no other prefill worker
+    alive it is redone here, aggregated. Past the limit the stream ends with an error
+    frame."""
     from workers.runtime import KVPullFailed, get_runtime
 
-    req = GeneratePayload.model_validate(payload)
-    if handle.get("finished"):
+    req = StagePayload.model_validate(payload)
+    h = PrefillHandle.model_validate(handle)
+    if h.finished:
         return handle  # the request ended on its first token; the stream is complete
     try:
         return _guarded(req, lambda rt: rt.decode(req.request_id, req.prompt_token_ids,
-                                                  req.sampling, handle))  # fmt: skip
+                                                  req.sampling.model_dump(),
+                                                  h)).model_dump()  # fmt: skip
     except KVPullFailed as e:
-        return _redo_prefill(get_runtime(), req, handle, str(e))
+        return _redo_prefill(get_runtime(), req, h, str(e)).model_dump()
 
 
-def _redo_prefill(rt, req: GeneratePayload, handle: dict, why: str) -> dict:  # type: ignore[no-untyped-def]
-    import redis as redis_lib
-
+def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> StageSummary:  # type: ignore[no-untyped-def]
     from tasks.settings import get_settings
-    from workers.registry import live_workers, worker_queue
 
-    limit = get_settings().prefill_retries
-    if req.attempt >= limit:
+    s = get_settings()
+    if req.attempt >= s.prefill_retries:
         msg = f"KV transfer failed {req.attempt + 1} time(s), giving up: {why}"
         rt.fail(req.request_id, msg, "kv_transfer_failed", seq=1)
-        return {"request_id": req.request_id, "finish_reason": "error", "error": msg}
+        return StageSummary(request_id=req.request_id, finish_reason="error", error=msg)
     redo = req.model_copy(update={"attempt": req.attempt + 1,
-                                  "forced_first_token": handle["first_token"]})  # fmt: skip
-    try:
-        alive = [w for w in live_workers(rt.redis, "prefill")
-                 if w.worker_id != handle.get("prefill_worker")]  # fmt: skip
-    except redis_lib.RedisError:
-        alive = []
-    if not alive:
+                                  "forced_first_token": handle.first_token})  # fmt: skip
+    target = _pick_prefill(req, exclude=handle.prefill_worker)
+    if target is None:
         log.warning("[%s] %s; no other prefill worker: running it here", req.request_id, why)
-        return rt.generate(req.request_id, req.prompt_token_ids, req.sampling,
+        return rt.generate(req.request_id, req.prompt_token_ids, req.sampling.model_dump(),
                            redo.forced_first_token)  # fmt: skip
-    target = min(alive, key=lambda w: w.load.get("active", 0))
     log.warning("[%s] %s; prefilling again on %s (attempt %d/%d)", req.request_id, why,
-                target.worker_id, redo.attempt, limit)  # fmt: skip
-    own = worker_queue(rt.pool, rt.worker_id)
+                target, redo.attempt, s.prefill_retries)  # fmt: skip
     chain(
-        prefill.si(redo.model_dump()).set(queue=queue(target.queue)),
-        decode.s(redo.model_dump()).set(**route_to(own)),
+        prefill.si(redo.model_dump()).set(queue=queue(worker_queue("prefill", target))),
+        decode.s(redo.model_dump()).set(**route_to(worker_queue(rt.pool, rt.worker_id))),
     ).apply_async()
-    return {"request_id": req.request_id, "redo": redo.attempt}
+    return StageSummary(request_id=req.request_id, redo=redo.attempt)
 
 
-def _guarded(req: GeneratePayload, run):  # type: ignore[no-untyped-def]
+def _pick_prefill(req: StagePayload, exclude: str) -> str | None:
+    """A live prefill worker other than ``exclude``, picked by the router as the API picks
+    one (its load is not held: the redo is counted by nobody once it runs)."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from tasks.router import Router, RouterConfig, RouteRequest
+    from tasks.settings import get_settings
+
+    s = get_settings()
+    hashes = block_hashes(req.prompt_token_ids, s.block_size, model_namespace(req.model))
+
+    async def pick() -> str | None:
+        client = aioredis.Redis.from_url(s.effective_redis_url)
+        try:
+            router = Router(client, RouterConfig.from_settings(s))
+            route = await router.pick(
+                "prefill", RouteRequest(hashes, len(req.prompt_token_ids), exclude={exclude})
+            )
+            if route is None:
+                return None
+            await router.release(route)
+            return route.worker_id
+        finally:
+            await client.aclose()
+
+    try:
+        return asyncio.run(pick())
+    except RedisError as e:
+        log.warning("[%s] the router did not answer (%s): no prefill worker", req.request_id, e)
+        return None
+
+
+def _guarded(req: StagePayload, run: Callable):  # type: ignore[no-untyped-def, type-arg]
     """Run a stage; any failure that is not the worker dying ends the stream clearly."""
     from workers.engine_proc import EngineDied
     from workers.runtime import KVPullFailed, get_runtime

@@ -16,19 +16,12 @@ from tokenizers import Tokenizer
 
 from workers import paged_kernel
 from workers.checkpoint import TextModelConfig, load_text_weights
-from workers.engine_core import (  # noqa: F401 - re-exported: the engine's public types
-    EngineConfig,
-    EngineCore,
-    EngineRequest,
-    ImportedPrefill,
-    RequestOutput,
-    _Seq,
-    token_seed,
-)
-from workers.engine_loop import EngineLoop  # noqa: F401 - re-exported
+from workers.engine_api import EngineConfig
+from workers.engine_core import EngineCore, token_seed
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
 from workers.sampling import SamplingParams, make_generator, sample
+from workers.scheduler import Seq
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +39,10 @@ class Engine(EngineCore):
         self.decode_kernel = _decode_kernel(config.decode_attention, model)
         log.info("decode attention: %s", self.decode_attention)
 
+    def kv_memory(self) -> PagedKVCache:
+        """The paged KV cache: what a KV transfer backend moves blocks of."""
+        return self.kv
+
     @property
     def decode_attention(self) -> str:
         """The decode-attention path this engine runs: ``"kernel"`` or ``"torch"``."""
@@ -62,7 +59,7 @@ class Engine(EngineCore):
     def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
         return None if params.greedy else make_generator(params.seed)
 
-    def _forward(self, batch: list[tuple[_Seq, int, int]], sampled: list[_Seq]) -> list[int]:
+    def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
         logits = self._run(batch)
         if not sampled:
             return []
@@ -77,10 +74,10 @@ class Engine(EngineCore):
             logits,
             [s.req.params for s in sampled],
             [s.generator for s in sampled],  # type: ignore[misc]
-            [self._banned(s) for s in sampled],
+            [self.outputs.banned(s) for s in sampled],
         )
 
-    def _run(self, batch: list[tuple[_Seq, int, int]]) -> torch.Tensor:
+    def _run(self, batch: list[tuple[Seq, int, int]]) -> torch.Tensor:
         """One forward pass over the batch; logits of the rows that end a sequence."""
         bs = self.config.block_size
         ids: list[int] = []
@@ -91,7 +88,7 @@ class Engine(EngineCore):
         logits_index: list[int] = []
         for seq, start, end in batch:
             n = end - start
-            table = self.kv_manager.block_table(seq.id)
+            table = self.scheduler.block_table(seq.id)
             row = len(ids)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))

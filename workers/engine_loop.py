@@ -1,9 +1,9 @@
-"""``EngineLoop``: runs an engine core on its own thread.
+"""``EngineLoop``: runs an engine on its own thread.
 
 Other threads (the engine process's command reader, transfer threads) submit and abort
-through it; every step's outputs go to a sink callback, and the block pool's KV events to
-an event sink (called after every step, with or without events). Works with any
-:class:`workers.engine_core.EngineCore`; torch-free.
+through it; every step's outputs go to a sink callback, and the engine's KV events to an
+event sink (called after every step, with or without events). Works with any
+:class:`workers.engine_api.Engine`; torch-free.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from kvbm.block_pool import KVEvent
-from workers.engine_core import EngineCore, EngineRequest, RequestOutput
+from workers.engine_api import Engine, EngineRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,10 @@ EventSink = Callable[[list[KVEvent], bool], None]
 
 
 class EngineLoop:
-    """Runs an engine core on its own thread; thread-safe submit / abort."""
+    """Runs an engine on its own thread; thread-safe submit / abort."""
 
     def __init__(
-        self, engine: EngineCore, sink: OutputSink, name: str = "engine-loop",
+        self, engine: Engine, sink: OutputSink, name: str = "engine-loop",
         event_sink: EventSink | None = None,
     ) -> None:  # fmt: skip
         self.engine = engine
@@ -58,28 +58,17 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
-    def call(self, fn: Callable[[EngineCore], object]) -> Future:
+    def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run ``fn(engine)`` on the loop thread between steps; its result in a future."""
         fut: Future = Future()
         self._post(("call", (fn, fut)))
         return fut
 
     def stats(self) -> dict[str, float]:
-        e = self.engine
-        return {
-            "running": len(e.running),
-            "waiting": len(e.waiting),
-            "blocks_used": e.kv_manager.pool.num_used,
-            "blocks_pinned": len(e.pinned),
-            "blocks_cached": e.kv_manager.pool.num_cached,
-            "prompt_tokens_seen": e.prompt_tokens_seen,
-            "prompt_tokens_cached": e.prompt_tokens_cached,
-            "pins_expired": e.num_pin_expired,
-            "blocks_total": e.kv_manager.pool.num_blocks,
-            "preemptions": e.num_preemptions,
-            "steps": e.num_steps,
-            "step_seconds": round(self.step_seconds_total, 3),
-        }
+        """The engine's counters and the loop's time spent in steps (read from any thread:
+        a snapshot of plain counters, a step may be under way)."""
+        return {**self.engine.stats().as_dict(),
+                "step_seconds": round(self.step_seconds_total, 3)}  # fmt: skip
 
     # ----------------------------------------------------------------------------------
     def _post(self, item: tuple[str, object]) -> None:
@@ -114,12 +103,12 @@ class EngineLoop:
                     self._cv.wait(0.05)
                 while not self._stopped and not self._inbox and not self.engine.has_unfinished:
                     # with pinned blocks around, wake up now and then to expire them
-                    if not self._cv.wait(1.0 if self.engine.pinned else None):
+                    if not self._cv.wait(1.0 if self.engine.has_pinned else None):
                         break
                 if self._stopped:
                     return
                 outs = self._drain()
-                if self.engine.pinned:
+                if self.engine.has_pinned:
                     self.engine.expire_pinned(time.monotonic())
             try:
                 t0 = time.perf_counter()

@@ -28,6 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvbm.protocol import PrefillHandle, kv_release_channel
+
+if TYPE_CHECKING:
+    from workers.engine_api import Engine
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +67,7 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-    handle: dict | None = None  # prefill: what the decode worker needs to pull the KV
+    handle: PrefillHandle | None = None  # prefill: what the decode worker pulls the KV with
     transfer_failed: bool = False  # decode: the KV could not be pulled
     engine_died: bool = False  # the engine process is gone; the request is lost with it
 
@@ -87,9 +93,6 @@ def parse_cpus(text: str | None) -> tuple[int, ...] | None:
             raise ValueError(f"bad CPU list {text!r}; expected e.g. '1' or '0,2-3'")
         cpus.extend(range(int(lo), int(hi or lo) + 1))
     return tuple(sorted(set(cpus)))
-
-
-KV_RELEASE_CHANNEL = "conveyor:kv-release:{}"
 
 
 class EngineClient:
@@ -171,7 +174,9 @@ class EngineClient:
         """Prefill only; the waiter's result carries the handle for the decode side."""
         return self._submit("prefill", request_id, (prompt_ids, params, forced_first_token))
 
-    def decode(self, request_id: str, prompt_ids: list[int], params: dict, handle: dict) -> _Waiter:
+    def decode(
+        self, request_id: str, prompt_ids: list[int], params: dict, handle: PrefillHandle
+    ) -> _Waiter:
         """Pull the prefilled KV described by ``handle``, then decode from the 2nd token."""
         return self._submit("decode", request_id, (prompt_ids, params, handle))
 
@@ -284,7 +289,10 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         if spec.kv_transfer:
             from workers.transfer import make_transfer  # torch: not for the mock engine
 
-            transfer = make_transfer(spec.kv_transfer, engine.kv, client, spec.worker_id,
+            memory = engine.kv_memory()
+            if memory is None:
+                raise RuntimeError(f"the {spec.engine} engine keeps no KV to transfer")
+            transfer = make_transfer(spec.kv_transfer, memory, client, spec.worker_id,
                                      spec.kv_transfer_threads)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - report the reason to the parent
         log.exception("engine process failed to start")
@@ -294,10 +302,10 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     server = _EngineServer(spec, engine, client, transfer, send)
     publisher = FramePublisher(client, server.on_published)
     events = None
-    if engine.kv_manager.pool.records_events:
+    if engine.records_kv_events:
         # on the frames' connection, from the engine loop's thread: no thread of its own
-        cached = engine.kv_manager.pool.cached_hashes
-        events = KVEventPublisher(publisher, spec.pool, spec.worker_id, cached).start()
+        events = KVEventPublisher(publisher, spec.pool, spec.worker_id,
+                                  engine.cached_block_hashes).start()  # fmt: skip
     loop = EngineLoop(engine, publisher.publish_outputs,
                       event_sink=events.publish if events else None).start()  # fmt: skip
     server.attach(loop, publisher, events)
@@ -317,8 +325,8 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     log.info("engine process stopped in %.2fs", time.monotonic() - t0)
 
 
-def _make_engine(spec: EngineProcSpec):  # type: ignore[no-untyped-def]
-    from workers.engine_core import EngineConfig
+def _make_engine(spec: EngineProcSpec) -> Engine:
+    from workers.engine_api import EngineConfig
 
     config = EngineConfig(**spec.engine_config)
     if spec.engine == "mock":
@@ -372,7 +380,7 @@ class _EngineServer:
 
     # ----------------------------------------------------------------------------------
     def handle(self, kind: str, payload: tuple) -> None:
-        from workers.engine_core import EngineRequest
+        from workers.engine_api import EngineRequest
         from workers.sampling import SamplingParams
 
         if kind == "abort":
@@ -419,19 +427,18 @@ class _EngineServer:
                                            f"KV export failed: {e}")]))  # fmt: skip
             return
         self.exports[rid] = meta
-        handle = {
-            "request_id": rid,
-            "prefill_worker": self.spec.worker_id,
-            "finished": False,
-            "first_token": out.token_ids[0],
-            "emitted_chars": len(out.text),
-            "prompt_tokens": out.num_prompt_tokens,
-            "transfer": meta,
-        }
+        handle = PrefillHandle(
+            request_id=rid,
+            prefill_worker=self.spec.worker_id,
+            first_token=out.token_ids[0],
+            emitted_chars=len(out.text),
+            prompt_tokens=out.num_prompt_tokens,
+            transfer=meta,
+        )
         self.send(("done", [Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
 
-    def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: dict) -> None:  # type: ignore[no-untyped-def]
-        from workers.engine_core import EngineRequest, ImportedPrefill
+    def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle) -> None:  # type: ignore[no-untyped-def]
+        from workers.engine_api import EngineRequest, ImportedPrefill
         from workers.transfer import TransferError
 
         timeout = self.spec.transfer_timeout_s
@@ -447,14 +454,15 @@ class _EngineServer:
         try:
             if self.transfer is None:
                 raise TransferError("this worker has no KV transfer backend")
-            self.transfer.pull(handle["transfer"], blocks, timeout)
+            self.transfer.pull(handle.transfer or {}, blocks, timeout)
         except Exception as e:  # noqa: BLE001 - any failure: give the blocks back, retry
             self.loop.call(lambda e_: e_.cancel_reservation(rid))
-            self._transfer_failed(rid, f"KV pull from {handle['prefill_worker']} failed: {e}")
+            self._transfer_failed(rid, f"KV pull from {handle.prefill_worker} failed: {e}")
             return
-        self.redis.publish(KV_RELEASE_CHANNEL.format(handle["prefill_worker"]), rid)
+        self.redis.publish(kv_release_channel(handle.prefill_worker), rid)
         self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
-        imported = ImportedPrefill(handle["first_token"], handle["emitted_chars"])
+        assert handle.first_token is not None, "a handle to pull from names its first token"
+        imported = ImportedPrefill(handle.first_token, handle.emitted_chars)
         self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported))
 
     def _transfer_failed(self, rid: str, why: str) -> None:
@@ -464,7 +472,7 @@ class _EngineServer:
     def _listen_releases(self) -> None:
         """Prefill side: decode workers tell us when they have pulled a request's KV."""
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(KV_RELEASE_CHANNEL.format(self.spec.worker_id))
+        pubsub.subscribe(kv_release_channel(self.spec.worker_id))
         while not self._stop.is_set():
             try:
                 msg = pubsub.get_message(timeout=1.0)

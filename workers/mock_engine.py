@@ -27,7 +27,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from workers.checkpoint import TextModelConfig
-from workers.engine_core import EngineConfig, EngineCore, _Seq
+from workers.engine_api import EngineConfig
+from workers.engine_core import EngineCore
+from workers.scheduler import Seq
 
 PLACEHOLDER_TEXT = " lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod"
 
@@ -67,7 +69,7 @@ class MockEngine(EngineCore):
     ) -> None:  # fmt: skip
         super().__init__(tokenizer, config, max_model_len, eos_token_ids)
         self.timing = timing
-        ids = [i for i in tokenizer.encode(PLACEHOLDER_TEXT).ids if i not in self.eos_ids]
+        ids = [i for i in tokenizer.encode(PLACEHOLDER_TEXT).ids if i not in self.outputs.eos_ids]
         if not ids:
             raise ValueError("the tokenizer encodes the placeholder text to nothing")
         self.placeholder_ids = ids
@@ -85,7 +87,7 @@ class MockEngine(EngineCore):
         max_len = config.max_model_len or cfg.max_position_embeddings
         return cls(tok, config, max_len, list(cfg.eos_token_ids), timing)
 
-    def _forward(self, batch: list[tuple[_Seq, int, int]], sampled: list[_Seq]) -> list[int]:
+    def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
         chunks = [(end - start, end) for seq, start, end in batch if end - start > 1
                   or start < seq.num_prompt]  # fmt: skip
         secs = self.timing.step_seconds(len(batch), chunks)

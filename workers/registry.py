@@ -1,10 +1,10 @@
-"""Worker registry in Redis: heartbeats, liveness and load.
+"""Worker registry in Redis: heartbeats, membership, liveness.
 
-Each worker keeps ``conveyor:worker:{pool}:{id}`` alive (a JSON load report with a TTL), is
-a member of the set ``conveyor:workers:{pool}`` and has its heartbeat's expiry (Redis's
-clock) in the ZSET ``conveyor:alive:{pool}``, so the router's script finds the live workers
-of a pool with one range read. A worker whose key expired is dead at once for every
-reader; readers prune it.
+Each worker refreshes its report under :func:`kvbm.protocol.worker_key` (JSON, with a TTL)
+and its heartbeat's expiry (Redis's clock) as its score in the pool's ZSET
+:func:`kvbm.protocol.alive_key`, which is the pool's membership. Whether a worker is live
+is decided by one rule, :data:`kvbm.protocol.LIVE_LUA`, for every reader: the router's
+scripts, the API's health and stream checks, and :func:`live_workers` here.
 """
 
 from __future__ import annotations
@@ -19,33 +19,26 @@ from dataclasses import dataclass
 
 import redis
 
+from kvbm.protocol import LIVE_WORKERS_LUA, NOW_LUA, alive_key, worker_key, worker_queue
+
 log = logging.getLogger(__name__)
 
-WORKER_KEY = "conveyor:worker:{pool}:{id}"
-POOL_SET = "conveyor:workers:{pool}"
-ALIVE_KEY = "conveyor:alive:{pool}"  # ZSET worker id -> heartbeat expiry (ms, Redis clock)
-
-# KEYS[1] heartbeat key, KEYS[2] pool set, KEYS[3] alive zset; ARGV: body, ttl ms, id
-_BEAT_LUA = """
+# KEYS[1] report key, KEYS[2] alive zset; ARGV: report, ttl ms, worker id
+_BEAT_LUA = (
+    NOW_LUA
+    + """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-redis.call('SADD', KEYS[2], ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[3], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
-
-
-def worker_queue(pool: str, worker_id: str) -> str:
-    """The per-worker queue: the router sends here to reach exactly this worker."""
-    return f"{pool}.{worker_id}"
+)
 
 
 @dataclass(slots=True)
 class WorkerInfo:
     worker_id: str
     pool: str
-    load: dict
+    load: dict  # the worker's last heartbeat report
 
     @property
     def queue(self) -> str:
@@ -53,7 +46,7 @@ class WorkerInfo:
 
 
 class Heartbeat:
-    """Background thread that refreshes this worker's key every ``period_s``."""
+    """Background thread that refreshes this worker's report and expiry every ``period_s``."""
 
     def __init__(
         self,
@@ -72,7 +65,7 @@ class Heartbeat:
         self._ttl_ms = int(ttl_s * 1000)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self._key = WORKER_KEY.format(pool=pool, id=worker_id)
+        self._keys = [worker_key(pool, worker_id), alive_key(pool)]
         self._beat = client.register_script(_BEAT_LUA)
 
     def beat(self) -> None:
@@ -83,10 +76,7 @@ class Heartbeat:
             "ts": time.time(),
             **self._report(),
         }
-        self._beat(
-            keys=[self._key, POOL_SET.format(pool=self.pool), ALIVE_KEY.format(pool=self.pool)],
-            args=[json.dumps(body), self._ttl_ms, self.worker_id],
-        )
+        self._beat(keys=self._keys, args=[json.dumps(body), self._ttl_ms, self.worker_id])
 
     def start(self) -> Heartbeat:
         self.beat()
@@ -100,9 +90,8 @@ class Heartbeat:
             self._thread.join(self._period + 1)
         try:
             pipe = self._r.pipeline(transaction=False)
-            pipe.delete(self._key)
-            pipe.srem(POOL_SET.format(pool=self.pool), self.worker_id)
-            pipe.zrem(ALIVE_KEY.format(pool=self.pool), self.worker_id)
+            pipe.delete(self._keys[0])
+            pipe.zrem(self._keys[1], self.worker_id)
             pipe.execute()
         except redis.RedisError:
             log.warning("could not deregister worker %s", self.worker_id)
@@ -116,30 +105,15 @@ class Heartbeat:
 
 
 def live_workers(client: redis.Redis, pool: str) -> list[WorkerInfo]:
-    """Workers of ``pool`` whose heartbeat key is alive; dead members are pruned."""
-    members = sorted(_str(m) for m in client.smembers(POOL_SET.format(pool=pool)))
-    if not members:
-        return []
-    values = client.mget([WORKER_KEY.format(pool=pool, id=m) for m in members])
-    live, dead = split_live(pool, members, values)
-    if dead:
-        client.srem(POOL_SET.format(pool=pool), *dead)
-    return live
+    """The live workers of ``pool`` with their last reports (one round trip)."""
+    flat = client.eval(LIVE_WORKERS_LUA, 0, alive_key(pool), worker_key(pool, ""))
+    return parse_live(pool, flat)
 
 
-def split_live(
-    pool: str, members: list[str], values: list[bytes | str | None]
-) -> tuple[list[WorkerInfo], list[str]]:
-    """Pair set members with their heartbeat values: (live workers, dead ids)."""
-    live: list[WorkerInfo] = []
-    dead: list[str] = []
-    for wid, raw in zip(members, values, strict=True):
-        if raw is None:
-            dead.append(wid)
-        else:
-            live.append(WorkerInfo(wid, pool, json.loads(raw)))
-    return live, dead
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+def parse_live(pool: str, flat: list) -> list[WorkerInfo]:
+    """The reply of :data:`kvbm.protocol.LIVE_WORKERS_LUA` as :class:`WorkerInfo` s."""
+    out = []
+    for wid, raw in zip(flat[::2], flat[1::2], strict=True):
+        wid = wid.decode() if isinstance(wid, bytes) else wid
+        out.append(WorkerInfo(wid, pool, json.loads(raw) if raw else {}))
+    return out

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import redis
 
-from workers.engine_core import EngineConfig
+from kvbm.protocol import CANCEL_CHANNEL, PrefillHandle, StageSummary, cancelled_key
+from workers.engine_api import EngineConfig
 from workers.engine_proc import Completion, EngineClient, EngineDied, EngineProcSpec, _Waiter
 from workers.registry import Heartbeat
-from workers.stream import CANCEL_CHANNEL, CANCELLED_KEY, publish_error_frame
+from workers.stream import publish_error_frame
 
 log = logging.getLogger(__name__)
 
@@ -124,10 +125,8 @@ class WorkerRuntime:
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: dict,
         forced_first_token: int | None = None,
-    ) -> dict:  # fmt: skip
-        """Run one request to completion; frames are published as it goes.
-
-        Returns a small summary (finish reason and token counts) — the task's handle."""
+    ) -> StageSummary:  # fmt: skip
+        """Run one request to completion; frames are published as it goes."""
         t0 = time.perf_counter()
         # The API sets the cancelled key before it publishes a cancel, so checking it after
         # submitting (in _wait) closes the window where a cancel beat the request here.
@@ -144,12 +143,7 @@ class WorkerRuntime:
             time.perf_counter() - t0,
             " (begun on receipt)" if begun else "",
         )
-        return {
-            "request_id": request_id,
-            "finish_reason": out.finish_reason,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-        }
+        return _summary(request_id, out)
 
     def begin(
         self, stage: str, request_id: str, prompt_token_ids: list[int], params: dict,
@@ -188,7 +182,7 @@ class WorkerRuntime:
     def prefill(
         self, request_id: str, prompt_token_ids: list[int], params: dict,
         forced_first_token: int | None = None,
-    ) -> dict:  # fmt: skip
+    ) -> PrefillHandle:  # fmt: skip
         """Prefill stage: run the prompt, stream the first token, pin the KV; returns the
         handle the decode stage pulls it with."""
         waiter = self._take_begun(request_id) or self.engine.prefill(
@@ -197,15 +191,16 @@ class WorkerRuntime:
         out = self._wait(request_id, waiter)
         if out.handle is not None:
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
-                     out.prompt_tokens, out.handle["transfer"]["backend"])  # fmt: skip
+                     out.prompt_tokens, out.handle.backend)  # fmt: skip
             return out.handle
         # finished on its first token (or failed): the stream is complete already
-        return {"request_id": request_id, "prefill_worker": self.worker_id, "finished": True,
-                "finish_reason": out.finish_reason, "error": out.error}  # fmt: skip
+        return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
+                             finished=True, finish_reason=out.finish_reason,
+                             error=out.error)  # fmt: skip
 
     def decode(
-        self, request_id: str, prompt_token_ids: list[int], params: dict, handle: dict
-    ) -> dict:
+        self, request_id: str, prompt_token_ids: list[int], params: dict, handle: PrefillHandle
+    ) -> StageSummary:
         """Decode stage: pull the prefilled KV, then generate from the second token on.
         Raises :class:`KVPullFailed` when the KV could not be pulled (nothing streamed)."""
         t0 = time.perf_counter()
@@ -214,14 +209,12 @@ class WorkerRuntime:
         if out.transfer_failed:
             raise KVPullFailed(out.error or "KV pull failed")
         log.info("[%s] %s: decoded %d tokens after a %s pull in %.3fs", request_id,
-                 out.finish_reason, out.completion_tokens,
-                 handle["transfer"]["backend"], time.perf_counter() - t0)  # fmt: skip
-        return {"request_id": request_id, "finish_reason": out.finish_reason,
-                "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": out.completion_tokens}  # fmt: skip
+                 out.finish_reason, out.completion_tokens, handle.backend,
+                 time.perf_counter() - t0)  # fmt: skip
+        return _summary(request_id, out)
 
     def _wait(self, request_id: str, waiter) -> Completion:  # type: ignore[no-untyped-def]
-        if self.redis.exists(CANCELLED_KEY.format(request_id)):
+        if self.redis.exists(cancelled_key(request_id)):
             log.info("[%s] cancelled before it started", request_id)
             self.engine.abort(request_id)
         waiter.event.wait()
@@ -263,6 +256,12 @@ class WorkerRuntime:
                     self._cancel_pubsub.subscribe(CANCEL_CHANNEL)
                 except redis.RedisError:
                     pass
+
+
+def _summary(request_id: str, out: Completion) -> StageSummary:
+    return StageSummary(request_id=request_id, finish_reason=out.finish_reason,
+                        prompt_tokens=out.prompt_tokens,
+                        completion_tokens=out.completion_tokens, error=out.error)  # fmt: skip
 
 
 _runtime: WorkerRuntime | None = None

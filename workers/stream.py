@@ -1,21 +1,12 @@
-"""Token frames on Redis pub/sub: ``tokens:{request_id}``.
+"""Token frames on Redis pub/sub (:class:`kvbm.protocol.TokenFrame` on
+:func:`kvbm.protocol.tokens_channel`), written from the engine process.
 
-Frame (JSON), one per engine step per request::
-
-    {"seq": 0, "token_ids": [..], "text": ".."}                     # a delta
-    {"seq": 7, "token_ids": [..], "text": "..", "done": true,
-     "finish_reason": "stop", "stop_reason": null,
-     "usage": {"prompt_tokens": .., "completion_tokens": .., "cached_tokens": ..}}
-    {"seq": 3, "done": true, "error": {"message": .., "type": .., "code": ..}}
-
-``seq`` counts from 0 per request with no gaps; the frame with ``done`` is always last.
 One step's frames for all requests go out in one write (pipelined ``PUBLISH`` commands,
 between ``CLIENT REPLY OFF`` and ``ON`` where the server takes them).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -23,51 +14,35 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import orjson
 import redis
 
-if TYPE_CHECKING:  # keep this module torch-free: the API reads its channel names
-    from workers.engine_core import RequestOutput
+from kvbm.protocol import TokenFrame, Usage, tokens_channel
+
+if TYPE_CHECKING:  # keep this module torch-free
+    from workers.engine_api import RequestOutput
 
 log = logging.getLogger(__name__)
 
-TOKENS_CHANNEL = "tokens:{}"
-CANCEL_CHANNEL = "conveyor:cancel"
-CANCELLED_KEY = "conveyor:cancelled:{}"
 
-
-def tokens_channel(request_id: str) -> str:
-    return TOKENS_CHANNEL.format(request_id)
-
-
-def output_frame(out: RequestOutput, seq: int) -> dict:
-    frame: dict = {"seq": seq, "token_ids": out.token_ids, "text": out.text}
-    if out.finished:
-        frame["done"] = True
-        if out.finish_reason == "error":
-            frame["error"] = _error(out.error or "generation failed",
-                                    out.error_code or "engine_error")  # fmt: skip
-        else:
-            frame["finish_reason"] = out.finish_reason
-            frame["stop_reason"] = out.stop_reason
-        frame["usage"] = {
-            "prompt_tokens": out.num_prompt_tokens,
-            "completion_tokens": out.num_output_tokens,
-            "cached_tokens": out.num_cached_tokens,
-        }
-    return frame
+def output_frame(out: RequestOutput, seq: int) -> TokenFrame:
+    """The frame numbered ``seq`` that carries one step's output for one request."""
+    if not out.finished:
+        return TokenFrame(seq, out.token_ids, out.text)
+    usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+    if out.finish_reason == "error":
+        frame = TokenFrame.failure(seq, out.error or "generation failed",
+                                   out.error_code or "engine_error", usage)  # fmt: skip
+        frame.token_ids, frame.text = out.token_ids, out.text
+        return frame
+    return TokenFrame(seq, out.token_ids, out.text, True, out.finish_reason, out.stop_reason,
+                      usage)  # fmt: skip
 
 
 def publish_error_frame(
     client: redis.Redis, request_id: str, message: str, code: str, seq: int = 0
 ) -> None:
     """A terminal error frame from outside the engine (e.g. a stage task that failed)."""
-    frame = {"seq": seq, "done": True, "token_ids": [], "text": "", "error": _error(message, code)}
-    client.publish(tokens_channel(request_id), json.dumps(frame))
-
-
-def _error(message: str, code: str) -> dict:
-    return {"message": message, "type": "server_error", "code": code}
+    client.publish(tokens_channel(request_id), TokenFrame.failure(seq, message, code).encode())
 
 
 def _bulk(b: bytes) -> bytes:
@@ -149,8 +124,7 @@ class FramePublisher:
                 for out in outputs:
                     # a prefill worker's part of a stream ends with its first frame
                     seq, head = self._next(out.request_id, out.finished or out.prefilled)
-                    frame = orjson.dumps(output_frame(out, seq))
-                    parts.append(head + _bulk(frame))
+                    parts.append(head + _bulk(output_frame(out, seq).encode()))
                 if not self._connected and not self._connect(len(parts)):
                     return  # the API notices the gap or times out
                 if self.quiet:  # the PUBLISH replies (receiver counts) are not needed
@@ -198,7 +172,7 @@ class FramePublisher:
 
     def publish_error(self, request_id: str, message: str, code: str = "") -> None:
         """End ``request_id``'s stream with an error frame (numbered after its others)."""
-        from workers.engine_core import RequestOutput
+        from workers.engine_api import RequestOutput
 
         out = RequestOutput(request_id, [], "", finished=True, finish_reason="error")
         out.error = message

@@ -17,9 +17,9 @@ from kombu import Consumer
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.runner import Runner
+from kvbm.protocol import StagePayload
 from tasks.app import app, declare_queues, queue
 from tasks.broker import ACK_FLUSH_S, Channel, deferred_publishes
-from tasks.payloads import GeneratePayload
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route, RouteRequest
 from tasks.settings import Settings
@@ -39,7 +39,7 @@ def test_the_message_carries_the_payload_and_a_short_argsrepr(
     plan = Plan(steps=[(n, Route(pools[n], f"w-{n}", {})) for n in steps])
     declare_queues([route.queue for route in plan.routes])
     ids = list(range(5, 405))
-    payload = GeneratePayload(request_id="cmpl-test", model="m", prompt_token_ids=ids,
+    payload = StagePayload(request_id="cmpl-test", model="m", prompt_token_ids=ids,
                               sampling={}, created=0.0)  # fmt: skip
     build_chain(plan, payload).apply_async()
     raw = r.lpop(plan.routes[0].queue)
@@ -84,7 +84,7 @@ def test_the_api_declares_a_queue_once_then_sends_without_declaring(
         plan = Plan(steps=[("generate", Route("generate", "w-once", {}))])
         try:
             for i in range(3):
-                payload = GeneratePayload(request_id=f"cmpl-once-{i}", model="m",
+                payload = StagePayload(request_id=f"cmpl-once-{i}", model="m",
                                           prompt_token_ids=[i, 7], sampling={},
                                           created=0.0)  # fmt: skip
                 await runner._send(plan, payload)
@@ -107,14 +107,14 @@ def test_the_api_declares_a_queue_once_then_sends_without_declaring(
         r.flushdb()
 
 
-def _gone_plan() -> tuple[Plan, GeneratePayload]:
+def _gone_plan() -> tuple[Plan, StagePayload]:
     plan = Plan(steps=[("generate", Route("generate", "w-gone", {}))])
-    payload = GeneratePayload(request_id="cmpl-gone", model="m", prompt_token_ids=[1, 2],
+    payload = StagePayload(request_id="cmpl-gone", model="m", prompt_token_ids=[1, 2],
                               sampling={}, created=0.0)  # fmt: skip
     return plan, payload
 
 
-async def _send_fails_fast(runner: Runner, plan: Plan, payload: GeneratePayload) -> None:
+async def _send_fails_fast(runner: Runner, plan: Plan, payload: StagePayload) -> None:
     t = time.perf_counter()
     with pytest.raises(OpenAIError) as info:
         await runner._send(plan, payload)
@@ -210,7 +210,7 @@ def test_deferred_publishes_record_the_writes_and_send_nothing(
         plan = Plan(steps=[("generate", Route("generate", "w-deferred", {}))])
         q = plan.routes[0].queue
         declare_queues([q])
-        payload = GeneratePayload(request_id="cmpl-deferred", model="m",
+        payload = StagePayload(request_id="cmpl-deferred", model="m",
                                   prompt_token_ids=[7, 8, 9], sampling={}, created=0.0)  # fmt: skip
         events = r.pubsub()
         events.psubscribe("*celeryev*")

@@ -241,15 +241,15 @@ def test_kv_never_pulled_is_freed_after_timeout(disagg: Disagg) -> None:
     are freed after CONVEYOR_KV_PIN_TIMEOUT_S (3 s here)."""
     from celery import chain
 
+    from kvbm.protocol import StagePayload
     from tasks.app import queue, route_to
-    from tasks.payloads import GeneratePayload
     from tasks.stages import decode, prefill
 
     wait_for(disagg.idle, 10, "idle")
     _celery_for(disagg)
     pid = f"{disagg.prefill.name[:-8]}-p"
     before = disagg.loads()[pid]["pins_expired"]
-    p = GeneratePayload(
+    p = StagePayload(
         request_id="orphan-1",
         model=disagg.model,
         prompt_token_ids=PROMPTS[15],
@@ -320,8 +320,8 @@ def _lost_handle(disagg: Disagg, rid: str, first_token: int) -> dict:
 def test_failed_pull_prefills_again_elsewhere(disagg: Disagg, agg_reference: list) -> None:
     """The decode worker cannot pull (prefill worker gone): the request is prefilled again
     on a live prefill worker, keeping the first token, and completes exactly as agg."""
+    from kvbm.protocol import StagePayload
     from tasks.app import queue
-    from tasks.payloads import GeneratePayload
     from tasks.stages import decode
 
     _celery_for(disagg)
@@ -334,7 +334,7 @@ def test_failed_pull_prefills_again_elsewhere(disagg: Disagg, agg_reference: lis
     assert ids.status_code == 200
     rid = "redo-1"
     ps = _listen(disagg.redis_url, rid)
-    p = GeneratePayload(
+    p = StagePayload(
         request_id=rid,
         model=disagg.model,
         prompt_token_ids=PROMPTS[i],
@@ -355,14 +355,14 @@ def test_failed_pull_prefills_again_elsewhere(disagg: Disagg, agg_reference: lis
 
 
 def test_failed_pull_past_retry_limit_ends_with_error(disagg: Disagg) -> None:
+    from kvbm.protocol import StagePayload
     from tasks.app import queue
-    from tasks.payloads import GeneratePayload
     from tasks.stages import decode
 
     _celery_for(disagg)
     rid = "redo-limit"
     ps = _listen(disagg.redis_url, rid)
-    p = GeneratePayload(
+    p = StagePayload(
         request_id=rid,
         model=disagg.model,
         prompt_token_ids=PROMPTS[5],
@@ -382,12 +382,12 @@ def test_failed_pull_past_retry_limit_ends_with_error(disagg: Disagg) -> None:
 def _first_token(disagg: Disagg, prompt: list[int]) -> int:
     rid = f"probe-{time.monotonic_ns()}"
     ps = _listen(disagg.redis_url, rid)
+    from kvbm.protocol import StagePayload
     from tasks.app import queue
-    from tasks.payloads import GeneratePayload
     from tasks.stages import generate
 
     _celery_for(disagg)
-    p = GeneratePayload(
+    p = StagePayload(
         request_id=rid,
         model=disagg.model,
         prompt_token_ids=prompt,

@@ -8,7 +8,7 @@ import time
 import redis
 
 from tests.integration.conftest import redis_db
-from workers.engine_core import RequestOutput
+from workers.engine_api import RequestOutput
 from workers.stream import DRAIN_AFTER, FramePublisher
 
 

@@ -20,11 +20,11 @@ import redis.asyncio as aioredis
 from api.resp import RespConnection
 from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
-from kvbm.hashing import block_hashes
 from kvbm.index import KVIndex
-from tasks.router import LOAD_KEY, PinnedWorkerMissing, Router, RouterConfig, RouteRequest
+from kvbm.protocol import alive_key, block_hashes, load_key, worker_key
+from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tests.integration.conftest import redis_db, wait_for
-from workers.registry import ALIVE_KEY, POOL_SET, WORKER_KEY, Heartbeat
+from workers.registry import Heartbeat
 from workers.stream import FramePublisher
 
 POOL = "generate"
@@ -47,14 +47,12 @@ def register(url: str, *ids: str, ttl_s: float = 30.0, pool: str = POOL) -> None
 def kill(url: str, wid: str) -> None:
     """The worker's heartbeat expires (it died): what a lapsed TTL leaves in Redis."""
     r = redis.Redis.from_url(url)
-    r.delete(WORKER_KEY.format(pool=POOL, id=wid))
-    r.zadd(ALIVE_KEY.format(pool=POOL), {wid: 1})
+    r.delete(worker_key(POOL, wid))
+    r.zadd(alive_key(POOL), {wid: 1})
 
 
 def index(url: str) -> KVIndex:
-    return KVIndex(
-        redis.Redis.from_url(url), POOL, ALIVE_KEY.format(pool=POOL), POOL_SET.format(pool=POOL)
-    )
+    return KVIndex(redis.Redis.from_url(url), POOL)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -148,8 +146,7 @@ def test_a_dead_worker_stops_counting_at_once_and_is_forgotten(db: str) -> None:
     assert idx.holders(h[0]) == {"b"}
     assert idx.worker_blocks("a") == set()
     r = redis.Redis.from_url(db)
-    assert not r.sismember(POOL_SET.format(pool=POOL), "a")
-    assert r.zscore(ALIVE_KEY.format(pool=POOL), "a") is None
+    assert r.zscore(alive_key(POOL), "a") is None
 
 
 def _publisher(url: str, pool: BlockPool, interval_s: float = 0.0):  # type: ignore[no-untyped-def]
@@ -293,7 +290,7 @@ def test_kv_mode_picks_the_prefix_holder_when_loads_are_equal(db: str, fast: boo
 
 async def _release_all(url: str) -> None:
     r = aioredis.Redis.from_url(url)
-    await r.delete(LOAD_KEY.format(pool=POOL))
+    await r.delete(load_key(POOL))
     await r.aclose()
 
 
@@ -302,7 +299,7 @@ def test_overloaded_holder_is_guarded_and_traffic_spreads(db: str) -> None:
     shared = prompt(1, 512)  # a system prompt every request shares; only a caches it
     index(db).apply("a", 0, [("stored", block_hashes(shared, BS))])
     r = redis.Redis.from_url(db)
-    r.hset(LOAD_KEY.format(pool=POOL), mapping={"a:blocks": 400, "a:reqs": 10})
+    r.hset(load_key(POOL), mapping={"a:blocks": 400, "a:reqs": 10})
     req = RouteRequest(block_hashes(shared + prompt(2, 64), BS), 576)
     picks = pick(db, req, n=12)
     assert "a" not in picks, picks
@@ -333,7 +330,7 @@ def test_a_shared_prefix_does_not_pile_every_request_on_its_holder(db: str) -> N
     picks = asyncio.run(go())
     counts = {w: picks.count(w) for w in "abcd"}
     r = redis.Redis.from_url(db)
-    loads = [int(r.hget(LOAD_KEY.format(pool=POOL), f"{w}:blocks") or 0) for w in "abcd"]
+    loads = [int(r.hget(load_key(POOL), f"{w}:blocks") or 0) for w in "abcd"]
     assert max(loads) / (sum(loads) / 4) <= 1.5, (counts, loads)
     assert picks[0] == "a"  # with no load yet, the cache decides
     assert min(counts.values()) >= 8, counts
@@ -394,7 +391,7 @@ def test_two_router_processes_see_each_others_load(db: str) -> None:
     for p in procs:
         assert p.wait(60) == 0
     r = redis.Redis.from_url(db)
-    reqs = [int(r.hget(LOAD_KEY.format(pool=POOL), f"{w}:reqs") or 0) for w in "abcd"]
+    reqs = [int(r.hget(load_key(POOL), f"{w}:reqs") or 0) for w in "abcd"]
     assert sum(reqs) == 100
     assert max(reqs) - min(reqs) <= 1, reqs
 

@@ -17,8 +17,8 @@ import openai
 import pytest
 import redis
 
-from kvbm.hashing import block_hashes, namespace_hash
 from kvbm.index import KVIndex
+from kvbm.protocol import block_hashes, namespace_hash
 from tests.integration.conftest import (
     Cluster,
     Proc,
@@ -29,7 +29,6 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
-from workers.registry import ALIVE_KEY, POOL_SET
 
 N_WORKERS = 3
 
@@ -78,10 +77,7 @@ def cached(r: openai.types.Completion) -> int:
 
 
 def index(c: Cluster) -> KVIndex:
-    return KVIndex(
-        redis.Redis.from_url(c.redis_url), "generate", ALIVE_KEY.format(pool="generate"),
-        POOL_SET.format(pool="generate"),
-    )  # fmt: skip
+    return KVIndex(redis.Redis.from_url(c.redis_url), "generate")
 
 
 def test_requests_follow_the_prefix_to_the_worker_that_cached_it(mock_cluster: Cluster) -> None:
@@ -161,8 +157,7 @@ def test_a_routed_prefix_hit_gives_the_cold_tokens(cluster: Cluster) -> None:
     )  # fmt: skip
     assert cached(cold) == 0
     hashes = block_hashes(p, 16, namespace_hash(cluster.model_name))
-    idx = KVIndex(redis.Redis.from_url(cluster.redis_url), "generate",
-                  ALIVE_KEY.format(pool="generate"), POOL_SET.format(pool="generate"))  # fmt: skip
+    idx = KVIndex(redis.Redis.from_url(cluster.redis_url), "generate")
     wait_for(lambda: idx.overlaps(hashes).get("itest-w1") == 9, 10, "KV events")
     warm = cluster.client().completions.create(
         model=cluster.model_name, prompt=p, max_tokens=16, temperature=0,

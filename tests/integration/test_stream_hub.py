@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from api.metrics import ApiMetrics
 from api.runner import Runner, RunningRequest
 from api.streams import StreamGap, StreamHub
-from tasks.channels import tokens_channel
+from kvbm.protocol import tokens_channel
 from tasks.pipeline import Plan
 from tasks.settings import Settings
 from tests.integration.conftest import redis_db
@@ -63,7 +63,7 @@ def test_own_request_ids_need_no_subscribe_of_their_own(redis_url: str) -> None:
         assert await client.publish(channel, _frame(0, "a")) == 1
         assert await client.publish(channel, _frame(1, "b", done=True)) == 1
         got = [await sub.next_frame(5.0), await sub.next_frame(5.0)]
-        assert [(f["seq"], f["text"]) for f in got] == [(0, "a"), (1, "b")]
+        assert [(f.seq, f.text) for f in got] == [(0, "a"), (1, "b")]
         await sub.close()
         await client.publish(channel, _frame(2, "late"))  # nobody listens: dropped
         assert sub.pending == 0
@@ -78,7 +78,7 @@ def test_a_foreign_channel_is_subscribed_and_confirmed(redis_url: str) -> None:
         sub = await hub.subscribe(channel)
         assert await client.pubsub_numsub(channel) == [(channel.encode(), 1)]
         await client.publish(channel, _frame(0, "x", done=True))
-        assert (await sub.next_frame(5.0))["text"] == "x"
+        assert (await sub.next_frame(5.0)).text == "x"
         await sub.close()
         end = time.monotonic() + 5
         while await client.pubsub_numsub(channel) != [(channel.encode(), 0)]:
@@ -96,8 +96,8 @@ def test_poll_takes_what_arrived_in_order_and_drops_duplicates(redis_url: str) -
         for raw in (_frame(0, "a"), _frame(0, "a"), _frame(1, "b"), _frame(3, "d")):
             await client.publish(channel, raw)
         await _until(lambda: sub.pending == 4)
-        assert (await sub.next_frame(1.0))["seq"] == 0
-        assert sub.poll()["seq"] == 1  # type: ignore[index]  # the duplicate 0 is dropped
+        assert (await sub.next_frame(1.0)).seq == 0
+        assert sub.poll().seq == 1  # type: ignore[union-attr]  # the duplicate 0 is dropped
         with pytest.raises(StreamGap, match="frames 2..2 were lost"):
             sub.poll()
 
@@ -120,20 +120,20 @@ def test_a_stream_that_fell_behind_catches_up_in_one_batch(redis_url: str) -> No
         run.first_frame = await runner._next(run)
         batches = runner.batches(run)
         first = await anext(batches)
-        assert [f["text"] for f in first] == ["a", "b", "c", "d"]
+        assert [f.text for f in first] == ["a", "b", "c", "d"]
         assert run.last_frame_at is not None and not run.finished
         later = asyncio.ensure_future(anext(batches))
         await asyncio.sleep(0.05)
         assert not later.done()  # waits for the next frame, not for a timeout
         await client.publish(channel, _frame(4, "e"))
-        assert [f["text"] for f in await later] == ["e"]
+        assert [f.text for f in await later] == ["e"]
         await client.publish(channel, _frame(5, "f"))
         await client.publish(channel, _frame(6, "g", done=True))
         await client.publish(channel, _frame(7, "never"))  # after the terminal frame
         await _until(lambda: sub.pending == 3)
         last = await anext(batches)
-        assert [f["text"] for f in last] == ["f", "g"] and last[-1]["done"]
-        assert run.finished and run.usage == {"completion_tokens": 7}
+        assert [f.text for f in last] == ["f", "g"] and last[-1].done
+        assert run.finished and run.usage is not None and run.usage.completion_tokens == 7
         with pytest.raises(StopAsyncIteration):
             await anext(batches)
 
@@ -152,7 +152,7 @@ async def _both_subscribed(client: aioredis.Redis, hub: StreamHub, foreign: str)
 async def _frames_flow(client: aioredis.Redis, subs: list, channels: list[str], seq: int) -> None:
     for sub, channel in zip(subs, channels, strict=True):
         await client.publish(channel, _frame(seq, f"after-{seq}"))
-        assert (await sub.next_frame(5.0))["text"] == f"after-{seq}"
+        assert (await sub.next_frame(5.0)).text == f"after-{seq}"
 
 
 def test_the_hub_reconnects_and_resubscribes_after_a_drop(redis_url: str) -> None:

@@ -11,7 +11,7 @@ import time
 
 import redis
 
-from tasks.consumer import EVENT_FLUSH_S
+from tasks.celery_ext import EVENT_FLUSH_S
 from tests.integration.conftest import Cluster
 
 TASK_EVENTS = ("task-received", "task-started", "task-succeeded")

@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis
 
-from tasks.router import LOAD_KEY
+from kvbm.protocol import alive_key, load_key
 from tests.integration.conftest import (
     base_env,
     redis_db,
@@ -24,7 +24,7 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
-from workers.registry import ALIVE_KEY, Heartbeat
+from workers.registry import Heartbeat
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ def test_request_redispatched_when_worker_dies_before_answering(
         # picks the frozen one; its heartbeat expires 2 s later and the API must move the
         # request on.
         Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=2.0).beat()
-        r.hset(LOAD_KEY.format(pool="generate"), "zzz-real:blocks", 10_000)
+        r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
         t0 = time.monotonic()
         out = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
             model=tiny_model_dir.name,
@@ -175,7 +175,7 @@ def test_sigterm_drains_the_worker(redis_url: str, tiny_model_dir: Path, tmp_pat
             if chunks == 3:
                 os.killpg(worker.popen.pid, signal.SIGTERM)
             elif chunks > 3 and not left_while_streaming:
-                left_while_streaming = r.zscore(ALIVE_KEY.format(pool="generate"), "drain") is None
+                left_while_streaming = r.zscore(alive_key("generate"), "drain") is None
             if chunk.choices and chunk.choices[0].finish_reason:
                 reason = chunk.choices[0].finish_reason
             usage = chunk.usage or usage

@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import redis
 
+from kvbm.protocol import nixl_agent_key
 from workers.llama import PagedKVCache
 from workers.transfer.base import KVTransfer, TransferError
 
-AGENT_KEY = "conveyor:nixl:agent:{}"
 # below this a transfer is one READ from one thread: splitting would cost more than it saves
 PARALLEL_MIN_BYTES = 16 << 20
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class NixlKVTransfer(KVTransfer):
         self._reg = self._agent.register_memory([kv.data])
         self._local_side = self._prep("NIXL_INIT_AGENT", kv.data.data_ptr(), kv.num_blocks,
                                       self._devid)  # fmt: skip
-        client.set(AGENT_KEY.format(self.agent_name), self._agent.get_agent_metadata())
+        client.set(nixl_agent_key(self.agent_name), self._agent.get_agent_metadata())
         self._remotes: dict[str, str] = {}
         # per peer agent: (its prepared block list, its cache base, blocks in the list)
         self._sides: dict[str, tuple[object, int, int]] = {}
@@ -166,7 +166,7 @@ class NixlKVTransfer(KVTransfer):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         try:
-            self._r.delete(AGENT_KEY.format(self.agent_name))
+            self._r.delete(nixl_agent_key(self.agent_name))
             for name in list(self._remotes):
                 self.forget(name)
             self._agent.release_dlist_handle(self._local_side)
@@ -187,7 +187,7 @@ class NixlKVTransfer(KVTransfer):
 
     def _remote(self, name: str) -> str:
         if name not in self._remotes:
-            md = self._r.get(AGENT_KEY.format(name))
+            md = self._r.get(nixl_agent_key(name))
             if md is None:
                 raise TransferError(f"NIXL agent {name} is gone (no metadata in Redis)")
             try:

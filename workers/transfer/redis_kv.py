@@ -12,11 +12,11 @@ import time
 import redis
 import torch
 
+from kvbm.protocol import kv_data_key
 from workers.llama import PagedKVCache
 from workers.transfer.base import KVTransfer, TransferError
 
 CHUNK_BYTES = 64 * 1024 * 1024
-KEY = "conveyor:kv:{rid}:{i}"
 
 
 class RedisKVTransfer(KVTransfer):
@@ -34,7 +34,7 @@ class RedisKVTransfer(KVTransfer):
         pipe = self._r.pipeline(transaction=False)
         n_chunks = 0
         for i, off in enumerate(range(0, len(raw), CHUNK_BYTES)):
-            pipe.set(KEY.format(rid=request_id, i=i), raw[off : off + CHUNK_BYTES], px=self._ttl_ms)
+            pipe.set(kv_data_key(request_id, i), raw[off : off + CHUNK_BYTES], px=self._ttl_ms)
             n_chunks += 1
         pipe.execute()
         return {
@@ -51,7 +51,7 @@ class RedisKVTransfer(KVTransfer):
         if meta["num_blocks"] != len(dst_block_ids):
             raise TransferError(f"{meta['num_blocks']} blocks exported, {len(dst_block_ids)} given")
         t0 = time.perf_counter()
-        keys = [KEY.format(rid=meta["request_id"], i=i) for i in range(meta["chunks"])]
+        keys = [kv_data_key(meta["request_id"], i) for i in range(meta["chunks"])]
         parts = self._r.mget(keys)
         if any(p is None for p in parts):
             raise TransferError(f"KV data of {meta['request_id']} missing from Redis (expired?)")
@@ -68,6 +68,6 @@ class RedisKVTransfer(KVTransfer):
         return len(raw)
 
     def discard(self, request_id: str, meta: dict) -> None:
-        keys = [KEY.format(rid=request_id, i=i) for i in range(meta.get("chunks", 0))]
+        keys = [kv_data_key(request_id, i) for i in range(meta.get("chunks", 0))]
         if keys:
             self._r.delete(*keys)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from api.app import _data, _Formatter
+from api.sse import Formatter as _Formatter
+from api.sse import sse_event as _data
 
 TEXTS = ["a", " the", '"quoted" \\ back', "\n\t", "é中🙂", "\u2028\u0085", "\x00", "", "null"]
 

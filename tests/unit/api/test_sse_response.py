@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from sse_starlette.sse import SendTimeoutError
 
-from api.app import _SSE
+from api.sse import SSEResponse as _SSE
 
 
 async def _chunks():  # type: ignore[no-untyped-def]

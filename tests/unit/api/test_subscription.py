@@ -27,7 +27,7 @@ def test_a_pushed_frame_wakes_the_reader_at_once_and_no_timer_is_left() -> None:
         assert not reader.done()
         t = time.perf_counter()
         sub.push(_raw(0))
-        assert (await reader)["seq"] == 0
+        assert (await reader).seq == 0
         assert time.perf_counter() - t < 0.5
         loop = asyncio.get_running_loop()
         assert all(h.cancelled() for h in loop._scheduled)  # type: ignore[attr-defined]
@@ -56,7 +56,7 @@ def test_silence_times_out_and_a_dead_worker_is_noticed_between_checks() -> None
         reader = asyncio.ensure_future(sub.next_frame(30.0, alive, check_every=0.02))
         await asyncio.sleep(0.03)
         sub.push(_raw(0, done=True))
-        assert (await reader)["done"] and len(checks) == 1
+        assert (await reader).done and len(checks) == 1
 
     asyncio.run(main())
 
@@ -73,7 +73,7 @@ def test_a_cancelled_reader_leaves_nothing_behind_and_frames_keep_their_order() 
         for seq in (0, 0, 1):  # a duplicate on the way
             sub.push(_raw(seq))
         assert sub.pending == 3
-        assert [(await sub.next_frame(1.0))["seq"] for _ in range(2)] == [0, 1]
+        assert [(await sub.next_frame(1.0)).seq for _ in range(2)] == [0, 1]
         assert sub.pending == 0
 
     asyncio.run(main())

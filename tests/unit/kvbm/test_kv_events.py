@@ -15,7 +15,7 @@ import pytest
 
 from kvbm.block_pool import KVCacheManager
 from kvbm.events import _fold
-from kvbm.hashing import ROOT_PARENT, block_hash
+from kvbm.protocol import ROOT_PARENT, block_hash
 
 BS = 4
 

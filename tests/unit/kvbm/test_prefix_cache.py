@@ -6,14 +6,14 @@ import subprocess
 import sys
 
 from kvbm.block_pool import BlockPool, KVCacheManager
-from kvbm.hashing import block_hash, block_hashes, namespace_hash
+from kvbm.protocol import block_hash, block_hashes, namespace_hash
 
 
 def test_hashes_are_stable_across_processes() -> None:
     tokens = list(range(100, 164))
     here = block_hashes(tokens, 16, namespace_hash("tiny-llava"))
     code = (
-        "from kvbm.hashing import block_hashes, namespace_hash;"
+        "from kvbm.protocol import block_hashes, namespace_hash;"
         "print(block_hashes(list(range(100, 164)), 16, namespace_hash('tiny-llava')))"
     )
     # a fresh interpreter with a different hash seed: Python's hash() would differ

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from tasks.consumer import EVENT_FLUSH_S, Consumer
+from tasks.celery_ext import EVENT_FLUSH_S, Consumer
 from tests.fakes import FakeHub
 
 

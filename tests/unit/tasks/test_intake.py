@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import tasks.intake as intake
+import tasks.celery_ext as intake
+from kvbm.protocol import Sampling
 from workers import runtime as runtime_mod
 from workers.engine_proc import Completion, _Waiter
 from workers.runtime import WorkerRuntime
@@ -91,10 +92,11 @@ def test_the_request_starts_before_celery_handles_the_message(monkeypatch, rt) -
     msg = message()
     on_message(msg, None, None, None, [])
     assert seen == [msg] and started_first == [1]
-    assert rt.engine.calls == [("submit", "cmpl-x", [5, 6, 7], {"temperature": 0}, None)]
+    sampling = Sampling(temperature=0).model_dump()  # the payload's, defaults filled in
+    assert rt.engine.calls == [("submit", "cmpl-x", [5, 6, 7], sampling, None)]
     # the task then waits for that run: no second submit
     out = rt.generate("cmpl-x", [5, 6, 7], {"temperature": 0})
-    assert out["completion_tokens"] == 2 and len(rt.engine.calls) == 1
+    assert out.completion_tokens == 2 and len(rt.engine.calls) == 1
     assert rt._begun == {}
 
 

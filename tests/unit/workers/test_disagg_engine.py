@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import Engine, EngineConfig, EngineRequest, ImportedPrefill
+from workers.engine import Engine
+from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill
 from workers.sampling import SamplingParams
 
 CFG = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=512)
@@ -86,8 +87,8 @@ def test_disagg_equals_agg_greedy(engines: tuple[Engine, Engine, Engine]) -> Non
     got = _disagg(pre, dec, _clone(reqs))
     assert got == want
     for e in engines:
-        assert e.kv_manager.pool.num_used == 0
-        assert not e.pinned and not e.reserved
+        assert e.stats().blocks_used == 0
+        assert not e.scheduler.pinned and not e.scheduler.reserved
 
 
 def test_disagg_equals_agg_seeded_stops_and_eos(engines: tuple[Engine, Engine, Engine]) -> None:
@@ -103,7 +104,7 @@ def test_disagg_equals_agg_seeded_stops_and_eos(engines: tuple[Engine, Engine, E
     assert got == want
     assert any(len(t) < 40 for t, _ in want.values()), "some request should stop early"
     for e in engines:
-        assert e.kv_manager.pool.num_used == 0
+        assert e.stats().blocks_used == 0
 
 
 def test_forced_first_token_replays_what_was_streamed(
@@ -118,7 +119,7 @@ def test_forced_first_token_replays_what_was_streamed(
     while pre.has_unfinished:
         outs += pre.step()
     assert outs[0].token_ids == [42] and outs[0].prefilled
-    assert pre.release_pinned("f") and pre.kv_manager.pool.num_used == 0
+    assert pre.release_pinned("f") and pre.stats().blocks_used == 0
 
 
 def test_pinned_blocks_expire_when_never_pulled(tiny_model_dir: Path) -> None:
@@ -127,21 +128,22 @@ def test_pinned_blocks_expire_when_never_pulled(tiny_model_dir: Path) -> None:
                                 prefill_only=True))  # fmt: skip
     while e.has_unfinished:
         e.step()
-    assert e.kv_manager.pool.num_used == 3 and "p" in e.pinned
+    assert e.stats().blocks_used == 3 and "p" in e.scheduler.pinned
     assert e.expire_pinned(now=0.0) == []  # not yet
-    assert e.expire_pinned(now=e.pinned["p"] + 0.01) == ["p"]
-    assert e.kv_manager.pool.num_used == 0 and e.num_pin_expired == 1
+    assert e.expire_pinned(now=e.scheduler.pinned["p"] + 0.01) == ["p"]
+    assert e.stats().blocks_used == 0 and e.stats().pins_expired == 1
 
 
 def test_abort_during_pull_frees_only_after_the_pull(tiny_model_dir: Path) -> None:
     e = Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG))
-    assert e.reserve("d", 40) is not None and e.kv_manager.pool.num_used == 3
+    assert e.reserve("d", 40) is not None and e.stats().blocks_used == 3
     e.abort("d")  # the transfer may still be writing into the 3 blocks: keep them
-    assert e.kv_manager.pool.num_used == 3
+    assert e.stats().blocks_used == 3
     out = e.add_request(EngineRequest("d", [1] * 40, SamplingParams(max_tokens=4),
                                       imported=ImportedPrefill(7, 0)))  # fmt: skip
     assert out is not None and out.finish_reason == "abort"
-    assert e.kv_manager.pool.num_used == 0 and not e.reserved and not e.reserved_aborted
+    assert e.stats().blocks_used == 0
+    assert not e.scheduler.reserved and not e.scheduler.reserved_aborted
     assert e.reserve("x", 16) is not None
     e.cancel_reservation("x")  # a failed pull
-    assert e.kv_manager.pool.num_used == 0
+    assert e.stats().blocks_used == 0

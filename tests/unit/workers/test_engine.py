@@ -10,7 +10,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from workers.checkpoint import TextModelConfig, load_text_weights
-from workers.engine import Engine, EngineConfig, EngineLoop, EngineRequest, RequestOutput
+from workers.engine import Engine
+from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+from workers.engine_loop import EngineLoop
 from workers.llama import LlamaModel
 from workers.model_init import EOS
 from workers.sampling import SamplingParams
@@ -49,7 +51,7 @@ def _run(engine: Engine) -> dict[str, list[RequestOutput]]:
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
     assert not engine.has_unfinished
-    assert engine.kv_manager.pool.num_used == 0
+    assert engine.stats().blocks_used == 0
     return outs
 
 
@@ -198,16 +200,16 @@ def test_abort_frees_blocks_immediately(make_engine) -> None:
     engine.add_request(EngineRequest("b", _prompt(20, 2), p))
     early = [o for _ in range(3) for o in engine.step()]
     assert [o.request_id for o in early] == ["a", "b"] * 3
-    held_a = len(engine.kv_manager.block_table("a"))
-    held_b = len(engine.kv_manager.block_table("b"))
+    held_a = len(engine.scheduler.block_table("a"))
+    held_b = len(engine.scheduler.block_table("b"))
     assert held_a == 5 and held_b == 2  # 72 and 22 tokens in 16-token blocks
-    assert engine.kv_manager.pool.num_used == held_a + held_b
+    assert engine.stats().blocks_used == held_a + held_b
 
     out = engine.abort("a")
     assert out is not None and out.finished
     assert (out.request_id, out.finish_reason, out.token_ids) == ("a", "abort", [])
     assert out.num_output_tokens == 3
-    assert engine.kv_manager.pool.num_used == held_b
+    assert engine.stats().blocks_used == held_b
     assert engine.abort("a") is None
     assert engine.abort("nope") is None
 
@@ -223,11 +225,12 @@ def test_abort_waiting_request(make_engine) -> None:
     engine.add_request(EngineRequest("a", _prompt(10), p))
     engine.add_request(EngineRequest("b", _prompt(10), p))
     engine.step()
-    assert [s.id for s in engine.running] == ["a"] and [s.id for s in engine.waiting] == ["b"]
-    used = engine.kv_manager.pool.num_used
+    assert [s.id for s in engine.scheduler.running] == ["a"]
+    assert [s.id for s in engine.scheduler.waiting] == ["b"]
+    used = engine.stats().blocks_used
     out = engine.abort("b")
     assert out is not None and out.finish_reason == "abort" and out.num_output_tokens == 0
-    assert engine.kv_manager.pool.num_used == used
+    assert engine.stats().blocks_used == used
     assert set(_run(engine)) == {"a"}
 
 
@@ -242,7 +245,7 @@ def test_a_request_added_twice_runs_once(make_engine) -> None:
     first = engine.step()  # a runs (its first token), b waits
     _add(engine, "a", _prompt(20), p)
     _add(engine, "b", _prompt(30, 1), p)
-    assert len(engine.running) == 1 and len(engine.waiting) == 1
+    assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == 1
     outs = _run(engine)  # no step fails; a's blocks are all given back
     assert [o.finish_reason for o in outs["a"] if o.finished] == ["length"]
     assert _toks(first) + _toks(outs["a"]) == ref and len(_toks(outs["b"])) == 12
@@ -331,14 +334,15 @@ def test_engine_loop_threads(make_engine) -> None:
     assert got["bad"][-1].finish_reason == "error"
     assert got["long"][-1].finish_reason == "abort"
     assert len(_toks(got["long"])) < 200
-    assert engine.kv_manager.pool.num_used == 0
+    assert engine.stats().blocks_used == 0
     assert loop.stats()["blocks_used"] == 0
 
 
 def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """A request whose prompt prefix is cached computes only the rest, and generates
     exactly what a cold run generates (greedy and seeded)."""
-    from workers.engine import Engine, EngineConfig, EngineRequest
+    from workers.engine import Engine
+    from workers.engine_api import EngineConfig, EngineRequest
     from workers.sampling import SamplingParams
 
     def run(e: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> tuple[list, int]:
@@ -363,7 +367,7 @@ def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:
         branch, c3 = run(warm, "c", prompt[:40] + [9, 9, 9], sp)
         assert (c0, c1, c2, c3) == (0, 0, 64, 32)
         assert first == want and again == want
-        assert warm.kv_manager.pool.num_used == 0
+        assert warm.stats().blocks_used == 0
         cold_branch, _ = run(cold, "cb", prompt[:40] + [9, 9, 9], sp)
         assert branch == cold_branch
 
@@ -378,13 +382,13 @@ def test_scheduler_delay_holds_prompts_while_others_decode(make_engine) -> None:
     engine = make_engine(scheduler_delay_factor=1e6)  # the wait never passes by itself
     _add(engine, "a", _prompt(20, seed=1), params)
     engine.step()  # nothing decodes yet: "a" is admitted and prefilled at once
-    assert [s.id for s in engine.running] == ["a"] and engine.last_prefill_s > 0
+    assert [s.id for s in engine.scheduler.running] == ["a"] and engine.scheduler.last_prefill_s > 0
     _add(engine, "b", _prompt(20, seed=2), params)
     for _ in range(3):
         outs = engine.step()
         assert [o.request_id for o in outs] == ["a"]  # "a" decodes; "b" waits
-    assert [s.id for s in engine.waiting] == ["b"]
+    assert [s.id for s in engine.scheduler.waiting] == ["b"]
     engine.config.scheduler_delay_factor = 0.0  # the delay passed
     outs = _run(engine)
     assert _toks(outs["b"]) == _toks(ref)
-    assert not engine.waiting
+    assert not engine.scheduler.waiting

@@ -22,7 +22,8 @@ import torch
 import transformers
 
 from workers import paged_kernel
-from workers.engine import Engine, EngineConfig, EngineRequest, RequestOutput
+from workers.engine import Engine
+from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 from workers.model_init import EOS
 from workers.sampling import SamplingParams
 
@@ -173,14 +174,14 @@ def _spy_schedule(engine: Engine) -> list[list[tuple[int, int, int]]]:
     """Record each step's schedule as (num_computed_before, n, num_prompt) per sequence;
     the real scheduler still runs."""
     log: list[list[tuple[int, int, int]]] = []
-    real: Callable = engine._schedule
+    real: Callable = engine.scheduler.schedule
 
     def spy():
         sched = real()
         log.append([(s.num_computed, n, s.num_prompt) for s, n in sched])
         return sched
 
-    engine._schedule = spy  # type: ignore[method-assign]
+    engine.scheduler.schedule = spy  # type: ignore[method-assign]
     return log
 
 
@@ -200,9 +201,9 @@ def _check(engine: Engine, case: Case, outs: dict[str, list[RequestOutput]]) -> 
     assert not mismatches, (
         f"{case.name}: engine != HF for {len(mismatches)} prompts: {mismatches[:3]}"
     )
-    assert engine.kv_manager.pool.num_used == 0
-    assert engine.kv_manager.num_seqs == 0
-    assert engine.running == [] and len(engine.waiting) == 0
+    assert engine.stats().blocks_used == 0
+    assert engine.scheduler.kv.num_seqs == 0
+    assert engine.scheduler.running == [] and len(engine.scheduler.waiting) == 0
 
 
 @pytest.fixture(params=["kernel", "torch"])
@@ -231,7 +232,7 @@ def test_parity_staggered_chunked(case: Case, decode_attention: str) -> None:
     sched = _spy_schedule(engine)
     outs = _drive(engine, case, waves=[3, 2, 4, 1, 5, 3], steps_between=4)
     _check(engine, case, outs)
-    assert engine.num_preemptions == 0
+    assert engine.stats().preemptions == 0
     # long prompts were prefilled in several chunks, some of them in steps that also
     # decoded other sequences
     chunked = [s for step in sched for s in step if s[1] > 1 and s[0] > 0]
@@ -268,7 +269,7 @@ def test_parity_under_preemption(case: Case, decode_attention: str) -> None:
         [case.hf[i] for i in keep],
     )
     outs = _drive(engine, sub, waves=[12, 6], steps_between=6)
-    assert engine.num_preemptions > 0
+    assert engine.stats().preemptions > 0
     _check(engine, sub, outs)
 
 
@@ -309,4 +310,4 @@ def test_eos_and_min_tokens_match_hf(llava_case: Case) -> None:
     assert (last["stop"].finish_reason, last["stop"].stop_reason) == ("stop", None)
     assert toks["min"] == hf_min
     assert last["min"].finish_reason == "length"
-    assert engine.kv_manager.pool.num_used == 0
+    assert engine.stats().blocks_used == 0

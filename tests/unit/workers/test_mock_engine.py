@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbm.hashing import block_hashes, namespace_hash
-from workers.engine_core import EngineConfig, EngineRequest, RequestOutput
+from kvbm.protocol import block_hashes, namespace_hash
+from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
 from workers.sampling import SamplingParams
 
@@ -63,7 +63,7 @@ def test_placeholder_tokens_length_and_usage(tiny_model_dir: Path) -> None:
     text = "".join(o.text for o in outs)
     assert text.startswith(" lorem ipsum")
     assert outs[-1].num_prompt_tokens == 100 and outs[-1].num_cached_tokens == 0
-    assert e.kv_manager.pool.num_used == 0  # every block back
+    assert e.stats().blocks_used == 0  # every block back
 
 
 def test_stop_strings_apply_as_in_the_reference_engine(tiny_model_dir: Path) -> None:
@@ -107,7 +107,7 @@ def test_batched_decode_time_grows_with_the_batch(tiny_model_dir: Path) -> None:
 def test_mock_engine_process_does_not_import_torch(tiny_model_dir: Path) -> None:
     code = (
         "import sys; from pathlib import Path;"
-        "from workers.engine_core import EngineConfig;"
+        "from workers.engine_api import EngineConfig;"
         "from workers.mock_engine import MockEngine, MockTiming;"
         "import workers.engine_loop, workers.engine_proc, workers.runtime, tasks.stages;"
         f"MockEngine.from_model_dir(Path({str(tiny_model_dir)!r}), EngineConfig(), MockTiming());"

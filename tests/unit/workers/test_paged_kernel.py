@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from workers import paged_kernel
-from workers.engine import Engine, EngineConfig, EngineRequest
+from workers.engine import Engine
+from workers.engine_api import EngineConfig, EngineRequest
 from workers.llama import AttentionMetadata, PagedKVCache
 from workers.paged_kernel import KernelUnavailable
 from workers.sampling import SamplingParams

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``
+(stream and non-stream) and ``GET /v1/models``.
+
+A handler validates the body, builds the prompt (chat template, tokenizer), checks it
+against the context window and hands it to :class:`api.runner.Runner`, which routes it,
+sends its chain and waits for its first frame; the response then relays its frames as SSE
+events or collects them into one body.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from api.errors import OpenAIError, bad_request
+from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
+from api.runner import RunningRequest, frame_error, stream_error
+from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
+from api.state import ApiState, api_state
+from kvbm.protocol import Sampling
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    st = api_state(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": st.settings.model_name,
+                "object": "model",
+                "created": st.created,
+                "owned_by": "conveyor",
+                "max_model_len": st.builder.max_model_len,
+            }
+        ],
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    started = time.perf_counter()
+    st = api_state(request)
+    _check_model(st, req.model)
+    unsupported(req)
+    prompt_ids = st.builder.chat_ids(req.messages)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    return await _serve(st, req, request, prompt_ids, max_tokens, "chat", started, "messages")
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    started = time.perf_counter()
+    st = api_state(request)
+    _check_model(st, req.model)
+    unsupported(req)
+    prompt_ids = st.builder.completion_ids(req.prompt)
+    return await _serve(st, req, request, prompt_ids, req.max_tokens, "completion", started,
+                        "prompt")  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+def _check_model(st: ApiState, name: str) -> None:
+    served = st.settings.model_name
+    if name != served:
+        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}`.",
+                          "invalid_request_error", "model", "model_not_found")  # fmt: skip
+
+
+def sampling_of(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> Sampling:
+    """The request's sampling parameters with OpenAI's defaults filled in."""
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        seed=req.seed,
+        stop=req.stop_list(),
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+    )
+
+
+async def _serve(
+    st: ApiState,
+    req: ChatCompletionRequest | CompletionRequest,
+    request: Request,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    kind: str,
+    started: float,
+    prompt_param: str,
+) -> Response:
+    max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
+    if req.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+            "min_tokens",
+        )
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    rid = st.hub.new_request_id(prefix)  # its stream needs no SUBSCRIBE
+    st.metrics.in_flight.inc()
+    try:
+        pin = req.worker_id or request.headers.get(PIN_HEADER) or None
+        run = await st.runner.start(rid, prompt_ids, sampling_of(req, max_tokens), started, pin)
+    except BaseException:
+        st.metrics.in_flight.dec()
+        raise
+    st.metrics.prompt_tokens.inc(len(prompt_ids))
+    fmt = Formatter(kind, rid, st.settings.model_name)
+    if req.stream:
+        gen = _stream(st, run, fmt, req.include_usage, started)
+        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+    return await _collect(st, run, fmt, started)
+
+
+async def _stream(
+    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float
+) -> AsyncIterator[bytes]:
+    try:
+        if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
+            yield sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
+        async for batch in st.runner.batches(run):
+            last = batch[-1]
+            failed = last.error is not None
+            text = "".join(f.text for f in (batch[:-1] if failed else batch))
+            event = fmt.text_event(text, include_usage) if text else b""
+            if not last.done:
+                if event:
+                    yield event
+                continue
+            # The stream's last events go out as one chunk (one write, one wake of the
+            # client): its last text, the finish (or error) and usage, and [DONE].
+            if failed:
+                yield event + sse_event(frame_error(last).body())
+                return
+            st.metrics.finish.labels(last.finish_reason or "unknown").inc()
+            event += sse_event(fmt.chunk(fmt.empty_delta(), last.finish_reason, include_usage,
+                                         stop_reason=last.stop_reason))  # fmt: skip
+            if include_usage:
+                event += sse_event(fmt.usage_chunk(usage_body(last.usage)))
+            yield event + SSE_DONE
+            return
+        yield SSE_DONE
+    except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
+        err = stream_error(e)
+        log.warning("[%s] stream ended with error: %s", run.request_id, err.message)
+        yield sse_event(err.body())
+    finally:
+        _account(st, run, started)
+        st.runner.finish(run)
+
+
+async def _collect(
+    st: ApiState, run: RunningRequest, fmt: Formatter, started: float
+) -> JSONResponse:
+    parts: list[str] = []
+    last = None
+    try:
+        async for batch in st.runner.batches(run):
+            for frame in batch:
+                if frame.error is not None:
+                    raise frame_error(frame)
+                parts.append(frame.text)
+            last = batch[-1]
+    except OpenAIError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise stream_error(e) from e
+    finally:
+        _account(st, run, started)
+        st.runner.finish(run)
+    assert last is not None and last.done, "batches() ended without a terminal frame"
+    st.metrics.finish.labels(last.finish_reason or "unknown").inc()
+    body = fmt.full("".join(parts), last.finish_reason, last.stop_reason, usage_body(last.usage))
+    return JSONResponse(body, headers={"x-request-id": run.request_id})
+
+
+def _account(st: ApiState, run: RunningRequest, started: float) -> None:
+    m = st.metrics
+    m.in_flight.dec()
+    m.e2e.observe(time.perf_counter() - started)
+    if run.usage is not None:
+        m.completion_tokens.inc(run.usage.completion_tokens)
+        m.cached_tokens.inc(run.usage.cached_tokens)

@@ -1,0 +1,127 @@
+"""Response shapes: OpenAI's completion bodies and chunks, and their SSE encoding."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.types import Message, Send
+
+from kvbm.protocol import Usage
+
+
+class SSEResponse(EventSourceResponse):
+    """sse-starlette's response, minus a cancel scope per chunk when no send timeout is set
+    (its default): a deadline that never fires, for a measurable share of the API's CPU
+    (docs/performance.md, "API: SSE without a cancel scope per chunk"). With a
+    ``send_timeout`` its own send is used."""
+
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
+
+
+def json_line(obj: object) -> str:
+    # ASCII-escaped on purpose: raw U+2028, U+0085 ... in an SSE line break clients that
+    # split lines with str.splitlines(), and random-weight models emit such characters.
+    # Escaped, the JSON is also one line, so an event is ``data: <json>`` and a blank line.
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def sse_event(obj: dict) -> bytes:
+    """One SSE event, encoded as sse-starlette would (it sends bytes as they are)."""
+    return b"data: " + json_line(obj).encode() + b"\r\n\r\n"
+
+
+SSE_DONE = b"data: [DONE]\r\n\r\n"
+
+
+def usage_body(u: Usage | None) -> dict:
+    """OpenAI's usage object for a stream's terminal frame's usage."""
+    u = u or Usage()
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+class Formatter:
+    """Builds chat.completion(.chunk) or text_completion bodies for one request."""
+
+    def __init__(self, kind: str, rid: str, model: str) -> None:
+        self.chat = kind == "chat"
+        self.rid = rid
+        self.model = model
+        self.created = int(time.time())
+        self._text_event: tuple[bytes, bytes] | None = None
+
+    def text_event(self, text: str, include_usage: bool) -> bytes:
+        """``sse_event(chunk(text_delta(text), None, include_usage))``, from a template: the
+        chunks of a stream differ only in their text (this is the per-token path)."""
+        if self._text_event is None:
+            probe = "\x00"
+            body = json_line(self.chunk(self.text_delta(probe), None, include_usage))
+            head, tail = body.split(json_line(probe))
+            self._text_event = b"data: " + head.encode(), tail.encode() + b"\r\n\r\n"
+        head, tail = self._text_event
+        return head + json_line(text).encode() + tail
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def role_delta(self) -> dict:
+        return {"role": "assistant", "content": ""}
+
+    def text_delta(self, text: str) -> dict:
+        return {"content": text} if self.chat else {"text": text}
+
+    def empty_delta(self) -> dict:
+        return {} if self.chat else {"text": ""}
+
+    def chunk(
+        self,
+        delta: dict,
+        finish_reason: str | None,
+        include_usage: bool,
+        stop_reason: str | int | None = None,
+    ) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": delta["text"], "logprobs": None,
+                      "finish_reason": finish_reason}  # fmt: skip
+            body = self._head("text_completion")
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        body["choices"] = [choice]
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage
+        return body
+
+    def full(
+        self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict
+    ) -> dict:
+        if self.chat:
+            body = self._head("chat.completion")
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason}  # fmt: skip
+        else:
+            body = self._head("text_completion")
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}  # fmt: skip
+        body["choices"] = [choice]
+        body["usage"] = usage
+        return body

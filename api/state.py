@@ -1,0 +1,31 @@
+"""What the API's routes share: built by the app's lifespan, found on ``app.state``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from starlette.requests import Request
+
+from api.cluster_metrics import ClusterCollector
+from api.metrics import ApiMetrics
+from api.runner import Runner
+from api.streams import StreamHub
+from api.tokenization import PromptBuilder
+from tasks.settings import Settings
+
+
+@dataclass
+class ApiState:
+    settings: Settings
+    metrics: ApiMetrics
+    cluster: ClusterCollector
+    builder: PromptBuilder
+    redis: aioredis.Redis | None = None
+    hub: StreamHub | None = None
+    runner: Runner | None = None
+    created: int = 0  # when the API started serving (the model's ``created``)
+
+
+def api_state(request: Request) -> ApiState:
+    return request.app.state.conveyor

@@ -1,0 +1,378 @@
+"""Conveyor's wire contract: everything that crosses a process, named once. torch-free.
+
+The API, the stage tasks, the workers' engine processes and the KV index all take their
+Redis key and channel names, Celery queue names, token frames, stage payloads and
+handles, the liveness rule and block hashes from here. Nothing matches the other side of
+a seam by convention.
+
+Public part:
+    keys and channels   tokens_channel, worker_queue, worker_key, alive_key, ... (a
+                        function each: the only place a ``conveyor:`` name is spelled)
+    liveness            LIVE_LUA: the one rule (a worker is live while the expiry its
+                        heartbeat wrote into its pool's ``alive`` ZSET lies ahead of
+                        Redis's clock), used by every reader
+    block hashing       block_hashes (chained, seeded, with per-block extra keys),
+                        model_namespace, extra_keys_for_spans
+    TokenFrame          one frame of a token stream: built by a worker, parsed by the API
+    Sampling            the sampling parameters a request carries to the engine
+    StagePayload        what every stage task receives
+    PrefillHandle       what a prefill task hands its decode task (where the KV is)
+    StageSummary        what a generate or decode task returns
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+import xxhash
+from pydantic import BaseModel, Field
+
+# ======================================================================================
+# Redis keys and channels, Celery queues
+# ======================================================================================
+KEY_PREFIX = "conveyor:"
+TOKENS_PREFIX = "tokens:"
+CANCEL_CHANNEL = KEY_PREFIX + "cancel"  # PUBLISH request id: abort it wherever it runs
+
+
+def tokens_channel(request_id: str) -> str:
+    """The pub/sub channel a request's token frames travel on."""
+    return TOKENS_PREFIX + request_id
+
+
+def cancelled_key(request_id: str) -> str:
+    """Set when the API is done with a request: a copy the broker redelivers is skipped."""
+    return f"{KEY_PREFIX}cancelled:{request_id}"
+
+
+def worker_queue(pool: str, worker_id: str) -> str:
+    """A worker's own Celery queue: the router sends here to reach exactly this worker."""
+    return f"{pool}.{worker_id}"
+
+
+def pool_queue(pool: str) -> str:
+    """A pool's shared Celery queue: every worker of the pool consumes it. Work bound to no
+    worker goes here (a dead worker's stranded messages are moved here)."""
+    return pool
+
+
+def worker_key(pool: str, worker_id: str) -> str:
+    """STRING: the worker's last heartbeat report (JSON), expiring with its TTL."""
+    return f"{KEY_PREFIX}worker:{pool}:{worker_id}"
+
+
+def alive_key(pool: str) -> str:
+    """ZSET worker id -> heartbeat expiry (ms, Redis's clock): the pool's members."""
+    return f"{KEY_PREFIX}alive:{pool}"
+
+
+def load_key(pool: str) -> str:
+    """HASH ``<worker id>:reqs|blocks|prefill`` -> the load the routers counted."""
+    return f"{KEY_PREFIX}load:{pool}"
+
+
+def round_robin_key(pool: str) -> str:
+    return f"{KEY_PREFIX}rr:{pool}"
+
+
+@dataclass(frozen=True, slots=True)
+class IndexKeys:
+    """Key prefixes of one pool's KV-block index (see :mod:`kvbm.index`)."""
+
+    holders: str  # + hex hash: SET of worker ids holding the block (event-fed)
+    approx: str  # + hex hash: ZSET worker id -> expiry, the router's own decisions
+    worker_blocks: str  # + worker id: SET of hex hashes the worker holds
+    seq: str  # + worker id: last applied event batch number
+
+    def as_args(self) -> list[str]:
+        return [self.holders, self.approx, self.worker_blocks, self.seq]
+
+
+def index_keys(pool: str) -> IndexKeys:
+    return IndexKeys(
+        f"{KEY_PREFIX}kv:{pool}:",
+        f"{KEY_PREFIX}kva:{pool}:",
+        f"{KEY_PREFIX}kvw:{pool}:",
+        f"{KEY_PREFIX}kvseq:{pool}:",
+    )
+
+
+def kv_release_channel(worker_id: str) -> str:
+    """A prefill worker hears here that a decode worker has pulled a request's KV."""
+    return f"{KEY_PREFIX}kv-release:{worker_id}"
+
+
+def kv_data_key(request_id: str, chunk: int) -> str:
+    """The Redis KV transfer backend: one chunk of a request's exported blocks."""
+    return f"{KEY_PREFIX}kvdata:{request_id}:{chunk}"
+
+
+def nixl_agent_key(agent: str) -> str:
+    """A NIXL agent's metadata, for peers to connect to it."""
+    return f"{KEY_PREFIX}nixl:agent:{agent}"
+
+
+# ======================================================================================
+# Liveness: one rule for every reader
+# ======================================================================================
+# A heartbeat writes ``now + ttl`` (Redis's clock, ms) as the worker's score in its pool's
+# alive ZSET (and its report under worker_key with the same TTL). A worker is live while
+# its score is above Redis's now. Scripts include this; they define ``now`` with NOW_LUA.
+NOW_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+LIVE_LUA = """
+local function is_live(akey, wid, now)
+  local exp = redis.call('ZSCORE', akey, wid)
+  return exp ~= false and exp ~= nil and tonumber(exp) > now
+end
+local function live_ids(akey, now)
+  local ids = redis.call('ZRANGE', akey, '(' .. now, '+inf', 'BYSCORE')
+  table.sort(ids)
+  return ids
+end
+"""
+
+# ARGV: alive key, worker key prefix -> flat list id1, report1, id2, report2, ... of the
+# pool's live workers (a report may be false if its key expired a moment earlier)
+LIVE_WORKERS_LUA = (
+    NOW_LUA
+    + LIVE_LUA
+    + """
+local out = {}
+for _, id in ipairs(live_ids(ARGV[1], now)) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('GET', ARGV[2] .. id)
+end
+return out
+"""
+)
+
+# ARGV: alive key 1, worker id 1, alive key 2, worker id 2, ... -> 1 if every one is live
+ALL_LIVE_LUA = (
+    NOW_LUA
+    + LIVE_LUA
+    + """
+for i = 1, #ARGV, 2 do
+  if not is_live(ARGV[i], ARGV[i + 1], now) then return 0 end
+end
+return 1
+"""
+)
+
+
+# ======================================================================================
+# Block hashing
+# ======================================================================================
+# The hash of block i covers (the hash of block i-1, the token ids of block i, a namespace
+# such as the model, and the extra keys of block i: the content hash of an image whose
+# placeholder tokens fall in it, a LoRA name), so equal hashes mean equal prefixes. It is
+# xxh3-64 with a fixed seed over a canonical byte encoding: the same value in the API and
+# in every worker, on every machine (never Python's salted ``hash``). Only full blocks
+# are hashed; a partial last block has no identity yet.
+HASH_SEED = 0x5EED_C0DE
+ROOT_PARENT = 0  # the parent of a sequence's first block
+
+ExtraKeys = tuple[str, ...]  # one block's extra keys; () for none
+
+
+def namespace_hash(*parts: str) -> int:
+    """Fold namespace parts (model id, adapter id) into one 64-bit value."""
+    return xxhash.xxh3_64_intdigest("\x1f".join(parts).encode(), seed=HASH_SEED)
+
+
+def model_namespace(model_name: str) -> int:
+    """The namespace of a served model's blocks: the API's router and every worker's block
+    pool call this with the served model name (0 for none)."""
+    return namespace_hash(model_name) if model_name else 0
+
+
+def block_hash(
+    parent: int, tokens: Sequence[int], namespace: int = 0, extra: ExtraKeys = ()
+) -> int:
+    """Hash of one full block given its parent block's hash."""
+    payload = struct.pack(f"<QQ{len(tokens)}I", parent, namespace, *tokens)
+    if extra:  # a block without extra keys hashes exactly as plain text always has
+        payload += b"\x1e" + "\x1f".join(extra).encode()
+    return xxhash.xxh3_64_intdigest(payload, seed=HASH_SEED)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    namespace: int = 0,
+    extra_keys_per_block: Sequence[ExtraKeys] | None = None,
+    start: int = 0,
+    parent: int = ROOT_PARENT,
+) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``, from block ``start`` on
+    (``parent`` is then the hash of block ``start - 1``). ``extra_keys_per_block[i]``
+    enters block ``i``'s hash only (missing entries mean none)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    extra = extra_keys_per_block or ()
+    out: list[int] = []
+    for b in range(start, len(token_ids) // block_size):
+        keys = extra[b] if b < len(extra) else ()
+        parent = block_hash(parent, token_ids[b * block_size : (b + 1) * block_size],
+                            namespace, keys)  # fmt: skip
+        out.append(parent)
+    return out
+
+
+def extra_keys_for_spans(
+    spans: Sequence[tuple[int, int, str]], num_tokens: int, block_size: int
+) -> list[ExtraKeys]:
+    """Per full block of a ``num_tokens`` sequence, the keys of the ``(start, end, key)``
+    spans (e.g. an image's placeholder tokens ``[start, end)``) that overlap it."""
+    n_blocks = num_tokens // block_size
+    out: list[list[str]] = [[] for _ in range(n_blocks)]
+    for start, end, key in spans:
+        if not 0 <= start < end:
+            raise ValueError(f"span ({start}, {end}) is empty or negative")
+        for b in range(start // block_size, min(-(-end // block_size), n_blocks)):
+            out[b].append(key)
+    return [tuple(keys) for keys in out]
+
+
+# ======================================================================================
+# Token frames
+# ======================================================================================
+# One frame per engine step per request, JSON on ``tokens:{request_id}``. ``seq`` counts
+# from 0 per request with no gaps; the frame with ``done`` is always the last: it carries
+# the finish reason and usage, or an error.
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class FrameError:
+    message: str
+    code: str
+    type: str = "server_error"
+
+
+@dataclass(slots=True)
+class TokenFrame:
+    seq: int
+    token_ids: list[int]
+    text: str = ""
+    done: bool = False
+    finish_reason: str | None = None  # stop | length | abort (done, no error)
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    usage: Usage | None = None
+    error: FrameError | None = None
+
+    @classmethod
+    def failure(cls, seq: int, message: str, code: str, usage: Usage | None = None) -> TokenFrame:
+        """A terminal error frame."""
+        return cls(seq, [], "", done=True, usage=usage, error=FrameError(message, code))
+
+    def encode(self) -> bytes:
+        d: dict = {"seq": self.seq, "token_ids": self.token_ids, "text": self.text}
+        if self.done:
+            d["done"] = True
+            if self.error is not None:
+                e = self.error
+                d["error"] = {"message": e.message, "type": e.type, "code": e.code}
+            else:
+                d["finish_reason"] = self.finish_reason
+                d["stop_reason"] = self.stop_reason
+            if self.usage is not None:
+                u = self.usage
+                d["usage"] = {"prompt_tokens": u.prompt_tokens,
+                              "completion_tokens": u.completion_tokens,
+                              "cached_tokens": u.cached_tokens}  # fmt: skip
+        return orjson.dumps(d)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> TokenFrame:
+        """Parse a frame; a malformed one raises ``ValueError``."""
+        d = orjson.loads(raw)
+        if not isinstance(d, dict) or not isinstance(d.get("seq"), int):
+            raise ValueError(f"not a token frame: {raw[:80]!r}")
+        frame = cls(d["seq"], d.get("token_ids") or [], d.get("text") or "",
+                    bool(d.get("done")), d.get("finish_reason"), d.get("stop_reason"))  # fmt: skip
+        u = d.get("usage")
+        if u:
+            frame.usage = Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
+                                u.get("cached_tokens", 0))  # fmt: skip
+        e = d.get("error")
+        if e:
+            frame.error = FrameError(e.get("message") or "generation failed",
+                                     e.get("code") or "engine_error",
+                                     e.get("type") or "server_error")  # fmt: skip
+        return frame
+
+
+# ======================================================================================
+# Stage payloads and handles (JSON inside Celery messages: handles and ids, no tensors)
+# ======================================================================================
+
+
+class Sampling(BaseModel):
+    """Sampling parameters as the API resolved them (the engine validates them again)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class StagePayload(BaseModel):
+    """Everything a stage task needs to run one request (the same payload for every stage;
+    a decode task gets the prefill task's handle in front of it)."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: Sampling
+    created: float
+    attempt: int = 0  # disagg: how many times the prefill was redone after a failed pull
+    forced_first_token: int | None = None  # a redo keeps the first token already streamed
+
+
+class PrefillHandle(BaseModel):
+    """A prefill task's result, handed to its decode task by the chain: where the prompt's
+    KV is (``transfer``: the backend's metadata), or that the request already ended on its
+    first token (``finished``)."""
+
+    request_id: str
+    prefill_worker: str
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    first_token: int | None = None
+    emitted_chars: int = 0  # characters of text the prefill worker already streamed
+    prompt_tokens: int = 0
+    transfer: dict | None = None
+
+    @property
+    def backend(self) -> str:
+        return (self.transfer or {}).get("backend", "none")
+
+
+class StageSummary(BaseModel):
+    """What a generate or decode task returns (Flower shows it; nothing else reads it)."""
+
+    request_id: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    redo: int | None = None  # decode: the prefill was sent again, this attempt number

@@ -1,0 +1,167 @@
+"""The engine interface: what the worker runtime, the engine process and the stage tasks
+see of an engine, and the types that cross it. torch-free.
+
+An engine runs requests in steps (continuous batching): ``add_request`` queues one,
+``step`` computes one step for every running request and returns their outputs. A request
+runs whole (aggregated), or stops after its first token holding its prompt's KV for a
+decode worker to pull (``prefill_only``), or starts decoding on KV imported into blocks it
+reserved (``imported``). Implementations: :class:`workers.engine.Engine` (the torch
+reference) and :class:`workers.mock_engine.MockEngine` (simulated time), both built on
+:class:`workers.engine_core.EngineCore`; a vLLM engine implements the same protocol.
+
+Nothing outside an engine touches its block pool or its tensors: the engine process asks
+for :meth:`Engine.kv_memory` (what a KV transfer backend moves) and :meth:`Engine.stats`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol, runtime_checkable
+
+from kvbm.block_pool import KVEvent
+from kvbm.protocol import ExtraKeys
+from workers.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class ImportedPrefill:
+    """Decode side of disaggregation: the prompt's KV is already in the request's reserved
+    blocks and its first token was sampled (and streamed) by the prefill worker."""
+
+    first_token: int
+    emitted_chars: int  # characters of text the prefill worker already released
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False  # stop after the first token and pin the prompt's blocks
+    forced_first_token: int | None = None  # re-prefill: keep the token already streamed
+    imported: ImportedPrefill | None = None
+    block_extra_keys: list[ExtraKeys] | None = None  # per block: what else names it
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+    prefilled: bool = False  # prefill-only request done; its blocks are pinned
+    kv_block_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_pin_timeout_s: float = 60.0  # pinned prefill blocks nobody pulled are freed after
+    enable_prefix_caching: bool = True
+    namespace: str = ""  # the served model name: kvbm.protocol.model_namespace of it
+    record_kv_events: bool = True  # queue stored/removed events for the router's index
+    # while sequences decode, a new prompt waits until this many times the last prefill
+    # step's duration has passed since it arrived (vLLM's scheduler_delay_factor): prompts
+    # arriving close together share a step, and fewer decode steps stall on one. 0: at once
+    scheduler_delay_factor: float = 0.0
+    # decode attention: "kernel" (the C kernel that reads KV blocks in place; float32 on
+    # CPU), "torch" (gather the blocks, then SDPA) or "auto" (the kernel where it builds)
+    decode_attention: str = "auto"
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """An engine's counters, for the worker's heartbeat and the router's metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    blocks_cached: int = 0
+    blocks_pinned: int = 0  # prefilled requests whose KV awaits a pull
+    prompt_tokens_seen: int = 0  # prefix-cache hit rate = cached / seen
+    prompt_tokens_cached: int = 0
+    pins_expired: int = 0
+    preemptions: int = 0
+    steps: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the engine loop and the engine process need of an engine. Every method runs on
+    the engine loop's thread (:class:`workers.engine_loop.EngineLoop`)."""
+
+    # --- requests -------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> RequestOutput | None:
+        """Queue a request (whole, prefill-and-hold, or decode-after-import, as ``req``
+        says); a finished error output if it can never run."""
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request wherever it is and free what it holds; ``None`` if unknown."""
+
+    def step(self) -> list[RequestOutput]:
+        """Compute one step; per-request outputs (a prefilled request's says ``prefilled``
+        and names the blocks its KV is pinned in)."""
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every request with an error (a step raised)."""
+
+    @property
+    def has_unfinished(self) -> bool:
+        """Requests are waiting or running."""
+
+    @property
+    def stalled(self) -> bool:
+        """Work waits but nothing fits until blocks come back."""
+
+    @property
+    def has_pinned(self) -> bool:
+        """Prefilled KV waits for a decode worker (expire it now and then)."""
+
+    # --- disaggregation: KV handed from a prefill engine to a decode engine ----------------
+    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: blocks to import ``num_tokens`` of KV into (``None``: no room)."""
+
+    def cancel_reservation(self, request_id: str) -> None:
+        """Decode side: the import failed or was abandoned; free the reserved blocks."""
+
+    def release_pinned(self, request_id: str) -> bool:
+        """Prefill side: the decode worker has the KV (or gave up); free its blocks."""
+
+    def expire_pinned(self, now: float) -> list[str]:
+        """Prefill side: free pinned KV nobody pulled in time; the requests it was for."""
+
+    def kv_memory(self) -> object | None:
+        """What a KV transfer backend moves blocks of (the reference engine's paged
+        cache); ``None`` when this engine keeps no KV a backend could move."""
+
+    # --- the router's index and metrics ----------------------------------------------------
+    @property
+    def records_kv_events(self) -> bool:
+        """Whether :meth:`take_kv_events` reports cache changes."""
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """Stored / removed block events since the last call."""
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash cached now (a snapshot to resync the router's index)."""
+
+    def stats(self) -> EngineStats: ...
