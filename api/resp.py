@@ -288,8 +288,8 @@ class RedisPyPubSub:
         except RedisError as e:
             await client.aclose()
             raise RedisConnectionError(f"cannot connect to {self._url}: {e}") from e
+        # the reader starts with the first subscription (redis-py reads only once subscribed)
         self._client, self._ps = client, client.pubsub()
-        self._reader = asyncio.get_running_loop().create_task(self._read(self._ps))
 
     def write(self, *commands: Command) -> None:
         if self._ps is None:
@@ -315,6 +315,9 @@ class RedisPyPubSub:
                     await methods[name.upper()](*args)
             except RedisError as e:
                 self._lost(ps, e)
+                return
+            if self._reader is None and ps is self._ps and ps.subscribed:
+                self._reader = asyncio.get_running_loop().create_task(self._read(ps))
 
     async def _read(self, ps: Any) -> None:
         while True:
@@ -339,6 +342,9 @@ class RedisPyPubSub:
         if ps is not self._ps:
             return
         self._ps = None
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+        self._reader = None
         client, self._client = self._client, None
         if client is not None:
             asyncio.get_running_loop().create_task(self._aclose(ps, client))

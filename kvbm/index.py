@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import redis
 
-from kvbm.protocol import LIVE_LUA, NOW_LUA, alive_key, index_keys
+from kvbm.protocol import LIVE_LUA, NOW_LUA, alive_key, index_keys, pool_queue, worker_queue
 
 
 def hex_hashes(hashes: list[int]) -> list[str]:
@@ -88,7 +88,10 @@ APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
 # ZSET worker id -> heartbeat expiry in ms), forget_more (a function(wid) the including
 # script may use to drop more of a dead worker's state).
 
-# forget(wid): drop every index entry of a (dead) worker
+# forget(wid): drop every index entry of a (dead) worker, and move the messages stranded on
+# its own queue to its pool's queue, where any live worker of the pool takes them (oldest
+# first, behind what the pool queue holds). Kombu keeps a queue's messages in a list named
+# after it, and those of priorities 3/6/9 in lists suffixed "\x06\x16" + the priority.
 FORGET_LUA = """
 local function forget(wid)
   local wkey = wblocks .. wid
@@ -96,6 +99,9 @@ local function forget(wid)
   for _, h in ipairs(hs) do redis.call('SREM', kv .. h, wid) end
   redis.call('DEL', wkey, seqk .. wid)
   redis.call('ZREM', alive, wid)
+  for _, sfx in ipairs({'', '\6\0223', '\6\0226', '\6\0229'}) do
+    while redis.call('LMOVE', wqueue .. wid .. sfx, pqueue .. sfx, 'RIGHT', 'LEFT') do end
+  end
   forget_more(wid)
 end
 """
@@ -163,11 +169,14 @@ local function overlaps(ids, hashes, approx, now)
 end
 """
 
-# The first five ARGV of every script that reads the index: the alive zset, then
-# ``index_args(pool)``. Scripts put this first, then FORGET_LUA (after a ``forget_more``).
-LOCALS_LUA = "local alive, kv, kva, wblocks, seqk = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]\n"
+# The first seven ARGV of every script that reads the index: ``script_args(pool)``.
+# Scripts put this first, then FORGET_LUA (after a ``forget_more``).
+LOCALS_LUA = (
+    "local alive, kv, kva, wblocks, seqk, pqueue, wqueue = "
+    "ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]\n"
+)
 
-# ARGV: the five above, approx (0/1), hashes...
+# ARGV: the seven above, approx (0/1), hashes...
 # returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
 QUERY_LUA = (
     LOCALS_LUA
@@ -179,8 +188,8 @@ QUERY_LUA = (
     + """
 local ids = live(now)
 local hashes = {}
-for i = 7, #ARGV do hashes[#hashes + 1] = ARGV[i] end
-local ov = overlaps(ids, hashes, ARGV[6] == '1', now)
+for i = 9, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+local ov = overlaps(ids, hashes, ARGV[8] == '1', now)
 local out = {}
 for _, id in ipairs(ids) do out[#out + 1] = id; out[#out + 1] = ov[id] end
 return out
@@ -208,6 +217,11 @@ def index_args(pool: str) -> list[str]:
     return index_keys(pool).as_args()
 
 
+def script_args(pool: str) -> list[str]:
+    """The first ARGV of every script that reads ``pool``'s index (LOCALS_LUA)."""
+    return [alive_key(pool), *index_args(pool), pool_queue(pool), worker_queue(pool, "")]
+
+
 @dataclass(slots=True)
 class ApplyResult:
     status: int  # 1 applied, 0 duplicate (dropped), -1 the index needs a resync
@@ -232,7 +246,7 @@ class KVIndex:
         """Each live worker's number of leading blocks of ``hashes`` held (dead workers
         are pruned and forgotten on the way)."""
         flat = self._query(
-            args=[alive_key(self.pool), *index_args(self.pool), int(approx),
+            args=[*script_args(self.pool), int(approx),
                   *hex_hashes(hashes)]
         )  # fmt: skip
         ids = [w.decode() if isinstance(w, bytes) else w for w in flat[::2]]

@@ -1,5 +1,14 @@
 """Kombu's Redis transport: one client per channel, deferred publishes, batched consuming.
 
+Every use of kombu's internals lives here: the subclassed ``Channel`` / ``QoS`` /
+``Transport`` of ``kombu.transport.redis`` and the private members they override or read
+(``_brpop_start``, ``_brpop_read``, ``_create_client``, ``_queue_cycle``, ``_q_for_pri``,
+``_in_poll``, ``_flush_brpop_reauth``, ``QoS._delivered``/``_dirty``,
+``_remove_from_indices``, ``Message._raw``, ``connection._deliver``). Tested with kombu
+5.7.x (``pyproject.toml`` pins ``kombu<5.8``). ``CONVEYOR_BROKER_FASTPATH=false`` uses
+kombu's stock transport instead (:func:`tasks.app.configure`), and the suite runs the
+OpenAI checks through it too.
+
 Kombu's Redis channel builds a new ``redis.Redis`` for every publish, ack and event it
 sends (``Channel.conn_or_acquire``), and redis-py fills a fresh table of some 200 response
 callbacks each time: ~0.1 ms of CPU per call, several calls per request on both the API

@@ -158,6 +158,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         engine_cpus=parse_cpus(s.engine_cpus),
         engine=s.engine,
         mock_timing=s.mock.model_dump(),
+        fastpath=s.broker_fastpath,
     )
     app = configure_app(s, extra_queues=[own_queue])
     set_runtime(rt.start())

@@ -46,7 +46,7 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
-from kvbm.index import FORGET_LUA, LOCALS_LUA, OVERLAP_LUA, PRUNE_LUA, hex_hashes, index_args
+from kvbm.index import FORGET_LUA, LOCALS_LUA, OVERLAP_LUA, PRUNE_LUA, hex_hashes, script_args
 from kvbm.protocol import (
     ALL_LIVE_LUA,
     LIVE_WORKERS_LUA,
@@ -64,7 +64,7 @@ LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
 
 _PICK_LUA = (
-    LOCALS_LUA + "local lkey = ARGV[6]\n"
+    LOCALS_LUA + "local lkey = ARGV[8]\n"
     "local function forget_more(wid) redis.call('HDEL', lkey, wid .. ':reqs', "
     "wid .. ':blocks', wid .. ':prefill') end\n"
     + FORGET_LUA
@@ -72,15 +72,15 @@ _PICK_LUA = (
     + OVERLAP_LUA
     + NOW_LUA
     + """
-local wprefix, rrkey, mode, approx, pin = ARGV[7], ARGV[8], ARGV[9], ARGV[10] == '1', ARGV[11]
-local plen, bs = tonumber(ARGV[12]), tonumber(ARGV[13])
-local weight, temp = tonumber(ARGV[14]), tonumber(ARGV[15])
-local gratio, gmin, u = tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])
-local load_ttl, approx_ttl = tonumber(ARGV[19]), tonumber(ARGV[20])
+local wprefix, rrkey, mode, approx, pin = ARGV[9], ARGV[10], ARGV[11], ARGV[12] == '1', ARGV[13]
+local plen, bs = tonumber(ARGV[14]), tonumber(ARGV[15])
+local weight, temp = tonumber(ARGV[16]), tonumber(ARGV[17])
+local gratio, gmin, u = tonumber(ARGV[18]), tonumber(ARGV[19]), tonumber(ARGV[20])
+local load_ttl, approx_ttl = tonumber(ARGV[21]), tonumber(ARGV[22])
 local excluded = {}
-for id in string.gmatch(ARGV[21], "[^\\n]+") do excluded[id] = true end
+for id in string.gmatch(ARGV[23], "[^\\n]+") do excluded[id] = true end
 local hashes = {}
-for i = 22, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+for i = 24, #ARGV do hashes[#hashes + 1] = ARGV[i] end
 
 local ids = {}
 for _, id in ipairs(live(now)) do if not excluded[id] then ids[#ids + 1] = id end end
@@ -270,8 +270,7 @@ class Router:
         res = await self._run(
             self._pick,
             [
-                alive_key(pool),
-                *index_args(pool),
+                *script_args(pool),
                 load_key(pool),
                 worker_key(pool, ""),
                 round_robin_key(pool),

@@ -45,14 +45,12 @@ class TextModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    is_multimodal: bool = False
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> TextModelConfig:
         d = Path(model_dir)
         raw = json.loads((d / "config.json").read_text())
-        multimodal = "text_config" in raw
-        tc = raw["text_config"] if multimodal else raw
+        tc = raw.get("text_config", raw)
         heads = tc["num_attention_heads"]
         hidden = tc["hidden_size"]
         rope = tc.get("rope_parameters") or tc.get("rope_scaling") or {}
@@ -84,7 +82,6 @@ class TextModelConfig:
             hidden_act=act,
             bos_token_id=tc.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos,
-            is_multimodal=multimodal,
         )
 
 

@@ -56,6 +56,7 @@ class EngineProcSpec:
     cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
     stats_period_s: float = 0.25
     log_level: int = logging.INFO
+    fastpath: bool = True  # frames on a raw connection (workers.stream); else redis-py's
 
 
 @dataclass(slots=True)
@@ -270,7 +271,7 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
 
     from kvbm.events import KVEventPublisher
     from workers.engine_loop import EngineLoop
-    from workers.stream import FramePublisher
+    from workers.stream import FramePublisher, StockFramePublisher
 
     send_lock = threading.Lock()
 
@@ -300,7 +301,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         return
 
     server = _EngineServer(spec, engine, client, transfer, send)
-    publisher = FramePublisher(client, server.on_published)
+    publisher = (FramePublisher if spec.fastpath else StockFramePublisher)(
+        client, server.on_published
+    )
     events = None
     if engine.records_kv_events:
         # on the frames' connection, from the engine loop's thread: no thread of its own

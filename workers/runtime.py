@@ -49,6 +49,7 @@ class WorkerRuntime:
         engine_cpus: tuple[int, ...] | None = None,
         engine: str = "reference",
         mock_timing: dict | None = None,
+        fastpath: bool = True,
     ) -> None:
         self.pool = pool
         self.worker_id = worker_id
@@ -68,6 +69,7 @@ class WorkerRuntime:
             cpus=engine_cpus,
             stats_period_s=min(0.25, heartbeat_s / 2),
             log_level=logging.getLogger().getEffectiveLevel(),
+            fastpath=fastpath,
         )
         self.engine = EngineClient(spec, on_death=self._engine_died)
         self.heartbeat = Heartbeat(

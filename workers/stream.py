@@ -3,6 +3,12 @@
 
 One step's frames for all requests go out in one write (pipelined ``PUBLISH`` commands,
 between ``CLIENT REPLY OFF`` and ``ON`` where the server takes them).
+
+:class:`FramePublisher` drives a redis-py connection below its client API
+(``connection_pool.make_connection``, ``register_connect_callback``,
+``send_packed_command``, ``can_read``, ``read_response``); tested with redis-py 8.1.x
+(``pyproject.toml`` pins ``redis<8.2``). :class:`StockFramePublisher` is the same on
+redis-py's pipeline (``CONVEYOR_BROKER_FASTPATH=false``).
 """
 
 from __future__ import annotations
@@ -120,20 +126,12 @@ class FramePublisher:
     def publish_outputs(self, outputs: list[RequestOutput]) -> None:
         try:
             with self._lock:
-                parts = []
+                items = []
                 for out in outputs:
                     # a prefill worker's part of a stream ends with its first frame
                     seq, head = self._next(out.request_id, out.finished or out.prefilled)
-                    parts.append(head + _bulk(output_frame(out, seq).encode()))
-                if not self._connected and not self._connect(len(parts)):
-                    return  # the API notices the gap or times out
-                if self.quiet:  # the PUBLISH replies (receiver counts) are not needed
-                    parts.insert(0, _REPLY_OFF)
-                    parts.append(_REPLY_ON)
-                    owed = [None]
-                else:
-                    owed = [None] * len(parts)
-                if self._write(b"".join(parts), owed):
+                    items.append((head, output_frame(out, seq).encode()))
+                if self._send_frames(items):
                     self.frames_published += len(outputs)
         finally:
             if self._on_published is not None:
@@ -141,6 +139,20 @@ class FramePublisher:
                     self._on_published(outputs)
                 except Exception:  # noqa: BLE001
                     log.exception("on_published callback failed")
+
+    def _send_frames(self, items: list[tuple[bytes, bytes]]) -> bool:
+        """Write one step's frames (each its stream's PUBLISH head and its JSON); False if
+        they were dropped (the API notices the gap or times out)."""
+        parts = [head + _bulk(frame) for head, frame in items]
+        if not self._connected and not self._connect(len(parts)):
+            return False
+        if self.quiet:  # the PUBLISH replies (receiver counts) are not needed
+            parts.insert(0, _REPLY_OFF)
+            parts.append(_REPLY_ON)
+            owed: list[Callable[[object], None] | None] = [None]
+        else:
+            owed = [None] * len(parts)
+        return self._write(b"".join(parts), owed)
 
     def send_command(self, args: tuple, on_reply: Callable[[object], None]) -> None:
         """Write one command on this connection without waiting; ``on_reply`` gets its
@@ -168,7 +180,7 @@ class FramePublisher:
         """Number ``request_id``'s next frame ``seq`` (a decode worker continues the stream
         a prefill worker began)."""
         with self._lock:
-            self._streams[request_id] = [seq, _publish_head(request_id)]
+            self._streams[request_id] = [seq, self._head(request_id)]
 
     def publish_error(self, request_id: str, message: str, code: str = "") -> None:
         """End ``request_id``'s stream with an error frame (numbered after its others)."""
@@ -194,7 +206,7 @@ class FramePublisher:
         """The seq of ``request_id``'s next frame and its PUBLISH head."""
         stream = self._streams.get(request_id)
         if stream is None:
-            stream = [0, _publish_head(request_id)]
+            stream = [0, self._head(request_id)]
             if not finished:
                 self._streams[request_id] = stream
         elif finished:
@@ -202,6 +214,9 @@ class FramePublisher:
         seq = stream[0]
         stream[0] = seq + 1
         return seq, stream[1]
+
+    def _head(self, request_id: str) -> bytes:
+        return _publish_head(request_id)
 
     def _connect(self, frames: int) -> bool:
         try:
@@ -267,3 +282,51 @@ class FramePublisher:
         for on_reply in owed:
             if on_reply is not None:
                 on_reply(e)
+
+
+class StockFramePublisher(FramePublisher):
+    """:class:`FramePublisher` on redis-py's stock client (``CONVEYOR_BROKER_FASTPATH=
+    false``): a step's frames go out as one pipeline of ``PUBLISH`` commands whose replies
+    are awaited, and ``send_command`` runs its command at once."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        on_published: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> None:
+        self._r = client
+        self._on_published = on_published
+        self._streams = {}
+        self._lock = threading.Lock()
+        self._owed = deque()
+        self.quiet = False
+        self.frames_published = 0
+        self.publish_errors = 0
+
+    def _head(self, request_id: str) -> bytes:
+        return tokens_channel(request_id).encode()
+
+    def _send_frames(self, items: list[tuple[bytes, bytes]]) -> bool:
+        pipe = self._r.pipeline(transaction=False)
+        for channel, frame in items:
+            pipe.publish(channel, frame)
+        try:
+            pipe.execute()
+        except redis.RedisError as e:
+            self.publish_errors += 1
+            log.error("publishing %d frames failed: %s", len(items), e)
+            return False
+        return True
+
+    def send_command(self, args: tuple, on_reply: Callable[[object], None]) -> None:
+        try:
+            reply: object = self._r.execute_command(*args)
+        except redis.RedisError as e:
+            reply = e
+        on_reply(reply)
+
+    def wait_replies(self, timeout: float) -> bool:
+        return True
+
+    def stop(self) -> None:
+        self._r.close()

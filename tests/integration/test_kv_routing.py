@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from kvbm.index import KVIndex
-from kvbm.protocol import block_hashes, namespace_hash
+from kvbm.protocol import block_hashes, model_namespace
 from tests.integration.conftest import (
     Cluster,
     Proc,
@@ -82,7 +82,7 @@ def index(c: Cluster) -> KVIndex:
 
 def test_requests_follow_the_prefix_to_the_worker_that_cached_it(mock_cluster: Cluster) -> None:
     c = mock_cluster
-    ns = namespace_hash(c.model_name)
+    ns = model_namespace(c.model_name)
     for i in range(6):
         holder = f"mock-w{i % N_WORKERS}"
         p = prompt(100 + i, 160)
@@ -101,7 +101,7 @@ def test_pinning_by_header_and_unknown_worker(mock_cluster: Cluster) -> None:
     c = mock_cluster
     p = prompt(7, 64)
     complete(c, p, extra_headers={"x-conveyor-worker-id": "mock-w2"})
-    wait_for(lambda: index(c).overlaps(block_hashes(p, 16, namespace_hash(c.model_name)))
+    wait_for(lambda: index(c).overlaps(block_hashes(p, 16, model_namespace(c.model_name)))
              ["mock-w2"] == 4, 10, "pinned worker's KV events")  # fmt: skip
     with pytest.raises(openai.BadRequestError) as e:
         complete(c, p, extra_body={"worker_id": "no-such-worker"})
@@ -133,7 +133,7 @@ def test_a_killed_worker_leaves_the_index_and_its_prefix_is_served_elsewhere(
         wait_for(lambda: httpx.get(f"{c.url}/health", timeout=1).json()["workers"]["generate"]
                  == N_WORKERS + 1, 60, "the extra worker", [doomed])  # fmt: skip
         p = prompt(9, 128)
-        hashes = block_hashes(p, 16, namespace_hash(c.model_name))
+        hashes = block_hashes(p, 16, model_namespace(c.model_name))
         complete(c, p, extra_body={"worker_id": "mock-doomed"})
         wait_for(lambda: index(c).overlaps(hashes).get("mock-doomed") == 8, 10, "its events")
         doomed.stop(signal.SIGKILL)
@@ -156,7 +156,7 @@ def test_a_routed_prefix_hit_gives_the_cold_tokens(cluster: Cluster) -> None:
         extra_body={"worker_id": "itest-w1", "ignore_eos": True},
     )  # fmt: skip
     assert cached(cold) == 0
-    hashes = block_hashes(p, 16, namespace_hash(cluster.model_name))
+    hashes = block_hashes(p, 16, model_namespace(cluster.model_name))
     idx = KVIndex(redis.Redis.from_url(cluster.redis_url), "generate")
     wait_for(lambda: idx.overlaps(hashes).get("itest-w1") == 9, 10, "KV events")
     warm = cluster.client().completions.create(

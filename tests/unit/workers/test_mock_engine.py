@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbm.protocol import block_hashes, namespace_hash
+from kvbm.protocol import block_hashes, model_namespace
 from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
 from workers.sampling import SamplingParams
@@ -89,7 +89,7 @@ def test_kv_events_carry_the_hashes_the_api_computes(tiny_model_dir: Path) -> No
     e = make(tiny_model_dir)
     run(e, req("a", PROMPT, max_tokens=1))
     stored = [h for ev in e.take_kv_events() if ev.kind == "stored" for h in ev.block_hashes]
-    api_side = block_hashes(PROMPT, 16, namespace_hash("tiny-llava"))
+    api_side = block_hashes(PROMPT, 16, model_namespace("tiny-llava"))
     assert stored == api_side  # 6 full prompt blocks, same ids in the same order
 
 

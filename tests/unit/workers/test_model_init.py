@@ -53,7 +53,7 @@ def test_text_config(tiny_model_dir: Path) -> None:
     assert cfg.rms_norm_eps == 1e-5
     assert cfg.max_position_embeddings == 2048
     assert cfg.bos_token_id == BOS and cfg.eos_token_ids == [EOS]
-    assert cfg.is_multimodal and not cfg.tie_word_embeddings
+    assert not cfg.tie_word_embeddings
 
 
 def test_text_weights_normalised(tiny_model_dir: Path) -> None:

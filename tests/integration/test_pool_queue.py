@@ -1,0 +1,95 @@
+"""A pool's shared queue is the fallback for work bound to no live worker: when the router
+prunes a dead worker, the messages stranded on its own queue move to its pool's queue, and
+a live worker of the pool serves them (real redis-server, real worker and API)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from kvbm.protocol import (
+    StagePayload,
+    TokenFrame,
+    alive_key,
+    pool_queue,
+    tokens_channel,
+    worker_queue,
+)
+from tasks.app import declare_queues
+from tasks.pipeline import Plan, build_chain
+from tasks.router import Route
+from tests.integration.conftest import (
+    base_env,
+    celery_at,
+    redis_db,
+    start_api,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_dead_workers_stranded_message_is_served_by_its_pool(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    url = redis_db(redis_url, 10)
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    env = base_env(url, tiny_model_dir)
+    worker = start_worker("pq-worker", "generate", "pq-live", env, tmp_path)
+    with stop_on_error(worker):
+        api, api_url = start_api("pq-api", env, tmp_path)
+    try:
+        wait_for(lambda: httpx.get(f"{api_url}/health", timeout=1).status_code == 200, 90,
+                 "a live worker", [worker, api])  # fmt: skip
+        # a worker that died holding a message: a member of the pool whose heartbeat is
+        # long expired, with a request waiting on its own queue
+        r.zadd(alive_key("generate"), {"ghost": 1})
+        celery_at(url)
+        ghost = Route("generate", "ghost", {})
+        declare_queues([ghost.queue])
+        payload = StagePayload(request_id="stranded-1", model=tiny_model_dir.name,
+                               prompt_token_ids=[1, 40, 41, 42], created=time.time(),
+                               sampling={"max_tokens": 5, "temperature": 0,
+                                         "ignore_eos": True})  # fmt: skip
+        sub = r.pubsub()
+        sub.subscribe(tokens_channel("stranded-1"))
+        build_chain(Plan([("generate", ghost)]), payload).apply_async(declare=[])
+        assert r.llen(worker_queue("generate", "ghost")) == 1
+        time.sleep(1.0)
+        assert r.llen(worker_queue("generate", "ghost")) == 1  # nobody serves it yet
+
+        # any routing decision prunes the dead worker
+        out = httpx.post(
+            f"{api_url}/v1/completions",
+            timeout=60,
+            json={"model": tiny_model_dir.name, "prompt": "x", "max_tokens": 2},
+        )
+        assert out.status_code == 200, out.text
+        assert r.zscore(alive_key("generate"), "ghost") is None
+        assert r.llen(worker_queue("generate", "ghost")) == 0
+
+        frames: list[TokenFrame] = []
+        deadline = time.monotonic() + 30
+        while not (frames and frames[-1].done) and time.monotonic() < deadline:
+            msg = sub.get_message(timeout=1.0)
+            if msg and msg["type"] == "message":
+                frames.append(TokenFrame.decode(msg["data"]))
+        assert frames and frames[-1].done, "the stranded request was never served"
+        assert frames[-1].error is None and frames[-1].finish_reason == "length"
+        assert frames[-1].usage is not None and frames[-1].usage.completion_tokens == 5
+        assert [f.seq for f in frames] == list(range(len(frames)))
+        assert r.llen(pool_queue("generate")) == 0
+        log = json.dumps(worker.log.read_text())
+        assert "stranded-1" in log
+    finally:
+        api.stop()
+        worker.stop()
+        r.flushdb()

@@ -1,0 +1,84 @@
+"""The wire contract (kvbm/protocol.py): block hashes pinned to the values plain text
+always had, per-block extra keys entering exactly the blocks they cover, token frames
+surviving the wire, and one namespace for the API and the block pools."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbm.block_pool import KVCacheManager
+from kvbm.protocol import (
+    TokenFrame,
+    Usage,
+    block_hashes,
+    extra_keys_for_spans,
+    model_namespace,
+    namespace_hash,
+)
+
+TOKENS = list(range(1, 41))  # two full blocks of 16, and 8 tokens over
+
+
+def test_plain_text_hashes_are_the_values_they_always_were() -> None:
+    # computed with kvbm/hashing.py before extra keys existed (commit 4fd0f0e)
+    assert block_hashes(TOKENS, 16) == [3677224691707619483, 11370773922563188450]
+    assert block_hashes(TOKENS, 16, namespace_hash("tiny-llava")) == [
+        4878259425475106202, 14072419122137228528]  # fmt: skip
+    assert namespace_hash("tiny-llava") == 16367157378762951175
+    assert namespace_hash("a", "b") == 10279775118918739289
+    assert block_hashes([5] * 33, 4, 7, start=2, parent=123)[:3] == [
+        16051680550144784207, 17467226701275859245, 2915311237973905409]  # fmt: skip
+    # no extra keys, or empty ones, change nothing
+    assert block_hashes(TOKENS, 16, 0, [(), ()]) == block_hashes(TOKENS, 16)
+
+
+def test_an_extra_key_enters_its_block_and_everything_after_it() -> None:
+    plain = block_hashes(TOKENS + TOKENS, 16)  # 5 blocks
+    img = block_hashes(TOKENS + TOKENS, 16, 0, [(), ("img:a",)])
+    assert img[0] == plain[0]  # blocks before the key are shared with plain text
+    assert all(a != b for a, b in zip(img[1:], plain[1:], strict=True))  # chained after
+    other = block_hashes(TOKENS + TOKENS, 16, 0, [(), ("img:b",)])
+    assert other[0] == img[0] and other[1] != img[1]  # a different image: different KV
+    assert block_hashes(TOKENS + TOKENS, 16, 0, [(), ("img:a",)]) == img  # stable
+
+
+def test_spans_map_to_the_blocks_they_overlap() -> None:
+    # an image's placeholders at tokens 10..37 cover blocks 0, 1 and 2 (of 16 tokens each);
+    # the partial fourth block has no hash, so no keys either
+    keys = extra_keys_for_spans([(10, 38, "img:a"), (40, 41, "img:b")], 60, 16)
+    assert keys == [("img:a",), ("img:a",), ("img:a", "img:b")]
+    assert extra_keys_for_spans([], 60, 16) == [(), (), ()]
+    with pytest.raises(ValueError):
+        extra_keys_for_spans([(5, 5, "x")], 60, 16)
+
+
+def test_the_block_pool_names_blocks_with_their_extra_keys() -> None:
+    keys = extra_keys_for_spans([(16, 32, "img:a")], len(TOKENS), 16)
+    m = KVCacheManager(8, 16)
+    assert m.find_prefix("a", TOKENS, keys) == 0
+    assert m.allocate_slots("a", len(TOKENS)) is not None
+    m.cache_blocks("a", TOKENS, len(TOKENS))
+    m.free("a")
+    # the same text with the same image hits both blocks; with another image only the first
+    assert m.find_prefix("b", TOKENS + [9], keys) == 32
+    other = extra_keys_for_spans([(16, 32, "img:b")], len(TOKENS), 16)
+    assert m.find_prefix("c", TOKENS + [9], other) == 16
+    assert m.find_prefix("d", TOKENS + [9]) == 16  # plain text: no image, first block only
+
+
+def test_frames_survive_the_wire() -> None:
+    delta = TokenFrame(3, [7, 8], "ab")
+    assert TokenFrame.decode(delta.encode()) == delta
+    done = TokenFrame(4, [9], "c", True, "stop", "\n", Usage(5, 6, 2))
+    assert TokenFrame.decode(done.encode()) == done
+    err = TokenFrame.failure(1, "KV transfer failed", "kv_transfer_failed")
+    back = TokenFrame.decode(err.encode())
+    assert back.done and back.error is not None and back.error.code == "kv_transfer_failed"
+    assert back.finish_reason is None and back.error.type == "server_error"
+    with pytest.raises(ValueError):
+        TokenFrame.decode(b'{"text": "no seq"}')
+
+
+def test_one_namespace_function_for_the_api_and_the_pools() -> None:
+    assert model_namespace("tiny-llava") == namespace_hash("tiny-llava")
+    assert model_namespace("") == 0
