@@ -23,7 +23,8 @@ counted, never fatal.
 Hit rate = cached tokens / ideal reusable tokens (an infinite cache in arrival order, whole
 engine blocks, never the last prompt token), over the requests that succeeded. Load: every
 50 ms the router's KV blocks per live worker (field ``<worker>:blocks`` of the hash
-``conveyor:load:generate``). Spread = the busiest worker's time-averaged blocks / the mean
+``kvbm.protocol.load_key("generate")``). Spread = the busiest worker's time-averaged
+blocks / the mean
 worker's; also max/mean per sample with blocks in use, averaged (and p95) over the run.
 """
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 import redis
 
+from kvbm.protocol import worker_key
 from tests.integration.conftest import (
     Cluster,
     Proc,
@@ -84,7 +85,7 @@ class Disagg:
         r = redis.Redis.from_url(self.redis_url)
         out = {}
         for pool in ("prefill", "decode"):
-            for key in r.scan_iter(f"conveyor:worker:{pool}:*"):
+            for key in r.scan_iter(worker_key(pool, "*")):
                 raw = r.get(key)
                 if raw:
                     info = json.loads(raw)

@@ -21,7 +21,7 @@ from api.resp import RespConnection
 from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
 from kvbm.index import KVIndex
-from kvbm.protocol import alive_key, block_hashes, load_key, worker_key
+from kvbm.protocol import alive_key, block_hashes, index_keys, load_key, worker_key
 from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tests.integration.conftest import redis_db, wait_for
 from workers.registry import Heartbeat
@@ -169,7 +169,7 @@ def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None
     register(db, "w")
     pool = BlockPool(8, record_events=True)
     r = redis.Redis.from_url(db)
-    r.sadd("conveyor:kvw:generate:w", "dead")  # an old entry of a worker with this id
+    r.sadd(index_keys(POOL).worker_blocks + "w", "dead")  # an old entry of a worker with this id
     frames, pub = _publisher(db, pool)
     try:
         wait_for(lambda: index(db).worker_blocks("w") == set(), 5, "the opening cleared")
@@ -181,7 +181,7 @@ def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None
         pub.publish(pool.take_events())
         wait_for(lambda: index(db).worker_blocks("w") == set(), 5, "removed events")
         # batches are numbered 0, 1, 2, ... (how many depends on how events were folded)
-        assert int(r.get("conveyor:kvseq:generate:w")) == pub.batches_sent - 1 >= 2
+        assert int(r.get(index_keys(POOL).seq + "w")) == pub.batches_sent - 1 >= 2
         assert frames.wait_replies(5) and pub.errors == 0 and pub.resyncs == 0
         # Redis loses the index (restart, flush): the next batch finds a gap, and once its
         # answer is read the publisher sends cleared + a snapshot of the pool
@@ -209,7 +209,7 @@ def test_publisher_numbers_batches_and_resyncs_after_index_loss(db: str) -> None
         assert pub.resyncs == 2  # no later publish needed
         wait_for(lambda: index(db).worker_blocks("w") == {77, 78, 79}, 5, "the idle resync")
         # a resync still owed when the worker stops: the final cleared wins over it
-        r.set("conveyor:kvseq:generate:w", 0)
+        r.set(index_keys(POOL).seq + "w", 0)
         _cache(pool, [80])
         pub.publish(pool.take_events())
         assert frames.wait_replies(5) and pub._resync
@@ -413,9 +413,9 @@ def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -
         await router.prefilled(route)
         after_prefill = await router.load(POOL, "a")
         await client.script_flush()
-        await router.release(route, before=(("SET", "conveyor:test:before", 7),))
+        await router.release(route, before=(("SET", "test:before", 7),))
         after = await router.load(POOL, "a")
-        assert await client.get("conveyor:test:before") == b"7"
+        assert await client.get("test:before") == b"7"
         await client.aclose()
         if conn is not None:
             conn.close()

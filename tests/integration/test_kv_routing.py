@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from kvbm.index import KVIndex
-from kvbm.protocol import block_hashes, model_namespace
+from kvbm.protocol import block_hashes, load_key, model_namespace, worker_key
 from tests.integration.conftest import (
     Cluster,
     Proc,
@@ -175,7 +175,7 @@ def test_mock_workers_never_load_torch(mock_cluster: Cluster) -> None:
     r = redis.Redis.from_url(c.redis_url)
     pids = [p.popen.pid for p in c.workers]
     for wid in (f"mock-w{i}" for i in range(N_WORKERS)):
-        info = json.loads(r.get(f"conveyor:worker:generate:{wid}") or "{}")
+        info = json.loads(r.get(worker_key("generate", wid)) or "{}")
         pids.append(int(info["engine_pid"]))
     for pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text()
@@ -213,7 +213,7 @@ def test_two_api_processes_share_load_through_redis(
             tasks = [asyncio.create_task(c) for c in calls]
             await asyncio.sleep(0.8)  # all sent, none finished (40 steps x 40 ms)
             r = redis.Redis.from_url(url)
-            reqs = [int(r.hget("conveyor:load:generate", f"pair-w{i}:reqs") or 0)
+            reqs = [int(r.hget(load_key("generate"), f"pair-w{i}:reqs") or 0)
                     for i in range(2)]  # fmt: skip
             done = await asyncio.gather(*tasks)
             assert all(d.usage is not None and d.usage.completion_tokens == 40 for d in done)
@@ -223,7 +223,7 @@ def test_two_api_processes_share_load_through_redis(
         r = redis.Redis.from_url(url)
         # each API gives a request's load back in its clean-up, a task of its own that
         # may still be running when the client has read the last byte
-        wait_for(lambda: [int(r.hget("conveyor:load:generate", f"pair-w{i}:reqs") or 0)
+        wait_for(lambda: [int(r.hget(load_key("generate"), f"pair-w{i}:reqs") or 0)
                           for i in range(2)] == [0, 0], 5, "loads back to 0", procs)  # fmt: skip
     finally:
         for p in procs:
