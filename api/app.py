@@ -50,7 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.redis = aioredis.Redis.from_url(s.effective_redis_url)
         st.hub = StreamHub(s.effective_redis_url, fast=s.broker_fastpath)
         await st.hub.start()
-        st.runner = Runner(s, st.redis, st.hub, metrics)
+        st.runner = await Runner(s, st.redis, st.hub, metrics).open()
         st.created = int(time.time())
         freeze_startup_heap("api")  # no full collection pauses every stream later
         log.info("api up: model %s, mode %s, redis %s, fast path %s", s.model_name, s.mode,

@@ -24,8 +24,10 @@ class ClusterCollector:
         self._workers: list[dict] = []
         self._queues: dict[str, int] = {}
         self._loads: dict[str, dict[str, dict[str, int]]] = {}  # pool -> worker -> counts
+        self._router: dict[str, dict[str, float]] = {}  # pool -> this API's router stats
 
     async def refresh(self, client: aioredis.Redis, router: Router) -> None:
+        self._router = router.stats()
         workers: list[dict] = []
         queues: list[str] = [pool_queue(p) for p in self.pools]
         for pool in self.pools:
@@ -123,3 +125,35 @@ class ClusterCollector:
                 hit.add_metric([w.get("pool", "?"), w.get("worker_id", "?")],
                                w.get("prompt_tokens_cached", 0) / seen)  # fmt: skip
         yield from (routed, queued, hit)
+        yield from self._router_index()
+
+    def _router_index(self) -> Iterator[Metric]:
+        """This API process's router: its local KV index per pool and how it keeps up."""
+        gauges = {
+            "index_blocks": ("conveyor_router_index_blocks",
+                             "Distinct KV blocks in this API process's local index"),
+            "index_workers": ("conveyor_router_index_workers",
+                              "Workers with blocks in this API process's local index"),
+            "event_lag_seconds": ("conveyor_router_event_lag_seconds",
+                                  "Age of the last KV event batch when this API applied it"),
+        }  # fmt: skip
+        counters = {
+            "snapshot_loads": ("conveyor_router_snapshot_loads",
+                               "Whole-index snapshots this API process loaded"),
+            "worker_reloads": ("conveyor_router_worker_reloads",
+                               "Workers reloaded after their event batches skipped numbers"),
+            "events_applied": ("conveyor_router_events_applied",
+                               "KV event stream entries this API process applied"),
+            "commit_conflicts": ("conveyor_router_commit_conflicts",
+                                 "Picks refused at commit (worker dead or past the guard)"),
+        }  # fmt: skip
+        for key, (name, doc) in gauges.items():
+            fam = GaugeMetricFamily(name, doc, labels=["pool"])
+            for pool, st in sorted(self._router.items()):
+                fam.add_metric([pool], st[key])
+            yield fam
+        for key, (name, doc) in counters.items():
+            cfam = CounterMetricFamily(name, doc, labels=["pool"])
+            for pool, st in sorted(self._router.items()):
+                cfam.add_metric([pool], st[key])
+            yield cfam

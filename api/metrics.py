@@ -78,9 +78,19 @@ class ApiMetrics:
             ["pool", "of"],
             registry=r,
         )
+        self.decision_seconds = Histogram(
+            "conveyor_routing_decision_seconds",
+            "Time one routing decision took in this API process (scoring + the commit)",
+            ["pool"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1),
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "conveyor_prompt_tokens_cached",
             "Prompt tokens served from a worker's prefix cache (hit rate: divide by "
             "conveyor_prompt_tokens)",
             registry=r,
         )
+
+    def observe_decision(self, pool: str, seconds: float) -> None:
+        self.decision_seconds.labels(pool).observe(seconds)

@@ -82,7 +82,8 @@ class Runner:
         # Off: redis-py's asyncio client, and Celery sends from a thread.
         self._fast = RespConnection(settings.effective_redis_url) \
             if settings.broker_fastpath else None  # fmt: skip
-        self.router = Router(client, RouterConfig.from_settings(settings), fast=self._fast)
+        self.router = Router(client, RouterConfig.from_settings(settings), fast=self._fast,
+                             on_decision=metrics.observe_decision)  # fmt: skip
         self._client = client
         # the same hash function and namespace as the workers' block pools
         self._namespace = model_namespace(settings.model_name)
@@ -90,7 +91,13 @@ class Runner:
         self._cleanup_tasks: set[asyncio.Task[None]] = set()
         self._declared: set[str] = set()
 
+    async def open(self) -> Runner:
+        """Load the router's views of this deployment's pools (their KV indexes) now."""
+        await self.router.start(*self.s.pools)
+        return self
+
     async def aclose(self) -> None:
+        await self.router.aclose()
         if self._fast is not None:
             self._fast.close()
 

@@ -1,40 +1,62 @@
-"""The KV-block index in Redis: which worker holds which cached block.
+"""The KV-block index: which worker holds which cached block, as each router sees it.
 
-Workers' block pools emit ``stored`` / ``removed`` / ``cleared`` events; one publisher per
-worker (:mod:`kvbm.events`) applies them here, each batch with the next number of that
-worker's monotonic sequence. The router asks, in the same round trip in which it picks a
-worker, how long a prefix of a request's block hashes each live worker holds.
+Redis keeps only what routers must share (:func:`kvbm.protocol.index_keys`): per worker,
+the set of block hashes it holds and the number of its last applied event batch; per pool,
+a stream of event batches. Each router (one per API process) keeps a :class:`LocalIndex`
+per pool, block hash -> holding workers, fed by that stream (:class:`IndexFollower`), and
+computes a request's overlap in-process: no index read in Redis per routing decision.
 
-Keys, per worker pool (a prefill worker's cache says nothing about a decode worker's),
-named in :func:`kvbm.protocol.index_keys`: the holders of each block (a SET of worker ids,
-event-fed), each worker's blocks (for cleanup), each worker's last applied batch number,
-and the approximate index (a ZSET worker id -> expiry per block: the router's own past
-decisions, for engines that emit no events, forgotten after a TTL).
+Writing (a worker's publisher, :mod:`kvbm.events`): :data:`APPLY_LUA` applies one numbered
+batch to the worker's set and appends it to the pool's stream, atomically:
 
-Block hashes travel as lowercase hex (a 64-bit hash is not exact in a Lua number).
-
-Consistency rules:
 * a batch whose number is not above the last applied one is a duplicate: dropped;
-* a batch that skips numbers means the index lost events (Redis restarted, a batch was
-  lost): it is refused with ``resync`` and the publisher answers with ``cleared`` plus a
-  snapshot of every cached block; a batch that starts with ``cleared`` is always applied
-  (a worker starting fresh, possibly under an id used before);
-* a dead worker (its heartbeat expired) stops counting at once, since every query
-  checks liveness, and the first query that notices removes its entries.
+* a batch that skips numbers means events were lost (Redis restarted, a batch was lost):
+  refused with ``resync``, and the publisher answers with ``cleared`` plus a snapshot;
+* a batch that starts with ``cleared`` is always applied (a worker starting fresh).
 
-Everything here is plain Redis + Lua; the keys are computed inside the scripts, so the
-index needs one Redis (not Redis Cluster).
+Following: a router that starts loads a snapshot (every live worker's set and number, and
+the stream's position, in one script), then reads the stream from that position. A batch
+whose number skips one of that worker's means this router missed events (the stream is
+trimmed to ``EVENTS_MAXLEN``): that worker alone is reloaded. Workers whose heartbeat
+lapsed leave the local index at the router's next liveness refresh; :data:`PRUNE_LUA`
+(run by routers) removes their state from Redis.
+
+Approximate mode (engines that emit no events): routers append their own decisions to the
+same stream with a TTL; every router applies them with an expiry, and one that starts
+replays the last TTL's worth.
+
+Block pools evict a sequence's descendants before its ancestors (blocks are freed tail
+first; a hit refreshes the whole prefix), so a worker that holds block k holds blocks
+1..k and its overlap with a request is found by bisection. Block hashes travel as
+lowercase hex (a 64-bit hash is not exact in a Lua number).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
+import time
 from dataclasses import dataclass
 
 import redis
+import redis.asyncio as aioredis
 
-from kvbm.protocol import LIVE_LUA, NOW_LUA, alive_key, index_keys, pool_queue, worker_queue
+from kvbm.protocol import (
+    LIVE_LUA,
+    NOW_LUA,
+    alive_key,
+    index_keys,
+    load_key,
+    load_totals_key,
+    pool_queue,
+    worker_queue,
+)
+
+log = logging.getLogger(__name__)
+
+EVENTS_MAXLEN = 50_000  # entries a pool's stream keeps (approximately): minutes of events
 
 
 def hex_hashes(hashes: list[int]) -> list[str]:
@@ -42,16 +64,18 @@ def hex_hashes(hashes: list[int]) -> list[str]:
 
 
 def encode_batch(events: list[tuple[str, list[int]]]) -> str:
-    """``[(kind, hashes), ...]`` -> the JSON the apply script reads; kinds are
+    """``[(kind, hashes), ...]`` -> the JSON the scripts and followers read; kinds are
     ``stored`` / ``removed`` / ``cleared``."""
     return json.dumps([[kind[0], hex_hashes(hs)] for kind, hs in events])
 
 
-# --- apply one batch of a worker's events ------------------------------------------------
-# ARGV: kv prefix, worker-blocks key, seq key, worker id, seq, batch JSON
+# ======================================================================================
+# Scripts
+# ======================================================================================
+# ARGV: worker-blocks key, seq key, stream key, worker id, seq, batch JSON, stream maxlen
 # returns {status, last}: status 1 applied, 0 duplicate, -1 resync needed
 APPLY_LUA = """
-local kv, wkey, skey, wid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local wkey, skey, stream, wid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local seq = tonumber(ARGV[5])
 local batch = cjson.decode(ARGV[6])
 local last = tonumber(redis.call('GET', skey) or '-1')
@@ -60,139 +84,63 @@ if not fresh then
   if seq <= last then return {0, last} end
   if seq ~= last + 1 then return {-1, last} end
 end
+local function each(cmd, hs)
+  for i = 1, #hs, 1000 do redis.call(cmd, wkey, unpack(hs, i, math.min(i + 999, #hs))) end
+end
 for _, ev in ipairs(batch) do
   local kind, hs = ev[1], ev[2]
-  if kind == 's' then
-    for _, h in ipairs(hs) do
-      redis.call('SADD', kv .. h, wid)
-      redis.call('SADD', wkey, h)
-    end
-  elseif kind == 'r' then
-    for _, h in ipairs(hs) do
-      redis.call('SREM', kv .. h, wid)
-      redis.call('SREM', wkey, h)
-    end
-  elseif kind == 'c' then
-    for _, h in ipairs(redis.call('SMEMBERS', wkey)) do redis.call('SREM', kv .. h, wid) end
-    redis.call('DEL', wkey)
-  end
+  if kind == 's' and #hs > 0 then each('SADD', hs)
+  elseif kind == 'r' and #hs > 0 then each('SREM', hs)
+  elseif kind == 'c' then redis.call('DEL', wkey) end
 end
 redis.call('SET', skey, seq)
+redis.call('XADD', stream, 'MAXLEN', '~', ARGV[7], '*', 'w', wid, 's', seq, 'b', ARGV[6])
 return {1, seq}
 """
 
-APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
+# ARGV: alive key, worker-blocks prefix, seq prefix, stream key, one worker id ('' = every
+# live worker) -> {stream position, id1, seq1, {hex...}, id2, ...}, read atomically
+SNAPSHOT_LUA = (
+    NOW_LUA
+    + LIVE_LUA
+    + """
+local ids = ARGV[5] ~= '' and {ARGV[5]} or live_ids(ARGV[1], now)
+local top = redis.call('XREVRANGE', ARGV[4], '+', '-', 'COUNT', 1)
+local out = {#top > 0 and top[1][1] or '0-0'}
+for _, id in ipairs(ids) do
+  out[#out + 1] = id
+  out[#out + 1] = tonumber(redis.call('GET', ARGV[3] .. id) or '-1')
+  out[#out + 1] = redis.call('SMEMBERS', ARGV[2] .. id)
+end
+return out
+"""
+)
 
-# --- Lua helpers shared by the scripts that read the index -------------------------------
-# Locals the helpers expect: kv, kva, wblocks, seqk (index prefixes), alive (the registry's
-# ZSET worker id -> heartbeat expiry in ms), forget_more (a function(wid) the including
-# script may use to drop more of a dead worker's state).
-
-# forget(wid): drop every index entry of a (dead) worker, and move the messages stranded on
-# its own queue to its pool's queue, where any live worker of the pool takes them (oldest
-# first, behind what the pool queue holds). Kombu keeps a queue's messages in a list named
-# after it, and those of priorities 3/6/9 in lists suffixed "\x06\x16" + the priority.
-FORGET_LUA = """
-local function forget(wid)
-  local wkey = wblocks .. wid
-  local hs = redis.call('SMEMBERS', wkey)
-  for _, h in ipairs(hs) do redis.call('SREM', kv .. h, wid) end
-  redis.call('DEL', wkey, seqk .. wid)
+# Forget every worker whose heartbeat lapsed: its blocks and batch number, its membership,
+# its load (taken out of the pool's totals); the messages stranded on its own queue move
+# to its pool's queue, where any live worker of the pool takes them (oldest first, behind
+# what the pool queue holds). Kombu keeps a queue's messages in a list named after it, and
+# those of priorities 3/6/9 in lists suffixed "\x06\x16" + the priority.
+# ARGV: alive, worker-blocks prefix, seq prefix, pool queue, worker queue prefix, load
+# hash, load totals -> the forgotten ids
+PRUNE_LUA = (
+    NOW_LUA
+    + """
+local alive, wblocks, seqk, pqueue, wqueue, lkey, tkey = unpack(ARGV, 1, 7)
+local gone = redis.call('ZRANGE', alive, '-inf', now, 'BYSCORE')
+for _, wid in ipairs(gone) do
+  redis.call('DEL', wblocks .. wid, seqk .. wid)
   redis.call('ZREM', alive, wid)
-  for _, sfx in ipairs({'', '\6\0223', '\6\0226', '\6\0229'}) do
+  for _, sfx in ipairs({'', '\\6\\0223', '\\6\\0226', '\\6\\0229'}) do
     while redis.call('LMOVE', wqueue .. wid .. sfx, pqueue .. sfx, 'RIGHT', 'LEFT') do end
   end
-  forget_more(wid)
-end
-"""
-
-# live(now) -> sorted live worker ids (kvbm.protocol's rule); workers whose heartbeat
-# expired are forgotten on the way
-PRUNE_LUA = (
-    LIVE_LUA
-    + """
-local function live(now)
-  for _, id in ipairs(redis.call('ZRANGE', alive, '-inf', now, 'BYSCORE')) do
-    forget(id)
+  for _, f in ipairs({'blocks', 'prefill'}) do
+    local v = tonumber(redis.call('HGET', lkey, wid .. ':' .. f) or '0')
+    if v > 0 then redis.call('HINCRBY', tkey, f, -v) end
   end
-  return live_ids(alive, now)
+  redis.call('HDEL', lkey, wid .. ':reqs', wid .. ':blocks', wid .. ':prefill')
 end
-"""
-)
-
-# overlaps(ids, hashes, approx, now) -> {wid = number of leading blocks held}.
-# Block hashes are chained and a block pool evicts a sequence's descendants before its
-# ancestors (blocks are freed tail first, and a hit refreshes the whole prefix), so a worker
-# that holds block k holds blocks 1..k: its overlap is the deepest block it holds. That
-# depth is found by bisection, all workers at once: a group of workers known to hold block
-# lo asks who holds block mid and splits. About log2(blocks) set reads per distinct
-# overlap, instead of one read per block.
-OVERLAP_LUA = """
-local function holders(h, approx, now)
-  local set = {}
-  local members
-  if approx then
-    members = redis.call('ZRANGE', kva .. h, now, '+inf', 'BYSCORE')
-  else
-    members = redis.call('SMEMBERS', kv .. h)
-  end
-  for _, m in ipairs(members) do set[m] = true end
-  return set
-end
-
-local function overlaps(ids, hashes, approx, now)
-  local out = {}
-  for _, id in ipairs(ids) do out[id] = 0 end
-  local n = #hashes
-  if n == 0 or #ids == 0 then return out end
-  local first = holders(hashes[1], approx, now)
-  local group = {}
-  for _, id in ipairs(ids) do if first[id] then group[#group + 1] = id end end
-  local todo = {{1, n, group}}
-  while #todo > 0 do
-    local job = table.remove(todo)
-    local lo, hi, g = job[1], job[2], job[3]
-    if lo == hi then
-      for _, id in ipairs(g) do out[id] = lo end
-    else
-      local mid = math.floor((lo + hi + 1) / 2)
-      local held = holders(hashes[mid], approx, now)
-      local yes, no = {}, {}
-      for _, id in ipairs(g) do
-        if held[id] then yes[#yes + 1] = id else no[#no + 1] = id end
-      end
-      if #yes > 0 then todo[#todo + 1] = {mid, hi, yes} end
-      if #no > 0 then todo[#todo + 1] = {lo, mid - 1, no} end
-    end
-  end
-  return out
-end
-"""
-
-# The first seven ARGV of every script that reads the index: ``script_args(pool)``.
-# Scripts put this first, then FORGET_LUA (after a ``forget_more``).
-LOCALS_LUA = (
-    "local alive, kv, kva, wblocks, seqk, pqueue, wqueue = "
-    "ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]\n"
-)
-
-# ARGV: the seven above, approx (0/1), hashes...
-# returns a flat list: wid1, overlap1, wid2, overlap2, ... for every live worker
-QUERY_LUA = (
-    LOCALS_LUA
-    + "local function forget_more(wid) end\n"
-    + FORGET_LUA
-    + PRUNE_LUA
-    + OVERLAP_LUA
-    + NOW_LUA
-    + """
-local ids = live(now)
-local hashes = {}
-for i = 9, #ARGV do hashes[#hashes + 1] = ARGV[i] end
-local ov = overlaps(ids, hashes, ARGV[8] == '1', now)
-local out = {}
-for _, id in ipairs(ids) do out[#out + 1] = id; out[#out + 1] = ov[id] end
-return out
+return gone
 """
 )
 
@@ -200,8 +148,9 @@ return out
 def apply_argv(pool: str, worker_id: str, seq: int,
                events: list[tuple[str, list[int]]]) -> list[str | int]:  # fmt: skip
     """ARGV of :data:`APPLY_LUA` for one batch of ``worker_id``'s events."""
-    kv, _, wblocks, seqk = index_args(pool)
-    return [kv, wblocks + worker_id, seqk + worker_id, worker_id, seq, encode_batch(events)]
+    k = index_keys(pool)
+    return [k.worker_blocks + worker_id, k.seq + worker_id, k.events, worker_id, seq,
+            encode_batch(events), EVENTS_MAXLEN]  # fmt: skip
 
 
 def apply_command(pool: str, worker_id: str, seq: int, events: list[tuple[str, list[int]]],
@@ -212,16 +161,275 @@ def apply_command(pool: str, worker_id: str, seq: int, events: list[tuple[str, l
     return (*head, 0, *apply_argv(pool, worker_id, seq, events))
 
 
-def index_args(pool: str) -> list[str]:
-    """The key prefixes of ``pool``'s index, in the order the scripts take them."""
-    return index_keys(pool).as_args()
+def snapshot_argv(pool: str, worker_id: str = "") -> list[str]:
+    k = index_keys(pool)
+    return [alive_key(pool), k.worker_blocks, k.seq, k.events, worker_id]
 
 
-def script_args(pool: str) -> list[str]:
-    """The first ARGV of every script that reads ``pool``'s index (LOCALS_LUA)."""
-    return [alive_key(pool), *index_args(pool), pool_queue(pool), worker_queue(pool, "")]
+def prune_argv(pool: str) -> list[str]:
+    k = index_keys(pool)
+    return [alive_key(pool), k.worker_blocks, k.seq, pool_queue(pool), worker_queue(pool, ""),
+            load_key(pool), load_totals_key(pool)]  # fmt: skip
 
 
+APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
+
+
+# ======================================================================================
+# The local index
+# ======================================================================================
+class LocalIndex:
+    """One pool's index in a router's memory: block hash -> workers holding it, from the
+    workers' event batches (numbered per worker) and, in approximate mode, from routers'
+    decisions (each with an expiry)."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[str]] = {}
+        self._blocks: dict[str, set[int]] = {}
+        self._seq: dict[str, int] = {}
+        self._approx: dict[int, dict[str, float]] = {}  # hash -> worker -> expiry (mono)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._holders)
+
+    @property
+    def workers(self) -> set[str]:
+        return set(self._blocks)
+
+    def seq(self, worker_id: str) -> int:
+        return self._seq.get(worker_id, -1)
+
+    def apply(self, worker_id: str, seq: int, batch: list[list]) -> bool:
+        """Apply one batch (as :func:`encode_batch` wrote it). False: it skips numbers (this
+        index missed some of the worker's batches; reload the worker)."""
+        fresh = bool(batch) and batch[0][0] == "c"
+        last = self._seq.get(worker_id, -1)
+        if not fresh:
+            if seq <= last:
+                return True  # already applied (a snapshot covered it)
+            if seq != last + 1:
+                return False
+        for kind, hs in batch:
+            if kind == "s":
+                self._store(worker_id, [int(h, 16) for h in hs])
+            elif kind == "r":
+                self._remove(worker_id, [int(h, 16) for h in hs])
+            elif kind == "c":
+                self.drop(worker_id)
+        self._seq[worker_id] = seq
+        return True
+
+    def load(self, worker_id: str, seq: int, hashes: list[int]) -> None:
+        """Replace what this index knows of a worker with a snapshot."""
+        self.drop(worker_id)
+        self._store(worker_id, hashes)
+        self._seq[worker_id] = seq
+
+    def drop(self, worker_id: str) -> None:
+        for h in self._blocks.pop(worker_id, ()):
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[h]
+        self._seq.pop(worker_id, None)
+
+    def remember(self, worker_id: str, hashes: list[int], expiry: float) -> None:
+        """Approximate mode: the router sent ``hashes`` to ``worker_id``; count it as
+        holding them until ``expiry`` (time.monotonic())."""
+        for h in hashes:
+            self._approx.setdefault(h, {})[worker_id] = expiry
+
+    def holders(self, block_hash: int, approx: bool = False, now: float = 0.0) -> set[str]:
+        if not approx:
+            return self._holders.get(block_hash, set())
+        held = self._approx.get(block_hash)
+        if not held:
+            return set()
+        live = {w for w, exp in held.items() if exp > now}
+        if len(live) < len(held):  # forget the expired ones on the way
+            for w in [w for w, exp in held.items() if exp <= now]:
+                del held[w]
+            if not held:
+                del self._approx[block_hash]
+        return live
+
+    def worker_blocks(self, worker_id: str) -> set[int]:
+        return set(self._blocks.get(worker_id, ()))
+
+    def overlaps(self, ids: list[str], hashes: list[int], approx: bool = False) -> dict[str, int]:
+        """Each of ``ids``' number of leading blocks of ``hashes`` held. By bisection, all
+        workers at once: a group known to hold block lo asks who holds block mid, and
+        splits (about log2(blocks) set reads per distinct overlap)."""
+        out = dict.fromkeys(ids, 0)
+        n = len(hashes)
+        if not n or not ids:
+            return out
+        now = time.monotonic()
+        first = self.holders(hashes[0], approx, now)
+        todo = [(1, n, [w for w in ids if w in first])]
+        while todo:
+            lo, hi, group = todo.pop()
+            if not group:
+                continue
+            if lo == hi:
+                for w in group:
+                    out[w] = lo
+                continue
+            mid = (lo + hi + 1) // 2
+            held = self.holders(hashes[mid - 1], approx, now)
+            todo.append((mid, hi, [w for w in group if w in held]))
+            todo.append((lo, mid - 1, [w for w in group if w not in held]))
+        return out
+
+    # ----------------------------------------------------------------------------------
+    def _store(self, worker_id: str, hashes: list[int]) -> None:
+        mine = self._blocks.setdefault(worker_id, set())
+        for h in hashes:
+            mine.add(h)
+            self._holders.setdefault(h, set()).add(worker_id)
+
+    def _remove(self, worker_id: str, hashes: list[int]) -> None:
+        mine = self._blocks.get(worker_id, set())
+        for h in hashes:
+            mine.discard(h)
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.discard(worker_id)
+                if not holders:
+                    del self._holders[h]
+
+
+def parse_snapshot(flat: list) -> tuple[str, list[tuple[str, int, list[int]]]]:
+    """:data:`SNAPSHOT_LUA`'s reply -> (stream position, [(worker, seq, hashes)])."""
+    pos = _str(flat[0])
+    out = []
+    for i in range(1, len(flat), 3):
+        out.append((_str(flat[i]), int(flat[i + 1]), [int(_str(h), 16) for h in flat[i + 2]]))
+    return pos, out
+
+
+# ======================================================================================
+# Following the stream
+# ======================================================================================
+@dataclass
+class FollowerStats:
+    snapshot_loads: int = 0  # whole-index snapshots (start, reconnect after a long gap)
+    worker_reloads: int = 0  # one worker reloaded after its batches skipped numbers
+    entries: int = 0  # stream entries applied
+    lag_s: float = 0.0  # age of the last entry applied when it was applied
+
+
+class IndexFollower:
+    """Keeps one pool's :class:`LocalIndex` in step with the pool's event stream, from a
+    task of its own on the caller's event loop. It reads without ``BLOCK``, every
+    ``poll_s`` while the stream is quiet and at once while entries keep coming: a task
+    cancelled inside redis-py's blocking ``XREAD`` does not return (redis-py 8.1)."""
+
+    def __init__(self, client: aioredis.Redis, pool: str, approx_ttl_s: float = 0.0,
+                 poll_s: float = 0.01) -> None:  # fmt: skip
+        self._r = client
+        self.pool = pool
+        self.index = LocalIndex()
+        self.stats = FollowerStats()
+        self._key = index_keys(pool).events
+        self._approx_ttl_s = approx_ttl_s
+        self._poll_s = poll_s
+        self._pos = "0-0"
+        self._snapshot = client.register_script(SNAPSHOT_LUA)
+        self._task: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+
+    async def start(self) -> IndexFollower:
+        await self.load_snapshot()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-{self.pool}")
+        return self
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, 5.0)
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
+
+    async def load_snapshot(self) -> None:
+        """Every live worker's blocks and the stream position they are current to; in
+        approximate mode, the decisions of the last TTL replayed."""
+        pos, workers = parse_snapshot(await self._snapshot(args=snapshot_argv(self.pool)))
+        index = LocalIndex()
+        for wid, seq, hashes in workers:
+            index.load(wid, seq, hashes)
+        if self._approx_ttl_s > 0:
+            since = int((time.time() - self._approx_ttl_s) * 1000)
+            for entry_id, fields in await self._r.xrange(self._key, f"{since}-0", pos):
+                self._apply_entry(index, _str(entry_id), fields, replay=True)
+        self.index = index
+        self._pos = pos
+        self.stats.snapshot_loads += 1
+
+    async def reload(self, worker_id: str) -> None:
+        _, workers = parse_snapshot(await self._snapshot(args=snapshot_argv(self.pool, worker_id)))
+        for wid, seq, hashes in workers:
+            if seq < 0 and not hashes:
+                self.index.drop(wid)  # gone from Redis: pruned, or cleared on leaving
+            else:
+                self.index.load(wid, seq, hashes)
+        self.stats.worker_reloads += 1
+
+    async def poll(self) -> int:
+        """Apply what the stream holds past our position; returns the entries applied."""
+        reply = await self._r.xread({self._key: self._pos}, count=1000)
+        applied = 0
+        for _, entries in reply or ():
+            for entry_id, fields in entries:
+                eid = _str(entry_id)
+                gap = self._apply_entry(self.index, eid, fields)
+                self._pos = eid
+                applied += 1
+                if gap is not None:
+                    await self.reload(gap)
+        self.stats.entries += applied
+        return applied
+
+    # ----------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        wait, delay = self._poll_s, 0.2
+        while not self._stop.is_set():
+            try:
+                wait = 0.0 if await self.poll() else self._poll_s
+                delay = 0.2
+            except Exception as e:  # noqa: BLE001 - Redis away: try again later
+                log.warning("KV index %s: reading events failed (%s); retrying", self.pool, e)
+                wait, delay = delay, min(2.0, delay * 2)
+            if wait:
+                try:
+                    await asyncio.wait_for(self._stop.wait(), wait)
+                except TimeoutError:
+                    pass
+
+    def _apply_entry(self, index: LocalIndex, entry_id: str, fields: dict,
+                     replay: bool = False) -> str | None:  # fmt: skip
+        """Apply one stream entry; the worker to reload if it skipped numbers."""
+        f = {_str(k): v for k, v in fields.items()}
+        wid = _str(f.get("w", b""))
+        batch = json.loads(f.get("b") or "[]")
+        if "a" in f:  # an approximate router's decision, valid for its TTL from then
+            sent_ms = int(entry_id.split("-", 1)[0])
+            left = sent_ms / 1000 + int(f["a"]) / 1000 - time.time()
+            if left > 0:
+                index.remember(wid, [int(h, 16) for h in batch], time.monotonic() + left)
+            return None
+        if replay:
+            return None  # the snapshot holds the workers' blocks already
+        self.stats.lag_s = max(0.0, time.time() - int(entry_id.split("-", 1)[0]) / 1000)
+        return None if index.apply(wid, int(f["s"]), batch) else wid
+
+
+# ======================================================================================
+# A synchronous view, for tools and tests
+# ======================================================================================
 @dataclass(slots=True)
 class ApplyResult:
     status: int  # 1 applied, 0 duplicate (dropped), -1 the index needs a resync
@@ -229,34 +437,45 @@ class ApplyResult:
 
 
 class KVIndex:
-    """Synchronous access to one pool's index (workers publish, tools and tests read)."""
+    """Synchronous access to one pool's index in Redis: apply batches as a worker's
+    publisher does, and read what a router starting now would see (live workers only;
+    dead ones are pruned first, as routers prune them)."""
 
     def __init__(self, client: redis.Redis, pool: str) -> None:
         self._r = client
         self.pool = pool
-        self._keys = index_keys(pool)
         self._apply = client.register_script(APPLY_LUA)
-        self._query = client.register_script(QUERY_LUA)
+        self._snapshot = client.register_script(SNAPSHOT_LUA)
+        self._prune = client.register_script(PRUNE_LUA)
 
     def apply(self, worker_id: str, seq: int, events: list[tuple[str, list[int]]]) -> ApplyResult:
         status, last = self._apply(args=apply_argv(self.pool, worker_id, seq, events))
         return ApplyResult(int(status), int(last))
 
-    def overlaps(self, hashes: list[int], approx: bool = False) -> dict[str, int]:
-        """Each live worker's number of leading blocks of ``hashes`` held (dead workers
-        are pruned and forgotten on the way)."""
-        flat = self._query(
-            args=[*script_args(self.pool), int(approx),
-                  *hex_hashes(hashes)]
-        )  # fmt: skip
-        ids = [w.decode() if isinstance(w, bytes) else w for w in flat[::2]]
-        return dict(zip(ids, map(int, flat[1::2]), strict=True))
+    def prune(self) -> list[str]:
+        return [_str(w) for w in self._prune(args=prune_argv(self.pool))]
+
+    def local(self) -> LocalIndex:
+        """A :class:`LocalIndex` loaded from a snapshot of the live workers."""
+        self.prune()
+        _, workers = parse_snapshot(self._snapshot(args=snapshot_argv(self.pool)))
+        index = LocalIndex()
+        for wid, seq, hashes in workers:
+            index.load(wid, seq, hashes)
+        return index
+
+    def overlaps(self, hashes: list[int]) -> dict[str, int]:
+        """Each live worker's number of leading blocks of ``hashes`` held."""
+        index = self.local()
+        return index.overlaps(sorted(index.workers), hashes)
 
     def holders(self, block_hash: int) -> set[str]:
-        """Workers the index says hold one block (live or not)."""
-        members = self._r.smembers(self._keys.holders + format(block_hash, "x"))
-        return {m.decode() if isinstance(m, bytes) else m for m in members}
+        return self.local().holders(block_hash)
 
     def worker_blocks(self, worker_id: str) -> set[int]:
-        key = self._keys.worker_blocks + worker_id
-        return {int(h, 16) for h in self._r.smembers(key)}
+        key = index_keys(self.pool).worker_blocks + worker_id
+        return {int(_str(h), 16) for h in self._r.smembers(key)}
+
+
+def _str(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v

@@ -74,29 +74,23 @@ def load_key(pool: str) -> str:
     return f"{KEY_PREFIX}load:{pool}"
 
 
-def round_robin_key(pool: str) -> str:
-    return f"{KEY_PREFIX}rr:{pool}"
+def load_totals_key(pool: str) -> str:
+    """HASH ``blocks|prefill`` -> the pool's totals of those fields (the load guard's mean)."""
+    return f"{KEY_PREFIX}loadsum:{pool}"
 
 
 @dataclass(frozen=True, slots=True)
 class IndexKeys:
-    """Key prefixes of one pool's KV-block index (see :mod:`kvbm.index`)."""
+    """One pool's KV-block index in Redis (see :mod:`kvbm.index`)."""
 
-    holders: str  # + hex hash: SET of worker ids holding the block (event-fed)
-    approx: str  # + hex hash: ZSET worker id -> expiry, the router's own decisions
-    worker_blocks: str  # + worker id: SET of hex hashes the worker holds
-    seq: str  # + worker id: last applied event batch number
-
-    def as_args(self) -> list[str]:
-        return [self.holders, self.approx, self.worker_blocks, self.seq]
+    events: str  # STREAM of event batches (workers') and decisions (approximate routers')
+    worker_blocks: str  # + worker id: SET of hex hashes the worker holds (its snapshot)
+    seq: str  # + worker id: the number of its last applied event batch
 
 
 def index_keys(pool: str) -> IndexKeys:
     return IndexKeys(
-        f"{KEY_PREFIX}kv:{pool}:",
-        f"{KEY_PREFIX}kva:{pool}:",
-        f"{KEY_PREFIX}kvw:{pool}:",
-        f"{KEY_PREFIX}kvseq:{pool}:",
+        f"{KEY_PREFIX}kvev:{pool}", f"{KEY_PREFIX}kvw:{pool}:", f"{KEY_PREFIX}kvseq:{pool}:"
     )
 
 

@@ -1,10 +1,15 @@
 """Pick the worker (and so the per-worker queue) for each stage of a request.
 
-One Redis round trip (a Lua script) reads the pool's live workers (pruning and forgetting
-dead ones), walks the KV-block index for the request's block hashes, scores every worker,
-picks one and counts the request against it — atomically, so any number of API replicas
-routing at once see each other's load and spread instead of stampeding onto one "best"
-worker.
+Each API process's :class:`Router` scores workers in-process. A request's overlap with
+what each worker holds comes from a local index per pool (:class:`kvbm.index.IndexFollower`,
+fed by the workers' KV events through a Redis stream); each worker's load from a local
+view refreshed from Redis every ``refresh_s`` and by this router's own decisions. Redis
+keeps only what routers must share, and a decision costs it one small script
+(:data:`COMMIT_LUA`): it re-checks that the chosen worker is live and, in kv mode, within
+the load guard by the pool's true totals, and counts the request against it, atomically.
+On a conflict (the worker died, or other routers filled it past the guard) the next
+candidate is tried. Any number of API replicas route consistently, and none walks the
+index in Redis's single thread.
 
 Modes (``CONVEYOR_ROUTER_MODE``):
 
@@ -18,27 +23,30 @@ Modes (``CONVEYOR_ROUTER_MODE``):
     above the least loaded one, so a system prompt shared by every request cannot send
     all traffic to the worker that cached it first.
     With ``router_kv_events`` off (engines that emit no KV events) the index is
-    approximate: the router records its own decisions as the chosen worker's cache
-    contents, forgotten after ``router_approx_ttl_s``.
+    approximate: routers append their own decisions to the pool's stream, and every
+    router counts them as the chosen worker's cache contents for ``router_approx_ttl_s``.
 ``round_robin`` / ``random``
-    Cache-blind baselines.
+    Cache-blind baselines (the rotation is per router process).
 
 A request may pin a worker id; it then goes to that worker if it is alive in the pool.
 
-Load, per worker, lives in the pool's hash :func:`kvbm.protocol.load_key` (fields
-``<worker>:reqs|prefill|blocks``): requests routed and not finished; prompt tokens routed
-and not yet prefilled; and the KV blocks (prompt + one for decoding) of requests past
-their first token. A request counts as prefill work until its first token arrives, then
-the API moves it to decode blocks; it gives everything back when the request ends. The
-hash expires when nobody touches it, so an API process that died cannot pin load on a
-worker for good.
+Load, per worker, lives in :func:`kvbm.protocol.load_key` (fields
+``<worker>:reqs|prefill|blocks``) and the pool's totals in
+:func:`kvbm.protocol.load_totals_key`: requests routed and not finished; prompt tokens
+routed and not yet prefilled; and the KV blocks (prompt + one for decoding) of requests
+past their first token. A request counts as prefill work until its first token, then the
+API moves it to decode blocks; it gives everything back when it ends. Both hashes expire
+when nobody touches them, so an API process that died cannot pin load on a worker for good.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import logging
+import math
 import random
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,139 +54,101 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import ResponseError
 
-from kvbm.index import FORGET_LUA, LOCALS_LUA, OVERLAP_LUA, PRUNE_LUA, hex_hashes, script_args
+from kvbm.index import EVENTS_MAXLEN, PRUNE_LUA, IndexFollower, hex_hashes, prune_argv
 from kvbm.protocol import (
     ALL_LIVE_LUA,
+    LIVE_LUA,
     LIVE_WORKERS_LUA,
     NOW_LUA,
     alive_key,
+    index_keys,
     load_key,
-    round_robin_key,
+    load_totals_key,
     worker_key,
     worker_queue,
 )
 from tasks.settings import Settings
 from workers.registry import WorkerInfo, parse_live
 
+log = logging.getLogger(__name__)
+
 LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
+MAX_CONFLICTS = 3  # candidates refused by the commit before the least loaded is taken
 
-_PICK_LUA = (
-    LOCALS_LUA + "local lkey = ARGV[8]\n"
-    "local function forget_more(wid) redis.call('HDEL', lkey, wid .. ':reqs', "
-    "wid .. ':blocks', wid .. ':prefill') end\n"
-    + FORGET_LUA
-    + PRUNE_LUA
-    + OVERLAP_LUA
-    + NOW_LUA
+# Count a request against one worker. KEYS: load hash, load totals, alive zset. ARGV:
+# worker, prompt tokens to queue, guard (0/1), guard ratio, guard min blocks, live workers,
+# least load (blocks, as the caller sees it), block size, ttl ms, then in approximate mode
+# the pool's stream, the decision's TTL (ms) and the hex hashes (JSON).
+# Returns {1, blocks, prefill} counted; {0, blocks, prefill} over the guard; {-1} dead.
+COMMIT_LUA = (
+    NOW_LUA
+    + LIVE_LUA
     + """
-local wprefix, rrkey, mode, approx, pin = ARGV[9], ARGV[10], ARGV[11], ARGV[12] == '1', ARGV[13]
-local plen, bs = tonumber(ARGV[14]), tonumber(ARGV[15])
-local weight, temp = tonumber(ARGV[16]), tonumber(ARGV[17])
-local gratio, gmin, u = tonumber(ARGV[18]), tonumber(ARGV[19]), tonumber(ARGV[20])
-local load_ttl, approx_ttl = tonumber(ARGV[21]), tonumber(ARGV[22])
-local excluded = {}
-for id in string.gmatch(ARGV[23], "[^\\n]+") do excluded[id] = true end
-local hashes = {}
-for i = 24, #ARGV do hashes[#hashes + 1] = ARGV[i] end
-
-local ids = {}
-for _, id in ipairs(live(now)) do if not excluded[id] then ids[#ids + 1] = id end end
-if #ids == 0 then return false end
-local nblocks = math.ceil(plen / bs)
-
-local fields = {}
-for _, id in ipairs(ids) do
-  fields[#fields + 1] = id .. ':blocks'
-  fields[#fields + 1] = id .. ':prefill'
+local wid = ARGV[1]
+if not is_live(KEYS[3], wid, now) then return {-1} end
+local b = tonumber(redis.call('HGET', KEYS[1], wid .. ':blocks') or '0')
+local q = tonumber(redis.call('HGET', KEYS[1], wid .. ':prefill') or '0')
+local bs = tonumber(ARGV[8])
+if ARGV[3] == '1' then
+  local tb = tonumber(redis.call('HGET', KEYS[2], 'blocks') or '0')
+  local tq = tonumber(redis.call('HGET', KEYS[2], 'prefill') or '0')
+  local mean = (tb + math.ceil(tq / bs)) / tonumber(ARGV[6])
+  local limit = math.max(tonumber(ARGV[4]) * mean, tonumber(ARGV[7]) + tonumber(ARGV[5]))
+  if b + math.ceil(q / bs) > limit then return {0, b, q} end
 end
-local raw = redis.call('HMGET', lkey, unpack(fields))
-local blocks, queued = {}, {}
-for i, id in ipairs(ids) do
-  blocks[id] = math.max(tonumber(raw[2 * i - 1] or '0') or 0, 0)
-  queued[id] = math.max(tonumber(raw[2 * i] or '0') or 0, 0)
+local add = tonumber(ARGV[2])
+redis.call('HINCRBY', KEYS[1], wid .. ':reqs', 1)
+q = redis.call('HINCRBY', KEYS[1], wid .. ':prefill', add)
+redis.call('HINCRBY', KEYS[2], 'prefill', add)
+redis.call('PEXPIRE', KEYS[1], ARGV[9])
+redis.call('PEXPIRE', KEYS[2], ARGV[9])
+if #ARGV > 9 then
+  redis.call('XADD', ARGV[10], 'MAXLEN', '~', ARGV[13], '*', 'w', wid, 'a', ARGV[11],
+             'b', ARGV[12])
 end
-
-local chosen, reason, ov, best_ov = nil, mode, nil, 0
-if pin ~= '' then
-  if blocks[pin] == nil then return {'', 'pin_missing'} end
-  chosen, reason = pin, 'pinned'
-elseif mode == 'round_robin' then
-  chosen = ids[(redis.call('INCR', rrkey) - 1) % #ids + 1]
-elseif mode == 'random' then
-  chosen = ids[math.min(math.floor(u * #ids), #ids - 1) + 1]
-else
-  ov = overlaps(ids, hashes, approx, now)
-  local load, sum, minl = {}, 0, nil
-  for _, id in ipairs(ids) do
-    load[id] = blocks[id] + math.ceil(queued[id] / bs)
-    sum = sum + load[id]
-    if minl == nil or load[id] < minl then minl = load[id] end
-    if ov[id] > best_ov then best_ov = ov[id] end
-  end
-  local limit = math.max(gratio * sum / #ids, minl + gmin)
-  local costs, cmin, cmax, guarded = {}, nil, nil, false
-  for _, id in ipairs(ids) do
-    if load[id] <= limit then
-      local c = weight * (nblocks - ov[id] + math.ceil(queued[id] / bs)) + blocks[id]
-      costs[#costs + 1] = {id, c}
-      if cmin == nil or c < cmin then cmin = c end
-      if cmax == nil or c > cmax then cmax = c end
-    elseif ov[id] > 0 then
-      guarded = true
-    end
-  end
-  if temp <= 0 then
-    local tied = {}
-    for _, e in ipairs(costs) do if e[2] == cmin then tied[#tied + 1] = e[1] end end
-    chosen = tied[math.min(math.floor(u * #tied), #tied - 1) + 1]
-  else
-    local span, total, w = math.max(cmax - cmin, 1), 0, {}
-    for i, e in ipairs(costs) do
-      w[i] = math.exp(-((e[2] - cmin) / span) / temp)
-      total = total + w[i]
-    end
-    local x, acc = u * total, 0
-    chosen = costs[#costs][1]
-    for i, e in ipairs(costs) do
-      acc = acc + w[i]
-      if x < acc then chosen = e[1]; break end
-    end
-  end
-  if guarded and ov[chosen] < best_ov then reason = 'kv_guarded' end
-end
-if ov == nil then ov = overlaps({chosen}, hashes, approx, now) end
-
-local hit = ov[chosen]
-local add_blocks = nblocks + 1
-local add_prefill = math.max(plen - hit * bs, 1)
-redis.call('HINCRBY', lkey, chosen .. ':reqs', 1)
-redis.call('HINCRBY', lkey, chosen .. ':prefill', add_prefill)
-redis.call('PEXPIRE', lkey, load_ttl)
-if approx and mode == 'kv' then
-  for _, h in ipairs(hashes) do
-    redis.call('ZADD', kva .. h, now + approx_ttl, chosen)
-    redis.call('PEXPIRE', kva .. h, approx_ttl)
-  end
-end
-local info = redis.call('GET', wprefix .. chosen) or '{}'
-return {chosen, reason, info, hit, best_ov, add_blocks, add_prefill}
+return {1, b, q}
 """
 )
 
-# KEYS[1] the pool's load hash; ARGV: field, amount to take off (negative: to add), ...;
-# ttl ms last. Never below 0.
-_GIVE_BACK_LUA = """
-for i = 1, #ARGV - 1, 2 do
+# Take load off workers. KEYS: load hash, load totals. ARGV: (field, amount, total field or
+# '') triples, then the ttl ms. An amount below 0 adds; counts never go below 0, and a
+# total moves by what its field really moved.
+GIVE_BACK_LUA = """
+for i = 1, #ARGV - 1, 3 do
   local n = tonumber(ARGV[i + 1])
   if n ~= 0 then
     local v = redis.call('HINCRBY', KEYS[1], ARGV[i], 0 - n)
-    if v < 0 then redis.call('HSET', KEYS[1], ARGV[i], 0) end
+    local moved = n
+    if v < 0 then redis.call('HSET', KEYS[1], ARGV[i], 0); moved = n + v end
+    if ARGV[i + 2] ~= '' and moved ~= 0 then
+      local t = redis.call('HINCRBY', KEYS[2], ARGV[i + 2], 0 - moved)
+      if t < 0 then redis.call('HSET', KEYS[2], ARGV[i + 2], 0) end
+    end
   end
 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[#ARGV]))
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[#ARGV]))
 return 1
 """
+
+# A pool's live workers and their counted load. ARGV: alive zset, load hash, load totals
+# -> {total blocks, total prefill, id1, blocks1, prefill1, id2, ...}
+VIEW_LUA = (
+    NOW_LUA
+    + LIVE_LUA
+    + """
+local out = {tonumber(redis.call('HGET', ARGV[3], 'blocks') or '0'),
+             tonumber(redis.call('HGET', ARGV[3], 'prefill') or '0')}
+for _, id in ipairs(live_ids(ARGV[1], now)) do
+  local v = redis.call('HMGET', ARGV[2], id .. ':blocks', id .. ':prefill')
+  out[#out + 1] = id
+  out[#out + 1] = tonumber(v[1] or '0')
+  out[#out + 1] = tonumber(v[2] or '0')
+end
+return out
+"""
+)
 
 
 @dataclass(slots=True)
@@ -201,6 +171,8 @@ class RouterConfig:
     guard_ratio: float = 1.5
     guard_min_blocks: int = 256
     block_size: int = 16
+    refresh_s: float = 0.1  # how often a router re-reads the pools' live workers and load
+    prune_s: float = 1.0  # how often it forgets workers whose heartbeat lapsed
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -217,6 +189,7 @@ class RouterConfig:
             guard_ratio=s.router_guard_ratio,
             guard_min_blocks=s.router_guard_min_blocks,
             block_size=s.block_size,
+            prune_s=min(1.0, s.heartbeat_s),
         )
 
 
@@ -224,7 +197,6 @@ class RouterConfig:
 class Route:
     pool: str
     worker_id: str
-    info: dict
     reason: str = ""  # kv | kv_guarded | round_robin | random | pinned
     overlap_blocks: int = 0  # leading prompt blocks the chosen worker holds
     best_overlap_blocks: int = 0  # the most any live worker holds (kv mode)
@@ -243,63 +215,274 @@ class PinnedWorkerMissing(Exception):
         self.worker_id = worker_id
 
 
+@dataclass
+class PoolView:
+    """What one router knows of one pool: its live workers, their counted load, and the
+    local KV index."""
+
+    pool: str
+    live: list[str] = field(default_factory=list)
+    loads: dict[str, list[int]] = field(default_factory=dict)  # worker -> [blocks, prefill]
+    totals: list[int] = field(default_factory=lambda: [0, 0])
+    refreshed: float = -math.inf
+    pruned: float = -math.inf
+    follower: IndexFollower | None = None
+    rr: int = 0
+    conflicts: int = 0  # candidates the commit refused (died, or past the guard)
+    task: asyncio.Task[None] | None = None
+
+
 class Router:
-    """``fast``, if given, runs the router's scripts (the pick, and the load given back
-    at the first token and at the end): any object whose ``await execute(*commands)``
-    returns the replies, as ``api.resp.RespConnection`` does, writing the command before
-    it first yields. redis-py's asyncio client yields to the event loop first, so on a
-    busy API loop every pick (one per request, before anything is sent) waited a turn."""
+    """Routes in-process for one API process (see the module's docstring).
+
+    ``fast``, if given, runs the router's scripts (the commit, and the load given back at
+    the first token and at the end): any object whose ``await execute(*commands)`` returns
+    the replies, as ``api.resp.RespConnection`` does, writing the commands before it first
+    yields (docs/performance.md, "API: commands leave before the first await").
+    ``follow=False``: no local index and no background refresh (a worker redoing a
+    prefill): overlaps count as 0 and the view is read when it is older than
+    ``refresh_s``. ``on_decision(pool, seconds)`` hears how long each pick took."""
 
     def __init__(
-        self, client: aioredis.Redis, config: RouterConfig | None = None, fast: Any = None
+        self,
+        client: aioredis.Redis,
+        config: RouterConfig | None = None,
+        fast: Any = None,
+        follow: bool = True,
+        on_decision: Callable[[str, float], None] | None = None,
     ) -> None:
         self._r = client
         self.config = config or RouterConfig()
-        self._pick = client.register_script(_PICK_LUA)
-        self._give_back = client.register_script(_GIVE_BACK_LUA)
+        self._fast = fast
+        self._follow = follow
+        self._on_decision = on_decision
+        self._commit = client.register_script(COMMIT_LUA)
+        self._give_back = client.register_script(GIVE_BACK_LUA)
+        self._view_script = client.register_script(VIEW_LUA)
+        self._prune = client.register_script(PRUNE_LUA)
         self._live = client.register_script(LIVE_WORKERS_LUA)
         self._all_live = client.register_script(ALL_LIVE_LUA)
-        self._fast = fast
+        self._views: dict[str, PoolView] = {}
+        self._starting: dict[str, asyncio.Task[PoolView]] = {}
 
+    async def start(self, *pools: str) -> Router:
+        """Load the pools' views and indexes now rather than at their first pick."""
+        for pool in pools:
+            await self.view(pool)
+        return self
+
+    async def aclose(self) -> None:
+        for v in self._views.values():
+            if v.task is not None:
+                v.task.cancel()
+            if v.follower is not None:
+                await v.follower.aclose()
+        self._views.clear()
+
+    # ----------------------------------------------------------------------------------
     async def pick(self, pool: str, req: RouteRequest | None = None) -> Route | None:
         """The best live worker of ``pool`` for ``req``, already counted; ``None`` if no
         worker lives. Raises :class:`PinnedWorkerMissing` when the pinned worker is not a
         live member of ``pool``."""
-        c = self.config
+        t0 = time.perf_counter()
         req = req or RouteRequest([], 1)
-        res = await self._run(
-            self._pick,
-            [
-                *script_args(pool),
-                load_key(pool),
-                worker_key(pool, ""),
-                round_robin_key(pool),
-                c.mode,
-                int(not c.kv_events),
-                req.pin or "",
-                max(req.prompt_len, 1),
-                c.block_size,
-                c.overlap_weight,
-                c.temperature,
-                c.guard_ratio,
-                c.guard_min_blocks,
-                random.random(),
-                LOAD_TTL_S * 1000,
-                int(c.approx_ttl_s * 1000),
-                "\n".join(sorted(req.exclude)),
-                *(hex_hashes(req.block_hashes) if c.mode == "kv" or req.pin else []),
-            ],
-        )
-        if res is None:
-            return None
-        if len(res) == 2:
-            raise PinnedWorkerMissing(req.pin or "")
-        wid, reason, info, hit, best, blocks, prefill = res
-        return Route(
-            pool, _str(wid), json.loads(info), _str(reason), int(hit), int(best), int(blocks),
-            int(prefill),
-        )  # fmt: skip
+        v = await self.view(pool)
+        if not self._follow and time.monotonic() - v.refreshed > self.config.refresh_s:
+            await self._refresh(v)
+        try:
+            if req.pin:
+                return await self._pick_pinned(v, req)
+            return await self._pick(v, req)
+        finally:
+            if self._on_decision is not None:
+                self._on_decision(pool, time.perf_counter() - t0)
 
+    async def _pick_pinned(self, v: PoolView, req: RouteRequest) -> Route:
+        assert req.pin is not None
+        if req.pin not in v.live:
+            await self._refresh(v)  # it may have joined since the last refresh
+        if req.pin not in v.live:
+            raise PinnedWorkerMissing(req.pin)
+        ov = self._overlaps(v, [req.pin], req.block_hashes).get(req.pin, 0)
+        route = await self._try(v, req.pin, req, guard=False, overlap=ov)
+        if route is None:
+            raise PinnedWorkerMissing(req.pin)
+        route.reason = "pinned"
+        return route
+
+    async def _pick(self, v: PoolView, req: RouteRequest) -> Route | None:
+        c = self.config
+        ids = [w for w in v.live if w not in req.exclude]
+        if not ids:
+            await self._refresh(v)
+            ids = [w for w in v.live if w not in req.exclude]
+            if not ids:
+                return None
+        if c.mode == "round_robin":
+            start = v.rr % len(ids)
+            v.rr += 1
+            order, ov, guard, best = ids[start:] + ids[:start], {}, False, 0
+        elif c.mode == "random":
+            order, ov, guard, best = random.sample(ids, len(ids)), {}, False, 0
+        else:
+            ov = self._overlaps(v, ids, req.block_hashes)
+            order, best, guard = self._rank(v, ids, ov, req), max(ov.values()), True
+        for w in order[:MAX_CONFLICTS]:
+            route = await self._try(v, w, req, guard, ov.get(w, 0))
+            if route is not None:
+                break
+        else:  # refused again and again: the least loaded takes it, guard or not
+            alive = [w for w in ids if w in v.live] or ids
+            w = min(alive, key=lambda w: self._load(v, w))
+            route = await self._try(v, w, req, False, ov.get(w, 0))
+            if route is None:
+                await self._refresh(v)
+                return None
+        route.best_overlap_blocks = best
+        route.reason = c.mode
+        if (
+            c.mode == "kv"
+            and route.overlap_blocks < best
+            and any(ov[w] > route.overlap_blocks and self._load(v, w) > self._limit(v) for w in ids)
+        ):
+            route.reason = "kv_guarded"
+        return route
+
+    def _rank(self, v: PoolView, ids: list[str], ov: dict[str, int],
+              req: RouteRequest) -> list[str]:  # fmt: skip
+        """Candidates in the order to try them: within the load guard, by cost (or drawn by
+        the softmax over costs with a temperature); the guarded ones last."""
+        c, bs = self.config, self.config.block_size
+        nblocks = -(-max(req.prompt_len, 1) // bs)
+        limit = self._limit(v)
+        costs = {}
+        for w in ids:
+            b, q = v.loads.get(w, (0, 0))
+            costs[w] = c.overlap_weight * (nblocks - ov[w] + -(-q // bs)) + b
+        inside = [w for w in ids if self._load(v, w) <= limit]
+        outside = sorted((w for w in ids if w not in inside), key=lambda w: self._load(v, w))
+        if c.temperature <= 0:
+            random.shuffle(inside)  # ties broken at random (sort is stable)
+            inside.sort(key=costs.__getitem__)
+        else:
+            cmin = min(costs[w] for w in inside)
+            span = max(max(costs[w] for w in inside) - cmin, 1)
+            weights = [math.exp(-((costs[w] - cmin) / span) / c.temperature) for w in inside]
+            drawn = []
+            while inside:  # a draw without replacement: the first is the softmax pick
+                i = random.choices(range(len(inside)), weights)[0]
+                drawn.append(inside.pop(i))
+                weights.pop(i)
+            inside = drawn
+        return inside + outside
+
+    def _load(self, v: PoolView, w: str) -> int:
+        b, q = v.loads.get(w, (0, 0))
+        return b + -(-q // self.config.block_size)
+
+    def _limit(self, v: PoolView) -> float:
+        loads = [self._load(v, w) for w in v.live] or [0]
+        c = self.config
+        return max(c.guard_ratio * sum(loads) / len(loads), min(loads) + c.guard_min_blocks)
+
+    def _overlaps(self, v: PoolView, ids: list[str], hashes: list[int]) -> dict[str, int]:
+        if v.follower is None or not hashes:
+            return dict.fromkeys(ids, 0)
+        return v.follower.index.overlaps(ids, hashes, approx=not self.config.kv_events)
+
+    async def _try(self, v: PoolView, w: str, req: RouteRequest, guard: bool,
+                   overlap: int) -> Route | None:  # fmt: skip
+        """Commit the request to ``w``; ``None`` if the commit refused it."""
+        c, bs = self.config, self.config.block_size
+        nblocks = -(-max(req.prompt_len, 1) // bs)
+        add_prefill = max(req.prompt_len - overlap * bs, 1)
+        loads = [self._load(v, x) for x in v.live] or [0]
+        args: list = [w, add_prefill, int(guard), c.guard_ratio, c.guard_min_blocks,
+                      max(len(v.live), 1), min(loads), bs, LOAD_TTL_S * 1000]  # fmt: skip
+        approx = c.mode == "kv" and not c.kv_events and bool(req.block_hashes)
+        if approx:
+            ttl_ms = int(c.approx_ttl_s * 1000)
+            args += [index_keys(v.pool).events, ttl_ms, _json_hex(req.block_hashes),
+                     EVENTS_MAXLEN]  # fmt: skip
+        keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool))
+        res = await self._run(self._commit, args, keys)
+        status = int(res[0])
+        if status < 0:
+            v.conflicts += 1
+            if w in v.live:
+                v.live.remove(w)  # dead: the next refresh confirms it
+            return None
+        v.loads[w] = [int(res[1]), int(res[2])]
+        if status == 0:
+            v.conflicts += 1
+            return None
+        v.totals[1] += add_prefill
+        if approx and v.follower is not None:
+            v.follower.index.remember(w, req.block_hashes, time.monotonic() + c.approx_ttl_s)
+        return Route(v.pool, w, overlap_blocks=overlap, blocks=nblocks + 1,
+                     prefill_tokens=add_prefill)  # fmt: skip
+
+    # ----------------------------------------------------------------------------------
+    async def view(self, pool: str) -> PoolView:
+        """``pool``'s view, started on first use (one start even for callers at once)."""
+        v = self._views.get(pool)
+        if v is not None:
+            return v
+        task = self._starting.get(pool)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._start_view(pool))
+            self._starting[pool] = task
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._starting.pop(pool, None)
+
+    async def _start_view(self, pool: str) -> PoolView:
+        v = PoolView(pool)
+        await self._refresh(v)
+        if self._follow:
+            v.follower = await IndexFollower(
+                self._r, pool, approx_ttl_s=0.0 if self.config.kv_events else
+                self.config.approx_ttl_s
+            ).start()  # fmt: skip
+            v.task = asyncio.get_running_loop().create_task(self._keep(v), name=f"view-{pool}")
+        self._views[pool] = v
+        return v
+
+    async def _keep(self, v: PoolView) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_s)
+            try:
+                await self._refresh(v)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Redis away: the view ages meanwhile
+                log.warning("router: refreshing pool %s failed: %s", v.pool, e)
+
+    async def _refresh(self, v: PoolView) -> None:
+        now = time.monotonic()
+        if now - v.pruned >= self.config.prune_s:
+            v.pruned = now
+            gone = await self._prune(args=prune_argv(v.pool))
+            if gone:
+                log.info("router: forgot dead workers of %s: %s", v.pool,
+                         ", ".join(_str(g) for g in gone))  # fmt: skip
+        flat = await self._view_script(
+            args=[alive_key(v.pool), load_key(v.pool), load_totals_key(v.pool)]
+        )
+        v.totals = [int(flat[0]), int(flat[1])]
+        live, loads = [], {}
+        for i in range(2, len(flat), 3):
+            wid = _str(flat[i])
+            live.append(wid)
+            loads[wid] = [int(flat[i + 1]), int(flat[i + 2])]
+        v.live, v.loads, v.refreshed = live, loads, now
+        if v.follower is not None:  # the dead leave the local index
+            for w in v.follower.index.workers - set(live):
+                v.follower.index.drop(w)
+
+    # ----------------------------------------------------------------------------------
     async def _run(self, script: AsyncScript, args: list, keys: tuple[str, ...] = ()) -> Any:
         """``script`` on ``keys`` and ``args``, through ``fast`` when there is one."""
         return (await self._run_all(script, [(keys, args)]))[0]
@@ -336,12 +519,14 @@ class Router:
             return
         route.decoding = True
         n, route.prefill_tokens = route.prefill_tokens, 0
+        w = route.worker_id
         await self._run(
             self._give_back,
-            [f"{route.worker_id}:prefill", n, f"{route.worker_id}:blocks", -route.blocks,
+            [f"{w}:prefill", n, "prefill", f"{w}:blocks", -route.blocks, "blocks",
              LOAD_TTL_S * 1000],
-            keys=(load_key(route.pool),),
+            keys=(load_key(route.pool), load_totals_key(route.pool)),
         )  # fmt: skip
+        self._count(route.pool, w, route.blocks, -n)
 
     async def release(self, *routes: Route, before: tuple[tuple, ...] = ()) -> None:
         """The request routed by ``routes`` is over: stop counting it. ``before``: commands
@@ -349,18 +534,29 @@ class Router:
         calls = []
         for route in routes:
             w = route.worker_id
+            blocks = route.blocks if route.decoding else 0
             calls.append((
-                (load_key(route.pool),),
-                [f"{w}:reqs", 1, f"{w}:blocks", route.blocks if route.decoding else 0,
-                 f"{w}:prefill", route.prefill_tokens, LOAD_TTL_S * 1000],
+                (load_key(route.pool), load_totals_key(route.pool)),
+                [f"{w}:reqs", 1, "", f"{w}:blocks", blocks, "blocks",
+                 f"{w}:prefill", route.prefill_tokens, "prefill", LOAD_TTL_S * 1000],
             ))  # fmt: skip
         await self._run_all(self._give_back, calls, before)
         for route in routes:
+            self._count(route.pool, route.worker_id, -(route.blocks if route.decoding else 0),
+                        -route.prefill_tokens)  # fmt: skip
             route.prefill_tokens = 0
             route.decoding = False
 
+    def _count(self, pool: str, w: str, blocks: int, prefill: int) -> None:
+        """This router's own change to a worker's load, seen before the next refresh."""
+        v = self._views.get(pool)
+        if v is not None and w in v.loads:
+            b, q = v.loads[w]
+            v.loads[w] = [max(b + blocks, 0), max(q + prefill, 0)]
+
+    # ----------------------------------------------------------------------------------
     async def load(self, pool: str, worker_id: str) -> dict[str, int]:
-        """What the router counts on one worker: reqs, blocks, prefill."""
+        """What the routers count on one worker: reqs, blocks, prefill."""
         names = ("reqs", "blocks", "prefill")
         raw = await self._r.hmget(load_key(pool), [f"{worker_id}:{n}" for n in names])
         return {n: int(v or 0) for n, v in zip(names, raw, strict=True)}
@@ -378,6 +574,23 @@ class Router:
         """``pool``'s live workers with their last heartbeat reports."""
         return parse_live(pool, await self._live(args=[alive_key(pool), worker_key(pool, "")]))
 
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per pool: the local index's size and lag, snapshot loads, commit conflicts."""
+        out = {}
+        for pool, v in self._views.items():
+            f = v.follower
+            out[pool] = {
+                "index_blocks": f.index.num_blocks if f else 0,
+                "index_workers": len(f.index.workers) if f else 0,
+                "event_lag_seconds": f.stats.lag_s if f else 0.0,
+                "events_applied": f.stats.entries if f else 0,
+                "snapshot_loads": f.stats.snapshot_loads if f else 0,
+                "worker_reloads": f.stats.worker_reloads if f else 0,
+                "commit_conflicts": v.conflicts,
+                "live_workers": len(v.live),
+            }
+        return out
+
 
 def parse_loads(raw: dict) -> dict[str, dict[str, int]]:
     """The load hash's fields ``<worker id>:<count>`` -> {worker id: {count: value}}."""
@@ -386,6 +599,10 @@ def parse_loads(raw: dict) -> dict[str, dict[str, int]]:
         wid, _, name = _str(k).rpartition(":")
         out.setdefault(wid, {})[name] = int(v)
     return out
+
+
+def _json_hex(hashes: list[int]) -> str:
+    return "[" + ",".join(f'"{h}"' for h in hex_hashes(hashes)) + "]"
 
 
 def _str(v: bytes | str) -> str:

@@ -114,7 +114,7 @@ def _pick_prefill(req: StagePayload, exclude: str) -> str | None:
     async def pick() -> str | None:
         client = aioredis.Redis.from_url(s.effective_redis_url)
         try:
-            router = Router(client, RouterConfig.from_settings(s))
+            router = Router(client, RouterConfig.from_settings(s), follow=False)
             route = await router.pick(
                 "prefill", RouteRequest(hashes, len(req.prompt_token_ids), exclude={exclude})
             )
