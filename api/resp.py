@@ -2,13 +2,13 @@
 
 redis-py's asyncio client yields to the event loop before it writes a command (its
 connection pool's checks), so a command sent from a busy loop waits behind every callback
-already queued: at 16 concurrent streams, the LPUSH of a new request reached Redis ~8 ms
-later than a blocking send put it there, and TTFT and throughput fell. :meth:`send` writes
-the commands to the socket before it returns and hands back a future for their replies,
-matched in order (Redis answers a connection's commands in the order they came), parsed by
-hiredis. One connection serves every caller; it connects on first use and again after a
-drop. :class:`PubSubConnection` is the same connection in subscriber mode: every message
-Redis pushes is handed to a callback as it is parsed, with no task or queue of its own.
+already queued (docs/performance.md, "API: commands leave before the first await").
+:meth:`send` writes the commands to the socket before it returns and hands back a future for
+their replies, matched in order (Redis answers a connection's commands in the order they
+came), parsed by hiredis. One connection serves every caller; it connects on first use and
+again after a drop. :class:`PubSubConnection` is the same connection in subscriber mode:
+every message Redis pushes is handed to a callback as it is parsed, with no task or queue of
+its own.
 
 URLs as redis-py reads them: ``redis://``, ``rediss://`` (TLS: ``ssl_cert_reqs``,
 ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` in the query) and ``unix://``, with

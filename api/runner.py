@@ -219,7 +219,8 @@ class Runner:
                 declare_queues(fresh, retry_policy=SEND_RETRY_POLICY)
                 self._declared.update(fresh)
             sig = build_chain(p, payload)
-            # declare=[]: declared above, once per queue (kombu checks each message else)
+            # declare=[]: declared above, once per queue (kombu checks each message else;
+            # docs/performance.md, "API: queues declared once")
             if self._fast is None:
                 await asyncio.to_thread(sig.apply_async, retry_policy=SEND_RETRY_POLICY,
                                         declare=[])  # fmt: skip
@@ -342,7 +343,8 @@ class Runner:
                 log.info("[%s] not finished: cancelling on the worker", run.request_id)
                 commands.append(("PUBLISH", CANCEL_CHANNEL, run.request_id))
             # one write: each write to Redis on a shared core lets Redis (and whatever it
-            # wakes) run before the loop goes on (~0.4 ms per write at c=16 here)
+            # wakes) run before the loop goes on (docs/performance.md, "API: clean-up in
+            # one write")
             await self.router.release(*run.plan.routes, before=tuple(commands))
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)

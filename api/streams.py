@@ -7,10 +7,11 @@ start, to one pattern that covers every request id it hands out (``new_request_i
 ``PSUBSCRIBE tokens:*-<tag>*``. So a request of ours needs no ``SUBSCRIBE`` of its own:
 registering its queue is enough, and it is listening before the API sends its chain, with
 no round trip and no wait for a confirmation that would queue behind every other stream's
-frames. A channel the pattern does not cover is subscribed to on its own, and
-``subscribe`` returns only once Redis has confirmed it. ``Subscription.next_frame`` and
-``poll`` hand out frames in ``seq`` order, drop duplicates, and raise on a gap (pub/sub lost
-a frame) and on silence past a timeout.
+frames (docs/performance.md, "API: one pattern subscription per process"). A channel the
+pattern does not cover is subscribed to on its own, and ``subscribe`` returns only once
+Redis has confirmed it. ``Subscription.next_frame`` and ``poll`` hand out frames in ``seq``
+order, drop duplicates, and raise on a gap (pub/sub lost a frame) and on silence past a
+timeout.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class Subscription:
     """One stream's frames, as the hub hands them over (:meth:`push`), read in order.
 
     Waiting costs one future and one timer: a frame wakes the reader's future directly
-    (no ``asyncio.Queue`` getter, no ``wait_for`` task per frame: at 16 streams every
-    frame is waited for, and those were ~10 us of the API's CPU each)."""
+    (no ``asyncio.Queue`` getter, no ``wait_for`` task per frame; docs/performance.md,
+    "API: frames wake their reader directly")."""
 
     __slots__ = ("hub", "channel", "_raw", "_waiter", "_expected")
 

@@ -2,9 +2,9 @@
 OpenAI SSE stream.
 
 The load generator shares this machine's cores with the server it measures, so it should
-cost as little as it can: aiohttp (C HTTP parser) reads a stream for ~60 us of CPU per
-token where httpx took ~130 us, and that difference went to the server's front end.
-``bench/sse_client.py`` goes further for the serving benchmark (~27 us per token).
+cost as little as it can: aiohttp (C HTTP parser) reads a stream for less CPU than httpx,
+and ``bench/sse_client.py`` goes further for the serving benchmark (docs/performance.md,
+"Bench client: a lean SSE reader").
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ makes exactly the tokens it asks for. Those are ``--output-len`` (64) spread by
 sides and in every round), as real requests' lengths differ. With one length for all,
 requests that once finish in the same engine step come back in the same step for ever:
 in-process, where nothing jitters, they drift into that lockstep (every prefill in a shared
-step, the decode steps between carrying none) and its ITL swung from 4.2 to 6.4 ms at c=16
-from run to run, while the server's HTTP and Celery hops keep its requests apart (6.1 ms).
+step, the decode steps between carrying none) and its ITL swings from run to run, while the
+server's HTTP and Celery hops keep its requests apart.
 The two never run at the same time: they would fight over the same cores. Each level runs
 on both sides back to back (this machine's speed drifts over tens of seconds: the two
 sides of one comparison should share a moment), the side that goes first alternating from
@@ -27,22 +27,19 @@ cache from an earlier run while the in-process engine, new at every level, finds
 report warns if any timed request was served from that cache. Per level and side the
 rounds' requests are pooled (percentiles over all of them, tok/s = all tokens / all wall
 time), with each round's tok/s ratio beside, their spread (sd) and the pooled ratio's
-standard error. One round's c=16 ratio swings with the machine (sd 8.2 points over the
-120 rounds of 12 runs, with no order effect: 95.2 in-process first, 95.4 server first; the
-in-process side alone ran the same 128 requests at 1992 to 2798 tok/s, 20 times in 3
-minutes, with no CPU time stolen), so the pooled ratio needs rounds: over those 12 runs
-of 10 rounds it had an sd of 2.3 points, where runs of 5 rounds, always in-process first,
-had 3.4 over 12 runs.
-A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real
-clients' would arrive. Started together, in-process requests of one length finish together
-and come back together for ever: every prefill shares one step and the decode steps in
-between never carry one. The server never sees that lockstep (its HTTP hops spread
-arrivals out; a quarter of its steps carry a prefill at c=16), so the two sides would
-differ by schedule, not by pipeline. The lockstep in-process run (one length for all,
-started together) is still made and printed as a reference (its ITL and tok/s are the
-engine's best case, its TTFT the worst), against a server run of the same one length, in
-the first ``--reference-rounds`` (1) rounds only: that pair would take half the time of
-every round, and the rounds go where the targets are measured.
+standard error. One round's c=16 ratio swings with the machine's speed, so the pooled ratio
+needs rounds (docs/performance.md, "Serve bench design", has the figures behind each of
+these choices).
+A level's first c requests start ``--stagger-ms`` (16) apart on both sides, as real clients'
+would arrive. Started together, in-process requests of one length finish together and come
+back together for ever: every prefill shares one step and the decode steps in between never
+carry one. The server never sees that lockstep (its HTTP hops spread arrivals out, and many
+of its steps carry a prefill), so the two sides would differ by schedule, not by pipeline.
+The lockstep in-process run (one length for all, started together) is still made and printed
+as a reference (its ITL and tok/s are the engine's best case, its TTFT the worst), against a
+server run of the same one length, in the first ``--reference-rounds`` (1) rounds only: that
+pair would take half the time of every round, and the rounds go where the targets are
+measured.
 ``--start-server`` runs its own redis-server, one ``conveyor worker --pool generate`` and
 ``conveyor api`` (logs in a temp dir), and stops them at the end, Ctrl-C included.
 
@@ -137,8 +134,7 @@ def workload(levels: list[int], counts: dict[int, int], prompt_len: int, output_
     and the lockstep reference's, every request ``output_len`` tokens. The output lengths
     are the same list every round; the prompts are new in every round and for the
     reference, so no timed request finds its prompt in the server's prefix cache from an
-    earlier run (the in-process engine starts empty at every level): a round-1 reference
-    at c=4 that reused the main run's prompts found 7392 of their 8448 tokens cached."""
+    earlier run (the in-process engine starts empty at every level)."""
     n = sum(counts[c] for c in levels)
     lengths = output_lengths(2 + n, output_len, spread, seed)
     warm = make_prompts(2, prompt_len, vocab, seed)  # untimed: the same every round
@@ -534,12 +530,11 @@ def pool_rounds(res: dict, rounds: list[tuple[dict, dict, dict, dict]],
                 levels: list[int]) -> None:  # fmt: skip
     """Per level and side (in-process, server, lockstep, server at the lockstep's length),
     every round's requests pooled into one result: latency percentiles over all of them,
-    tok/s = all tokens / all wall time, CPU seconds summed. At c=16 single rounds of the
-    same code put the ITL p50 overhead anywhere from -2.4 to +3.0 ms (the machine's speed
-    drifts, and the p50 sits where one-step gaps give way to two-step ones), so one round
-    decided the target by chance. Each round's own summary stays in
-    ``res["round_summaries"]`` and its server/in-process tok/s ratio in
-    ``res["round_ratios"]``."""
+    tok/s = all tokens / all wall time, CPU seconds summed: one round's ITL p50 overhead
+    moves with the machine's drift (the p50 sits where one-step gaps give way to two-step
+    ones), so one round would decide the target by chance (docs/performance.md, "Serve bench
+    design"). Each round's own summary stays in ``res["round_summaries"]`` and its
+    server/in-process tok/s ratio in ``res["round_ratios"]``."""
     keys = ("inprocess", "server", "lockstep", "server_fixed")
     for k in (*keys, "round_ratios", "round_summaries"):
         res[k] = {}

@@ -1,13 +1,14 @@
 """A lean HTTP/1.1 client for OpenAI SSE streams, for load generators that share the
 server's cores.
 
-aiohttp spent ~60 us of CPU per streamed token here (its stream reader, a coroutine
-resumed per line, and the default asyncio loop), on the core where the API, Redis and the
-Celery worker run: load the client adds there is overhead the bench then charges to the
-server. This client is an ``asyncio.Protocol`` on keep-alive connections: httptools (the C
-parser uvicorn uses) undoes the chunked encoding, each SSE event's data is kept as raw
-bytes with its arrival time as the bytes are received, and JSON is decoded once the stream
-has ended. Run it under uvloop (:func:`run_loop`) for the cheapest transport.
+aiohttp spends CPU per streamed token (its stream reader, a coroutine resumed per line, and
+the default asyncio loop) on the core where the API, Redis and the Celery worker run: load
+the client adds there is overhead the bench then charges to the server (docs/performance.md,
+"Bench client: a lean SSE reader"). This client is an ``asyncio.Protocol`` on keep-alive
+connections: httptools (the C parser uvicorn uses) undoes the chunked encoding, each SSE
+event's data is kept as raw bytes with its arrival time as the bytes are received, and JSON
+is decoded once the stream has ended. Run it under uvloop (:func:`run_loop`) for the
+cheapest transport.
 
 Plain ``http://host:port`` only: no TLS, proxies or redirects.
 """

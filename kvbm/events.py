@@ -7,10 +7,9 @@ next sequence number and writes one script call (:data:`kvbm.index.APPLY_LUA`) t
 :class:`CommandWriter`: the engine process's frame connection, which pipelines it with the
 step's token frames and reads the reply on a later write, with others (or at once when the
 engine goes idle: nothing would read it for a while then). No thread, and while the engine
-works no round trip waited on: measured in-process at c=16, a publisher thread of its own
-making one script call per 10 ms cost the engine 7-10% of its tokens/s (its own CPU and the
-GIL it took from the engine loop); this costs the loop ~50 us per step (the encoding and a
-write).
+works no round trip waited on: a publisher thread of its own would take CPU and the GIL
+from the engine loop, where this costs the loop an encoding and a write per step
+(docs/performance.md, "KV events on the frames' connection").
 
 * The first batch starts with ``cleared`` (this worker's old entries, if its id was used
   before, go).

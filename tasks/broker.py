@@ -11,28 +11,28 @@ OpenAI checks through it too.
 
 Kombu's Redis channel builds a new ``redis.Redis`` for every publish, ack and event it
 sends (``Channel.conn_or_acquire``), and redis-py fills a fresh table of some 200 response
-callbacks each time: ~0.1 ms of CPU per call, several calls per request on both the API
-(send, task-sent event) and the worker (task-received/started/succeeded events, ack). A
-profile of a worker at 4 concurrent streams put 17% of its CPU there. The client only wraps
-the channel's connection pool, which is thread-safe, so one per channel serves them all.
+callbacks each time, several times per request on both the API (send, task-sent event) and
+the worker (task-received/started/succeeded events, ack). The client only wraps the
+channel's connection pool, which is thread-safe, so one per channel serves them all
+(docs/performance.md, "Broker: one client per channel").
 
 :func:`deferred_publishes` lets an asyncio caller send a Celery message without blocking
 its event loop on the broker. Inside the block Celery and kombu build the message exactly
 as always, but the Redis writes a publish ends in (``LPUSH`` onto the queue, ``PUBLISH`` of
 the task-sent event) are recorded instead of sent; the caller then sends the recorded
-commands with its asyncio client. Reads (a binding lookup) still go to Redis at once.
-Measured in the API at 16 concurrent streams, the synchronous send held the event loop
-3.1 ms (p50) per request, two round trips to a Redis on the same busy core.
+commands with its asyncio client. Reads (a binding lookup) still go to Redis at once. A
+synchronous send holds the event loop for two round trips to Redis (docs/performance.md,
+"API: deferred sends").
 
 In a worker, the unacked bookkeeping is written in batches (:class:`QoS`): kombu makes a
 ``MULTI``...``EXEC`` round trip for every message received, before the task reaches its
-thread, and another for every ack (a sixth of the worker's CPU per request at 16
-streams); here a task is handed over first, and the writes of a loop turn (acks: of up to
-``ACK_FLUSH_S``) go in one transaction.
+thread, and another for every ack; here a task is handed over first, and the writes of a
+loop turn (acks: of up to ``ACK_FLUSH_S``) go in one transaction (docs/performance.md,
+"Broker: batched acks").
 
 A worker's consumer waits with ``BLMPOP`` (Redis >= 7) instead of kombu's ``BRPOP``: one
 round trip takes every message waiting in a queue, up to the prefetch credit
-(:meth:`Channel._brpop_start`).
+(:meth:`Channel._brpop_start`; docs/performance.md, "Broker: BLMPOP").
 
 Used for ``redis://`` brokers (``tasks.app.configure``); other schemes (``rediss://``,
 whose TLS set-up kombu keys on the scheme, and ``sentinel://``) keep kombu's own transport,
@@ -201,9 +201,9 @@ class Channel(kombu_redis.Channel):
         to as many of the first non-empty queue's messages as the prefetch credit allows.
 
         Requests reach a worker in bursts (streams that started together end together, and
-        their clients come back together), and its event loop handled them one per turn:
-        at 16 streams a message that arrived while the loop was busy waited 9 ms (p50) for
-        the next ``BRPOP``, two thirds of them behind others of the same burst."""
+        their clients come back together), and with ``BRPOP`` its event loop took them one
+        per turn, so most waited behind others of their burst (docs/performance.md,
+        "Broker: BLMPOP")."""
         if not self._can_pop_many():
             self._popping_many = False
             super()._brpop_start(timeout)

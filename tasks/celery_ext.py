@@ -6,19 +6,20 @@ is used and the worker runs Celery's stock consumer and strategy.
 events and flushes them as one ``task.multi`` message, but asks for a flush after every
 event, so a request cost one ``PUBLISH`` round trip per event. Here a flush waits until
 ``EVENT_FLUSH_S`` has passed since the last one, so a burst of events goes out as one
-message; the events themselves are unchanged, and worker heartbeats are not buffered.
-Overrides ``Consumer._flush_events`` (private).
+message (docs/performance.md, "Celery: batched task events"); the events themselves are
+unchanged, and worker heartbeats are not buffered. Overrides ``Consumer._flush_events``
+(private).
 
 :func:`begin_on_receipt` (the *strategy*, the per-task-type message handler, of the
-``generate`` and ``prefill`` tasks): starts the request in the engine as its message
-arrives (:meth:`workers.runtime.WorkerRuntime.begin`), then lets Celery's own strategy
-handle the message as always; the task, when a pool thread runs it, waits for the run
-already under way. Acknowledgement (late), task events and failure handling are
+``generate`` and ``prefill`` tasks): starts the request in the engine as its message arrives
+(:meth:`workers.runtime.WorkerRuntime.begin`), without waiting for Celery's hand-over to a
+pool thread (docs/performance.md, "Celery: requests begin on receipt"), then lets Celery's
+own strategy handle the message as always; the task, when a pool thread runs it, waits for
+the run already under way. Acknowledgement (late), task events and failure handling are
 unchanged. A message the strategy declines (revoked, or raising) has its request aborted;
 messages Celery would not run at once (an ETA, an expiry, a rate limit) are left to Celery
 alone, as is anything that does not parse. Uses ``celery.worker.strategy.default`` and
-``celery.worker.state.revoked`` (internal). Why both pay: ``docs/performance.md``,
-"Celery: batched task events" and "Celery: requests begin on receipt".
+``celery.worker.state.revoked`` (internal).
 """
 
 from __future__ import annotations

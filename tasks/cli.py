@@ -164,7 +164,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     set_runtime(rt.start())
     # The engine process is up and keeps its niceness; the Celery side (task intake,
     # events, acks: work per request) steps back behind it and any API on this host, whose
-    # relay works per token. At 16 streams on a shared core: ITL p50 7.1 -> 5.6 ms.
+    # relay works per token (docs/performance.md, "Worker's Celery side niced").
     if lower_priority(s.worker_nice):
         log.info("worker %s: Celery threads at niceness %d", wid, s.worker_nice)
 

@@ -1,19 +1,14 @@
 """Keep the startup heap out of Python's cyclic garbage collector.
 
 The API and the Celery worker process import large libraries (FastAPI, pydantic, Celery,
-kombu) and build their state before serving: ~90k objects that live as long as the
-process. A full (generation-2) collection walks all of them. Measured at 16 streams on
-this project's 2-core machine, before this: the API ran one every ~14 s, 67 ms each (72
-ms the longest), and the worker one in ~47 s (63 ms). For that long the API relays no
-frame and answers no request, and the worker takes in none, on every stream at once.
-``gc.freeze()`` moves what exists at that moment to a permanent generation the collector
-never walks (as vLLM does for its API server and engine once they are up). After it, in
-the same 43 s window, the API's full collections walked ~7.6k objects instead of ~93k:
-two, 9 ms each, instead of three of 55-72 ms; the young generations' collections, which
-still run as before, do not touch the frozen objects either.
-
-The engine process needs none of this: its steps allocate few objects the collector
-tracks (7 young-generation collections, 3.8 ms in all, over the same 50 s).
+kombu) and build their state before serving: tens of thousands of objects that live as long
+as the process. A full (generation-2) collection walks all of them, and for that long the
+API relays no frame and answers no request, and the worker takes in none, on every stream
+at once. ``gc.freeze()`` moves what exists at that moment to a permanent generation the
+collector never walks (as vLLM does for its API server and engine once they are up); the
+young generations' collections, which still run as before, do not touch the frozen objects
+either (docs/performance.md, "Heap frozen at start"). The engine process needs none of
+this: its steps allocate few objects the collector tracks.
 """
 
 from __future__ import annotations

@@ -91,6 +91,8 @@ class Settings(BaseSettings):
     router_approx_ttl_s: float = Field(
         120.0, gt=0, description="How long the approximate index remembers a decision."
     )
+    # the default, chosen on the trace replay (docs/performance.md, "Router: a block to
+    # prefill weighs 8")
     router_overlap_weight: float = Field(
         8.0,
         ge=0,
@@ -121,6 +123,7 @@ class Settings(BaseSettings):
         description="CPU list the engine process is pinned to (e.g. '1' or '2-3'); keeps "
         "the API, Redis and Celery off the engine's cores. Unset: no pinning.",
     )
+    # niced by default (docs/performance.md, "Worker's Celery side niced")
     worker_nice: int = Field(
         10,
         ge=0,

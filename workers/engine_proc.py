@@ -1,10 +1,10 @@
 """The engine in its own process, driven from the Celery worker process over a pipe.
 
 Celery's consumer (receive, QoS bookkeeping, acks, task events) and the task threads are
-Python code that would otherwise share one GIL with the engine loop; on a small machine
-that costs the engine a fifth of its steps. So, as vLLM's V1 does with its EngineCore, the
-engine runs in a child process that owns the model, the KV pool and the frame publisher;
-the Celery process only forwards commands and waits for completions.
+Python code that would otherwise share one GIL with the engine loop, and take steps from it
+(docs/performance.md, "Engine in its own process"). So, as vLLM's V1 does with its
+EngineCore, the engine runs in a child process that owns the model, the KV pool and the
+frame publisher; the Celery process only forwards commands and waits for completions.
 
     Celery process (EngineClient)            engine process (_serve)
       submit(rid, prompt, params)  ─pipe─>     EngineLoop.submit

@@ -51,8 +51,8 @@ class AttentionMetadata:
     flat as ``[blocks * layers * 2 * block_size, heads, dim]``: a token's row for (layer,
     k|v) is its base + (2 * layer + k|v) * block_size. Contexts are read as blocks of the
     cache viewed as ``[blocks * layers * 2, block_size, heads, dim]``: block b's (layer,
-    k|v) is row b * 2 * layers + 2 * layer + k|v, one contiguous run (copying whole runs
-    is ~5x faster than gathering the same bytes token by token)."""
+    k|v) is row b * 2 * layers + 2 * layer + k|v, one contiguous run, copied whole rather
+    than token by token (docs/performance.md, "KV contexts copied a block at a time")."""
 
     slot_base: torch.Tensor  # [T] base row of each new token
     prefills: list[PrefillSegment]
@@ -118,10 +118,10 @@ class PagedKVCache:
         self._mapping: mmap.mmap | None = None
         if torch.device(device).type == "cpu":
             self.data, self._mapping = _huge_page_zeros(shape, dtype)
-            # Fault every page in now (~50 ms for 128 MiB), as a GPU pool is written when
-            # allocated. Left lazy, the first write to each page faults in the middle of a
-            # step: on a fresh worker the KV writes cost ~7x (54 against 8 us per layer
-            # and K|V at 16 decodes), until the pool has handed out every block once.
+            # Fault every page in now, as a GPU pool is written when allocated. Left lazy,
+            # the first write to each page faults in the middle of a step, and a fresh
+            # worker's KV writes are slow until the pool has handed out every block once
+            # (docs/performance.md, "KV pool faulted in at start").
             self.data.zero_()
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
@@ -274,8 +274,9 @@ def _huge_page_zeros(
     shape: tuple[int, ...], dtype: torch.dtype
 ) -> tuple[torch.Tensor, mmap.mmap | None]:
     """A zeroed CPU tensor on anonymous memory advised to use 2 MiB pages: fewer TLB misses
-    and far fewer page-sized pieces for a process-to-process copy (NIXL over UCX/cma moves
-    ~1.6x faster). Falls back to ``torch.zeros`` where the advice is unavailable."""
+    and far fewer page-sized pieces for a process-to-process copy such as NIXL's over
+    UCX/cma (docs/performance.md, "KV pool on 2 MiB pages"). Falls back to ``torch.zeros``
+    where the advice is unavailable."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)

@@ -3,9 +3,7 @@
 The reference engine's decode attention on CPU is bound by memory traffic: the torch path
 gathers every decode sequence's KV blocks into a padded copy per layer (``index_select``)
 and SDPA reads that copy again. The kernel reads each block where it lies, once, up to the
-sequence's own length. A whole attention layer (projections included) at 16 decodes takes
-1.7x less time at 128-token contexts and 3x less at 512, and the engine makes ~1.2x the
-tokens per second at 16 in flight (``bench/decode_attention.py``).
+sequence's own length (docs/performance.md, "Decode attention in a C kernel").
 
 It is compiled with the host's C compiler (``$CC``, else ``cc``) for the host's own CPU
 (``-march=native``) into ``$CONVEYOR_KERNEL_DIR`` (default ``~/.cache/conveyor/kernels``),
@@ -124,8 +122,8 @@ def load() -> PagedDecodeKernel:
 class PagedDecodeKernel:
     """``__call__`` runs one layer's decode attention for a batch of sequences, on the
     calling thread. One thread is the right number here: decode attention is bound by
-    memory bandwidth, and splitting the sequences over two threads on the 2-core dev
-    machine made a call slower (418 against 320-367 us at 16 sequences x 512 tokens)."""
+    memory bandwidth, and splitting the sequences over two threads made a call slower
+    (docs/performance.md, "Decode kernel on one thread")."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = getattr(lib, SYMBOL)

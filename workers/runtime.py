@@ -155,10 +155,11 @@ class WorkerRuntime:
         task, which then waits for this run (:meth:`generate`, :meth:`prefill`).
 
         Called on the worker's event loop as the task's message arrives
-        (:mod:`tasks.intake`): Celery hands a task to a pool thread only after building
-        its request, sending its events and waking the thread, and on a worker whose Celery
-        side runs niced on a busy core that hand-over alone was ~2 ms (mean) at 16 streams.
-        Every request begun must reach its task or :meth:`forget`."""
+        (:func:`tasks.celery_ext.begin_on_receipt`): Celery hands a task to a pool thread
+        only after building its request, sending its events and waking the thread, a slow
+        hand-over on a worker whose Celery side runs niced on a busy core
+        (docs/performance.md, "Celery: requests begin on receipt"). Every request begun must
+        reach its task or :meth:`forget`."""
         submit = {"generate": self.engine.submit, "prefill": self.engine.prefill}[stage]
         with self._begun_lock:  # held while submitting: the task cannot miss the waiter
             if request_id not in self._begun:

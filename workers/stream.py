@@ -61,9 +61,9 @@ def _publish_head(request_id: str) -> bytes:
 
 
 # Replies owed before a write reads those that have come. Looking costs several system
-# calls (redis-py polls the socket, peeks whether it closed, reads, polls again): 41 us of
-# the engine thread's CPU per write (mean) when every write looked, at 16 streams, almost
-# as much as the write itself (53 us). Reading 16 at a time costs the same once.
+# calls (redis-py polls the socket, peeks whether it closed, reads, polls again), nearly as
+# much as the write; reading 16 at a time costs the same once (docs/performance.md,
+# "Worker: replies read 16 at a time").
 DRAIN_AFTER = 16
 
 _PUBLISH = b"*3\r\n$7\r\nPUBLISH\r\n"
@@ -79,22 +79,18 @@ class FramePublisher:
     own in one send, without waiting for the replies (a later write reads those that have
     come, once ``DRAIN_AFTER`` are owed). No thread is woken and no round trip is awaited
     per step, so the engine does not trade its core and its GIL with a publisher thread
-    (measured in-process at c=16: ~6% more tokens/s than a publisher thread making one Lua
-    call per step). It then calls ``on_published`` with the outputs — so whoever waits for
-    a request learns it finished only once its terminal frame is on its way. A write that
-    fails drops those frames (the API sees the gap or times out) and the next write
-    reconnects.
+    (docs/performance.md, "Worker: frames written from the engine thread"). It then calls
+    ``on_published`` with the outputs — so whoever waits for a request learns it finished
+    only once its terminal frame is on its way. A write that fails drops those frames (the
+    API sees the gap or times out) and the next write reconnects.
 
     Where the server takes ``CLIENT REPLY`` (asked on every new connection), a step's
     ``PUBLISH`` commands go between ``CLIENT REPLY OFF`` and ``ON``: one reply per step
     to read instead of one per frame (the receiver counts they carry are not used; a
     ``PUBLISH`` refused in between, say by an ACL, goes unseen here and the API sees the
-    gap, where without it the refusal is logged and counted in ``publish_errors``). With
-    the frame's command head kept per stream, a 16-frame step went from 61-75 to 27-47 us
-    of CPU against a real redis-server, and in a worker at 16 streams the engine loop's
-    time per step publishing fell from 0.20 to 0.15 ms (mean). Of that, the write took
-    53 us and looking for replies after it 41 us (mean, per write), so replies are now read
-    once ``DRAIN_AFTER`` are owed, all those that have come at once.
+    gap, where without it the refusal is logged and counted in ``publish_errors``). Each
+    stream keeps its frame's command head (docs/performance.md, "Worker: frames between
+    CLIENT REPLY OFF and ON").
     ``send_command`` puts other commands on the same connection the same way (the KV
     event batches: :class:`kvbm.events.KVEventPublisher`), their replies handed to a
     callback. Thread-safe: ``start_at``, ``publish_error`` and ``send_command`` may come

@@ -11,7 +11,8 @@ and a pull is one READ made from block indices into those lists (NIXL merges run
 consecutive blocks). Nothing per pull builds descriptors or validates memory again. A pull
 of 16 MiB or more is split into ``threads`` contiguous slices read side by side, each by its
 own UCX worker (over cma each copy runs in the thread that posts it, so one thread alone
-stops well short of the memory bandwidth).
+stops well short of the memory bandwidth; docs/performance.md, "KV transfer: pulls split
+over threads").
 """
 
 from __future__ import annotations
