@@ -36,7 +36,7 @@ def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(redis_ur
         assert published == ["x", "y", "z"] and pub.frames_published == 3
 
         # The server drops the publisher's connection. The next write still goes out (the
-        # kernel takes it; the server's answers it with a reset), so its frame is lost
+        # kernel takes it; the server answers it with a reset), so its frame is lost
         # unseen; the write after it fails: counted, its frame dropped. The third one
         # reconnects and arrives, numbered after the lost ones (the API sees the gap).
         ids: list[object] = []
