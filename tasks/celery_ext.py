@@ -18,7 +18,8 @@ own strategy handle the message as always; the task, when a pool thread runs it,
 the run already under way. Acknowledgement (late), task events and failure handling are
 unchanged. A message the strategy declines (revoked, or raising) has its request aborted;
 messages Celery would not run at once (an ETA, an expiry, a rate limit) are left to Celery
-alone, as is anything that does not parse. Uses ``celery.worker.strategy.default`` and
+alone, as are redelivered ones (the task first checks whether the request was abandoned)
+and anything that does not parse. Uses ``celery.worker.strategy.default`` and
 ``celery.worker.state.revoked`` (internal).
 """
 
@@ -101,7 +102,9 @@ def _begin(stage: str, message: Any) -> str | None:
     from workers.runtime import get_runtime
 
     headers = message.headers or {}
-    if headers.get("eta") or headers.get("expires"):
+    # a redelivered copy (kombu marks it) may be of a request the API is done with: its
+    # task looks at the cancelled key before anything runs (WorkerRuntime._abandoned)
+    if headers.get("eta") or headers.get("expires") or headers.get("redelivered"):
         return None
     try:
         if message.content_type != "application/json":

@@ -130,11 +130,18 @@ class WorkerRuntime:
     ) -> StageSummary:  # fmt: skip
         """Run one request to completion; frames are published as it goes."""
         t0 = time.perf_counter()
-        # The API sets the cancelled key before it publishes a cancel, so checking it after
-        # submitting (in _wait) closes the window where a cancel beat the request here.
+        # A request not begun on receipt (a redelivered task, among others) is skipped if
+        # the API is done with it. The API sets the cancelled key before it publishes a
+        # cancel, so checking it after submitting too (in _wait) closes the window where a
+        # cancel beat the request here.
         begun = self._take_begun(request_id)
-        waiter = begun or self.engine.submit(request_id, list(prompt_token_ids), params,
-                                             forced_first_token)  # fmt: skip
+        if begun is None:
+            if self._abandoned(request_id):
+                return StageSummary(request_id=request_id, finish_reason="abort")
+            waiter = self.engine.submit(request_id, list(prompt_token_ids), params,
+                                        forced_first_token)  # fmt: skip
+        else:
+            waiter = begun
         out = self._wait(request_id, waiter)
         log.info(
             "[%s] %s: %d prompt + %d output tokens in %.3fs%s",
@@ -188,9 +195,13 @@ class WorkerRuntime:
     ) -> PrefillHandle:  # fmt: skip
         """Prefill stage: run the prompt, stream the first token, pin the KV; returns the
         handle the decode stage pulls it with."""
-        waiter = self._take_begun(request_id) or self.engine.prefill(
-            request_id, list(prompt_token_ids), params, forced_first_token
-        )
+        waiter = self._take_begun(request_id)
+        if waiter is None:  # not begun on receipt: skipped if abandoned, as in generate
+            if self._abandoned(request_id):
+                return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
+                                     finished=True, finish_reason="abort")  # fmt: skip
+            waiter = self.engine.prefill(request_id, list(prompt_token_ids), params,
+                                         forced_first_token)  # fmt: skip
         out = self._wait(request_id, waiter)
         if out.handle is not None:
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
@@ -207,6 +218,8 @@ class WorkerRuntime:
         """Decode stage: pull the prefilled KV, then generate from the second token on.
         Raises :class:`KVPullFailed` when the KV could not be pulled (nothing streamed)."""
         t0 = time.perf_counter()
+        if self._abandoned(request_id):
+            return StageSummary(request_id=request_id, finish_reason="abort")
         waiter = self.engine.decode(request_id, list(prompt_token_ids), params, handle)
         out = self._wait(request_id, waiter)
         if out.transfer_failed:
@@ -215,6 +228,14 @@ class WorkerRuntime:
                  out.finish_reason, out.completion_tokens, handle.backend,
                  time.perf_counter() - t0)  # fmt: skip
         return _summary(request_id, out)
+
+    def _abandoned(self, request_id: str) -> bool:
+        """Whether the API is done with the request (it ended, or was given up on): a task
+        delivered again after that is skipped before the engine sees it."""
+        if self.redis.exists(cancelled_key(request_id)):
+            log.info("[%s] abandoned before it started: skipped", request_id)
+            return True
+        return False
 
     def _wait(self, request_id: str, waiter) -> Completion:  # type: ignore[no-untyped-def]
         if self.redis.exists(cancelled_key(request_id)):

@@ -1,5 +1,6 @@
 """What the API puts on the broker for a request (real redis-server): the payload whole,
-and an argument summary for events, Flower and logs instead of a repr of every token id."""
+and an argument summary for events, Flower and logs instead of a repr of every token id
+(what Flower shows: real workers' task events)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -20,15 +23,26 @@ from api.runner import Runner
 from kvbm.protocol import StagePayload
 from tasks.app import app, declare_queues, queue
 from tasks.broker import ACK_FLUSH_S, Channel, deferred_publishes
+from tasks.modes import MODES
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route, RouteRequest
 from tasks.settings import Settings
 from tests.fakes import FakeHub
-from tests.integration.conftest import celery_at, free_port, redis_db, start_redis
+from tests.integration.conftest import (
+    base_env,
+    celery_at,
+    free_port,
+    redis_db,
+    start_api,
+    start_redis,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
 
 
 @pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
-def test_the_message_carries_the_payload_and_a_short_argsrepr(
+def test_the_message_carries_the_payload_and_no_repr_of_the_token_ids(
     redis_url: str, steps: list[str]
 ) -> None:
     url = redis_db(redis_url, 14)
@@ -47,14 +61,62 @@ def test_the_message_carries_the_payload_and_a_short_argsrepr(
     msg = json.loads(raw)
     headers = msg["headers"]
     assert headers["id"] == "cmpl-test" and headers["task"] == f"conveyor.{steps[0]}"
-    assert headers["argsrepr"] == "(cmpl-test: 400 prompt tokens)"
     assert "5, 6, 7" not in json.dumps(headers)  # no repr of the token ids beside the body
     args, kwargs, embed = json.loads(base64.b64decode(msg["body"]))
     assert args[0]["prompt_token_ids"] == ids
     for link in embed.get("chain") or []:  # the next stage, sent later by the worker
-        assert link["options"]["argsrepr"] == "(cmpl-test: 400 prompt tokens)"
+        assert "5, 6, 7" not in json.dumps(link["options"])
     assert len(embed.get("chain") or []) == len(steps) - 1
     r.flushdb()
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """What Flower shows as a task's arguments: the ``args`` of the task-received event
+    each stage's worker emits. For a 400-token prompt they name the request and its
+    prompt length, not a repr of 400 token ids, for the task the API sends and for the
+    one a prefill worker sends on down the chain (disagg)."""
+    url = redis_db(redis_url, 1)
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    env = base_env(url, tiny_model_dir, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER="redis",
+                   CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
+    procs = [start_worker(f"w-{pool}", pool, f"events-{pool}", env, tmp_path)
+             for pool in MODES[mode].pools]  # fmt: skip
+    events = r.pubsub()
+    try:
+        with stop_on_error(*procs):
+            api, http = start_api("api-events", env, tmp_path)
+        procs.append(api)
+        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 90, "workers", procs)
+        events.psubscribe("*celeryev*")
+        assert events.get_message(timeout=2)["type"] == "psubscribe"
+        prompt = [1] + [5 + i % 400 for i in range(399)]
+        client = openai.OpenAI(base_url=f"{http}/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=4)
+        assert out.usage.prompt_tokens == 400
+        shown: dict[str, str] = {}  # task name -> the args its task-received event shows
+        wanted = {f"conveyor.{stage.task}" for stage in MODES[mode].stages}
+        deadline = time.monotonic() + 10
+        while set(shown) != wanted and time.monotonic() < deadline:
+            msg = events.get_message(timeout=0.2)
+            if msg is None or msg["type"] != "pmessage":
+                continue
+            body = json.loads(base64.b64decode(json.loads(msg["data"])["body"]))
+            for ev in body if isinstance(body, list) else [body]:
+                if ev.get("type") == "task-received":
+                    shown[ev["name"]] = ev["args"]
+        assert set(shown) == wanted
+        for name, args in shown.items():
+            assert out.id in args and "400" in args, (name, args)
+            assert len(args) < 100 and "5, 6, 7" not in args, (name, args)
+    finally:
+        events.close()
+        for p in procs:
+            p.stop()
+        r.flushdb()
 
 
 def test_the_api_declares_a_queue_once_then_sends_without_declaring(

@@ -1,16 +1,31 @@
 """Bad input gets its documented 4xx in OpenAI's error shape; a cancelled stream frees its
-KV blocks on the worker; no worker means 503; a worker that never answers means 504."""
+KV blocks on the worker; no worker means 503; a worker that never answers means 504; a
+worker that goes silent mid-stream ends the stream with a timeout error event."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis
 
-from tests.integration.conftest import Cluster, base_env, redis_db, start_api, wait_for
+from tests.integration.conftest import (
+    Cluster,
+    base_env,
+    redis_db,
+    start_api,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
 from workers.registry import Heartbeat
 
 pytestmark = pytest.mark.integration
@@ -102,41 +117,6 @@ def test_body_too_large_413(cluster: Cluster) -> None:
     _assert_error(r, 413, code="request_too_large")
 
 
-def _blocks_used(cluster: Cluster) -> int:
-    return sum(int(w["blocks_used"]) for w in cluster.worker_loads().values())
-
-
-def test_cancelled_stream_frees_blocks(cluster: Cluster) -> None:
-    wait_for(lambda: _blocks_used(cluster) == 0, 10, "idle workers")
-    body = {
-        "model": cluster.model_name,
-        "prompt": "Once upon a time " * 20,
-        "max_tokens": 1500,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()  # held, not exhausted: breaking out of it would close the body
-        data = 0
-        while data < 5:
-            data += next(lines).startswith("data:")
-        # blocks are held while the stream runs
-        wait_for(lambda: _blocks_used(cluster) > 0, 5, "blocks in use")
-        used = _blocks_used(cluster)
-    assert used > 0
-    # client gone: the API cancels, the engine drops the sequence and frees its blocks
-    t0 = time.monotonic()
-    wait_for(lambda: _blocks_used(cluster) == 0, 10, "blocks freed after cancel")
-    assert time.monotonic() - t0 < 10
-    metrics = httpx.get(f"{cluster.url}/metrics").text
-    line = next(
-        ln for ln in metrics.splitlines() if ln.startswith("conveyor_requests_cancelled_total")
-    )
-    assert float(line.split()[-1]) >= 1
-
-
 def test_metrics_exposed(cluster: Cluster) -> None:
     cluster.client().completions.create(model=cluster.model_name, prompt="m", max_tokens=3)
     text = httpx.get(f"{cluster.url}/metrics").text
@@ -190,15 +170,119 @@ def test_worker_that_never_answers_gives_504(
     api, url = start_api("api-hung", env, tmp_path)
     try:
         body = {"model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 3}
-        t0 = time.monotonic()
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
-        assert r.status_code == 504, r.text
-        assert r.json()["error"]["code"] == "timeout"
-        assert time.monotonic() - t0 < 10
-        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=30)
-        assert r.status_code == 504
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = httpx.post(f"{url}/v1/completions", json={**body, "stream": stream}, timeout=30)
+            took = time.monotonic() - t0
+            assert r.status_code == 504, r.text
+            assert r.json()["error"]["code"] == "timeout"
+            # the API's first-frame timeout (2 s) answered, not the client's own (30 s)
+            assert 2 <= took < 15, took
         # the hung worker's queue holds the two requests nobody consumed
         assert r6.llen("generate.hung") == 2
     finally:
         api.stop()
         r6.flushdb()
+
+
+# ----------------------------------------------------------------------------------------
+# A slow deployment of its own: cancellation and the inter-frame timeout
+# ----------------------------------------------------------------------------------------
+STEP_MS = 20  # a decode step: a 1500-token request runs for 30 s
+
+
+@pytest.fixture(scope="module")
+def slow(
+    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """One worker and an API on a Redis database of their own. The worker runs the mock
+    engine (the reference engine's scheduler, block pool and frame publisher; simulated
+    step times) at STEP_MS a decode step, so a long request outlives every bound below;
+    the API gives up on a stream silent for 2 s, and a heartbeat lasts 60 s."""
+    url = redis_db(redis_url, 3)
+    redis.Redis.from_url(url).flushdb()
+    logdir = tmp_path_factory.mktemp("slow")
+    env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock",
+                   CONVEYOR_MOCK__DECODE_STEP_MS=str(STEP_MS), CONVEYOR_FRAME_TIMEOUT_S="2",
+                   CONVEYOR_WORKER_TTL_S="60")  # fmt: skip
+    worker = start_worker("w-slow", "generate", "slow", env, logdir)
+    with stop_on_error(worker):
+        api, http = start_api("api-slow", env, logdir)
+    with stop_on_error(worker, api):
+        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 60, "the worker",
+                 [worker, api])  # fmt: skip
+    yield Cluster(http, url, tiny_model_dir, tiny_model_dir.name, [worker], api)
+    api.stop()
+    worker.stop()
+    redis.Redis.from_url(url).flushdb()
+
+
+def _blocks_used(cluster: Cluster) -> int:
+    return sum(int(w["blocks_used"]) for w in cluster.worker_loads().values())
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def _long_request(cluster: Cluster, stream: bool = True) -> dict:
+    return {"model": cluster.model_name, "prompt": "Once upon a time", "max_tokens": 1500,
+            "temperature": 0, "ignore_eos": True, "stream": stream}  # fmt: skip
+
+
+def test_cancelled_stream_frees_blocks(slow: Cluster) -> None:
+    """A client that goes away mid-stream: the API cancels the request, the engine drops
+    it and frees its KV blocks, long before the run would have ended on its own (1500
+    tokens at STEP_MS: 30 s)."""
+    wait_for(lambda: _blocks_used(slow) == 0, 30, "an idle worker", slow.workers)
+    cancelled = _metric(slow.url, "conveyor_requests_cancelled_total")
+    with httpx.stream("POST", f"{slow.url}/v1/completions", json=_long_request(slow),
+                      timeout=30) as r:  # fmt: skip
+        assert r.status_code == 200
+        lines = r.iter_lines()  # held, not exhausted: breaking out of it would close the body
+        first = next(line for line in lines if line.startswith("data:"))
+        request_id = json.loads(first.removeprefix("data:"))["id"]
+        # blocks are held while the stream runs (as the worker's heartbeat reports them)
+        wait_for(lambda: _blocks_used(slow) > 0, 10, "blocks in use", slow.workers)
+    # client gone: unless cancelled, the run would hold its blocks ~28 s more
+    wait_for(lambda: _blocks_used(slow) == 0, 10, "blocks freed by the cancel", slow.workers)
+    assert _metric(slow.url, "conveyor_requests_cancelled_total") == cancelled + 1
+    # the worker's own account of the run: aborted, far short of its 1500 tokens
+    log = slow.workers[0].log
+    pattern = re.compile(rf"\[{request_id}\] abort: \d+ prompt \+ (\d+) output tokens")
+    wait_for(lambda: pattern.search(log.read_text()), 10, "the worker's log line")
+    assert int(pattern.search(log.read_text())[1]) < 1000
+
+
+def test_a_worker_gone_silent_mid_stream_ends_it_with_a_timeout_event(slow: Cluster) -> None:
+    """CONVEYOR_FRAME_TIMEOUT_S: a stream whose worker stops sending frames mid-stream (its
+    whole process tree stopped) ends with an SSE error event, code "timeout", once 2 s
+    pass without a frame. The worker's heartbeat stops too, but its last one lasts 60 s:
+    the liveness check (code "worker_lost") cannot be what ends it."""
+    wait_for(lambda: _blocks_used(slow) == 0, 30, "an idle worker", slow.workers)
+    client = slow.client(max_retries=0, timeout=60)
+    body = _long_request(slow)
+    stream = client.completions.create(
+        model=body["model"], prompt=body["prompt"], max_tokens=body["max_tokens"],
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    worker = slow.workers[0].popen.pid
+    chunks, stopped = 0, None
+    try:
+        with pytest.raises(openai.APIError) as e:
+            for _ in stream:
+                chunks += 1
+                if chunks == 3:
+                    os.killpg(worker, signal.SIGSTOP)
+                    stopped = time.monotonic()
+        assert stopped is not None, f"the stream ended after {chunks} chunks"
+        silent = time.monotonic() - stopped
+    finally:
+        os.killpg(worker, signal.SIGCONT)
+    assert e.value.body["code"] == "timeout", e.value.body
+    assert 1.5 <= silent < 15, silent  # the 2 s timeout, far before the heartbeat's 60 s
+    # the worker, running again, hears the cancel and frees what the request held
+    wait_for(lambda: _blocks_used(slow) == 0, 20, "blocks freed", slow.workers)

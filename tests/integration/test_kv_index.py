@@ -346,6 +346,49 @@ def test_a_shared_prefix_does_not_pile_every_request_on_its_holder(db: str) -> N
     assert min(counts.values()) >= 8, counts
 
 
+def _picks_at_fixed_costs(url: str, req: RouteRequest, n: int, temperature: float) -> dict:
+    """How often each worker is picked in ``n`` picks, each released at once (so every
+    pick sees the same costs)."""
+
+    async def go() -> dict[str, int]:
+        client = aioredis.Redis.from_url(url)
+        router = Router(client, RouterConfig(block_size=BS, temperature=temperature))
+        counts: dict[str, int] = {}
+        try:
+            for _ in range(n):
+                route = await router.pick(POOL, req)
+                assert route is not None
+                counts[route.worker_id] = counts.get(route.worker_id, 0) + 1
+                await router.release(route)
+        finally:
+            await client.aclose()
+        return counts
+
+    return asyncio.run(go())
+
+
+def test_temperature_spreads_picks_with_probability_falling_with_cost(db: str) -> None:
+    """CONVEYOR_ROUTER_TEMPERATURE: at 0 the cheapest worker always wins; above 0 picks
+    are sampled (a softmax over the costs), so every worker gets some, and the cheaper a
+    worker the more. Costs here: a holds the whole prompt, b half of it, c none of it
+    (0, 40 and 80 at the default overlap weight). At temperature 0.5 the expected shares
+    are about 67%, 25% and 9%: over 300 picks the order below fails with a probability
+    under 1e-5."""
+    register(db, "a", "b", "c")
+    p = prompt(21, 160)  # 10 blocks
+    hashes = block_hashes(p, BS)
+    idx = index(db)
+    idx.apply("a", 0, [("stored", hashes)])
+    idx.apply("b", 0, [("stored", hashes[:5])])
+    req = RouteRequest(hashes, len(p))
+    assert idx.overlaps(hashes) == {"a": 10, "b": 5, "c": 0}
+    assert _picks_at_fixed_costs(db, req, 300, temperature=0.0) == {"a": 300}
+    counts = _picks_at_fixed_costs(db, req, 300, temperature=0.5)
+    assert sum(counts.values()) == 300
+    assert counts.get("a", 0) > counts.get("b", 0) > counts.get("c", 0) >= 5, counts
+    assert counts["a"] <= 250, counts  # sampled, not the cheapest every time
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_round_robin_random_and_pinning(db: str, fast: bool) -> None:
     register(db, "a", "b", "c")

@@ -12,9 +12,13 @@ import sys
 import httpx
 import openai
 import pytest
+import redis
 import torch
 from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
+from kvbm.index import KVIndex
+from kvbm.protocol import block_hashes, load_key, model_namespace
+from tasks.router import parse_loads
 from tests.integration.conftest import Cluster, wait_for
 
 pytestmark = pytest.mark.integration
@@ -201,7 +205,10 @@ def test_seed_reproducible(cluster: Cluster) -> None:
     assert a != other
 
 
-async def _stream_text(client: openai.AsyncOpenAI, model: str, prompt: str, n: int) -> str:
+async def _stream_text(
+    client: openai.AsyncOpenAI, model: str, prompt: str, n: int
+) -> tuple[str, str]:
+    """The request's id and the text it streamed."""
     stream = await client.completions.create(
         model=model,
         prompt=prompt,
@@ -210,11 +217,12 @@ async def _stream_text(client: openai.AsyncOpenAI, model: str, prompt: str, n: i
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    parts = []
+    parts, rid = [], ""
     async for ch in stream:
+        rid = ch.id
         if ch.choices:
             parts.append(ch.choices[0].text)
-    return "".join(parts)
+    return rid, "".join(parts)
 
 
 def test_32_concurrent_streams_lose_nothing(cluster: Cluster, hf: tuple) -> None:
@@ -222,25 +230,47 @@ def test_32_concurrent_streams_lose_nothing(cluster: Cluster, hf: tuple) -> None
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(32)]
     expected = {p: greedy_text(hf, p, n) for p in prompts}
 
-    async def main() -> list[str]:
+    async def main() -> list[tuple[str, str]]:
         client = cluster.async_client(max_retries=0, timeout=120)
         return await asyncio.gather(
             *(_stream_text(client, cluster.model_name, p, n) for p in prompts)
         )
 
     got = asyncio.run(main())
-    mismatched = [p for p, g in zip(prompts, got, strict=True) if g != expected[p]]
+    mismatched = [p for p, (_, g) in zip(prompts, got, strict=True) if g != expected[p]]
     assert not mismatched, f"{len(mismatched)} streams differ, e.g. {mismatched[0]!r}"
-    loads = cluster.worker_loads()
-    assert len(loads) == 2
+    # each request ran once, on one worker, and the router spread them over both: a
+    # worker's queued prompts count against it
+    ran: dict[str, list[str]] = {}
+
+    def all_logged() -> bool:
+        ran.clear()
+        for w in cluster.workers:
+            text = w.log.read_text(errors="replace")
+            for rid, _ in got:
+                ran.setdefault(rid, []).extend([w.name] * text.count(f"[{rid}] length: "))
+        return all(ran.values())
+
+    wait_for(all_logged, 10, "the workers' log lines for the requests", cluster.workers)
+    assert all(len(where) == 1 for where in ran.values()), ran
+    assert {where[0] for where in ran.values()} == {w.name for w in cluster.workers}
+    # and once they are over, the load the router counted for them is all given back
+    r = redis.Redis.from_url(cluster.redis_url)
+    workers = set(cluster.worker_loads())
+    assert len(workers) == 2
+
+    def counted() -> dict[str, dict[str, int]]:
+        loads = parse_loads(r.hgetall(load_key("generate")))
+        return {w: counts for w, counts in loads.items() if w in workers and any(counts.values())}
+
+    wait_for(lambda: counted() == {}, 10, "the router's load counts back at 0")
 
 
 def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
-    """A prompt whose prefix a worker has cached is served from those blocks; the usage
-    says how many prompt tokens came from the cache (OpenAI's cached_tokens field).
-    Routing is by load here (cache-aware routing is a later issue), so a repeat may land
-    on the other worker; but of two repeats, one must find the prompt cached wherever it
-    lands (the first repeat either hits or caches it on the other worker)."""
+    """A prompt whose prefix a worker has cached is routed to that worker (KV-aware
+    routing) and served from those blocks; the usage says how many prompt tokens came
+    from the cache (OpenAI's cached_tokens field): none the first time, then the prompt's
+    6 full blocks (96 tokens; the last, partial block is computed) every time."""
     c = cluster.client()
     prompt = [1] + [(11 * i) % 500 + 5 for i in range(99)]  # 100 tokens: 6 full blocks
     kw = dict(
@@ -250,17 +280,23 @@ def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
         temperature=0,
         extra_body={"ignore_eos": True},
     )
-    runs = [c.completions.create(**kw) for _ in range(3)]
-    cached = [r.usage.prompt_tokens_details.cached_tokens for r in runs]
-    assert cached[0] == 0
-    assert set(cached) <= {0, 96} and 96 in cached, cached
-    assert len({r.choices[0].text for r in runs}) == 1  # a hit gives the same text
+    first = c.completions.create(**kw)
+    assert first.usage.prompt_tokens == 100
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # the worker's KV events reach the router's index: one worker holds the 6 blocks
+    hashes = block_hashes(prompt, 16, model_namespace(cluster.model_name))
+    index = KVIndex(redis.Redis.from_url(cluster.redis_url), "generate")
+    wait_for(lambda: 6 in index.overlaps(hashes).values(), 10, "the prompt in the index")
+    assert sorted(index.overlaps(hashes).values()) == [0, 6]
+    runs = [c.completions.create(**kw) for _ in range(2)]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in runs] == [96, 96]
+    assert {r.choices[0].text for r in runs} == {first.choices[0].text}  # a hit, same text
     streams = [
         list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
         for _ in range(2)
     ]
-    stream_cached = [s[-1].usage.prompt_tokens_details.cached_tokens for s in streams]
-    assert set(stream_cached) <= {0, 96} and 96 in stream_cached
+    assert [s[-1].usage.prompt_tokens_details.cached_tokens for s in streams] == [96, 96]
+    assert sorted(index.overlaps(hashes).values()) == [0, 6]  # never computed elsewhere
 
 
 def _nice(pid: int) -> set[int]:
@@ -277,8 +313,9 @@ def test_a_workers_celery_side_runs_nicer_than_its_engine(cluster: Cluster) -> N
     engine = int(cluster.worker_loads()["itest-w0"]["engine_pid"])  # its registry record
     assert engine != worker
     c = cluster.client()
-    done = c.completions.create(model=cluster.model_name, prompt="nice", max_tokens=2)
-    assert done.choices[0].text is not None  # the pool's threads exist by now
+    done = c.completions.create(model=cluster.model_name, prompt="nice", max_tokens=2,
+                                extra_body={"ignore_eos": True})  # fmt: skip
+    assert done.usage.completion_tokens == 2  # served: the pool's threads exist by now
     assert _nice(worker) == {10}
     assert _nice(engine) == {0}
 

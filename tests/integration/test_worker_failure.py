@@ -4,9 +4,12 @@ clear error instead of hanging until the timeout."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -14,9 +17,22 @@ import openai
 import pytest
 import redis
 
-from kvbm.protocol import alive_key, load_key
+from kvbm.protocol import (
+    Sampling,
+    StagePayload,
+    alive_key,
+    cancelled_key,
+    load_key,
+    tokens_channel,
+    worker_key,
+    worker_queue,
+)
+from tasks.app import app, declare_queues, queue
+from tasks.pipeline import Plan, build_chain
+from tasks.router import Route
 from tests.integration.conftest import (
     base_env,
+    celery_at,
     redis_db,
     start_api,
     start_redis,
@@ -85,11 +101,99 @@ def test_request_redispatched_when_worker_dies_before_answering(
         assert out.usage.completion_tokens == 5
         assert time.monotonic() - t0 < 10
         assert _metric(url, "conveyor_requests_redispatched_total") == 1
-        assert r.llen("generate.aaa-hung") == 1  # the lost attempt, marked as abandoned:
-        assert r.exists(f"conveyor:cancelled:{out.id}")
+        assert r.llen("generate.aaa-hung") == 1  # the lost attempt, never consumed
     finally:
         api.stop()
         worker.stop()
+        r.flushdb()
+
+
+def _payload(request_id: str, model: str, prompt: list[int], max_tokens: int) -> StagePayload:
+    sampling = Sampling(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return StagePayload(request_id=request_id, model=model, prompt_token_ids=prompt,
+                        sampling=sampling, created=time.time())  # fmt: skip
+
+
+def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """README: "Abandoned requests are marked in Redis, so a task the broker redelivers
+    later is skipped." A generate task, sent as the API sends it, for a request the API is
+    done with (its cancelled key set) comes back to a worker's own queue by kombu's own
+    redelivery (a consumer took it and went away without acking it). The worker acks it
+    without running it: its engine never sees the prompt and nothing is streamed for it,
+    while a request sent after it is served."""
+    url15 = redis_db(redis_url, 15)
+    r = redis.Redis.from_url(url15)
+    r.flushdb()
+    wid, model = "redelivered", tiny_model_dir.name
+    q = worker_queue("generate", wid)
+    plan = Plan(steps=[("generate", Route("generate", wid, {}))])
+    abandoned = _payload("cmpl-abandoned", model, [1] + [7 + i % 300 for i in range(99)], 50)
+    control = _payload("cmpl-control", model, [1] + [11 + i % 200 for i in range(39)], 6)
+    listen = r.pubsub()
+    worker = None
+    celery_at(url15)
+    try:
+        declare_queues([q])
+        r.set(cancelled_key(abandoned.request_id), 1, ex=3600)  # as the API's clean-up does
+        build_chain(plan, abandoned).apply_async()
+        with app.connection_for_write() as conn:  # taken, never acked: kombu puts it back
+            channel = conn.channel()
+            taken = queue(q)(channel).get(no_ack=False)
+            assert taken is not None and taken.headers["id"] == abandoned.request_id
+            channel.close()
+        waiting = [json.loads(m) for m in r.lrange(q, 0, -1)]
+        assert [m["headers"]["id"] for m in waiting] == [abandoned.request_id]
+        assert waiting[0]["headers"]["redelivered"] is True and r.hlen("unacked") == 0
+
+        listen.subscribe(tokens_channel(abandoned.request_id), tokens_channel(control.request_id))
+        listen.psubscribe("*celeryev*")
+        worker = start_worker("w-redelivered", "generate", wid,
+                              base_env(url15, tiny_model_dir), tmp_path)  # fmt: skip
+        frames: dict[str, list[dict]] = {abandoned.request_id: [], control.request_id: []}
+        done: dict[str, str] = {}  # request id -> the result its task-succeeded event shows
+
+        def read(until: Callable[[], bool], timeout: float, what: str) -> None:
+            deadline = time.monotonic() + timeout
+            while not until():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                assert worker.popen.poll() is None, worker.tail()
+                msg = listen.get_message(timeout=0.2)
+                if msg is None or msg["type"] not in ("message", "pmessage"):
+                    continue
+                rid = msg["channel"].decode().removeprefix(tokens_channel(""))
+                if rid in frames:
+                    frames[rid].append(json.loads(msg["data"]))
+                    continue
+                body = json.loads(base64.b64decode(json.loads(msg["data"])["body"]))
+                for ev in body if isinstance(body, list) else [body]:
+                    if ev.get("type") == "task-succeeded":
+                        done[ev["uuid"]] = ev["result"]
+
+        read(lambda: abandoned.request_id in done, 120, "the redelivered task to end")
+        assert "'finish_reason': 'abort'" in done[abandoned.request_id]
+        build_chain(plan, control).apply_async()  # same worker, same engine, after it
+        read(lambda: any(f.get("done") for f in frames[control.request_id]), 60, "control")
+        assert frames[abandoned.request_id] == []  # nothing streamed for it ...
+        served = frames[control.request_id]
+        assert [f["finish_reason"] for f in served if f.get("done")] == ["length"]
+        assert sum(len(f["token_ids"]) for f in served) == 6
+
+        def report() -> dict:
+            return json.loads(r.get(worker_key("generate", wid)) or "{}")
+
+        # ... and its prompt never reached the engine: only the control request's did
+        n = len(control.prompt_token_ids)
+        wait_for(lambda: report()["prompt_tokens_seen"] >= n, 10, "a fresh report", [worker])
+        assert report()["prompt_tokens_seen"] == n
+        # both messages acked: nothing left to deliver again
+        wait_for(lambda: r.llen(q) + r.hlen("unacked") == 0, 10, "acks", [worker])
+    finally:
+        listen.close()
+        if worker is not None:
+            worker.stop()
+        celery_at(redis_url)
         r.flushdb()
 
 

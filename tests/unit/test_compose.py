@@ -1,7 +1,9 @@
 """Static checks of the container deployment: docker-compose.yml, Dockerfile, .dockerignore.
 
 No Docker engine is needed: the compose file is parsed with PyYAML (anchors and ``<<``
-merge keys resolve under ``safe_load``) and the Dockerfile is read as text.
+merge keys resolve under ``safe_load``), its ``${VAR...}`` references are resolved the
+way Compose resolves them, and the README's ``docker compose`` commands are read to
+work out which services each of them starts. The Dockerfile is read as text.
 """
 
 from __future__ import annotations
@@ -9,14 +11,18 @@ from __future__ import annotations
 import fnmatch
 import re
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tasks.modes import MODES
+
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -188,44 +194,17 @@ def test_workers_are_scalable(services, name):
     assert "container_name" not in svc, f"{name} has container_name: --scale impossible"
 
 
-def test_commands(services):
-    assert _argv(services["api"]["command"]) == [
-        "conveyor",
-        "api",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "8000",
-    ]
-    assert _argv(services["flower"]["command"]) == [
-        "conveyor",
-        "flower",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "5555",
-    ]
-    for name in ("worker-generate", "worker-generate-gpu"):
-        argv = _argv(services[name]["command"])
-        assert argv[:2] == ["conveyor", "worker"], name
-        assert argv[argv.index("--pool") + 1] == "generate", name
-    for name, pool in DISAGG_WORKERS.items():
-        assert _argv(services[name]["command"]) == ["conveyor", "worker", "--pool", pool], name
-
-
-def test_health_probes_hit_the_right_things(services):
-    api_probe = " ".join(_argv(services["api"]["healthcheck"]["test"]))
-    assert "python" in api_probe and "curl" not in api_probe
+def test_the_front_services_run_and_probe_what_they_publish(services):
+    """The API and Flower listen on all of the container's interfaces, on the port the
+    host side publishes (on 127.0.0.1, tested above), and their probes ask that port."""
+    api, flower = services["api"], services["flower"]
+    assert _argv(api["command"]) == ["conveyor", "api", "--host", "0.0.0.0", "--port", "8000"]
+    assert _argv(flower["command"]) == ["conveyor", "flower", "--host", "0.0.0.0", "--port",
+                                        "5555"]  # fmt: skip
+    api_probe = " ".join(_argv(api["healthcheck"]["test"]))
+    assert "python" in api_probe and "curl" not in api_probe  # the image has no curl
     assert "http://127.0.0.1:8000/health" in api_probe
-    flower_probe = " ".join(_argv(services["flower"]["healthcheck"]["test"]))
-    assert "127.0.0.1:5555" in flower_probe
-    for name in ("worker-generate", "worker-generate-gpu"):
-        argv = _argv(services[name]["healthcheck"]["test"])
-        assert argv[1:3] == ["conveyor", "worker-health"], name
-        assert argv[argv.index("--pool") + 1] == "generate", name
-    for name, pool in DISAGG_WORKERS.items():
-        argv = _argv(services[name]["healthcheck"]["test"])
-        assert argv == ["CMD", "conveyor", "worker-health", "--pool", pool], name
+    assert "127.0.0.1:5555" in " ".join(_argv(flower["healthcheck"]["test"]))
 
 
 @pytest.mark.parametrize("name", CONVEYOR_SERVICES)
@@ -247,17 +226,6 @@ def test_conveyor_services_build_from_repo_root(services, name):
 def test_conveyor_services_point_at_the_redis_service(services, name):
     url = _env(services[name]).get("CONVEYOR_REDIS_URL", "")
     assert re.fullmatch(r"redis://redis:6379/\d+", url), f"{name}: CONVEYOR_REDIS_URL={url!r}"
-
-
-def test_only_gpu_and_disagg_workers_are_in_a_profile(services):
-    # Plain `docker compose up` keeps starting the aggregated deployment.
-    profiles = {"worker-generate-gpu": ["gpu"], **{n: ["disagg"] for n in DISAGG_WORKERS}}
-    for name in ALL_SERVICES:
-        expected = profiles.get(name)
-        if expected is None:
-            assert not services[name].get("profiles"), f"{name} must start by default"
-        else:
-            assert services[name].get("profiles") == expected, name
 
 
 def test_gpu_worker_reserves_an_nvidia_gpu(services):
@@ -282,12 +250,6 @@ def test_gpu_worker_reserves_an_nvidia_gpu(services):
 def test_workers_set_torch_threads(services):
     for name in WORKERS:
         assert "CONVEYOR_TORCH_THREADS" in _env(services[name]), name
-
-
-@pytest.mark.parametrize("name", CONVEYOR_SERVICES)
-def test_mode_is_configurable_and_defaults_to_agg(services, name):
-    # One shared setting: the API picks the pipeline from it, so every service agrees.
-    assert _env(services[name]).get("CONVEYOR_MODE") == "${CONVEYOR_MODE:-agg}", name
 
 
 @pytest.mark.parametrize("name", DISAGG_WORKERS)
@@ -326,27 +288,145 @@ def test_compose_defaults_match_settings(services):
     } <= checked
 
 
-def test_flower_basic_auth_is_required_from_env(services):
-    value = _env(services["flower"]).get("CONVEYOR_FLOWER_BASIC_AUTH", "")
-    # A required interpolation (${VAR:?msg} / ${VAR?msg}), never a literal credential.
-    assert re.fullmatch(r"\$\{\w+:?\?[^}]*\}", value), f"not a required env ref: {value!r}"
-    for name in ALL_SERVICES:
+# --------------------------------------------------------------------------- what starts
+
+_REF = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")
+
+
+class Refused(Exception):
+    """Compose refuses to start: a required variable is missing."""
+
+
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    """``value`` with its ``$VAR`` / ``${VAR}`` / ``${VAR:-default}`` / ``${VAR-default}``
+    / ``${VAR:?message}`` / ``${VAR?message}`` references resolved against ``env``, as
+    Compose resolves them (``$$`` is a literal ``$``); lists and mappings recursively."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def one(m: re.Match) -> str:
+        if m[0] == "$$":
+            return "$"
+        name, op, arg = m[1] or m[4], m[2], m[3]
+        have = env.get(name)
+        unset = have is None or (have == "" and op is not None and op.startswith(":"))
+        if op is not None and op.endswith("?") and unset:
+            raise Refused(f"{name}: {arg}")
+        if op is not None and op.endswith("-") and unset:
+            return arg
+        return have or ""
+
+    return _REF.sub(one, value)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    """One ``docker compose ... up`` command of the README's deployment section."""
+
+    text: str
+    env: dict[str, str]  # the variables it sets for compose
+    profiles: tuple[str, ...]
+    scale: dict[str, int]
+
+    @property
+    def mode(self) -> str:
+        return self.env.get("CONVEYOR_MODE", "agg")  # the default every service falls back to
+
+
+def _readme_instructions() -> list[Instruction]:
+    text = README.read_text()
+    section = text[text.index("## Deploy with Docker Compose") :]
+    start = section.index("```bash") + len("```bash")
+    block = section[start : section.index("```", start)]
+    out = []
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        env = {}
+        while "=" in argv[0] and not argv[0].startswith("-"):
+            key, _, value = argv.pop(0).partition("=")
+            env[key] = value
+        assert argv[:2] == ["docker", "compose"] and "up" in argv, line
+        profiles, scale = [], {}
+        for flag, arg in zip(argv, argv[1:], strict=False):
+            if flag == "--profile":
+                profiles.append(arg)
+            elif flag == "--scale":
+                svc, _, n = arg.partition("=")
+                scale[svc] = int(n)
+        out.append(Instruction(" ".join(line.split("#")[0].split()), env, tuple(profiles), scale))
+    return out
+
+
+INSTRUCTIONS = _readme_instructions()
+
+
+def _started(services: dict[str, dict[str, Any]], ins: Instruction) -> dict[str, dict]:
+    """The services ``ins`` starts (in no profile or in one it enables, not scaled to 0),
+    their references resolved against the variables it sets."""
+    for svc in ins.scale:
+        assert svc in services, f"{ins.text}: --scale names no service {svc!r}"
+    return {
+        name: _interpolate(svc, ins.env)
+        for name, svc in services.items()
+        if (not svc.get("profiles") or set(svc["profiles"]) & set(ins.profiles))
+        and ins.scale.get(name, 1) > 0
+    }
+
+
+def _worker_pool(svc: dict[str, Any]) -> str | None:
+    """The pool a service's ``conveyor worker --pool P`` command runs (None: no worker)."""
+    argv = _argv(svc.get("command", []))
+    if argv[:2] != ["conveyor", "worker"]:
+        return None
+    assert argv[2:] == ["--pool", argv[-1]], f"unexpected worker command {argv}"
+    return argv[-1]
+
+
+def test_the_readme_says_how_to_run_every_mode():
+    assert {ins.mode for ins in INSTRUCTIONS} == set(MODES), [i.text for i in INSTRUCTIONS]
+
+
+@pytest.mark.parametrize("ins", INSTRUCTIONS, ids=lambda i: i.text)
+def test_each_compose_command_starts_a_worker_for_every_pool_of_its_mode(services, ins):
+    """What ``docker compose`` starts for each command of the README: for every pool of
+    the mode it selects (tasks.modes), a worker service running ``conveyor worker --pool
+    <pool>`` with the healthcheck ``conveyor worker-health --pool <pool>``; no worker of
+    another pool; and every Conveyor service set to that mode."""
+    started = _started(services, ins)
+    pools: dict[str, list[str]] = {}
+    for name, svc in started.items():
+        pool = _worker_pool(svc)
+        if pool is not None:
+            pools.setdefault(pool, []).append(name)
+            probe = _argv(svc["healthcheck"]["test"])
+            assert probe == ["CMD", "conveyor", "worker-health", "--pool", pool], name
+    assert set(pools) == set(MODES[ins.mode].pools), pools
+    assert {"redis", "api", "flower"} <= set(started)
+    for name, svc in started.items():
+        if name != "redis":
+            assert _env(svc)["CONVEYOR_MODE"] == ins.mode, name
+
+
+@pytest.mark.parametrize("ins", INSTRUCTIONS, ids=lambda i: i.text)
+def test_flower_never_starts_without_credentials(services, ins):
+    """Compose refuses to start Flower unless FLOWER_BASIC_AUTH is set and not empty
+    (every README command sets it); its value reaches ``conveyor flower`` as the basic
+    auth, and no other service gets it."""
+    without = {k: v for k, v in ins.env.items() if k != "FLOWER_BASIC_AUTH"}
+    for env in (without, {**without, "FLOWER_BASIC_AUTH": ""}):
+        with pytest.raises(Refused):
+            _interpolate(services["flower"], env)
+    started = _started(services, ins)
+    assert _env(started["flower"])["CONVEYOR_FLOWER_BASIC_AUTH"] == ins.env["FLOWER_BASIC_AUTH"]
+    for name, svc in started.items():
         if name != "flower":
-            assert "CONVEYOR_FLOWER_BASIC_AUTH" not in _env(services[name]), name
-
-
-def test_compose_uses_a_shared_anchor():
-    text = COMPOSE.read_text()
-    assert re.search(r"^x-[\w-]+:\s*&[\w-]+", text, re.M), "no x- extension anchor"
-    assert text.count("<<: *") >= len(CONVEYOR_SERVICES)
-    assert "--scale worker-generate=" in text
-    assert "--profile gpu" in text
-    # How to run disaggregated, and what NIXL needs between containers.
-    assert "CONVEYOR_MODE=disagg" in text
-    assert "--profile disagg" in text
-    assert "--scale worker-generate=0" in text
-    assert "--scale worker-prefill=" in text and "--scale worker-decode=" in text
-    assert "NIXL" in text and "RDMA" in text and "ipc" in text.lower()
+            assert "CONVEYOR_FLOWER_BASIC_AUTH" not in _env(svc), name
 
 
 # --------------------------------------------------------------------------- Dockerfile

@@ -76,3 +76,47 @@ def test_events_recorded_when_asked() -> None:
         ("removed", [42]),
     ]
     assert pool.take_events() == []
+
+
+def _events(pool: BlockPool) -> list[tuple[str, list[int]]]:
+    return [(e.kind, e.block_hashes) for e in pool.take_events()]
+
+
+def test_a_duplicate_block_inherits_the_name_of_an_evicted_copy() -> None:
+    """BlockPool.cache: a block computed with content another block already holds is
+    not named, but remembered; when the named copy is evicted first the duplicate takes
+    the name over, so the content stays cached, with no event (the index's view does not
+    change) and children can still hang off it."""
+    pool = BlockPool(4, record_events=True)
+    assert pool.allocate(2) == [0, 1]  # a sequence: blocks 10 -> 11
+    pool.cache(0, 10)
+    pool.cache(1, 11, parent=10)
+    assert pool.allocate(1) == [2]  # another sequence computes block 10 again
+    pool.cache(2, 10)
+    assert _events(pool) == [("stored", [10]), ("stored", [11])]
+    assert pool.lookup([10, 11]) == [0, 1] and pool.num_cached == 2
+    pool.free([1, 0])  # the first sequence ends, tail first: free list 3, 1, 0
+    assert pool.allocate(2) == [3, 1]  # evicts 11
+    assert _events(pool) == [("removed", [11])]
+    assert pool.allocate(1) == [0]  # evicts block 0: its content lives on in block 2
+    assert _events(pool) == []
+    assert pool.lookup([10, 11]) == [2] and pool.num_cached == 1 and pool.num_evicted == 1
+    pool.cache(3, 12, parent=10)  # a child of the inherited name is reachable, so named
+    assert _events(pool) == [("stored", [12])] and pool.lookup([10, 12]) == [2, 3]
+    pool.free([2])
+    assert pool.allocate(1) == [2]  # now the last copy goes, and its child with it
+    assert _events(pool) == [("removed", [10]), ("removed", [12])]
+    assert pool.lookup([10]) == [] and pool.num_cached == 0 and pool.num_evicted == 3
+
+
+def test_an_evicted_duplicate_leaves_the_named_copy_alone() -> None:
+    pool = BlockPool(3, record_events=True)
+    assert pool.allocate(2) == [0, 1]
+    pool.cache(0, 10)
+    pool.cache(1, 10)  # same content, not named
+    pool.free([1])
+    assert pool.allocate(2) == [2, 1]  # block 1 reused: nothing was named there
+    assert _events(pool) == [("stored", [10])]
+    pool.free([0])
+    assert pool.allocate(1) == [0]  # the named copy goes: no heir left to inherit
+    assert _events(pool) == [("removed", [10])] and pool.lookup([10]) == []

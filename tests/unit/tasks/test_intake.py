@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import tasks.celery_ext as intake
-from kvbm.protocol import Sampling
+from kvbm.protocol import Sampling, cancelled_key
 from workers import runtime as runtime_mod
 from workers.engine_proc import Completion, _Waiter
 from workers.runtime import WorkerRuntime
@@ -118,6 +118,7 @@ def test_a_message_delivered_twice_starts_one_run(monkeypatch, rt) -> None:  # t
     [
         message(eta="2030-01-01T00:00:00"),  # Celery holds it back: so do we
         message(expires="2030-01-01T00:00:00"),
+        message(redelivered=True),  # kombu's mark: its task checks the cancelled key first
         message({**PAYLOAD, "prompt_token_ids": []}),  # invalid: the task reports it
         SimpleNamespace(headers={"id": "x"}, content_type="application/json", body=b"{"),
         SimpleNamespace(
@@ -129,6 +130,15 @@ def test_messages_left_to_celery_alone(monkeypatch, rt, msg) -> None:  # type: i
     on_message, seen = strategy(monkeypatch)
     on_message(msg, None, None, None, [])
     assert seen == [msg] and rt.engine.calls == []
+
+
+@pytest.mark.parametrize("stage", ["generate", "prefill"])
+def test_a_task_not_begun_for_an_abandoned_request_never_reaches_the_engine(rt, stage) -> None:  # type: ignore[no-untyped-def]
+    rt.redis = SimpleNamespace(exists=lambda key: int(key == cancelled_key("cmpl-x")))
+    out = getattr(rt, stage)("cmpl-x", [5, 6, 7], {"temperature": 0})
+    assert out.finish_reason == "abort" and rt.engine.calls == [] and rt.engine.aborted == []
+    rt.generate("cmpl-y", [5, 6, 7], {"temperature": 0})  # one the API still waits for
+    assert [c[:2] for c in rt.engine.calls] == [("submit", "cmpl-y")]
 
 
 def test_a_rate_limited_task_keeps_celerys_strategy(monkeypatch, rt) -> None:  # type: ignore[no-untyped-def]
