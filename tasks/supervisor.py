@@ -203,7 +203,9 @@ class Supervisor:
 
     # ----------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
-        log.info("received %s: shutting down", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        log.info("received %s: shutting down", name)
+        self._reason = self._reason or f"stopped by {name}"
         self._stop = True
 
     def _table(self) -> list[_Child]:

@@ -306,6 +306,7 @@ def test_ctrl_c_during_a_restart_backoff_stops_everything(
         assert time.monotonic() - t < 20  # did not wait out the backoff
         assert not _no_orphans(kids), s.proc.tail()
         assert all(p["state"] == "stopped" for p in s.table().values())
+        assert s.status().stdout.splitlines()[1] == "  stopped by SIGINT"
         assert "started worker-generate-0" not in s.proc.log.read_text().split("received SIGINT")[1]
 
 
