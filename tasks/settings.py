@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from tasks.modes import MODES, Mode, get_mode
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
+DEFAULT_SERVE_DIR = Path.home() / ".cache" / "conveyor" / "serve"
 
 
 class MockTimingSettings(BaseModel):
@@ -78,6 +79,35 @@ class Settings(BaseSettings):
         None, description="External Redis; unset: `serve` starts an embedded redis-server."
     )
     redis_port: int = Field(6390, description="Port of the embedded Redis (conveyor serve).")
+    redis_appendonly: bool = Field(
+        False,
+        description="Embedded Redis keeps an append-only file in its data dir, so queued "
+        "messages survive a restart of it (fsync every second).",
+    )
+
+    # --- serve supervision ---------------------------------------------------------------
+    serve_restart: bool = Field(
+        True,
+        description="conveyor serve restarts a process that exits on its own; false: stop "
+        "everything instead (debugging).",
+    )
+    serve_restart_backoff_s: float = Field(
+        1.0, gt=0, description="Delay before the first restart; doubles with each recent exit."
+    )
+    serve_restart_backoff_max_s: float = Field(
+        30.0, gt=0, description="Longest delay between an exit and its restart."
+    )
+    serve_crash_loop_exits: int = Field(
+        5, ge=1, description="This many exits of one process within the window stop serve."
+    )
+    serve_crash_loop_window_s: float = Field(
+        60.0, gt=0, description="Window of the crash-loop rule and of the backoff's memory."
+    )
+    serve_state_dir: Path = Field(
+        DEFAULT_SERVE_DIR,
+        description="Where serve writes its process table (<api port>.json, read by "
+        "conveyor status) and the embedded Redis's data dir (redis-<port>/).",
+    )
 
     # --- routing -------------------------------------------------------------------------
     router_mode: Literal["kv", "round_robin", "random"] = Field(
@@ -196,7 +226,7 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
     worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")
 
-    @field_validator("model", mode="before")
+    @field_validator("model", "serve_state_dir", mode="before")
     @classmethod
     def _expand(cls, v: object) -> object:
         return Path(v).expanduser() if isinstance(v, str) else v
@@ -211,6 +241,16 @@ class Settings(BaseSettings):
     @property
     def effective_redis_url(self) -> str:
         return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def serve_state_file(self) -> Path:
+        """The process table of the ``conveyor serve`` whose API listens on ``port``."""
+        return self.serve_state_dir / f"{self.port}.json"
+
+    @property
+    def redis_data_dir(self) -> Path:
+        """The embedded Redis's working directory (its append-only file, if any)."""
+        return self.serve_state_dir / f"redis-{self.redis_port}"
 
     @property
     def model_name(self) -> str:

