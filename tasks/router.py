@@ -58,7 +58,14 @@ from kvbm.protocol import (
     worker_queue,
 )
 from tasks.settings import Settings
-from workers.registry import WorkerInfo, parse_live
+from workers.registry import (
+    QUEUE_DEPTHS_LUA,
+    PoolQueues,
+    WorkerInfo,
+    parse_live,
+    parse_queue_depths,
+    queue_depths_args,
+)
 
 LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
@@ -259,6 +266,7 @@ class Router:
         self._give_back = client.register_script(_GIVE_BACK_LUA)
         self._live = client.register_script(LIVE_WORKERS_LUA)
         self._all_live = client.register_script(ALL_LIVE_LUA)
+        self._depths = client.register_script(QUEUE_DEPTHS_LUA)
         self._fast = fast
 
     async def pick(self, pool: str, req: RouteRequest | None = None) -> Route | None:
@@ -378,6 +386,10 @@ class Router:
     async def live_workers(self, pool: str) -> list[WorkerInfo]:
         """``pool``'s live workers with their last heartbeat reports."""
         return parse_live(pool, await self._live(args=[alive_key(pool), worker_key(pool, "")]))
+
+    async def queue_depths(self, pools: tuple[str, ...]) -> list[PoolQueues]:
+        """The depths of ``pools``' queues (:func:`workers.registry.queue_depths`)."""
+        return parse_queue_depths(pools, await self._depths(args=queue_depths_args(pools)))
 
 
 def parse_loads(raw: dict) -> dict[str, dict[str, int]]:
