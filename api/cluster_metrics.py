@@ -1,7 +1,8 @@
 """Cluster-wide metrics, read from Redis at scrape time.
 
 Workers report their state in their heartbeats (KV blocks in use and pinned, requests,
-KV transfer totals); queue depths are the lengths of the Celery queues in Redis. The
+KV transfer totals); queue depths are the lengths of the Celery queues in Redis, for the
+queues :mod:`tasks.queues` shows (as Flower's broker page and ``conveyor queues`` do). The
 ``/metrics`` handler takes one snapshot per scrape (``refresh``) and this collector turns it
 into Prometheus families, so any API replica exports the same cluster view.
 """
@@ -13,47 +14,42 @@ from collections.abc import Iterator
 import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvbm.protocol import load_key, pool_queue
+from kvbm.protocol import load_key
 from tasks.modes import Mode
+from tasks.queues import POOLS, PoolQueues, shown
 from tasks.router import Router, parse_loads
 
 
 class ClusterCollector:
     def __init__(self, mode: Mode) -> None:
         self.pools = mode.pools
+        self.mode = mode
         self._workers: list[dict] = []
-        self._queues: dict[str, int] = {}
+        self._depths: list[PoolQueues] = []  # the queues tasks.queues shows, with depths
         self._loads: dict[str, dict[str, dict[str, int]]] = {}  # pool -> worker -> counts
         self._router: dict[str, dict[str, float]] = {}  # pool -> this API's router stats
 
     async def refresh(self, client: aioredis.Redis, router: Router) -> None:
         self._router = router.stats()
         workers: list[dict] = []
-        queues: list[str] = [pool_queue(p) for p in self.pools]
         for pool in self.pools:
             for w in await router.live_workers(pool):
                 workers.append({"worker_id": w.worker_id, "pool": pool, **w.load})
-                queues.append(w.queue)
+        depths = shown(await router.queue_depths(POOLS), self.mode)
         pipe = client.pipeline(transaction=False)
-        for q in queues:
-            pipe.llen(q)
         for pool in self.pools:
             pipe.hgetall(load_key(pool))
         res = await pipe.execute()
-        self._queues = dict(zip(queues, res[: len(queues)], strict=True))
         live = {(w.get("pool"), w.get("worker_id")) for w in workers}
         self._loads = {
             pool: {w: c for w, c in parse_loads(raw).items() if (pool, w) in live}
-            for pool, raw in zip(self.pools, res[len(queues) :], strict=True)
+            for pool, raw in zip(self.pools, res, strict=True)
         }
         self._workers = workers
+        self._depths = depths
 
     def collect(self) -> Iterator[Metric]:
-        depth = GaugeMetricFamily("conveyor_queue_depth", "Tasks waiting in a Celery queue",
-                                  labels=["queue"])  # fmt: skip
-        for q, n in sorted(self._queues.items()):
-            depth.add_metric([q], n)
-        yield depth
+        yield from self._queue_depths()
         live = GaugeMetricFamily("conveyor_workers_live", "Live workers per pool", labels=["pool"])
         for pool in self.pools:
             live.add_metric([pool], sum(w.get("pool") == pool for w in self._workers))
@@ -97,6 +93,27 @@ class ClusterCollector:
         yield from fams.values()
         yield from (frames, frame_errors, t_bytes, t_secs, t_count)
         yield from self._routing()
+
+    def _queue_depths(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("conveyor_queue_depth", "Tasks waiting in a Celery queue",
+                                  labels=["queue"])  # fmt: skip
+        per_pool = GaugeMetricFamily(
+            "conveyor_queue_depth_pool",
+            "Tasks waiting for a stage: its pool's shared queue plus its workers' own queues",
+            labels=["pool"],
+        )
+        per_worker = GaugeMetricFamily(
+            "conveyor_queue_depth_worker",
+            "Tasks waiting in a worker's own queue (a departed worker's until it is empty)",
+            labels=["pool", "worker"],
+        )
+        for p in self._depths:
+            per_pool.add_metric([p.pool], p.total)
+            for q, n in p.queues.items():
+                depth.add_metric([q], n)
+            for w in p.workers:
+                per_worker.add_metric([p.pool, w.worker_id], w.depth)
+        yield from (depth, per_pool, per_worker)
 
     def _routing(self) -> Iterator[Metric]:
         routed = GaugeMetricFamily(

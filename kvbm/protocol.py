@@ -7,7 +7,8 @@ a seam by convention.
 
 Public part:
     keys and channels   tokens_channel, worker_queue, worker_key, alive_key, ... (a
-                        function each: the only place a ``conveyor:`` name is spelled)
+                        function each: the only place a ``conveyor:`` name is spelled);
+                        queue_lists: the Redis lists behind one Celery queue
     liveness            LIVE_LUA: the one rule (a worker is live while the expiry its
                         heartbeat wrote into its pool's ``alive`` ZSET lies ahead of
                         Redis's clock), used by every reader
@@ -57,6 +58,25 @@ def pool_queue(pool: str) -> str:
     """A pool's shared Celery queue: every worker of the pool consumes it. Work bound to no
     worker goes here (a dead worker's stranded messages are moved here)."""
     return pool
+
+
+def queue_owners_key(pool: str) -> str:
+    """SET of the worker ids whose own queue may hold messages: every heartbeat adds its
+    worker; a reader of queue depths retires a worker once it is dead and its queue empty
+    (so a departed worker's stranded messages stay in view until they are gone)."""
+    return f"{KEY_PREFIX}queue-owners:{pool}"
+
+
+# kombu's Redis transport keeps a queue's messages of priority 0 in the list named after
+# the queue and those of priority p in ``<queue>\x06\x16<p>``: its default separator and
+# priority steps, which tasks.app leaves alone (a unit test holds these to kombu's).
+QUEUE_PRIORITY_SEP = "\x06\x16"
+QUEUE_PRIORITY_STEPS = (0, 3, 6, 9)
+
+
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists that hold ``queue``'s messages: its depth is their total length."""
+    return [f"{queue}{QUEUE_PRIORITY_SEP}{p}" if p else queue for p in QUEUE_PRIORITY_STEPS]
 
 
 def worker_key(pool: str, worker_id: str) -> str:

@@ -5,6 +5,7 @@
     conveyor worker --pool P    one Celery worker process for pool P (tasks.modes.ALL_POOLS)
     conveyor api                the OpenAI-compatible HTTP front
     conveyor flower             Celery Flower against the configured broker
+    conveyor queues             every stage queue's depth (pool, worker), in a terminal
     conveyor worker-health      exit 0 if a worker of this host is alive (container checks)
     conveyor model init [DIR]   write the tiny default checkpoint
 
@@ -237,27 +238,60 @@ def api(**kw: object) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# conveyor flower / worker-health
+# conveyor flower / queues / worker-health
 # ----------------------------------------------------------------------------------------
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, help="[CONVEYOR_FLOWER_PORT] (5555)")
 @_redis_opt
 def flower(host: str, port: int | None, redis_url: str | None) -> None:
-    """Run Celery Flower (basic auth from CONVEYOR_FLOWER_BASIC_AUTH when set)."""
+    """Run Celery Flower with Conveyor's app: its broker page lists every stage queue
+    (basic auth from CONVEYOR_FLOWER_BASIC_AUTH when set)."""
+    from tasks.supervisor import settings_env
+
     s = configure(flower_port=port, redis_url=redis_url)
-    celery_bin = Path(sys.executable).with_name("celery")
-    argv = [
-        str(celery_bin) if celery_bin.exists() else "celery",
-        "--broker",
-        s.effective_redis_url,
-        "flower",
-        f"--address={host}",
-        f"--port={s.flower_port}",
-    ]
-    if s.flower_basic_auth:
-        argv.append(f"--basic-auth={s.flower_basic_auth}")
-    os.execvp(argv[0], argv)
+    # tasks.flower builds the app from the settings, which travel in the environment
+    env = settings_env(s)
+    if s.flower_basic_auth:  # Flower's own variable: the password stays out of `ps`
+        env["FLOWER_BASIC_AUTH"] = s.flower_basic_auth
+    argv = [sys.executable, "-m", "celery", "-A", "tasks.flower", "flower",
+            f"--address={host}", f"--port={s.flower_port}"]  # fmt: skip
+    os.execvpe(argv[0], argv, env)
+
+
+@main.command()
+@click.option("--mode", type=click.Choice(list(MODES)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--watch", type=float, metavar="SECONDS", help="Print again every SECONDS.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per snapshot.")
+@_redis_opt
+def queues(mode: str | None, watch: float | None, as_json: bool, redis_url: str | None) -> None:
+    """Print the depth of every stage queue: each pool's shared queue, each worker's own
+    queue (a departed worker's while it still holds messages) and each pool's total."""
+    import json
+    import time
+
+    import redis
+
+    from tasks.queues import format_table, snapshot
+
+    s = configure(mode=mode, redis_url=redis_url)
+    client = redis.Redis.from_url(s.effective_redis_url)
+    while True:
+        try:
+            pools = snapshot(client, s.serving_mode)
+        except redis.RedisError as e:
+            raise click.ClickException(f"redis unreachable: {e}") from e
+        if as_json:
+            click.echo(json.dumps({p.pool: {"total": p.total, "queues": p.queues,
+                                            "live": [w.worker_id for w in p.workers if w.live]}
+                                   for p in pools}))  # fmt: skip
+        else:
+            click.echo(format_table(pools))
+        if watch is None:
+            return
+        time.sleep(watch)
+        if not as_json:
+            click.echo()
 
 
 @main.command("worker-health")

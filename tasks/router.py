@@ -68,7 +68,14 @@ from kvbm.protocol import (
     worker_queue,
 )
 from tasks.settings import Settings
-from workers.registry import WorkerInfo, parse_live
+from workers.registry import (
+    QUEUE_DEPTHS_LUA,
+    PoolQueues,
+    WorkerInfo,
+    parse_live,
+    parse_queue_depths,
+    queue_depths_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -264,6 +271,7 @@ class Router:
         self._all_live = client.register_script(ALL_LIVE_LUA)
         self._views: dict[str, PoolView] = {}
         self._starting: dict[str, asyncio.Task[PoolView]] = {}
+        self._depths = client.register_script(QUEUE_DEPTHS_LUA)
 
     async def start(self, *pools: str) -> Router:
         """Load the pools' views and indexes now rather than at their first pick."""
@@ -590,6 +598,10 @@ class Router:
                 "live_workers": len(v.live),
             }
         return out
+
+    async def queue_depths(self, pools: tuple[str, ...]) -> list[PoolQueues]:
+        """The depths of ``pools``' queues (:func:`workers.registry.queue_depths`)."""
+        return parse_queue_depths(pools, await self._depths(args=queue_depths_args(pools)))
 
 
 def parse_loads(raw: dict) -> dict[str, dict[str, int]]:

@@ -43,6 +43,13 @@ class Settings(BaseSettings):
     flower_basic_auth: str | None = Field(
         None, description="user:password for Flower's basic auth (off when unset)."
     )
+    flower_registry_queues: bool = Field(
+        True,
+        description="Flower's broker page lists the stage queues the worker registry knows "
+        "(every pool's, each live worker's own, a departed worker's until it is empty); "
+        "false: Flower's stock list (the queues the workers reported when Flower last "
+        "inspected them).",
+    )
     served_model_name: str | None = Field(
         None, description="Model id clients send; default: the model directory's name."
     )

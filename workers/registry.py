@@ -5,6 +5,12 @@ and its heartbeat's expiry (Redis's clock) as its score in the pool's ZSET
 :func:`kvbm.protocol.alive_key`, which is the pool's membership. Whether a worker is live
 is decided by one rule, :data:`kvbm.protocol.LIVE_LUA`, for every reader: the router's
 scripts, the API's health and stream checks, and :func:`live_workers` here.
+
+Queue depths (:func:`queue_depths`): every pool's shared queue and the own queue of each
+of its workers, live ones and departed ones whose queue still holds messages, in one
+round trip. Every heartbeat records its worker in :func:`kvbm.protocol.queue_owners_key`;
+the depth script retires a worker from it once the worker is dead and its queue empty.
+Flower's broker page, ``/metrics`` and ``conveyor queues`` all read this one snapshot.
 """
 
 from __future__ import annotations
@@ -19,17 +25,68 @@ from dataclasses import dataclass
 
 import redis
 
-from kvbm.protocol import LIVE_WORKERS_LUA, NOW_LUA, alive_key, worker_key, worker_queue
+from kvbm.protocol import (
+    LIVE_LUA,
+    LIVE_WORKERS_LUA,
+    NOW_LUA,
+    alive_key,
+    pool_queue,
+    queue_lists,
+    queue_owners_key,
+    worker_key,
+    worker_queue,
+)
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] report key, KEYS[2] alive zset; ARGV: report, ttl ms, worker id
+# KEYS[1] report key, KEYS[2] alive zset, KEYS[3] queue owners set; ARGV: report, ttl ms,
+# worker id
 _BEAT_LUA = (
     NOW_LUA
     + """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[3])
 return 1
+"""
+)
+
+# ARGV: n, the n suffixes of a queue's lists (kvbm.protocol.queue_lists), then per pool:
+# its shared queue, alive key, queue owners key, worker queue prefix. Returns per pool
+# {shared queue depth, {worker id, 1 if live else 0, own queue depth, ...}}: the live
+# workers and the dead ones whose queue holds messages; dead ones with an empty queue
+# leave the owners set.
+QUEUE_DEPTHS_LUA = (
+    NOW_LUA
+    + LIVE_LUA
+    + """
+local n = tonumber(ARGV[1])
+local function depth(q)
+  local d = 0
+  for i = 2, n + 1 do d = d + redis.call('LLEN', q .. ARGV[i]) end
+  return d
+end
+local out = {}
+for i = n + 2, #ARGV, 4 do
+  local okey, wprefix = ARGV[i + 2], ARGV[i + 3]
+  local live, ids = {}, {}
+  for _, id in ipairs(live_ids(ARGV[i + 1], now)) do live[id] = true; ids[#ids + 1] = id end
+  for _, id in ipairs(redis.call('SMEMBERS', okey)) do
+    if not live[id] then ids[#ids + 1] = id end
+  end
+  table.sort(ids)
+  local ws = {}
+  for _, id in ipairs(ids) do
+    local d = depth(wprefix .. id)
+    if live[id] or d > 0 then
+      ws[#ws + 1] = id; ws[#ws + 1] = live[id] and 1 or 0; ws[#ws + 1] = d
+    else
+      redis.call('SREM', okey, id)
+    end
+  end
+  out[#out + 1] = {depth(ARGV[i]), ws}
+end
+return out
 """
 )
 
@@ -65,7 +122,7 @@ class Heartbeat:
         self._ttl_ms = int(ttl_s * 1000)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self._keys = [worker_key(pool, worker_id), alive_key(pool)]
+        self._keys = [worker_key(pool, worker_id), alive_key(pool), queue_owners_key(pool)]
         self._beat = client.register_script(_BEAT_LUA)
 
     def beat(self) -> None:
@@ -102,6 +159,70 @@ class Heartbeat:
                 self.beat()
             except redis.RedisError as e:  # keep trying; readers see us dead meanwhile
                 log.warning("heartbeat failed: %s", e)
+
+
+@dataclass(slots=True)
+class WorkerQueue:
+    """A worker's own queue: a live worker's, or a departed one's still holding messages."""
+
+    pool: str
+    worker_id: str
+    live: bool
+    depth: int  # messages waiting
+
+    @property
+    def queue(self) -> str:
+        return worker_queue(self.pool, self.worker_id)
+
+
+@dataclass(slots=True)
+class PoolQueues:
+    """The depths of one pool's queues at one moment."""
+
+    pool: str
+    shared: int  # messages in the pool's shared queue
+    workers: list[WorkerQueue]
+
+    @property
+    def total(self) -> int:
+        """Everything waiting for the stage: its shared queue and its workers' own."""
+        return self.shared + sum(w.depth for w in self.workers)
+
+    @property
+    def queues(self) -> dict[str, int]:
+        """Queue name -> depth, the shared queue first."""
+        return {pool_queue(self.pool): self.shared, **{w.queue: w.depth for w in self.workers}}
+
+    @property
+    def in_use(self) -> bool:
+        """Whether the pool has workers or messages (a pool outside the mode may)."""
+        return bool(self.workers) or self.shared > 0
+
+
+def queue_depths_args(pools: tuple[str, ...] | list[str]) -> list[str]:
+    """The ARGV of :data:`QUEUE_DEPTHS_LUA` for ``pools``."""
+    suffixes = queue_lists("")
+    args = [str(len(suffixes)), *suffixes]
+    for p in pools:
+        args += [pool_queue(p), alive_key(p), queue_owners_key(p), worker_queue(p, "")]
+    return args
+
+
+def parse_queue_depths(pools: tuple[str, ...] | list[str], reply: list) -> list[PoolQueues]:
+    """The reply of :data:`QUEUE_DEPTHS_LUA` as one :class:`PoolQueues` per pool."""
+    out = []
+    for pool, (shared, flat) in zip(pools, reply, strict=True):
+        ws = [
+            WorkerQueue(pool, wid.decode() if isinstance(wid, bytes) else wid, bool(live), int(d))
+            for wid, live, d in zip(flat[::3], flat[1::3], flat[2::3], strict=True)
+        ]
+        out.append(PoolQueues(pool, int(shared), ws))
+    return out
+
+
+def queue_depths(client: redis.Redis, pools: tuple[str, ...] | list[str]) -> list[PoolQueues]:
+    """Every queue of ``pools`` with its depth (one round trip; see the module's doc)."""
+    return parse_queue_depths(pools, client.eval(QUEUE_DEPTHS_LUA, 0, *queue_depths_args(pools)))
 
 
 def live_workers(client: redis.Redis, pool: str) -> list[WorkerInfo]:

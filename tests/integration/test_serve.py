@@ -122,6 +122,7 @@ def test_cli_help_everywhere() -> None:
         ["worker"],
         ["api"],
         ["flower"],
+        ["queues"],
         ["worker-health"],
         ["model"],
         ["model", "init"],
