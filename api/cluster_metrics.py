@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import redis.asyncio as aioredis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvbm.protocol import load_key
+from kvbm.protocol import PoolQueues, load_key
 from tasks.modes import Mode
-from tasks.queues import POOLS, PoolQueues, shown
+from tasks.queues import POOLS, shown
 from tasks.router import Router, parse_loads
 
 

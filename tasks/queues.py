@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import redis
 
+from kvbm.protocol import PoolQueues
 from tasks.modes import ALL_POOLS, Mode
-from workers.registry import PoolQueues, queue_depths
+from workers.registry import queue_depths
 
 POOLS = ALL_POOLS  # every pool is read: a worker of another mode's pool is still shown
 

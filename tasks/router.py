@@ -60,6 +60,7 @@ from kvbm.protocol import (
     LIVE_LUA,
     LIVE_WORKERS_LUA,
     NOW_LUA,
+    PoolQueues,
     alive_key,
     index_keys,
     load_key,
@@ -70,7 +71,6 @@ from kvbm.protocol import (
 from tasks.settings import Settings
 from workers.registry import (
     QUEUE_DEPTHS_LUA,
-    PoolQueues,
     WorkerInfo,
     parse_live,
     parse_queue_depths,

@@ -29,6 +29,8 @@ from kvbm.protocol import (
     LIVE_LUA,
     LIVE_WORKERS_LUA,
     NOW_LUA,
+    PoolQueues,
+    WorkerQueue,
     alive_key,
     pool_queue,
     queue_lists,
@@ -159,44 +161,6 @@ class Heartbeat:
                 self.beat()
             except redis.RedisError as e:  # keep trying; readers see us dead meanwhile
                 log.warning("heartbeat failed: %s", e)
-
-
-@dataclass(slots=True)
-class WorkerQueue:
-    """A worker's own queue: a live worker's, or a departed one's still holding messages."""
-
-    pool: str
-    worker_id: str
-    live: bool
-    depth: int  # messages waiting
-
-    @property
-    def queue(self) -> str:
-        return worker_queue(self.pool, self.worker_id)
-
-
-@dataclass(slots=True)
-class PoolQueues:
-    """The depths of one pool's queues at one moment."""
-
-    pool: str
-    shared: int  # messages in the pool's shared queue
-    workers: list[WorkerQueue]
-
-    @property
-    def total(self) -> int:
-        """Everything waiting for the stage: its shared queue and its workers' own."""
-        return self.shared + sum(w.depth for w in self.workers)
-
-    @property
-    def queues(self) -> dict[str, int]:
-        """Queue name -> depth, the shared queue first."""
-        return {pool_queue(self.pool): self.shared, **{w.queue: w.depth for w in self.workers}}
-
-    @property
-    def in_use(self) -> bool:
-        """Whether the pool has workers or messages (a pool outside the mode may)."""
-        return bool(self.workers) or self.shared > 0
 
 
 def queue_depths_args(pools: tuple[str, ...] | list[str]) -> list[str]:
