@@ -92,6 +92,7 @@ def test_request_redispatched_when_worker_dies_before_answering(
         # request on.
         Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=2.0).beat()
         r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
+        time.sleep(0.5)  # the API's router reads workers and load every 100 ms
         t0 = time.monotonic()
         out = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
             model=tiny_model_dir.name,
