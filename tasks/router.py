@@ -312,7 +312,7 @@ class Router:
         if req.pin not in v.live:
             raise PinnedWorkerMissing(req.pin)
         ov = self._overlaps(v, [req.pin], req.block_hashes).get(req.pin, 0)
-        route = await self._try(v, req.pin, req, guard=False, overlap=ov)
+        route = await self._try(v, req.pin, req, guard=False, overlap=ov, least=0)
         if route is None:
             raise PinnedWorkerMissing(req.pin)
         route.reason = "pinned"
@@ -326,6 +326,10 @@ class Router:
             ids = [w for w in v.live if w not in req.exclude]
             if not ids:
                 return None
+        load = {w: self._load(v, w) for w in v.live}  # once per pick: O(workers)
+        least = min(load.values(), default=0)
+        limit = max(c.guard_ratio * sum(load.values()) / max(len(load), 1),
+                    least + c.guard_min_blocks)  # fmt: skip
         if c.mode == "round_robin":
             start = v.rr % len(ids)
             v.rr += 1
@@ -334,15 +338,16 @@ class Router:
             order, ov, guard, best = random.sample(ids, len(ids)), {}, False, 0
         else:
             ov = self._overlaps(v, ids, req.block_hashes)
-            order, best, guard = self._rank(v, ids, ov, req), max(ov.values()), True
+            order = self._rank(v, ids, ov, req, load, limit)
+            best, guard = max(ov.values()), True
         for w in order[:MAX_CONFLICTS]:
-            route = await self._try(v, w, req, guard, ov.get(w, 0))
+            route = await self._try(v, w, req, guard, ov.get(w, 0), least)
             if route is not None:
                 break
         else:  # refused again and again: the least loaded takes it, guard or not
             alive = [w for w in ids if w in v.live] or ids
             w = min(alive, key=lambda w: self._load(v, w))
-            route = await self._try(v, w, req, False, ov.get(w, 0))
+            route = await self._try(v, w, req, False, ov.get(w, 0), least)
             if route is None:
                 await self._refresh(v)
                 return None
@@ -351,24 +356,25 @@ class Router:
         if (
             c.mode == "kv"
             and route.overlap_blocks < best
-            and any(ov[w] > route.overlap_blocks and self._load(v, w) > self._limit(v) for w in ids)
+            and any(ov[w] > route.overlap_blocks and load.get(w, 0) > limit for w in ids)
         ):
             route.reason = "kv_guarded"
         return route
 
-    def _rank(self, v: PoolView, ids: list[str], ov: dict[str, int],
-              req: RouteRequest) -> list[str]:  # fmt: skip
+    def _rank(self, v: PoolView, ids: list[str], ov: dict[str, int], req: RouteRequest,
+              load: dict[str, int], limit: float) -> list[str]:  # fmt: skip
         """Candidates in the order to try them: within the load guard, by cost (or drawn by
         the softmax over costs with a temperature); the guarded ones last."""
         c, bs = self.config, self.config.block_size
         nblocks = -(-max(req.prompt_len, 1) // bs)
-        limit = self._limit(v)
         costs = {}
+        inside: list[str] = []
+        outside: list[str] = []
         for w in ids:
             b, q = v.loads.get(w, (0, 0))
             costs[w] = c.overlap_weight * (nblocks - ov[w] + -(-q // bs)) + b
-        inside = [w for w in ids if self._load(v, w) <= limit]
-        outside = sorted((w for w in ids if w not in inside), key=lambda w: self._load(v, w))
+            (inside if load.get(w, 0) <= limit else outside).append(w)
+        outside.sort(key=lambda w: load.get(w, 0))
         if c.temperature <= 0:
             random.shuffle(inside)  # ties broken at random (sort is stable)
             inside.sort(key=costs.__getitem__)
@@ -388,25 +394,20 @@ class Router:
         b, q = v.loads.get(w, (0, 0))
         return b + -(-q // self.config.block_size)
 
-    def _limit(self, v: PoolView) -> float:
-        loads = [self._load(v, w) for w in v.live] or [0]
-        c = self.config
-        return max(c.guard_ratio * sum(loads) / len(loads), min(loads) + c.guard_min_blocks)
-
     def _overlaps(self, v: PoolView, ids: list[str], hashes: list[int]) -> dict[str, int]:
         if v.follower is None or not hashes:
             return dict.fromkeys(ids, 0)
         return v.follower.index.overlaps(ids, hashes, approx=not self.config.kv_events)
 
     async def _try(self, v: PoolView, w: str, req: RouteRequest, guard: bool,
-                   overlap: int) -> Route | None:  # fmt: skip
-        """Commit the request to ``w``; ``None`` if the commit refused it."""
+                   overlap: int, least: int) -> Route | None:  # fmt: skip
+        """Commit the request to ``w`` (``least``: the least load this router sees, for the
+        guard); ``None`` if the commit refused it."""
         c, bs = self.config, self.config.block_size
         nblocks = -(-max(req.prompt_len, 1) // bs)
         add_prefill = max(req.prompt_len - overlap * bs, 1)
-        loads = [self._load(v, x) for x in v.live] or [0]
         args: list = [w, add_prefill, int(guard), c.guard_ratio, c.guard_min_blocks,
-                      max(len(v.live), 1), min(loads), bs, LOAD_TTL_S * 1000]  # fmt: skip
+                      max(len(v.live), 1), least, bs, LOAD_TTL_S * 1000]  # fmt: skip
         approx = c.mode == "kv" and not c.kv_events and bool(req.block_hashes)
         if approx:
             ttl_ms = int(c.approx_ttl_s * 1000)
