@@ -10,7 +10,10 @@
 ``--start-server`` starts a fresh ``conveyor serve --engine mock --router-mode MODE`` per
 mode of ``--modes`` (cold caches each time, its own embedded Redis), waits for ``/health``
 to list ``--workers`` live generate workers, replays, then stops it (SIGINT to its process
-group, SIGKILL after 20 s). ``--url`` replays once against a running server.
+group, SIGKILL after 20 s). With ``--api-replicas N`` it also starts N-1 more ``conveyor
+api`` processes against the same Redis, and the requests go to the replicas in turn (each
+replica routes with its own view: the index it follows, the load it commits). ``--url``
+replays once against a running server (several comma-separated URLs: replicas in turn).
 
 Each request goes out at its trace timestamp / ``--speedup`` (at most ``--max-inflight`` in
 flight; a late send is recorded as lag) as a streaming ``/v1/completions`` whose prompt is
@@ -43,7 +46,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AsyncExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,7 +89,7 @@ class Record:
 
 
 async def replay(
-    client: aiohttp.ClientSession,
+    clients: list[aiohttp.ClientSession],
     model: str,
     requests: list[tg.TraceRequest],
     ideal: list[int],
@@ -112,6 +115,7 @@ async def replay(
         body = dict(model=model, prompt=prompt_of(req), max_tokens=req.output_length,
                     temperature=0, ignore_eos=True, stream=True,
                     stream_options={"include_usage": True})  # fmt: skip
+        client = clients[rec.index % len(clients)]  # replicas in turn
         tasks.append(asyncio.create_task(_send(client, body, rec, sem, start)))
     await asyncio.gather(*tasks)
     if ticker:
@@ -295,14 +299,17 @@ async def run_mode(
     def prompt_of(req: tg.TraceRequest) -> list[int]:
         return tg.prompt_tokens(req, block, token_range)
 
-    async with session(url, args.max_inflight + 8, args.request_timeout) as client:
+    urls = url.split(",")
+    async with AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(
+            session(u, args.max_inflight + 8, args.request_timeout)) for u in urls]  # fmt: skip
         model = args.model
         if not model:
-            async with client.get("/v1/models") as r:
+            async with clients[0].get("/v1/models") as r:
                 model = (await r.json())["data"][0]["id"]
         sampler = LoadSampler(redis_url).start() if redis_url else None
         try:
-            recs, wall = await replay(client, model, requests, ideal, prompt_of, args.speedup,
+            recs, wall = await replay(clients, model, requests, ideal, prompt_of, args.speedup,
                                       args.max_inflight, progress=label)  # fmt: skip
         finally:
             samples = sampler.stop() if sampler else []
@@ -335,10 +342,23 @@ def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path) -> Itera
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    replicas: list[subprocess.Popen] = []
     try:
         _wait_ready(proc, url, args.workers, args.server_timeout, log_path)
-        yield url, redis_url
+        urls = [url]
+        for i, rport in enumerate(free_ports(args.api_replicas - 1), start=1):
+            renv = {**env, "CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_ROUTER_MODE": mode}
+            with open(log_dir / f"api{i}-{mode}.log", "wb") as rlog:
+                replicas.append(subprocess.Popen(
+                    [args.conveyor, "api", "--port", str(rport)], env=renv, stdout=rlog,
+                    stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))  # fmt: skip
+            rurl = f"http://127.0.0.1:{rport}"
+            _wait_ready(replicas[-1], rurl, args.workers, args.server_timeout, log_path)
+            urls.append(rurl)
+        yield ",".join(urls), redis_url
     finally:
+        for r in replicas:
+            stop_group(r)
         stop_group(proc)
 
 
@@ -531,7 +551,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine-block-size", type=int, default=16,
                     help="the engine's KV block size, for ideal reuse (%(default)s)")  # fmt: skip
     srv = ap.add_argument_group("server")
-    srv.add_argument("--url", help="a running server (one run, labelled --label)")
+    srv.add_argument(
+        "--url",
+        help="a running server (one run, labelled --label); several "
+        "comma-separated: replicas taking the requests in turn",
+    )
     srv.add_argument("--label", default="server", help="row label for --url (%(default)s)")
     srv.add_argument("--redis-url", help="--url: its Redis, to sample router load")
     srv.add_argument("--start-server", action="store_true",
@@ -539,6 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--modes", type=_modes, default=list(MODES),
                      help="router modes for --start-server (kv,round_robin,random)")  # fmt: skip
     srv.add_argument("--workers", type=int, default=8, help="generate workers (%(default)s)")
+    srv.add_argument(
+        "--api-replicas",
+        type=int,
+        default=1,
+        help="API processes routing the replay in turn (%(default)s)",
+    )
     srv.add_argument("--engine", default="mock", help="conveyor serve --engine (%(default)s)")
     srv.add_argument("--server-env", type=_env_pair, action="append", default=[],
                      metavar="KEY=VAL", help="extra server environment (repeatable)")  # fmt: skip

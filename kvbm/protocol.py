@@ -124,6 +124,16 @@ def kv_data_key(request_id: str, chunk: int) -> str:
     return f"{KEY_PREFIX}kvdata:{request_id}:{chunk}"
 
 
+def embedding_key(request_id: str, image_hash: str) -> str:
+    """The Redis transfer backend: one image's embedding, exported for one request."""
+    return f"{KEY_PREFIX}emb:{request_id}:{image_hash}"
+
+
+def embedding_release_channel(worker_id: str) -> str:
+    """An encode worker hears here that a puller has read an embedding it staged."""
+    return f"{KEY_PREFIX}emb-release:{worker_id}"
+
+
 def nixl_agent_key(agent: str) -> str:
     """A NIXL agent's metadata, for peers to connect to it."""
     return f"{KEY_PREFIX}nixl:agent:{agent}"

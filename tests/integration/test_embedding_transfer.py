@@ -1,0 +1,93 @@
+"""Image embeddings between two workers' transfer backends (real redis-server; real UCX for
+NIXL): the tensor arrives whole and equal, the encode side's staging is freed once pulled,
+and a gone or expired embedding is a TransferError, never a wrong tensor."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+import torch
+
+from tests.integration.conftest import redis_db, wait_for
+from workers.transfer.base import TransferError
+from workers.transfer.embeddings import (
+    NixlEmbeddingTransfer,
+    RedisEmbeddingTransfer,
+    _Arena,
+    make_embedding_transfer,
+)
+from workers.transfer.nixl_kv import nixl_available
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed here")
+
+
+def _embeds(seed: int, shape: tuple[int, ...] = (16, 128)) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_redis_moves_each_embedding_once(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_db(redis_url, 12))
+    enc, pd = RedisEmbeddingTransfer(r), RedisEmbeddingTransfer(r)
+    a, b = _embeds(1), _embeds(2, (576, 64)).to(torch.bfloat16)
+    ma, mb = enc.export("req", "aa", a), enc.export("req", "bb", b)
+    assert torch.equal(pd.pull(mb, 5), b) and torch.equal(pd.pull(ma, 5), a)
+    assert pd.transfers == 2 and pd.bytes_moved == a.numel() * 4 + b.numel() * 2
+    with pytest.raises(TransferError):  # read once: the key is gone
+        pd.pull(ma, 5)
+    assert not r.exists(ma["key"])
+
+
+@needs_nixl
+def test_nixl_reads_from_the_encode_workers_arena_and_frees_it(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_db(redis_url, 12))
+    enc = NixlEmbeddingTransfer(r, "enc-w", arena_mb=4)
+    pd = NixlEmbeddingTransfer(r, "pd-w", arena_mb=4)
+    try:
+        full = enc._arena.free_bytes
+        xs = [_embeds(i, (16 + i, 96)) for i in range(3)]
+        metas = [enc.export("req", f"h{i}", x) for i, x in enumerate(xs)]
+        assert enc._arena.free_bytes < full
+        for x, m in zip(reversed(xs), reversed(metas), strict=True):
+            assert torch.equal(pd.pull(m, 10), x)
+        # the pulls tell the encode side: its slots come back
+        wait_for(lambda: enc._arena.free_bytes == full, 10, "the slots released")
+        assert pd._arena.free_bytes == pd._arena.buf.numel()  # nothing kept on the pull side
+        with pytest.raises(TransferError):
+            enc.export("req", "huge", torch.zeros(2 << 20))  # 8 MB into a 4 MB arena
+    finally:
+        pd.close()
+        enc.close()
+
+
+@needs_nixl
+def test_nixl_frees_an_embedding_nobody_pulled(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_db(redis_url, 12))
+    enc = NixlEmbeddingTransfer(r, "enc-x", arena_mb=1, pin_timeout_s=0.5)
+    try:
+        full = enc._arena.free_bytes
+        enc.export("req", "lost", _embeds(3))
+        time.sleep(0.7)
+        wait_for(lambda: enc._arena.free_bytes == full, 5, "the abandoned slot freed")
+    finally:
+        enc.close()
+
+
+def test_arena_slots_coalesce() -> None:
+    arena = _Arena(16 * 4096)
+    offs = [arena.alloc(4096 * 3) for _ in range(5)]
+    assert offs == [0, 12288, 24576, 36864, 49152] and arena.alloc(4096 * 2) is None
+    for off in (offs[1], offs[3], offs[2]):
+        arena.free(off, 4096 * 3)
+    assert arena.alloc(4096 * 9) == 12288  # three neighbours merged back into one run
+
+
+def test_auto_picks_a_backend(redis_url: str) -> None:
+    t = make_embedding_transfer("auto", redis.Redis.from_url(redis_db(redis_url, 12)), "w")
+    try:
+        assert t.name == ("nixl" if nixl_available() else "redis")
+    finally:
+        t.close()
+    with pytest.raises(ValueError):
+        make_embedding_transfer("carrier-pigeon", redis.Redis.from_url(redis_url), "w")
