@@ -25,7 +25,7 @@ from api import routes_openai, routes_ops
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
 from api.metrics import ApiMetrics
-from api.middleware import AccessMiddleware
+from api.middleware import AccessMiddleware, AuthMiddleware
 from api.runner import Runner
 from api.state import ApiState
 from api.streams import StreamHub
@@ -66,6 +66,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.conveyor = st
     install_error_handlers(app)
     app.add_middleware(AccessMiddleware, max_body_bytes=s.max_body_bytes, metrics=metrics)
+    keys = s.api_key_list
+    if keys:  # outermost: an unauthenticated request is answered before anything reads it
+        app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api_keys_protect_ops)
     app.include_router(routes_openai.router)
     app.include_router(routes_ops.router)
     return app

@@ -1,10 +1,12 @@
-"""Pure-ASGI middleware: request body size limit (413) and per-endpoint status counts.
+"""Pure-ASGI middleware: API keys (401), request body size limit (413) and per-endpoint
+status counts.
 
 Pure ASGI rather than ``BaseHTTPMiddleware`` so SSE responses stream untouched.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -89,3 +91,46 @@ class AccessMiddleware:
     def _count(self, path: str, status: int) -> None:
         if path.startswith("/v1/"):
             self.metrics.requests.labels(path, str(status)).inc()
+
+
+class AuthMiddleware:
+    """``Authorization: Bearer <key>`` with one of ``keys`` for ``/v1/...`` (and, with
+    ``protect_ops``, ``/health`` and ``/metrics``), as OpenAI and vLLM's ``--api-key`` do;
+    anything else answers 401 in OpenAI's error shape. Keys compare in constant time."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], protect_ops: bool = False) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+        self.protect_ops = protect_ops
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._protected(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                if scheme.lower() != b"bearer":
+                    given = b""
+                break
+        if given and any(hmac.compare_digest(given.strip(), k) for k in self.keys):
+            await self.app(scope, receive, send)
+            return
+        message = (
+            "Incorrect API key provided."
+            if given
+            else ("You didn't provide an API key: send it as 'Authorization: Bearer <key>'.")
+        )
+        body = json.dumps(error_body(message, "invalid_request_error", None,
+                                     "invalid_api_key")).encode()  # fmt: skip
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    def _protected(self, path: str) -> bool:
+        if path.startswith("/v1/"):
+            return True
+        return self.protect_ops and path in ("/health", "/metrics")

@@ -167,8 +167,8 @@ class Runner:
         except (RedisError, OSError) as e:  # the router's state lives in Redis
             raise OpenAIError(503, f"Redis did not answer the router: {e}", "server_error",
                               None, "redis_unavailable") from e  # fmt: skip
-        if p.fallback is not None:
-            self.metrics.disagg_fallbacks.labels(p.fallback).inc()
+        for why in p.fallbacks:
+            self.metrics.disagg_fallbacks.labels(why).inc()
         n_blocks = len(route_req.block_hashes)
         for route in p.routes:
             self.metrics.routing_decisions.labels(route.pool, route.reason).inc()
@@ -200,7 +200,7 @@ class Runner:
             raise
         log.info("[%s] sent %s (%d prompt tokens)%s", stream_id,
                  " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
-                 f" [aggregated: {p.fallback}]" if p.fallback else "")  # fmt: skip
+                 f" [fell back: {', '.join(p.fallbacks)}]" if p.fallbacks else "")  # fmt: skip
         return run
 
     async def _send(self, p: Plan, payload: StagePayload) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from tasks.modes import ALL_POOLS, MODES
+from tasks.modes import ALL_POOLS, MODE_NAMES, MODES
 from tasks.settings import DEFAULT_MODEL_DIR, Settings, configure
 
 log = logging.getLogger("conveyor")
@@ -212,7 +212,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
 @main.command()
 @click.option("--host", help="Bind address [CONVEYOR_HOST] (127.0.0.1)")
 @click.option("--port", type=int, help="Port [CONVEYOR_PORT] (8000)")
-@click.option("--mode", type=click.Choice(list(MODES)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--mode", type=click.Choice(MODE_NAMES), help="[CONVEYOR_MODE] (agg)")
 @click.option(
     "--disagg-min-prompt-tokens", type=int,
     help="disagg: shorter prompts prefill on the decode worker [CONVEYOR_DISAGG_MIN_PROMPT_TOKENS]",
@@ -260,7 +260,7 @@ def flower(host: str, port: int | None, redis_url: str | None) -> None:
 
 
 @main.command()
-@click.option("--mode", type=click.Choice(list(MODES)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--mode", type=click.Choice(MODE_NAMES), help="[CONVEYOR_MODE] (agg)")
 @click.option("--watch", type=float, metavar="SECONDS", help="Print again every SECONDS.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per snapshot.")
 @_redis_opt
@@ -349,7 +349,7 @@ def model_init(directory: Path | None, force: bool) -> None:
     help="Stop everything when any process exits, instead of restarting it "
     "[CONVEYOR_SERVE_RESTART=false]",
 )  # fmt: skip
-@click.option("--mode", type=click.Choice(list(MODES)), help="[CONVEYOR_MODE] (agg)")
+@click.option("--mode", type=click.Choice(MODE_NAMES), help="[CONVEYOR_MODE] (agg)")
 @click.option("--workers", type=int, help="Workers per pool [CONVEYOR_WORKERS] (1)")
 @click.option("--prefill-workers", type=int, help="disagg: prefill workers (default --workers)")
 @click.option("--decode-workers", type=int, help="disagg: decode workers (default --workers)")

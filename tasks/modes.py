@@ -7,10 +7,21 @@ and the worker services of ``docker-compose.yml`` (a test holds the file to the 
 Adding a mode is adding a row.
 
 A stage marked ``optional`` may be left out of a request's chain, as Dynamo degrades: when
-its pool has no live worker, or when the work it would take off the next stage is too
-small to be worth a transfer (a prompt whose uncached part is shorter than
-``disagg_min_prompt_tokens``). The next stage then runs the task :data:`MERGED` names for
-the pair, doing both stages' work on one worker.
+its pool has no live worker, when the work it would take off the next stage is too small
+to be worth a transfer (a prompt whose uncached part is shorter than
+``disagg_min_prompt_tokens``), or, for an encode stage, when the request has no image. The
+next stage then runs the task :data:`MERGED` names for the pair, doing both stages' work
+on one worker (a worker that gets images and no embeddings encodes them itself).
+
+The multimodal modes, as Dynamo names them (E encode, P prefill, D decode; a slash
+separates what runs on different workers)::
+
+    agg    EPD    generate                       one worker encodes, prefills, decodes
+    e-pd   E/PD   encode -> generate             embeddings encode -> PD worker
+    e-p-d  E/P/D  encode -> prefill -> decode    embeddings encode -> P; KV P -> D
+    ep-d   EP/D   prefill -> decode              the prefill worker encodes; KV P -> D
+
+``disagg`` is ``ep-d``'s name from before images (text prefill/decode).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ class Stage:
     pool: str  # the worker pool it runs on
     optional: bool = False  # the chain may leave it out (see the module's docstring)
     kv_transfer: bool = False  # hands KV to the next stage or takes it from the last
+    encodes: bool = False  # runs the vision encoder and hands the embeddings on
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,34 +58,46 @@ class Mode:
         """Whether ``pool``'s workers need a KV transfer backend in this mode."""
         return any(s.kv_transfer for s in self.stages if s.pool == pool)
 
+    def encodes(self, pool: str) -> bool:
+        """Whether ``pool``'s workers are encoders (vision tower only, no text engine)."""
+        return any(s.encodes for s in self.stages if s.pool == pool)
+
 
 # (the optional stage left out, the stage after it) -> the task the latter runs instead
 MERGED: dict[tuple[str, str], str] = {
     ("prefill", "decode"): "generate",  # the decode worker prefills the prompt itself
+    ("encode", "generate"): "generate",  # the PD worker encodes the images itself
+    ("encode", "prefill"): "prefill",  # the prefill worker encodes the images itself
 }
+
+_ENCODE = Stage("encode", "encode", optional=True, encodes=True)
+_PREFILL = Stage("prefill", "prefill", optional=True, kv_transfer=True)
+_DECODE = Stage("decode", "decode", kv_transfer=True)
 
 MODES: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("agg", (Stage("generate", "generate"),),
-             "one worker prefills and decodes each request"),
-        Mode(
-            "disagg",
-            (Stage("prefill", "prefill", optional=True, kv_transfer=True),
-             Stage("decode", "decode", kv_transfer=True)),
-            "prefill workers compute the prompt and hand its KV to decode workers",
-        ),
+             "EPD: one worker encodes, prefills and decodes each request"),
+        Mode("e-pd", (_ENCODE, Stage("generate", "generate")),
+             "E/PD: encode workers run the vision tower; a PD worker prefills and decodes"),
+        Mode("e-p-d", (_ENCODE, _PREFILL, _DECODE),
+             "E/P/D: encode, prefill and decode workers; embeddings E->P, KV P->D"),
+        Mode("ep-d", (_PREFILL, _DECODE),
+             "EP/D: prefill workers encode and prefill, then hand the KV to decode workers"),
     )
 }  # fmt: skip
+ALIASES = {"disagg": "ep-d"}  # names kept for the modes they meant before images
 
 ALL_POOLS: tuple[str, ...] = tuple(sorted({p for m in MODES.values() for p in m.pools}))
+MODE_NAMES: tuple[str, ...] = (*MODES, *ALIASES)  # what --mode and CONVEYOR_MODE accept
 
 
 def get_mode(name: str) -> Mode:
     try:
-        return MODES[name]
+        return MODES[ALIASES.get(name, name)]
     except KeyError:
-        raise ValueError(f"unknown mode {name!r}; known: {sorted(MODES)}") from None
+        raise ValueError(f"unknown mode {name!r}; known: {', '.join(MODE_NAMES)}") from None
 
 
 def merged(skipped: str, nxt: str) -> str:

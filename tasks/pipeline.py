@@ -15,7 +15,7 @@ transfer); the next stage then runs the merged task (:data:`tasks.modes.MERGED`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from celery import chain
 from celery.canvas import Signature
@@ -32,11 +32,11 @@ TASKS = {"generate": generate, "prefill": prefill, "decode": decode}
 
 @dataclass(slots=True)
 class Plan:
-    """Which task runs where, in order; ``fallback`` says why an optional stage was left
+    """Which task runs where, in order; ``fallbacks`` say why optional stages were left
     out (``no_<pool>_worker`` / ``short_prompt``)."""
 
     steps: list[tuple[str, Route]]
-    fallback: str | None = None
+    fallbacks: list[str] = field(default_factory=list)
 
     @property
     def routes(self) -> list[Route]:
@@ -73,15 +73,17 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
         return route
 
     steps: list[tuple[str, Route]] = []  # filled from the last stage back
-    fallback = None
+    fallbacks: list[str] = []
     try:
         for stage in reversed(s.serving_mode.stages):
             if stage.optional:
                 nxt_task, nxt = steps[0]
                 uncached = req.prompt_len - nxt.overlap_blocks * s.block_size
                 pin_pending = bool(req.pin) and not pin_used  # the pin may name this pool
-                route = None
-                if stage.kv_transfer and uncached < s.disagg_min_prompt_tokens \
+                route, why = None, None
+                if stage.encodes and not req.images:
+                    pass  # nothing to encode: not a fallback
+                elif stage.kv_transfer and uncached < s.disagg_min_prompt_tokens \
                         and not pin_pending:  # fmt: skip
                     why = "short_prompt"
                 else:
@@ -89,7 +91,8 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
                     why = f"no_{stage.pool}_worker"
                 if route is None:
                     steps[0] = (merged(stage.task, nxt_task), nxt)
-                    fallback = why
+                    if why is not None:
+                        fallbacks.append(why)
                     continue
             else:
                 route = await pick(stage.pool)
@@ -103,7 +106,7 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
     except BaseException:
         await router.release(*picked)
         raise
-    return Plan(steps, fallback)
+    return Plan(steps, fallbacks)
 
 
 def build_chain(p: Plan, payload: StagePayload) -> Signature:

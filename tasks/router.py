@@ -166,6 +166,7 @@ class RouteRequest:
     prompt_len: int
     pin: str | None = None  # a worker id the request must run on
     exclude: set[str] = field(default_factory=set)  # worker ids it must not run on
+    images: int = 0  # images in the prompt (an encode stage runs only for those)
 
 
 @dataclass(slots=True)

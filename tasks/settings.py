@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from tasks.modes import MODES, Mode, get_mode
+from tasks.modes import MODE_NAMES, Mode, get_mode
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 DEFAULT_SERVE_DIR = Path.home() / ".cache" / "conveyor" / "serve"
@@ -50,6 +51,14 @@ class Settings(BaseSettings):
         "false: Flower's stock list (the queues the workers reported when Flower last "
         "inspected them).",
     )
+    api_keys: str | None = Field(
+        None,
+        description="API keys clients must send as 'Authorization: Bearer <key>': comma-"
+        "separated, or '@/path/to/file' with one per line; unset: no auth.",
+    )
+    api_keys_protect_ops: bool = Field(
+        False, description="Require an API key for /health and /metrics too."
+    )
     served_model_name: str | None = Field(
         None, description="Model id clients send; default: the model directory's name."
     )
@@ -73,9 +82,14 @@ class Settings(BaseSettings):
     # --- deployment ----------------------------------------------------------------------
     model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
     mode: str = Field(
-        "agg", description=f"Serving mode, a row of the stage table: {', '.join(MODES)}."
+        "agg", description=f"Serving mode, a row of the stage table: {', '.join(MODE_NAMES)}."
     )
     workers: int = Field(1, ge=0, description="Worker processes per pool (conveyor serve).")
+    encode_workers: int | None = Field(
+        None,
+        ge=0,
+        description="Encode workers in the e-pd and e-p-d modes (serve); default: workers.",
+    )
     prefill_workers: int | None = Field(
         None, ge=0, description="Prefill workers in disagg mode (serve); default: workers."
     )
@@ -86,6 +100,11 @@ class Settings(BaseSettings):
         None, description="External Redis; unset: `serve` starts an embedded redis-server."
     )
     redis_port: int = Field(6390, description="Port of the embedded Redis (conveyor serve).")
+    redis_password: str | None = Field(
+        None,
+        description="Password of the embedded Redis (serve); unset: serve generates one and "
+        "keeps it in its data dir (mode 0600), where the tools on this host find it.",
+    )
     redis_appendonly: bool = Field(
         False,
         description="Embedded Redis keeps an append-only file in its data dir, so queued "
@@ -247,7 +266,30 @@ class Settings(BaseSettings):
     # --- derived -------------------------------------------------------------------------
     @property
     def effective_redis_url(self) -> str:
-        return self.redis_url or f"redis://127.0.0.1:{self.redis_port}/0"
+        """``redis_url``, else the embedded Redis's, with its password (``redis_password``,
+        else the one ``serve`` generated for its data dir, readable on this host only)."""
+        if self.redis_url:
+            return self.redis_url
+        password = self.redis_password
+        if password is None and self.redis_password_file.is_file():
+            password = self.redis_password_file.read_text().strip()
+        auth = f":{quote(password, safe='')}@" if password else ""
+        return f"redis://{auth}127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def api_key_list(self) -> list[str]:
+        """The configured API keys (``api_keys``, or the lines of the file it names)."""
+        raw = self.api_keys or ""
+        if raw.startswith("@"):
+            lines = Path(raw[1:]).expanduser().read_text().splitlines()
+        else:
+            lines = raw.split(",")
+        return [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+
+    @property
+    def redis_password_file(self) -> Path:
+        """Where ``serve`` keeps the embedded Redis's generated password (mode 0600)."""
+        return self.redis_data_dir / "password"
 
     @property
     def serve_state_file(self) -> Path:
@@ -274,7 +316,8 @@ class Settings(BaseSettings):
 
     def workers_in(self, pool: str) -> int:
         """How many workers ``conveyor serve`` starts for ``pool``."""
-        own = {"prefill": self.prefill_workers, "decode": self.decode_workers}.get(pool)
+        own = {"encode": self.encode_workers, "prefill": self.prefill_workers,
+               "decode": self.decode_workers}.get(pool)  # fmt: skip
         return self.workers if own is None else own
 
 

@@ -14,6 +14,12 @@ other processes wait for it before they are restarted. ``serve_crash_loop_exits`
 one process within the window stop the deployment, as does any exit with
 ``serve_restart`` off; ``serve`` then exits 1. The process table goes to
 ``Settings.serve_state_file`` on every change, for ``conveyor status``.
+
+Isolation: before anything starts, the API's, Flower's and the embedded Redis's ports must
+be free (a taken one is a one-line error naming the setting that moves it, and nothing is
+left running); the embedded Redis requires a password (``redis_password``, else one
+generated for its data dir), and the Redis answering on its port must be the process
+``serve`` started. Two deployments with different ports share nothing.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +121,10 @@ class Supervisor:
             log.error("conveyor serve (pid %d) already serves on port %d: set --port",
                       other.supervisor_pid, self.s.port)  # fmt: skip
             return 1
+        taken = self._taken_port()
+        if taken is not None:
+            log.error("%s", taken)
+            return 1
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         code = 0
@@ -120,6 +132,7 @@ class Supervisor:
             if self.s.redis_url is None:
                 self._start_redis()
             self._wait_redis()
+            self._check_redis_is_ours()
             env = settings_env(self.s)
             me = [sys.executable, "-m", "tasks.cli"]
             for pool in self.s.pools:
@@ -208,6 +221,45 @@ class Supervisor:
         self._reason = self._reason or f"stopped by {name}"
         self._stop = True
 
+    def _taken_port(self) -> str | None:
+        """Why ``serve`` cannot start (a port it needs is taken), or ``None``."""
+        wanted = [(self.s.host, self.s.port, "the API", "--port / CONVEYOR_PORT")]
+        if self.flower:
+            wanted.append(("127.0.0.1", self.s.flower_port, "Flower",
+                           "--flower-port / CONVEYOR_FLOWER_PORT"))  # fmt: skip
+        if self.s.redis_url is None:
+            wanted.append(("127.0.0.1", self.s.redis_port, "the embedded Redis",
+                           "--redis-port / CONVEYOR_REDIS_PORT"))  # fmt: skip
+        for host, port, what, setting in wanted:
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    return f"port {port} ({what}) is taken: set {setting}"
+        return None
+
+    def _check_redis_is_ours(self) -> None:
+        """The embedded Redis answering is the process we started, not another server that
+        took the port first (its process id, as Redis reports it)."""
+        if self._redis is None or self._redis.proc is None:
+            return
+        pid = redis.Redis.from_url(self.s.effective_redis_url).info("server")["process_id"]
+        if int(pid) != self._redis.proc.pid:
+            raise RuntimeError(f"port {self.s.redis_port} answers with another Redis (pid "
+                               f"{pid}), not ours: set --redis-port")  # fmt: skip
+
+    def _redis_password(self) -> str:
+        """``redis_password``, else the one generated for this data dir (kept, 0600)."""
+        if self.s.redis_password:
+            return self.s.redis_password
+        f = self.s.redis_password_file
+        if not f.is_file():
+            f.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(24))
+        return f.read_text().strip()
+
     def _table(self) -> list[_Child]:
         return ([self._redis] if self._redis is not None else []) + self.children
 
@@ -231,8 +283,14 @@ class Supervisor:
         data = self.s.redis_data_dir
         data.mkdir(parents=True, exist_ok=True)
         persist = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        # the password goes in a file only this user reads, not on the command line (ps)
+        conf = data / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"requirepass {self._redis_password()}\n")
         argv = [
             exe,
+            str(conf),
             "--port", str(self.s.redis_port),
             "--bind", "127.0.0.1",
             "--dir", str(data),

@@ -66,13 +66,14 @@ def serving(tmp_path: Path, model_dir: Path, *flags: str, **env_extra: str) -> I
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env.update(CONVEYOR_HEARTBEAT_S="0.5", CONVEYOR_WORKER_TTL_S=str(TTL_S),
                CONVEYOR_SERVE_STATE_DIR=str(tmp_path / "state"), PYTHONUNBUFFERED="1",
-               **env_extra)  # fmt: skip
+               CONVEYOR_REDIS_PASSWORD="supervised", **env_extra)  # fmt: skip
     argv = [str(BIN / "conveyor"), "serve", "--engine", "mock", "--model", str(model_dir),
             "--port", str(api_port), "--flower-port", str(flower_port),
             "--redis-port", str(redis_port), *flags]  # fmt: skip
     proc = spawn("serve", argv, env, tmp_path)
     s = Serve(proc, f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{flower_port}",
-              f"redis://127.0.0.1:{redis_port}/0", tmp_path / "state" / f"{api_port}.json",
+              f"redis://:supervised@127.0.0.1:{redis_port}/0",
+              tmp_path / "state" / f"{api_port}.json",
               model_dir.name, argv, env)  # fmt: skip
     kids: set[int] = set()
     try:
