@@ -50,6 +50,7 @@ CANCELLED_TTL_S = 3 * 3600  # longer than the broker's visibility timeout (1 h)
 SEND_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.05,
                      "interval_max": 0.05}  # fmt: skip
 SEND_TIMEOUT_S = 2.0  # the asynchronous part of a send: the broker's answer, retries included
+HUB_READY_TIMEOUT_S = 5.0  # a request waits up to this for the token streams' subscription
 
 
 @dataclass
@@ -113,6 +114,9 @@ class Runner:
         another worker (up to ``dispatch_attempts`` in all). Each attempt streams on its own
         id (``<id>``, ``<id>.r1``, ...), so a late answer from a lost attempt can never mix
         into the stream of the next one, and is cancelled like any abandoned request."""
+        if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
+            raise OpenAIError(503, "Redis is not answering (token streams are down)",
+                              "server_error", None, "redis_unavailable")  # fmt: skip
         attempts = self.s.dispatch_attempts
         hashes = block_hashes(prompt_ids, self.s.block_size, self._namespace)
         route_req = RouteRequest(hashes, len(prompt_ids), pin)

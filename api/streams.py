@@ -179,6 +179,17 @@ class StreamHub:
                 pass
         self._conn.close()
 
+    async def ready(self, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until the pattern subscription stands: after a lost
+        connection, frames published before it is back would reach nobody."""
+        if self._pattern_ready.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._pattern_ready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
     def new_request_id(self, prefix: str) -> str:
         """``<prefix>-`` and 32 hex digits, the first 8 this hub's tag (96 random bits)."""
         return f"{prefix}-{self.tag}{uuid.uuid4().hex[len(self.tag) :]}"

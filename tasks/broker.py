@@ -195,6 +195,7 @@ class Channel(kombu_redis.Channel):
     _multi_pop: bool | None = None  # BLMPOP in place of BRPOP (decided on first use)
     _popping_many = False  # the command in flight on the consumer's connection is BLMPOP
 
+
     def _brpop_start(self, timeout: int | None = None) -> None:
         """Wait for the next messages: kombu sends ``BRPOP`` on every queue, one message per
         round trip; here (Redis >= 7) ``BLMPOP`` on the same keys in the same order takes up
@@ -289,8 +290,27 @@ class Channel(kombu_redis.Channel):
                 self._qos.flush()
             except Exception as e:  # noqa: BLE001 - redelivered later, then skipped
                 log.warning("unacked bookkeeping not written before closing: %s", e)
-        self._sync_client = None
-        super().close()
+        # kombu's close first reads the answer of a BRPOP in flight; with the broker gone
+        # that read raises, the close stops half done (pools dropped, the channel not
+        # marked closed), and Celery's next close of it fails with an AttributeError that
+        # stops the worker (kombu 5.7, the stock transport too). Nothing can come from a
+        # dead connection: let the close go on, as it would for an empty answer.
+        if self._in_poll:
+            try:
+                self._brpop_read()
+            except Empty:
+                pass
+            except self.connection_errors as e:
+                log.info("broker: the pending read died with the connection (%s)", e)
+            finally:
+                self._in_poll = None
+        # kombu's close then restores the unacked messages through conn_or_acquire: our
+        # client must still be there (a Redis that is away is a ConnectionError then, which
+        # Celery recovers from)
+        try:
+            super().close()
+        finally:
+            self._sync_client = None
 
 
 class Transport(kombu_redis.Transport):

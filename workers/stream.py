@@ -125,6 +125,11 @@ class FramePublisher:
         self._conn.register_connect_callback(self._on_connect)
         self.frames_published = 0
         self.publish_errors = 0
+        # while Redis is away: since when, the frames dropped, the next try and its spacing
+        self._down_since: float | None = None
+        self._dropped = 0
+        self._retry_at = 0.0
+        self._retry_s = 0.0
 
     def publish_outputs(self, outputs: list[RequestOutput]) -> None:
         try:
@@ -224,12 +229,28 @@ class FramePublisher:
         return _publish_head(request_id)
 
     def _connect(self, frames: int) -> bool:
+        """Connect for a write of ``frames`` frames. While Redis is away, tries are spaced
+        (0.1 s doubling to 2 s: the engine steps every few ms) and the frames in between
+        are dropped; the log says when it went and, once back, what was lost."""
+        now = time.monotonic()
+        if now < self._retry_at:
+            self._dropped += frames
+            return False
         try:
             self._conn.connect()  # runs _on_connect
         except (redis.RedisError, OSError) as e:
-            log.error("connecting to Redis failed, %d frames dropped: %s", frames, e)
+            if self._down_since is None:
+                log.error("connecting to Redis failed, dropping frames until it answers: %s", e)
+                self._down_since = now
+            self._dropped += frames
+            self._retry_s = min(2.0, self._retry_s * 2 if self._retry_s else 0.1)
+            self._retry_at = now + self._retry_s
             self._lost(e)
             return False
+        if self._down_since is not None:
+            log.warning("Redis answers again after %.1f s; %d frames were dropped meanwhile",
+                        now - self._down_since, self._dropped)  # fmt: skip
+        self._down_since, self._dropped, self._retry_s, self._retry_at = None, 0, 0.0, 0.0
         return True
 
     def _on_connect(self, conn: redis.connection.AbstractConnection) -> None:

@@ -1,0 +1,129 @@
+"""Redis goes away for 5 s and comes back on the same port, with and without persistence
+(real redis-server, real workers and API, the official openai client): streams in flight
+end with a clear error event or complete, never hang; /health says 503 while Redis is
+away; the next 20 requests succeed within 10 s of its return with no process restarted;
+KV-aware routing finds cached prefixes again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tasks.supervisor import redis_server_binary
+from tests.integration.conftest import (
+    Proc,
+    base_env,
+    free_port,
+    spawn,
+    start_api,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "The cache holds blocks of sixteen tokens; a prefix that is shared is computed once. " * 3
+
+
+def _redis(d: Path, port: int, persist: bool) -> Proc:
+    argv = [redis_server_binary() or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+            "--dir", str(d), "--save", "",
+            *(["--appendonly", "yes", "--appendfsync", "always"] if persist else
+              ["--appendonly", "no"])]  # fmt: skip
+    p = spawn(f"redis-{time.monotonic_ns()}", argv, dict(os.environ), d)
+    wait_for(lambda: redis.Redis(port=port).ping(), 10, "redis-server", [p])
+    return p
+
+
+async def _stream(url: str, model: str, prompt: str, n: int) -> tuple[str, str | None]:
+    """(text, error) of one streamed completion; an error event ends it with its message."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    text: list[str] = []
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=n, stream=True, extra_body={"ignore_eos": True}
+        )
+        async for chunk in stream:
+            text += [c.text for c in chunk.choices]
+        return "".join(text), None
+    except openai.APIError as e:
+        return "".join(text), str(e)
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("persist", [False, True])
+def test_everything_survives_a_redis_restart(
+    tiny_model_dir: Path, tmp_path: Path, persist: bool
+) -> None:
+    port = free_port()
+    url_r = f"redis://127.0.0.1:{port}/0"
+    rd = _redis(tmp_path, port, persist)
+    env = base_env(url_r, tiny_model_dir, CONVEYOR_ENGINE="mock")  # 5 ms a step
+    workers = [start_worker(f"rr-w{i}", "generate", f"rr-w{i}", env, tmp_path) for i in range(2)]
+    procs = [*workers]
+    try:
+        with stop_on_error(*workers):
+            api, url = start_api("rr-api", env, tmp_path)
+        procs.append(api)
+        wait_for(lambda: httpx.get(f"{url}/health").json()["workers"]["generate"] == 2, 60,
+                 "2 workers", procs)  # fmt: skip
+        model = tiny_model_dir.name
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        first = c.completions.create(model=model, prompt=PREFIX + "one", max_tokens=4)
+        assert first.usage.completion_tokens == 4
+
+        async def outage() -> list[tuple[str, str | None]]:
+            streams = [asyncio.ensure_future(_stream(url, model, f"long {i}", 1500))
+                       for i in range(4)]  # fmt: skip
+            await asyncio.sleep(1.0)  # they are streaming (~8 s each)
+            rd.stop(signal.SIGKILL)
+            await asyncio.sleep(1.0)
+            async with httpx.AsyncClient() as h:  # Redis away: unhealthy, said at once
+                health = await h.get(f"{url}/health", timeout=5)
+            assert health.status_code == 503, health.text
+            await asyncio.sleep(4.0)
+            return await asyncio.wait_for(asyncio.gather(*streams), 120)
+
+        loop = asyncio.new_event_loop()
+        try:
+            streams = loop.run_until_complete(outage())
+        finally:
+            loop.close()
+        # every stream in flight ended: with an error event saying why, or whole
+        for text, err in streams:
+            assert err is not None or text, (text, err)
+        back = time.monotonic()
+        _redis(tmp_path, port, persist)
+        ok = 0
+        deadline = back + 10 + 60  # the first within 10 s of Redis's return, then 20 in all
+        while ok < 20 and time.monotonic() < deadline:
+            try:
+                out = c.completions.create(model=model, prompt=f"after {ok}", max_tokens=3)
+                assert out.usage.completion_tokens == 3
+                if ok == 0:
+                    assert time.monotonic() - back <= 10, "no request succeeded within 10 s"
+                ok += 1
+            except openai.APIError:
+                assert ok == 0, "a request failed once Redis was back and serving"
+                time.sleep(0.2)
+        assert ok == 20
+        assert all(p.popen.poll() is None for p in procs), "a process died or was restarted"
+        # KV routing hits come back: the index is rebuilt from the workers' snapshots
+        hits = [c.completions.create(model=model, prompt=PREFIX + f"again {i}", max_tokens=2)
+                .usage.prompt_tokens_details.cached_tokens for i in range(6)]  # fmt: skip
+        assert max(hits[1:]) > 0, hits
+    finally:
+        for p in procs:
+            p.stop()
+        subprocess.run(["pkill", "-f", f"--port {port}"], check=False)
