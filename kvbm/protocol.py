@@ -13,7 +13,7 @@ Public part:
                         heartbeat wrote into its pool's ``alive`` ZSET lies ahead of
                         Redis's clock), used by every reader
     block hashing       block_hashes (chained, seeded, with per-block extra keys),
-                        model_namespace, extra_keys_for_spans
+                        model_namespace, extra_keys_for_spans, image_extra_key
     TokenFrame          one frame of a token stream: built by a worker, parsed by the API
     Sampling            the sampling parameters a request carries to the engine
     StagePayload        what every stage task receives
@@ -303,6 +303,12 @@ def extra_keys_for_spans(
         for b in range(start // block_size, min(-(-end // block_size), n_blocks)):
             out[b].append(key)
     return [tuple(keys) for keys in out]
+
+
+def image_extra_key(image_hash: str) -> str:
+    """The extra key of the blocks an image's placeholder tokens cover (a span key for
+    :func:`extra_keys_for_spans`), from the image's content hash."""
+    return "img:" + image_hash
 
 
 # ======================================================================================

@@ -7,7 +7,7 @@
     conveyor flower             Celery Flower against the configured broker
     conveyor queues             every stage queue's depth (pool, worker), in a terminal
     conveyor worker-health      exit 0 if a worker of this host is alive (container checks)
-    conveyor model init [DIR]   write the tiny default checkpoint
+    conveyor model init [DIR]   write the tiny default checkpoint (--preset llava-1.5-like)
 
 Flags override ``CONVEYOR_*`` environment variables; both feed the one settings object.
 """
@@ -325,16 +325,26 @@ def model() -> None:
 @model.command("init")
 @click.argument("directory", required=False, type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite an existing checkpoint.")
-def model_init(directory: Path | None, force: bool) -> None:
+@click.option(
+    "--preset",
+    default="default",
+    show_default=True,
+    help="Model sizes: default, or llava-1.5-like (336-px images, 576 image tokens).",
+)
+def model_init(directory: Path | None, force: bool, preset: str) -> None:
     """Write the tiny default LLaVA checkpoint to DIRECTORY (default: the default model dir)."""
-    from workers.model_init import init_model, is_model_dir
+    from workers.model_init import init_model, is_model_dir, spec_for_preset
 
+    try:
+        spec = spec_for_preset(preset)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--preset") from e
     out = directory or DEFAULT_MODEL_DIR
     if is_model_dir(out) and not force:
         click.echo(f"{out} already holds a model (use --force to overwrite)")
         return
-    init_model(out)
-    click.echo(f"wrote the tiny LLaVA checkpoint to {out}")
+    init_model(out, spec)
+    click.echo(f"wrote the tiny LLaVA checkpoint ({preset}) to {out}")
 
 
 # ----------------------------------------------------------------------------------------

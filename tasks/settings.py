@@ -222,6 +222,12 @@ class Settings(BaseSettings):
         ge=1,
         description="NIXL: threads that pull one transfer's blocks in parallel (16 MiB and up).",
     )
+    encoder_cache_mb: int = Field(
+        256,
+        ge=0,
+        description="MiB of image embeddings each encoding worker keeps (LRU, by the "
+        "image's content hash): an image seen before skips the vision tower; 0: off.",
+    )
     disagg_min_prompt_tokens: int = Field(
         256, ge=0, description="Shorter prompts are prefilled on the decode worker itself."
     )

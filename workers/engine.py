@@ -4,10 +4,18 @@
 accounting, stop rules) whose steps run one flattened forward pass for the whole batch —
 prefill chunks and decode tokens together — and sample each finished row with the
 request's own seeded generator.
+
+Image prompts: a request's ``mm_inputs`` give each image's embeddings and the offset of
+its placeholder tokens; every step embeds its tokens and replaces the rows that fall inside
+an image's span by that image's rows, so a prefill chunk may start or end inside an image
+and a preempted request recomputes from the same embeddings. The blocks an image covers
+must carry its hash (``block_extra_keys``), or another image's KV could be reused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from pathlib import Path
 
@@ -16,9 +24,10 @@ from tokenizers import Tokenizer
 
 from workers import paged_kernel
 from workers.checkpoint import TextModelConfig, load_text_weights
-from workers.engine_api import EngineConfig
+from workers.engine_api import EngineConfig, EngineRequest, MMInput, RequestOutput
 from workers.engine_core import EngineCore, token_seed
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
+from workers.output_processor import failed
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
 from workers.sampling import SamplingParams, make_generator, sample
 from workers.scheduler import Seq
@@ -29,8 +38,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Engine(EngineCore):
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(
+        self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
+        image_token_id: int | None = None,  # a vision-language model's placeholder token
+    ) -> None:  # fmt: skip
         cfg = model.cfg
+        self.image_token_id = image_token_id
         super().__init__(tokenizer, config, config.max_model_len or cfg.max_position_embeddings,
                          cfg.eos_token_ids)  # fmt: skip
         self.model = model
@@ -54,7 +67,25 @@ class Engine(EngineCore):
         cfg = TextModelConfig.from_dir(d)
         weights = load_text_weights(d, _DTYPES[config.dtype], config.device)
         tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-        return cls(LlamaModel(cfg, weights), tok, config)
+        raw = json.loads((d / "config.json").read_text())
+        image_token = raw.get("image_token_index", raw.get("image_token_id"))
+        if "vision_config" not in raw:
+            image_token = None
+        return cls(LlamaModel(cfg, weights), tok, config, image_token)
+
+    def add_request(self, req: EngineRequest) -> RequestOutput | None:
+        if req.mm_inputs:
+            why = self._check_mm(req)
+            if why is not None:
+                return failed(req.request_id, len(req.prompt_token_ids), why)
+            # the embeddings once in the model's dtype and device, in prompt order
+            dev, dtype = self.model.device, self.model.dtype
+            mm = []
+            for m in sorted(req.mm_inputs, key=lambda m: m.offset):
+                emb: torch.Tensor = m.embeds  # type: ignore[assignment]
+                mm.append(MMInput(m.offset, emb.to(device=dev, dtype=dtype).contiguous()))
+            req = dataclasses.replace(req, mm_inputs=mm)
+        return super().add_request(req)
 
     def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
         return None if params.greedy else make_generator(params.seed)
@@ -86,10 +117,21 @@ class Engine(EngineCore):
         prefills: list[PrefillSegment] = []
         decodes: list[tuple[int, int, list[int]]] = []
         logits_index: list[int] = []
+        mm_rows: list[int] = []  # rows of the step that take image embeddings ...
+        mm_embeds: list[torch.Tensor] = []  # ... and those embeddings, in row order
         for seq, start, end in batch:
             n = end - start
             table = self.scheduler.block_table(seq.id)
             row = len(ids)
+            if seq.req.mm_inputs:
+                for mm in seq.req.mm_inputs:
+                    emb: torch.Tensor = mm.embeds  # type: ignore[assignment]
+                    lo, hi = max(start, mm.offset), min(end, mm.offset + emb.shape[0])
+                    if lo < hi:
+                        mm_rows.extend(range(row + lo - start, row + hi - start))
+                        mm_embeds.append(emb[lo - mm.offset : hi - mm.offset])
+            elif seq.req.imported is not None and start < seq.num_prompt:
+                self._check_recompute(seq, start, end)
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -111,13 +153,61 @@ class Engine(EngineCore):
             dev,
             kernel=self.decode_kernel,
         )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        embeds = None
+        if mm_rows:
+            embeds = self.model.embed(input_ids)
+            rows = torch.tensor(mm_rows, dtype=torch.long, device=dev)
+            embeds.index_copy_(0, rows, torch.cat(mm_embeds))
         return self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids,
             torch.tensor(pos, dtype=torch.long, device=dev),
             attn,
             self.kv,
             torch.tensor(logits_index, dtype=torch.long, device=dev),
+            inputs_embeds=embeds,
         )
+
+    # ----------------------------------------------------------------------------------
+    def _check_mm(self, req: EngineRequest) -> str | None:
+        """Why ``req.mm_inputs`` cannot run (``None``: they can)."""
+        n, hidden = len(req.prompt_token_ids), self.model.cfg.hidden_size
+        spans: list[tuple[int, int]] = []
+        for m in req.mm_inputs or ():
+            e = m.embeds
+            if not isinstance(e, torch.Tensor) or e.dim() != 2 or e.shape[1] != hidden:
+                shape = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+                return f"image embeddings must be a tensor [tokens, {hidden}], got {shape}"
+            if not (0 <= m.offset and m.offset + e.shape[0] <= n):
+                return (f"image at offset {m.offset} with {e.shape[0]} tokens lies outside "
+                        f"the {n}-token prompt")  # fmt: skip
+            spans.append((m.offset, m.offset + e.shape[0]))
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                return f"images overlap in the prompt (one ends at {end}, the next starts {start})"
+        if self.config.enable_prefix_caching:
+            keys = req.block_extra_keys or []
+            bs = self.config.block_size
+            for start, end in spans:
+                for b in range(start // bs, min(-(-end // bs), n // bs)):
+                    if b >= len(keys) or not keys[b]:
+                        return (
+                            f"block {b} holds image tokens but no extra key names the "
+                            "image: set block_extra_keys (kvbm.protocol.image_extra_key)"
+                        )
+        return None
+
+    def _check_recompute(self, seq: Seq, start: int, end: int) -> None:
+        """An imported request (its prompt's KV pulled from a prefill worker) computes its
+        prompt again only after a preemption: without its images' embeddings that would
+        embed the placeholder tokens as text and give wrong tokens, so refuse it."""
+        img = self.image_token_id
+        if img is not None and img in seq.token_ids[start : min(end, seq.num_prompt)]:
+            raise RuntimeError(
+                f"[{seq.id}] recomputing an image prompt after a preemption, but the "
+                "request carries no mm_inputs: give imported image requests their embeddings"
+            )
 
 
 def _decode_kernel(choice: str, model: LlamaModel) -> PagedDecodeKernel | None:

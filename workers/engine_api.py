@@ -33,6 +33,15 @@ class ImportedPrefill:
 
 
 @dataclass(slots=True)
+class MMInput:
+    """An image's embeddings in a prompt: they stand in for the token embeddings of the
+    prompt's rows ``offset:offset + len(embeds)`` (the image's placeholder tokens)."""
+
+    offset: int  # index in the prompt of the image's first placeholder token
+    embeds: object  # a torch.Tensor [num_tokens, hidden] (this module stays torch-free)
+
+
+@dataclass(slots=True)
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -41,6 +50,9 @@ class EngineRequest:
     forced_first_token: int | None = None  # re-prefill: keep the token already streamed
     imported: ImportedPrefill | None = None
     block_extra_keys: list[ExtraKeys] | None = None  # per block: what else names it
+    # images' embeddings at their placeholder positions; the caller names each image in the
+    # blocks it covers (block_extra_keys: kvbm.protocol.image_extra_key of its hash)
+    mm_inputs: list[MMInput] | None = None
 
 
 @dataclass(slots=True)

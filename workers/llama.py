@@ -166,10 +166,13 @@ class LlamaModel:
         attn: AttentionMetadata,
         kv: PagedKVCache,
         logits_index: torch.Tensor,  # [S] indices into T whose logits are wanted
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: rows used instead of ids
     ) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[len(logits_index), vocab]``."""
+        """Run one step; returns float32 logits ``[len(logits_index), vocab]``. With
+        ``inputs_embeds`` (:meth:`embed` of the ids, some rows replaced by an image's
+        embeddings) the layers read those rows and ``input_ids`` is not looked up."""
         cfg, w = self.cfg, self.w
-        h = w["model.embed_tokens.weight"][input_ids]
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self._rope(positions)
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
@@ -181,6 +184,10 @@ class LlamaModel:
         h = h[logits_index]
         h = _rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
         return F.linear(h, w["lm_head.weight"]).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``[T, hidden]`` of ``input_ids``."""
+        return self.w["model.embed_tokens.weight"][input_ids]
 
     # ----------------------------------------------------------------------------------
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:

@@ -5,8 +5,16 @@ made here: a CLIP-style vision tower, a two-layer projector and a Llama text mod
 random weights from a fixed seed, plus a byte-level BPE tokenizer trained on a corpus kept
 in this module and a chat template. The output is a plain Hugging Face directory
 (``config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
-``generation_config.json``) that ``transformers`` loads as ``LlavaForConditionalGeneration``
-and that Conveyor's engine loads through the same code as any real Llama-family checkpoint.
+``generation_config.json``, and the processor's files: ``preprocessor_config.json``,
+``processor_config.json``, ``chat_template.jinja``) that ``transformers`` loads as
+``LlavaForConditionalGeneration`` and ``AutoProcessor`` (a ``LlavaProcessor`` whose CLIP
+image processor resizes and crops to the tower's ``image_size`` and whose text side
+expands each ``<image>`` into ``image_seq_length`` placeholder tokens), and that
+Conveyor's engine and vision encoder load through the same code as a real checkpoint.
+
+``PRESETS`` names other sizes (``conveyor model init --preset NAME``): ``llava-1.5-like``
+has LLaVA-1.5's image proportions (336-px images, 14-px patches, 576 image tokens) with a
+tower small enough to encode an image in tens of milliseconds on a CPU.
 
 Deterministic: the same arguments give byte-identical files (weights are drawn by this
 module, in sorted parameter order, from one seeded generator — not by ``transformers``).
@@ -80,8 +88,46 @@ class TinyModelSpec:
     vision_heads: int = 4
     image_size: int = 32
     patch_size: int = 8
+    # hidden state(s) of the tower the projector reads (a tuple: concatenated), whether the
+    # CLS row is dropped ("default") or kept ("full"), and the projector's activation
+    vision_feature_layer: int | tuple[int, ...] = -2
+    vision_feature_select_strategy: str = "default"
+    projector_hidden_act: str = "gelu"
     init_std: float = 0.05
     seed: int = 1234
+
+    @property
+    def image_seq_length(self) -> int:
+        """Placeholder tokens per image: one per patch, plus the CLS row under "full"."""
+        patches = (self.image_size // self.patch_size) ** 2
+        return patches + (1 if self.vision_feature_select_strategy == "full" else 0)
+
+
+# Named sizes for ``conveyor model init --preset``. "llava-1.5-like": LLaVA-1.5's image
+# proportions (336-px images, 14-px patches: 576 image tokens per image, CLIP's second-last
+# layer) with a tower of 4 x 256-wide layers (about 40 ms an image on one core of the
+# development machine) and a text model twice the default's width.
+PRESETS: dict[str, TinyModelSpec] = {
+    "default": TinyModelSpec(),
+    "llava-1.5-like": TinyModelSpec(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        vision_hidden_size=256,
+        vision_intermediate_size=1024,
+        vision_layers=4,
+        vision_heads=4,
+        image_size=336,
+        patch_size=14,
+    ),
+}
+
+# CLIP's pixel normalisation (transformers.utils.constants.OPENAI_CLIP_MEAN / _STD).
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 # ----------------------------------------------------------------------------------------
@@ -100,9 +146,17 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
         out / "generation_config.json",
         {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD},
     )
+    _write_processor(out, spec)
     tensors = _llava_weights(spec, vocab)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def spec_for_preset(name: str) -> TinyModelSpec:
+    """The spec a preset names; ``ValueError`` listing the presets for an unknown name."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
 
 
 # ----------------------------------------------------------------------------------------
@@ -156,16 +210,59 @@ def _write_tokenizer(out: Path, vocab_size: int) -> int:
     return tok.get_vocab_size()
 
 
+def _write_processor(out: Path, s: TinyModelSpec) -> None:
+    """What ``AutoProcessor`` needs beyond the tokenizer: a CLIP image processor (shortest
+    edge resized to the tower's size, bicubic, then center-cropped to a square; pixels
+    rescaled to [0, 1] and normalised with CLIP's mean and std; any mode converted to RGB)
+    and the ``LlavaProcessor`` settings that make each ``<image>`` ``image_seq_length``
+    tokens (patches + the CLS row, minus it under the "default" strategy)."""
+    size = s.image_size
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "processor_class": "LlavaProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": size},
+            "resample": 3,  # PIL.Image.BICUBIC
+            "do_center_crop": True,
+            "crop_size": {"height": size, "width": size},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "do_convert_rgb": True,
+        },
+    )
+    _write_json(
+        out / "processor_config.json",
+        {
+            "processor_class": "LlavaProcessor",
+            "image_token": SPECIAL_TOKENS[IMAGE],
+            "patch_size": s.patch_size,
+            "vision_feature_select_strategy": s.vision_feature_select_strategy,
+            "num_additional_image_tokens": 1,  # CLIP's class embedding
+        },
+    )
+    # the processor reads its chat template from here (the tokenizer's is the same text)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+
 def _llava_config(s: TinyModelSpec, vocab: int) -> dict:
     return {
         "architectures": ["LlavaForConditionalGeneration"],
         "model_type": "llava",
         "image_token_index": IMAGE,
-        "image_seq_length": (s.image_size // s.patch_size) ** 2,
-        "projector_hidden_act": "gelu",
+        "image_seq_length": s.image_seq_length,
+        "projector_hidden_act": s.projector_hidden_act,
         "multimodal_projector_bias": True,
-        "vision_feature_layer": -2,
-        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": (
+            list(s.vision_feature_layer)
+            if isinstance(s.vision_feature_layer, tuple)
+            else s.vision_feature_layer
+        ),
+        "vision_feature_select_strategy": s.vision_feature_select_strategy,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
         "text_config": {
@@ -230,6 +327,8 @@ def _llava_shapes(s: TinyModelSpec, vocab: int) -> dict[str, tuple[int, ...]]:
         }
     vh, vi = s.vision_hidden_size, s.vision_intermediate_size
     npos = (s.image_size // s.patch_size) ** 2 + 1
+    layers = s.vision_feature_layer
+    n_features = len(layers) if isinstance(layers, tuple) else 1
     v = "vision_tower.vision_model."
     shapes |= {
         v + "embeddings.class_embedding": (vh,),
@@ -239,7 +338,7 @@ def _llava_shapes(s: TinyModelSpec, vocab: int) -> dict[str, tuple[int, ...]]:
         v + "pre_layrnorm.bias": (vh,),
         v + "post_layernorm.weight": (vh,),
         v + "post_layernorm.bias": (vh,),
-        "multi_modal_projector.linear_1.weight": (h, vh),
+        "multi_modal_projector.linear_1.weight": (h, vh * n_features),
         "multi_modal_projector.linear_1.bias": (h,),
         "multi_modal_projector.linear_2.weight": (h, h),
         "multi_modal_projector.linear_2.bias": (h,),

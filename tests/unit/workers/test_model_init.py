@@ -8,12 +8,24 @@ from pathlib import Path
 import pytest
 
 from workers.checkpoint import TextModelConfig, load_text_weights
-from workers.model_init import BOS, EOS, TinyModelSpec, init_model, is_model_dir
+from workers.model_init import (
+    BOS,
+    EOS,
+    IMAGE,
+    PRESETS,
+    TinyModelSpec,
+    init_model,
+    is_model_dir,
+    spec_for_preset,
+)
 
 FILES = {
+    "chat_template.jinja",
     "config.json",
     "generation_config.json",
     "model.safetensors",
+    "preprocessor_config.json",
+    "processor_config.json",
     "special_tokens_map.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -94,3 +106,50 @@ def test_loads_in_transformers(tiny_model_dir: Path) -> None:
 def test_generation_config(tiny_model_dir: Path) -> None:
     gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
     assert gen == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
+
+
+def test_processor_expands_images(tiny_model_dir: Path) -> None:
+    """AutoProcessor loads the default model: a LlavaProcessor whose CLIP image processor
+    gives the tower's 32x32 pixels (any size and mode in) and whose text side turns each
+    <image> into image_seq_length placeholder tokens; its chat template renders an image
+    part as <image>."""
+    transformers = pytest.importorskip("transformers")
+    image_mod = pytest.importorskip("PIL.Image")
+    proc = transformers.AutoProcessor.from_pretrained(tiny_model_dir)
+    assert type(proc).__name__ == "LlavaProcessor"
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    assert cfg["image_seq_length"] == 16 == TinyModelSpec().image_seq_length
+    images = [image_mod.new("RGBA", (50, 20), (9, 8, 7, 6)), image_mod.new("L", (7, 90), 200)]
+    msgs = [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"},
+        {"type": "image_url", "image_url": {"url": "data:,"}},
+    ]}]  # fmt: skip
+    text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == "<s><|user|>\na<image>b<image></s>\n<|assistant|>\n"
+    out = proc(text=text, images=images, return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    assert ids.count(IMAGE) == 2 * 16
+    first = ids.index(IMAGE)
+    assert ids[first : first + 16] == [IMAGE] * 16 and ids[first + 16] != IMAGE
+    assert tuple(out["pixel_values"].shape) == (2, 3, 32, 32)
+    # the tokenizer alone renders the same prompt
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == text
+
+
+def test_preset_llava_15_like(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    spec = spec_for_preset("llava-1.5-like")
+    assert spec is PRESETS["llava-1.5-like"]
+    d = init_model(tmp_path / "l15", spec)
+    cfg = transformers.AutoConfig.from_pretrained(d)
+    assert (cfg.vision_config.image_size, cfg.vision_config.patch_size) == (336, 14)
+    assert cfg.image_seq_length == 576
+    assert cfg.text_config.hidden_size >= TinyModelSpec().hidden_size
+    proc = transformers.AutoProcessor.from_pretrained(d)
+    image_mod = pytest.importorskip("PIL.Image")
+    out = proc(text="x<image>y", images=[image_mod.new("RGB", (640, 480))], return_tensors="pt")
+    assert out["input_ids"][0].tolist().count(IMAGE) == 576
+    assert tuple(out["pixel_values"].shape) == (1, 3, 336, 336)
+    with pytest.raises(ValueError, match="llava-1.5-like"):
+        spec_for_preset("huge")
