@@ -87,7 +87,7 @@ class ImageServer:
 
     @contextmanager
     def running(self, tls: tuple[Path, Path] | None = None) -> Iterator[ImageServer]:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        server = _QuietServer(("127.0.0.1", 0), _handler(self))
         server.daemon_threads = True
         if tls is not None:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -102,6 +102,11 @@ class ImageServer:
         finally:
             server.shutdown()
             server.server_close()
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that hung up mid-body (as the guard does at a limit) is expected
 
 
 def _handler(srv: ImageServer) -> type[http.server.BaseHTTPRequestHandler]:
