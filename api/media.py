@@ -38,7 +38,6 @@ import logging
 import socket
 import ssl
 import time
-import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from io import BytesIO
@@ -313,18 +312,18 @@ class MediaGuard:
     def _decode(self, data: bytes, param: str) -> LoadedImage:
         """Open, verify and load with Pillow (in a thread: this is CPU work)."""
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(BytesIO(data), formats=ALLOWED_FORMATS) as im:
-                    fmt, (w, h) = im.format, im.size
-                    self._check_pixels(w, h, param)
-                    im.verify()  # structure and checksums, without decoding
-                with Image.open(BytesIO(data), formats=ALLOWED_FORMATS) as im:
-                    im.load()  # the pixels: a truncated or corrupt body fails here
-                    digest = image_hash(im)
+            # Pillow's own bomb check raises in open() past twice Image.MAX_IMAGE_PIXELS;
+            # ours (the limit, from the header) comes before anything is decoded
+            with Image.open(BytesIO(data), formats=ALLOWED_FORMATS) as im:
+                fmt, (w, h) = im.format, im.size
+                self._check_pixels(w, h, param)
+                im.verify()  # structure and checksums, without decoding
+            with Image.open(BytesIO(data), formats=ALLOWED_FORMATS) as im:
+                im.load()  # the pixels (a GIF's first frame): corrupt bodies fail here
+                digest = image_hash(im)
         except OpenAIError:
             raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        except Image.DecompressionBombError:
             raise self._refuse(
                 f"the image declares more pixels than the limit of "
                 f"{self.limits.max_pixels} (a decompression bomb?)",
@@ -349,6 +348,14 @@ class MediaGuard:
             raise self._refuse(
                 f"the image is {w}x{h} = {w * h} pixels, more than the limit of "
                 f"{self.limits.max_pixels} (CONVEYOR_MEDIA_MAX_PIXELS)",
+                param,
+                "image_too_large",
+            )
+        bomb = Image.MAX_IMAGE_PIXELS  # Pillow only warns between this and twice it
+        if bomb is not None and w * h > bomb:
+            raise self._refuse(
+                f"the image is {w}x{h} = {w * h} pixels, more than Pillow's decompression-"
+                f"bomb limit of {bomb} pixels",
                 param,
                 "image_too_large",
             )

@@ -96,10 +96,12 @@ class PromptBuilder:
         msgs = []
         images: list[ImageInput] = []
         for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
+            content: str | list[dict[str, str]] = ""
+            if isinstance(m.content, str):
+                content = m.content
+            elif isinstance(m.content, list):
                 parts = []
-                for j, part in enumerate(content):
+                for j, part in enumerate(m.content):
                     if part.type == "text":
                         parts.append({"type": "text", "text": part.text or ""})
                     elif part.type == "image_url":
@@ -113,7 +115,7 @@ class PromptBuilder:
                             "unsupported_content",
                         )
                 content = parts
-            msgs.append({"role": m.role, "content": content if content is not None else ""})
+            msgs.append({"role": m.role, "content": content})
         try:
             text = self._template.render(messages=msgs, add_generation_prompt=True, **self.special)
         except TemplateError as e:
@@ -148,6 +150,7 @@ class PromptBuilder:
         """Each image token -> ``image_seq_length`` of them (LlavaProcessor's expansion);
         the image tokens must be exactly one per image part."""
         tok, n = self.image_token_id, self.image_seq_length
+        assert tok is not None, "_expand on a model without an image token"
         found = ids.count(tok)
         if found != len(images):
             raise bad_request(
