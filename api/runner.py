@@ -120,10 +120,7 @@ class Runner:
         hash enters the hashes of the blocks its placeholders cover, as in the engine."""
         attempts = self.s.dispatch_attempts
         images = images or []
-        bs = self.s.block_size
-        hashes = block_hashes(prompt_ids, bs, self._namespace,
-                              request_extra_keys(images, len(prompt_ids), bs))  # fmt: skip
-        route_req = RouteRequest(hashes, len(prompt_ids), pin)
+        route_req = self.route_request(prompt_ids, images, pin)
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
             run = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
@@ -148,6 +145,16 @@ class Runner:
             return run
         raise OpenAIError(503, f"{attempts} workers in a row died before answering",
                           "server_error", None, "worker_lost")  # fmt: skip
+
+    def route_request(
+        self, prompt_ids: list[int], images: list[ImageRef], pin: str | None = None
+    ) -> RouteRequest:
+        """What the router scores: the prompt's block hashes as the workers' block pools
+        name them (the model's namespace; an image's key in the blocks it covers)."""
+        bs = self.s.block_size
+        extra = request_extra_keys(images, len(prompt_ids), bs) if images else None
+        return RouteRequest(block_hashes(prompt_ids, bs, self._namespace, extra),
+                            len(prompt_ids), pin)  # fmt: skip
 
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,

@@ -116,6 +116,33 @@ def test_image_refs_and_the_routers_block_hashes(tiny_model_dir: Path) -> None:
     assert other[:second] == keyed[:second] and other[second] != keyed[second]
 
 
+def test_the_runner_routes_image_prompts_by_their_image_keyed_hashes(tiny_model_dir: Path) -> None:
+    """The hashes the API's router scores are the ones the workers' block pools name the
+    blocks with (kvbm.protocol.request_extra_keys): two requests with the same text and
+    different images share only the blocks before the first image."""
+    import redis.asyncio as aioredis
+
+    from api.metrics import ApiMetrics
+    from api.runner import Runner
+    from tasks.settings import Settings
+
+    pb = PromptBuilder(tiny_model_dir)
+    prompt = pb.chat_prompt(msgs([text("The quick brown fox jumps over the lazy dog."), img(),
+                                  text("What is it?")]))  # fmt: skip
+    s = Settings(model=tiny_model_dir, redis_url="redis://127.0.0.1:9/0")  # never connected
+    runner = Runner(s, aioredis.Redis.from_url(s.redis_url), None, ApiMetrics())  # type: ignore[arg-type]
+    ids, ns = prompt.token_ids, model_namespace(s.model_name)
+    cat, dog = prompt.image_refs(["c" * 64]), prompt.image_refs(["d" * 64])
+    a = runner.route_request(ids, cat, "w1")
+    assert a.pin == "w1" and a.prompt_len == len(ids)
+    assert a.block_hashes == block_hashes(ids, 16, ns, request_extra_keys(cat, len(ids), 16))
+    b = runner.route_request(ids, dog).block_hashes
+    first = cat[0].offset // 16
+    assert first >= 1 and a.block_hashes[:first] == b[:first]
+    assert all(x != y for x, y in zip(a.block_hashes[first:], b[first:], strict=True))
+    assert runner.route_request(ids, []).block_hashes == block_hashes(ids, 16, ns)
+
+
 def test_placeholders_count_in_the_context_window(tiny_model_dir: Path) -> None:
     pb = PromptBuilder(tiny_model_dir, max_model_len=60)
     prompt = pb.chat_prompt(msgs([text("hi"), img(), img()]))
