@@ -158,7 +158,7 @@ class Runner:
 
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
-        route_req: RouteRequest, images: list[ImageRef],
+        route_req: RouteRequest, images: list[ImageRef] | None = None,
     ) -> RunningRequest:  # fmt: skip
         try:
             p = await plan(self.router, self.s, route_req)
@@ -209,7 +209,7 @@ class Runner:
                 prompt_token_ids=prompt_ids,
                 sampling=sampling,
                 created=time.time(),
-                images=images,
+                images=images or [],
             )
             await self._send(p, payload)
         except BaseException:
