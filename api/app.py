@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from api import routes_openai, routes_ops
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
+from api.media import MediaGuard, MediaLimits
 from api.metrics import ApiMetrics
 from api.middleware import AccessMiddleware, AuthMiddleware
 from api.runner import Runner
@@ -42,7 +43,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = ApiMetrics()
     cluster = ClusterCollector(s.serving_mode)
     metrics.registry.register(cluster)
-    st = ApiState(s, metrics, cluster, PromptBuilder(s.model, s.max_model_len))
+    builder = PromptBuilder(s.model, s.max_model_len, s.model_name)
+    media = MediaGuard(MediaLimits.from_settings(s), metrics)
+    st = ApiState(s, metrics, cluster, builder, media)
     configure_celery(s)
 
     @asynccontextmanager
@@ -59,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await st.runner.aclose()
+            await st.media.aclose()
             await st.hub.close()
             await st.redis.aclose()
 

@@ -92,5 +92,24 @@ class ApiMetrics:
             registry=r,
         )
 
+        self.images_received = Counter(
+            "conveyor_images_received",
+            "Images accepted by the media guard, by source (data: URL or fetched url)",
+            ["source"],
+            registry=r,
+        )
+        self.image_fetch_seconds = Histogram(
+            "conveyor_image_fetch_seconds",
+            "Time to fetch one image URL (DNS, connect, redirects, body)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.image_refusals = Counter(
+            "conveyor_image_refusals",
+            "Images the media guard refused, by reason (the error's code)",
+            ["reason"],
+            registry=r,
+        )
+
     def observe_decision(self, pool: str, seconds: float) -> None:
         self.decision_seconds.labels(pool).observe(seconds)

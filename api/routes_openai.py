@@ -1,10 +1,12 @@
 """The OpenAI-compatible endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``
 (stream and non-stream) and ``GET /v1/models``.
 
-A handler validates the body, builds the prompt (chat template, tokenizer), checks it
-against the context window and hands it to :class:`api.runner.Runner`, which routes it,
-sends its chain and waits for its first frame; the response then relays its frames as SSE
-events or collects them into one body.
+A handler validates the body, builds the prompt (chat template, tokenizer, image
+placeholders), checks it against the context window, has the media guard fetch and check
+its images and store their bytes in Redis (:mod:`api.media`), and hands it to
+:class:`api.runner.Runner`, which routes it, sends its chain and waits for its first frame;
+the response then relays its frames as SSE events or collects them into one body. Every
+refusal comes before the runner: nothing reaches the broker.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, u
 from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state
+from api.tokenization import Prompt
 from kvbm.protocol import Sampling
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     st = api_state(request)
     _check_model(st, req.model)
     unsupported(req)
-    prompt_ids = st.builder.chat_ids(req.messages)
+    prompt = st.builder.chat_prompt(req.messages)
+    st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _serve(st, req, request, prompt_ids, max_tokens, "chat", started, "messages")
+    return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages")
 
 
 @router.post("/v1/completions")
@@ -62,8 +66,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     st = api_state(request)
     _check_model(st, req.model)
     unsupported(req)
-    prompt_ids = st.builder.completion_ids(req.prompt)
-    return await _serve(st, req, request, prompt_ids, req.max_tokens, "completion", started,
+    prompt = Prompt(st.builder.completion_ids(req.prompt))
+    return await _serve(st, req, request, prompt, req.max_tokens, "completion", started,
                         "prompt")  # fmt: skip
 
 
@@ -94,24 +98,31 @@ async def _serve(
     st: ApiState,
     req: ChatCompletionRequest | CompletionRequest,
     request: Request,
-    prompt_ids: list[int],
+    prompt: Prompt,
     max_tokens: int | None,
     kind: str,
     started: float,
     prompt_param: str,
 ) -> Response:
+    prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
     max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
     if req.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
         )
+    images = []
+    if prompt.images:  # fetched and checked only once the rest of the request is valid
+        loaded = await st.media.load(prompt.images)
+        await st.media.store(st.redis, loaded)
+        images = prompt.image_refs([im.hash for im in loaded])
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     rid = st.hub.new_request_id(prefix)  # its stream needs no SUBSCRIBE
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        run = await st.runner.start(rid, prompt_ids, sampling_of(req, max_tokens), started, pin)
+        run = await st.runner.start(rid, prompt_ids, sampling_of(req, max_tokens), started, pin,
+                                    images)  # fmt: skip
     except BaseException:
         st.metrics.in_flight.dec()
         raise

@@ -26,6 +26,7 @@ from api.resp import RespConnection
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
 from kvbm.protocol import (
     CANCEL_CHANNEL,
+    ImageRef,
     Sampling,
     StagePayload,
     TokenFrame,
@@ -33,6 +34,7 @@ from kvbm.protocol import (
     block_hashes,
     cancelled_key,
     model_namespace,
+    request_extra_keys,
     tokens_channel,
 )
 from tasks.app import declare_queues
@@ -105,7 +107,7 @@ class Runner:
     # ----------------------------------------------------------------------------------
     async def start(
         self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
-        pin: str | None = None,
+        pin: str | None = None, images: list[ImageRef] | None = None,
     ) -> RunningRequest:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
         request that cannot run gets a proper HTTP status, not a broken stream).
@@ -113,16 +115,20 @@ class Runner:
         If the chosen worker dies before the first frame, the request is sent again to
         another worker (up to ``dispatch_attempts`` in all). Each attempt streams on its own
         id (``<id>``, ``<id>.r1``, ...), so a late answer from a lost attempt can never mix
-        into the stream of the next one, and is cancelled like any abandoned request."""
+        into the stream of the next one, and is cancelled like any abandoned request.
+
+        ``images``: the prompt's images (their bytes already in Redis); each one's content
+        hash enters the hashes of the blocks its placeholders cover, as in the engine."""
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
             raise OpenAIError(503, "Redis is not answering (token streams are down)",
                               "server_error", None, "redis_unavailable")  # fmt: skip
         attempts = self.s.dispatch_attempts
-        hashes = block_hashes(prompt_ids, self.s.block_size, self._namespace)
-        route_req = RouteRequest(hashes, len(prompt_ids), pin)
+        images = images or []
+        route_req = self.route_request(prompt_ids, images, pin)
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
-            run = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req)
+            run = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
+                                       images)  # fmt: skip
             try:
                 run.first_frame = await self._next(run)
             except WorkerLost as e:
@@ -144,9 +150,19 @@ class Runner:
         raise OpenAIError(503, f"{attempts} workers in a row died before answering",
                           "server_error", None, "worker_lost")  # fmt: skip
 
+    def route_request(
+        self, prompt_ids: list[int], images: list[ImageRef], pin: str | None = None
+    ) -> RouteRequest:
+        """What the router scores: the prompt's block hashes as the workers' block pools
+        name them (the model's namespace; an image's key in the blocks it covers)."""
+        bs = self.s.block_size
+        extra = request_extra_keys(images, len(prompt_ids), bs) if images else None
+        return RouteRequest(block_hashes(prompt_ids, bs, self._namespace, extra),
+                            len(prompt_ids), pin)  # fmt: skip
+
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
-        route_req: RouteRequest,
+        route_req: RouteRequest, images: list[ImageRef] | None = None,
     ) -> RunningRequest:  # fmt: skip
         try:
             p = await plan(self.router, self.s, route_req)
@@ -197,13 +213,15 @@ class Runner:
                 prompt_token_ids=prompt_ids,
                 sampling=sampling,
                 created=time.time(),
+                images=images or [],
             )
             await self._send(p, payload)
         except BaseException:
             self.finish(run)
             raise
-        log.info("[%s] sent %s (%d prompt tokens)%s", stream_id,
+        log.info("[%s] sent %s (%d prompt tokens%s)%s", stream_id,
                  " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
+                 f", {len(images)} images" if images else "",
                  f" [fell back: {', '.join(p.fallbacks)}]" if p.fallbacks else "")  # fmt: skip
         return run
 

@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 from starlette.requests import Request
 
 from api.cluster_metrics import ClusterCollector
+from api.media import MediaGuard
 from api.metrics import ApiMetrics
 from api.runner import Runner
 from api.streams import StreamHub
@@ -21,6 +22,7 @@ class ApiState:
     metrics: ApiMetrics
     cluster: ClusterCollector
     builder: PromptBuilder
+    media: MediaGuard
     redis: aioredis.Redis | None = None
     hub: StreamHub | None = None
     runner: Runner | None = None

@@ -1,15 +1,21 @@
 """Prompt building in the API process: chat template + tokenizer, no torch.
 
 Reads the model directory's ``tokenizer.json`` (Rust ``tokenizers``), its chat template
-(``tokenizer_config.json`` or ``chat_template.jinja``) and its context window
-(``config.json``). The template is rendered in a sandboxed Jinja environment the way Hugging
-Face's ``apply_chat_template`` renders it, then encoded without adding special tokens (the
-template carries them).
+(``tokenizer_config.json`` or ``chat_template.jinja``), its context window and, for a
+vision-language model, its image token (``config.json``). The template is rendered in a
+sandboxed Jinja environment the way Hugging Face's ``apply_chat_template`` renders it, then
+encoded without adding special tokens (the template carries them).
+
+Images: an ``image_url`` content part reaches the template as ``{"type": "image"}`` (it
+renders the image token, ``<image>``); after tokenization each image token becomes
+``image_seq_length`` placeholder tokens, as Hugging Face's LlavaProcessor expands them, so
+the prompt's ids are the ones its processor gives for the same text and images.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -18,12 +24,37 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from api.errors import bad_request
-from api.protocol import ChatMessage
+from api.media import ImageInput
+from api.protocol import ChatMessage, ContentPart
+from kvbm.protocol import ImageRef
+
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; a fixed-resolution encoder ignores it
+
+
+@dataclass(slots=True)
+class Prompt:
+    """A request's prompt: its token ids and, in prompt order, its images and where each
+    one's placeholder tokens start."""
+
+    token_ids: list[int]
+    images: list[ImageInput] = field(default_factory=list)
+    image_offsets: list[int] = field(default_factory=list)
+    image_tokens: int = 0  # placeholder tokens per image
+
+    def image_refs(self, hashes: list[str]) -> list[ImageRef]:
+        """The images as the stage payload carries them, given their content hashes."""
+        assert len(hashes) == len(self.image_offsets), "one hash per image"
+        return [ImageRef(hash=h, offset=o, num_tokens=self.image_tokens)
+                for h, o in zip(hashes, self.image_offsets, strict=True)]  # fmt: skip
 
 
 class PromptBuilder:
-    def __init__(self, model_dir: str | Path, max_model_len: int | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, max_model_len: int | None = None,
+        model_name: str | None = None,
+    ) -> None:  # fmt: skip
         d = Path(model_dir)
+        self.model_name = model_name or d.name
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
         tcfg_path = d / "tokenizer_config.json"
         tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
@@ -46,29 +77,100 @@ class PromptBuilder:
         text_cfg = cfg.get("text_config", cfg)
         self.max_model_len = max_model_len or int(text_cfg.get("max_position_embeddings", 2048))
         self.vocab_size = self.tokenizer.get_vocab_size()
+        # a vision-language model names its image token; a text-only one refuses images
+        self.image_token_id, self.image_seq_length = _vision(cfg)
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.image_token_id is not None
 
     # ----------------------------------------------------------------------------------
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        return self.chat_prompt(messages).token_ids
+
+    def chat_prompt(self, messages: list[ChatMessage]) -> Prompt:
+        """Render, tokenize and expand the images' placeholders; a content part the model
+        cannot take is a 400 naming it (nothing is fetched here)."""
         if self._template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         msgs = []
+        images: list[ImageInput] = []
         for i, m in enumerate(messages):
-            content = m.content
-            if isinstance(content, list):
-                for part in content:
-                    if part.type != "text":
+            content: str | list[dict[str, str]] = ""
+            if isinstance(m.content, str):
+                content = m.content
+            elif isinstance(m.content, list):
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.type == "text":
+                        parts.append({"type": "text", "text": part.text or ""})
+                    elif part.type == "image_url":
+                        images.append(self._image_part(part, f"messages.{i}.content.{j}"))
+                        parts.append({"type": "image"})  # what HF chat templates expect
+                    else:
                         raise bad_request(
-                            f"content part type {part.type!r} is not supported yet",
-                            f"messages.{i}.content",
+                            f"content part type {part.type!r} is not supported; send "
+                            "'text' or 'image_url'",
+                            f"messages.{i}.content.{j}.type",
                             "unsupported_content",
                         )
-                content = [{"type": "text", "text": p.text or ""} for p in content]
-            msgs.append({"role": m.role, "content": content if content is not None else ""})
+                content = parts
+            msgs.append({"role": m.role, "content": content})
         try:
             text = self._template.render(messages=msgs, add_generation_prompt=True, **self.special)
         except TemplateError as e:
             raise bad_request(f"chat template failed: {e}", "messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if not self.accepts_images:
+            return Prompt(ids)
+        return self._expand(ids, images)
+
+    def _image_part(self, part: ContentPart, param: str) -> ImageInput:
+        if not self.accepts_images:
+            raise bad_request(
+                f"the model `{self.model_name}` does not accept images (it is text-only); "
+                "send text content parts",
+                param,
+                "unsupported_parameter",
+            )
+        spec = part.image_url
+        if isinstance(spec, str):  # some clients send the URL itself
+            spec = {"url": spec}
+        url = spec.get("url") if isinstance(spec, dict) else None
+        if not isinstance(url, str) or not url:
+            raise bad_request("an image_url part needs image_url.url (a data: or https:// URL)",
+                              f"{param}.image_url", "invalid_value")  # fmt: skip
+        detail = spec.get("detail")
+        if detail is not None and detail not in IMAGE_DETAILS:
+            raise bad_request(f"image_url.detail must be one of {', '.join(IMAGE_DETAILS)}",
+                              f"{param}.image_url.detail", "invalid_value")  # fmt: skip
+        return ImageInput(url, f"{param}.image_url")
+
+    def _expand(self, ids: list[int], images: list[ImageInput]) -> Prompt:
+        """Each image token -> ``image_seq_length`` of them (LlavaProcessor's expansion);
+        the image tokens must be exactly one per image part."""
+        tok, n = self.image_token_id, self.image_seq_length
+        assert tok is not None, "_expand on a model without an image token"
+        found = ids.count(tok)
+        if found != len(images):
+            raise bad_request(
+                f"the prompt holds {found} image token(s) for {len(images)} image part(s): "
+                f"text must not contain the image token "
+                f"{self.tokenizer.id_to_token(tok)!r}",
+                "messages",
+                "invalid_value",
+            )
+        if not images:
+            return Prompt(ids)
+        out: list[int] = []
+        offsets: list[int] = []
+        for t in ids:
+            if t == tok:
+                offsets.append(len(out))
+                out.extend([tok] * n)
+            else:
+                out.append(t)
+        return Prompt(out, images, offsets, n)
 
     def completion_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
         if isinstance(prompt, list):
@@ -117,6 +219,21 @@ class PromptBuilder:
                 "context_length_exceeded",
             )
         return max_tokens
+
+
+def _vision(cfg: dict) -> tuple[int | None, int]:
+    """(image token id, placeholder tokens per image) of a LLaVA-style config; (None, 0)
+    for a text-only model. Without ``image_seq_length`` the count is the vision tower's
+    patches, plus its CLS token when every feature is kept (``full``), as HF computes it."""
+    tok = cfg.get("image_token_index", cfg.get("image_token_id"))
+    vision = cfg.get("vision_config")
+    if tok is None or not isinstance(vision, dict):
+        return None, 0
+    n = cfg.get("image_seq_length")
+    if n is None:  # CLIPVisionConfig's defaults where the config leaves them out
+        n = (int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))) ** 2
+        n += 1 if cfg.get("vision_feature_select_strategy") == "full" else 0
+    return int(tok), int(n)
 
 
 def _token_str(v: object) -> str | None:

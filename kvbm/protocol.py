@@ -13,9 +13,12 @@ Public part:
                         heartbeat wrote into its pool's ``alive`` ZSET lies ahead of
                         Redis's clock), used by every reader
     block hashing       block_hashes (chained, seeded, with per-block extra keys),
-                        model_namespace, extra_keys_for_spans, image_extra_key
+                        model_namespace, extra_keys_for_spans; images: image_extra_key,
+                        image_spans, request_extra_keys
+    media               media_key: an image's bytes in Redis, named by its content hash
     TokenFrame          one frame of a token stream: built by a worker, parsed by the API
     Sampling            the sampling parameters a request carries to the engine
+    ImageRef            one image of a prompt: its content hash and placeholder tokens
     StagePayload        what every stage task receives
     PrefillHandle       what a prefill task hands its decode task (where the KV is)
     StageSummary        what a generate or decode task returns
@@ -137,6 +140,13 @@ def embedding_release_channel(worker_id: str) -> str:
 def nixl_agent_key(agent: str) -> str:
     """A NIXL agent's metadata, for peers to connect to it."""
     return f"{KEY_PREFIX}nixl:agent:{agent}"
+
+
+def media_key(image_hash: str) -> str:
+    """STRING: an image's bytes as the API fetched them (encoded: PNG, JPEG, ...), named by
+    its content hash (:class:`ImageRef`), with a TTL; whoever encodes the image reads it
+    here (image bytes never travel inside a Celery message)."""
+    return f"{KEY_PREFIX}media:{image_hash}"
 
 
 # ======================================================================================
@@ -306,9 +316,22 @@ def extra_keys_for_spans(
 
 
 def image_extra_key(image_hash: str) -> str:
-    """The extra key of the blocks an image's placeholder tokens cover (a span key for
-    :func:`extra_keys_for_spans`), from the image's content hash."""
+    """The extra key an image adds to the blocks its placeholder tokens cover."""
     return "img:" + image_hash
+
+
+def image_spans(images: Sequence[ImageRef]) -> list[tuple[int, int, str]]:
+    """The ``(start, end, key)`` span of each image's placeholder tokens."""
+    return [(im.offset, im.offset + im.num_tokens, image_extra_key(im.hash)) for im in images]
+
+
+def request_extra_keys(
+    images: Sequence[ImageRef], num_tokens: int, block_size: int
+) -> list[ExtraKeys]:
+    """Per full block of a request's ``num_tokens`` prompt, the keys of the images whose
+    placeholders it covers: what the API's router and the engine's block pool both pass
+    to :func:`block_hashes` (all empty without images: the blocks hash as plain text)."""
+    return extra_keys_for_spans(image_spans(images), num_tokens, block_size)
 
 
 # ======================================================================================
@@ -405,6 +428,17 @@ class Sampling(BaseModel):
     min_tokens: int = 0
 
 
+class ImageRef(BaseModel):
+    """One image of a request's prompt. ``hash``: sha256 hex of its decoded pixels (the
+    RGB image the model sees, with its size), so the same picture hashes alike however it
+    was sent; its bytes are under ``media_key(hash)``. Its placeholder tokens are
+    ``prompt_token_ids[offset : offset + num_tokens]``."""
+
+    hash: str
+    offset: int = Field(ge=0)
+    num_tokens: int = Field(ge=1)
+
+
 class StagePayload(BaseModel):
     """Everything a stage task needs to run one request (the same payload for every stage;
     a decode task gets the prefill task's handle in front of it)."""
@@ -416,6 +450,7 @@ class StagePayload(BaseModel):
     created: float
     attempt: int = 0  # disagg: how many times the prefill was redone after a failed pull
     forced_first_token: int | None = None  # a redo keeps the first token already streamed
+    images: list[ImageRef] = Field(default_factory=list)  # in prompt order
 
 
 class PrefillHandle(BaseModel):

@@ -79,6 +79,36 @@ class Settings(BaseSettings):
         3, ge=1, description="Tries to start a request when its worker dies before answering."
     )
 
+    # --- media (image parts: the API's media guard, api/media.py) ----------------------
+    media_allow_http: bool = Field(
+        False, description="Also fetch http:// image URLs (default: https:// and data: only)."
+    )
+    media_allow_internal: bool = Field(
+        False,
+        description="Fetch from loopback, private, link-local, multicast, reserved and "
+        "unspecified addresses too (default: refused after DNS resolution; tests, "
+        "in-cluster image stores).",
+    )
+    media_max_bytes: int = Field(
+        20 * 1024 * 1024, ge=1, description="Largest image (encoded bytes) fetched or decoded."
+    )
+    media_max_pixels: int = Field(
+        4096 * 4096, ge=1, description="Largest image in pixels (width x height)."
+    )
+    media_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="Limit of one image URL's fetch: DNS, redirects and body."
+    )
+    media_max_images: int = Field(8, ge=0, description="Most images in one request.")
+    media_ttl_s: int = Field(
+        600,
+        ge=1,
+        description="How long an image's bytes stay in Redis for the workers (a request "
+        "must start within it).",
+    )
+    media_ca_bundle: Path | None = Field(
+        None, description="CA bundle (PEM) for https image URLs; unset: the system's."
+    )
+
     # --- deployment ----------------------------------------------------------------------
     model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
     mode: str = Field(
@@ -258,7 +288,7 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
     worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")
 
-    @field_validator("model", "serve_state_dir", mode="before")
+    @field_validator("model", "serve_state_dir", "media_ca_bundle", mode="before")
     @classmethod
     def _expand(cls, v: object) -> object:
         return Path(v).expanduser() if isinstance(v, str) else v

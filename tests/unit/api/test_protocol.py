@@ -62,11 +62,3 @@ def test_context_window(tiny_model_dir: Path) -> None:
     with pytest.raises(OpenAIError) as e:
         pb.check_length(100, None, "messages")
     assert e.value.param == "messages"
-
-
-def test_image_parts_rejected_until_multimodal(tiny_model_dir: Path) -> None:
-    pb = PromptBuilder(tiny_model_dir)
-    msg = ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])
-    with pytest.raises(OpenAIError) as e:
-        pb.chat_ids([msg])
-    assert e.value.param == "messages.0.content"

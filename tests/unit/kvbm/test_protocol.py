@@ -8,12 +8,18 @@ import pytest
 
 from kvbm.block_pool import KVCacheManager
 from kvbm.protocol import (
+    ImageRef,
+    StagePayload,
     TokenFrame,
     Usage,
     block_hashes,
     extra_keys_for_spans,
+    image_extra_key,
+    image_spans,
+    media_key,
     model_namespace,
     namespace_hash,
+    request_extra_keys,
 )
 
 TOKENS = list(range(1, 41))  # two full blocks of 16, and 8 tokens over
@@ -50,6 +56,26 @@ def test_spans_map_to_the_blocks_they_overlap() -> None:
     assert extra_keys_for_spans([], 60, 16) == [(), (), ()]
     with pytest.raises(ValueError):
         extra_keys_for_spans([(5, 5, "x")], 60, 16)
+
+
+def test_a_requests_images_key_the_blocks_their_placeholders_cover() -> None:
+    a, b = "a" * 64, "b" * 64
+    images = [ImageRef(hash=a, offset=10, num_tokens=28), ImageRef(hash=b, offset=40, num_tokens=1)]
+    assert image_extra_key(a) == "img:" + a
+    assert image_spans(images) == [(10, 38, "img:" + a), (40, 41, "img:" + b)]
+    assert request_extra_keys(images, 60, 16) == [("img:" + a,), ("img:" + a,),
+                                                  ("img:" + a, "img:" + b)]  # fmt: skip
+    assert request_extra_keys([], 60, 16) == [(), (), ()]  # plain text hashes as always
+    assert block_hashes(TOKENS, 16, 0, request_extra_keys([], 40, 16)) == block_hashes(TOKENS, 16)
+    assert media_key(a) == f"conveyor:media:{a}"
+    # the payload carries them through JSON (a Celery message) unchanged; none by default
+    p = StagePayload(request_id="r", model="m", prompt_token_ids=[1], sampling={}, created=0.0,
+                     images=images)  # fmt: skip
+    assert StagePayload.model_validate_json(p.model_dump_json()).images == images
+    assert StagePayload(request_id="r", model="m", prompt_token_ids=[1], sampling={},
+                        created=0.0).images == []  # fmt: skip
+    with pytest.raises(ValueError):
+        ImageRef(hash=a, offset=0, num_tokens=0)
 
 
 def test_the_block_pool_names_blocks_with_their_extra_keys() -> None:
