@@ -231,6 +231,9 @@ class PoolView:
     pool: str
     live: list[str] = field(default_factory=list)
     loads: dict[str, list[int]] = field(default_factory=dict)  # worker -> [blocks, prefill]
+    # prefill tokens of this router's picks whose commit is on its way: the picks made
+    # meanwhile (requests arriving together) see them, rather than all taking one worker
+    pending: dict[str, int] = field(default_factory=dict)
     totals: list[int] = field(default_factory=lambda: [0, 0])
     refreshed: float = -math.inf
     pruned: float = -math.inf
@@ -373,6 +376,7 @@ class Router:
         outside: list[str] = []
         for w in ids:
             b, q = v.loads.get(w, (0, 0))
+            q += v.pending.get(w, 0)
             costs[w] = c.overlap_weight * (nblocks - ov[w] + -(-q // bs)) + b
             (inside if load.get(w, 0) <= limit else outside).append(w)
         outside.sort(key=lambda w: load.get(w, 0))
@@ -393,7 +397,7 @@ class Router:
 
     def _load(self, v: PoolView, w: str) -> int:
         b, q = v.loads.get(w, (0, 0))
-        return b + -(-q // self.config.block_size)
+        return b + -(-(q + v.pending.get(w, 0)) // self.config.block_size)
 
     def _overlaps(self, v: PoolView, ids: list[str], hashes: list[int]) -> dict[str, int]:
         if v.follower is None or not hashes:
@@ -415,7 +419,15 @@ class Router:
             args += [index_keys(v.pool).events, ttl_ms, _json_hex(req.block_hashes),
                      EVENTS_MAXLEN]  # fmt: skip
         keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool))
-        res = await self._run(self._commit, args, keys)
+        v.pending[w] = v.pending.get(w, 0) + add_prefill
+        try:
+            res = await self._run(self._commit, args, keys)
+        finally:
+            left = v.pending[w] - add_prefill
+            if left:
+                v.pending[w] = left
+            else:
+                del v.pending[w]
         status = int(res[0])
         if status < 0:
             v.conflicts += 1

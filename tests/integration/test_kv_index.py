@@ -316,6 +316,32 @@ def test_overloaded_holder_is_guarded_and_traffic_spreads(db: str) -> None:
     assert all(c == 4 for c in counts.values()), counts  # least-loaded among the rest
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_picks_made_at_once_in_one_router_spread_over_the_workers(db: str, fast: bool) -> None:
+    """Requests that arrive together are picked while each other's commits are still on
+    their way to Redis: every pick counts the ones before it, so 12 fresh prompts at once
+    land 4, 4 and 4, not wherever one stale view points."""
+    register(db, "a", "b", "c")
+
+    async def go() -> list[str]:
+        client = aioredis.Redis.from_url(db)
+        conn = RespConnection(db) if fast else None
+        router = Router(client, RouterConfig(block_size=BS), fast=conn)  # type: ignore[arg-type]
+        try:
+            await router.start(POOL)
+            reqs = [RouteRequest(block_hashes(prompt(100 + i, 64), BS), 64) for i in range(12)]
+            routes = await asyncio.gather(*(router.pick(POOL, q) for q in reqs))
+            return [r.worker_id for r in routes if r is not None]
+        finally:
+            await router.aclose()
+            await client.aclose()
+            if conn is not None:
+                conn.close()
+
+    picks = asyncio.run(go())
+    assert sorted(picks.count(w) for w in "abc") == [4, 4, 4], picks
+
+
 def test_a_shared_prefix_does_not_pile_every_request_on_its_holder(db: str) -> None:
     """Requests that stay running accumulate decode load: after the holder takes its
     share, the cost model and the guard send the rest elsewhere (Dynamo #737, #7836)."""
