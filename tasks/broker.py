@@ -157,6 +157,16 @@ class QoS(kombu_redis.QoS):
             hub.call_soon(self.flush)
 
     def ack(self, delivery_tag: str) -> None:
+        if self.channel.connection is None:
+            # The channel closed (its connection was lost) while this task ran. Its close
+            # put every message it had delivered and not seen acked back on its queue
+            # (kombu's restore_unacked_once); that copy, redelivered, is the one acked.
+            # kombu would try to write this ack through the closed channel and stop the
+            # worker with an AttributeError.
+            log.info("broker: ack of %s after its channel closed: its redelivery is acked",
+                     delivery_tag)  # fmt: skip
+            virtual.QoS.ack(self, delivery_tag)
+            return
         hub = self._hub()
         if hub is None:
             super().ack(delivery_tag)
@@ -194,7 +204,6 @@ class Channel(kombu_redis.Channel):
     _sync_client = None
     _multi_pop: bool | None = None  # BLMPOP in place of BRPOP (decided on first use)
     _popping_many = False  # the command in flight on the consumer's connection is BLMPOP
-
 
     def _brpop_start(self, timeout: int | None = None) -> None:
         """Wait for the next messages: kombu sends ``BRPOP`` on every queue, one message per
