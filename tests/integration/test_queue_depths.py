@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvbm.protocol import alive_key, queue_lists, queue_owners_key, worker_key
-from tasks.modes import MODES
+from tasks.modes import MODES, get_mode
 from tasks.queues import format_table, snapshot
 from tasks.router import Router
 from tests.integration.conftest import redis_db
@@ -81,7 +81,7 @@ def test_departed_worker_is_listed_until_its_queue_is_empty(r: redis.Redis) -> N
 
 
 def test_shown_pools_follow_the_mode_and_pools_in_use(r: redis.Redis) -> None:
-    agg, disagg = MODES["agg"], MODES["disagg"]
+    agg, disagg = MODES["agg"], get_mode("disagg")
     assert [p.pool for p in snapshot(r, agg)] == ["generate"]
     assert [p.pool for p in snapshot(r, disagg)] == ["prefill", "decode"]
     beat(r, "decode", "d1")  # a pool outside agg with a worker is shown too
@@ -110,7 +110,7 @@ def test_terminal_table(r: redis.Redis) -> None:
     push(r, "decode.d2", 2)
     hb.stop()
     push(r, "decode", 1)
-    assert format_table(snapshot(r, MODES["disagg"])) == "\n".join([
+    assert format_table(snapshot(r, get_mode("disagg"))) == "\n".join([
         "POOL     QUEUE      STATE             DEPTH",
         "prefill  prefill    shared                0",
         "prefill  (total)    0 live worker(s)      0",
