@@ -1,5 +1,5 @@
-"""Helpers the bench scripts share: free loopback ports, an HTTP session, reading an
-OpenAI SSE stream.
+"""Helpers the bench scripts share: free loopback ports, ``conveyor serve`` on them, an
+HTTP session, reading an OpenAI SSE stream.
 
 The load generator shares this machine's cores with the server it measures, so it should
 cost as little as it can: aiohttp (C HTTP parser) reads a stream for less CPU than httpx,
@@ -10,11 +10,22 @@ and ``bench/sse_client.py`` goes further for the serving benchmark (docs/perform
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import signal
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import aiohttp
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+CONVEYOR = str(Path(sys.executable).parent / "conveyor")
 
 
 def free_ports(n: int) -> list[int]:
@@ -27,6 +38,69 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+@contextmanager
+def conveyor_serve(
+    args: list[str], log_path: Path, want: dict[str, int], env: dict[str, str] | None = None,
+    timeout_s: float = 300.0, conveyor: str = CONVEYOR,
+) -> Iterator[tuple[str, str]]:  # fmt: skip
+    """``conveyor serve ARGS`` on free ports (no Flower) with its embedded Redis, under a
+    password of our own; yields (API url, Redis url) once ``/health`` shows ``want`` live
+    workers per pool, and stops the whole process group at the end."""
+    port, flower_port, redis_port = free_ports(3)
+    password = secrets.token_hex(16)
+    child = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
+    child.update(env or {})
+    child.update(CONVEYOR_REDIS_PORT=str(redis_port), CONVEYOR_REDIS_PASSWORD=password)
+    argv = [conveyor, "serve", "--no-flower", "--port", str(port), "--flower-port",
+            str(flower_port), *args]  # fmt: skip
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(argv, env=child, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(proc, url, want, timeout_s, log_path)
+        yield url, f"redis://:{password}@127.0.0.1:{redis_port}/0"
+    finally:
+        stop_group(proc)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, want: dict[str, int], timeout_s: float,
+               log: Path) -> None:  # fmt: skip
+    """Until ``url``'s /health is 200 with at least ``want[pool]`` live workers per pool."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{proc.args[1]} exited with {proc.returncode}:\n{tail}")
+        try:
+            r = httpx.get(f"{url}/health", timeout=2, trust_env=False)
+            last = f"{r.status_code} {r.text[:200]}"
+            live = r.json().get("workers") or {}
+            if r.status_code == 200 and all(live.get(p, 0) >= n for p, n in want.items()):
+                return
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health not showing {want} live workers after {timeout_s:.0f}s "
+                       f"(last: {last}); log: {log}")  # fmt: skip
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGINT to a server's process group, SIGKILL if it is still there after grace_s."""
+    if proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            print(f"  server {proc.pid} ignored SIGINT for {grace_s:.0f}s: SIGKILL",
+                  file=sys.stderr)  # fmt: skip
+    with suppress(ProcessLookupError):  # stragglers in the group (workers, redis)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def session(url: str, max_connections: int, timeout_s: float) -> aiohttp.ClientSession:

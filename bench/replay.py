@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AsyncExitStack, contextmanager, suppress
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,7 +59,14 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]
 
 import trace_gen as tg  # noqa: E402
-from common import free_ports, session, stream_chunks  # noqa: E402
+from common import (  # noqa: E402
+    conveyor_serve,
+    free_ports,
+    session,
+    stop_group,
+    stream_chunks,
+    wait_ready,
+)
 
 from kvbm.protocol import load_key  # noqa: E402
 from workers.registry import live_workers  # noqa: E402
@@ -328,73 +335,31 @@ async def run_mode(
 # --- A fresh server per mode ----------------------------------------------------------
 @contextmanager
 def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path) -> Iterator[tuple]:
-    """``conveyor serve`` with router mode ``mode``; yields (api url, redis url)."""
-    port, flower_port, redis_port = free_ports(3)
-    argv = [args.conveyor, "serve", "--engine", args.engine, "--workers", str(args.workers),
-            "--router-mode", mode, "--port", str(port), "--flower-port", str(flower_port),
-            *shlex.split(args.serve_args)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
-    env["CONVEYOR_REDIS_PORT"] = str(redis_port)
-    env.update(args.server_env)
-    redis_url = env.get("CONVEYOR_REDIS_URL", f"redis://127.0.0.1:{redis_port}/0")
+    """``conveyor serve`` with router mode ``mode``, and ``--api-replicas - 1`` more API
+    processes on its Redis; yields (comma-separated API urls, redis url)."""
+    serve_args = ["--engine", args.engine, "--workers", str(args.workers), "--router-mode",
+                  mode, *shlex.split(args.serve_args)]  # fmt: skip
+    want = {POOL: args.workers}
     log_path = log_dir / f"serve-{mode}.log"
-    with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    replicas: list[subprocess.Popen] = []
-    try:
-        _wait_ready(proc, url, args.workers, args.server_timeout, log_path)
-        urls = [url]
-        for i, rport in enumerate(free_ports(args.api_replicas - 1), start=1):
-            renv = {**env, "CONVEYOR_REDIS_URL": redis_url, "CONVEYOR_ROUTER_MODE": mode}
-            with open(log_dir / f"api{i}-{mode}.log", "wb") as rlog:
-                replicas.append(subprocess.Popen(
-                    [args.conveyor, "api", "--port", str(rport)], env=renv, stdout=rlog,
-                    stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))  # fmt: skip
-            rurl = f"http://127.0.0.1:{rport}"
-            _wait_ready(replicas[-1], rurl, args.workers, args.server_timeout, log_path)
-            urls.append(rurl)
-        yield ",".join(urls), redis_url
-    finally:
-        for r in replicas:
-            stop_group(r)
-        stop_group(proc)
-
-
-def _wait_ready(proc: subprocess.Popen, url: str, workers: int, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"conveyor serve exited with {proc.returncode}:\n{tail}")
+    with conveyor_serve(serve_args, log_path, want, args.server_env, args.server_timeout,
+                        args.conveyor) as (url, redis_url):  # fmt: skip
+        replicas: list[subprocess.Popen] = []
         try:
-            r = httpx.get(f"{url}/health", timeout=2, trust_env=False)
-            last = f"{r.status_code} {r.text[:200]}"
-            live = (r.json().get("workers") or {}).get(POOL, 0)
-            if r.status_code == 200 and live >= workers:
-                return
-        except (httpx.HTTPError, ValueError, AttributeError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health not showing {workers} live {POOL} workers after "
-                       f"{timeout:.0f}s (last: {last}); log: {log}")  # fmt: skip
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGINT to the server's process group, SIGKILL if it is still there after grace_s."""
-    if proc.poll() is None:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            print(f"  server {proc.pid} ignored SIGINT for {grace_s:.0f}s: SIGKILL",
-                  file=sys.stderr)  # fmt: skip
-    with suppress(ProcessLookupError):  # stragglers in the group (workers, redis)
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+            urls = [url]
+            for i, rport in enumerate(free_ports(args.api_replicas - 1), start=1):
+                renv = {**os.environ, **args.server_env, "CONVEYOR_REDIS_URL": redis_url,
+                        "CONVEYOR_ROUTER_MODE": mode}  # fmt: skip
+                with open(log_dir / f"api{i}-{mode}.log", "wb") as rlog:
+                    replicas.append(subprocess.Popen(
+                        [args.conveyor, "api", "--port", str(rport)], env=renv, stdout=rlog,
+                        stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))  # fmt: skip
+                rurl = f"http://127.0.0.1:{rport}"
+                wait_ready(replicas[-1], rurl, want, args.server_timeout, log_path)
+                urls.append(rurl)
+            yield ",".join(urls), redis_url
+        finally:
+            for r in replicas:
+                stop_group(r)
 
 
 # --- Report ---------------------------------------------------------------------------
