@@ -93,6 +93,63 @@ class ClusterCollector:
         yield from fams.values()
         yield from (frames, frame_errors, t_bytes, t_secs, t_count)
         yield from self._routing()
+        yield from self._images()
+
+    def _images(self) -> Iterator[Metric]:
+        """The vision side of each worker that has one: images through its tower, its
+        embedding cache, and embeddings moved between workers."""
+        counters = {
+            "images_encoded": ("conveyor_images_encoded", "Images through a worker's vision tower"),
+            "encode_seconds": ("conveyor_image_encode_seconds",
+                               "Seconds a worker's vision tower spent encoding"),
+            "encode_batches": ("conveyor_image_encode_batches",
+                               "Batches through a worker's vision tower"),
+            "images_pulled": ("conveyor_images_pulled",
+                              "Image embeddings a worker pulled from another"),
+            "pull_fallbacks": ("conveyor_image_pull_fallbacks",
+                               "Embedding pulls that failed (the worker encoded the image)"),
+            "cache_hits": ("conveyor_embedding_cache_hits",
+                           "Images found in a worker's embedding cache"),
+            "cache_misses": ("conveyor_embedding_cache_misses",
+                             "Images not in a worker's embedding cache"),
+            "cache_evictions": ("conveyor_embedding_cache_evictions",
+                                "Embeddings dropped from a worker's cache to make room"),
+        }  # fmt: skip
+        gauges = {
+            "cache_bytes": ("conveyor_embedding_cache_bytes",
+                            "Bytes of embeddings a worker's cache holds"),
+            "cache_entries": ("conveyor_embedding_cache_entries",
+                              "Embeddings a worker's cache holds"),
+        }  # fmt: skip
+        fams: dict[str, Metric] = {
+            **{k: CounterMetricFamily(n, d, labels=["pool", "worker"])
+               for k, (n, d) in counters.items()},
+            **{k: GaugeMetricFamily(n, d, labels=["pool", "worker"])
+               for k, (n, d) in gauges.items()},
+        }  # fmt: skip
+        moved = {
+            "bytes": CounterMetricFamily("conveyor_embedding_transfer_bytes",
+                                         "Image embedding bytes pulled",
+                                         labels=["backend", "worker"]),
+            "seconds": CounterMetricFamily("conveyor_embedding_transfer_seconds",
+                                           "Seconds spent pulling image embeddings",
+                                           labels=["backend", "worker"]),
+            "count": CounterMetricFamily("conveyor_embedding_transfers",
+                                         "Image embeddings pulled",
+                                         labels=["backend", "worker"]),
+        }  # fmt: skip
+        for w in self._workers:
+            wid = w.get("worker_id", "?")
+            st = w.get("images")
+            if st:
+                for k, fam in fams.items():
+                    fam.add_metric([w.get("pool", "?"), wid], float(st.get(k, 0)))  # type: ignore[attr-defined]
+            et = w.get("embedding_transfer")
+            if et:
+                for k, fam in moved.items():
+                    fam.add_metric([et["backend"], wid], et.get(k, 0))
+        yield from fams.values()
+        yield from moved.values()
 
     def _queue_depths(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily("conveyor_queue_depth", "Tasks waiting in a Celery queue",

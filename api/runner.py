@@ -158,7 +158,7 @@ class Runner:
         bs = self.s.block_size
         extra = request_extra_keys(images, len(prompt_ids), bs) if images else None
         return RouteRequest(block_hashes(prompt_ids, bs, self._namespace, extra),
-                            len(prompt_ids), pin)  # fmt: skip
+                            len(prompt_ids), pin, images=len(images))  # fmt: skip
 
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
@@ -372,11 +372,18 @@ class Runner:
             log.exception("[%s] cleanup failed", run.request_id)
 
 
+# The status of an error a worker reports before the first token (the response has not
+# started): a request the engine refuses is the caller's to fix; an image whose bytes are
+# gone from Redis (it waited past their TTL) may be sent again; anything else is ours.
+FRAME_ERROR_STATUS = {"invalid_sampling_params": 400, "image_unavailable": 503}
+
+
 def frame_error(frame: TokenFrame) -> OpenAIError:
     """The error a worker's error frame reports, as the client gets it."""
     err = frame.error
     assert err is not None, "frame_error of a frame without an error"
-    return OpenAIError(500, err.message, err.type, None, err.code)
+    return OpenAIError(FRAME_ERROR_STATUS.get(err.code or "", 500), err.message, err.type,
+                       None, err.code)  # fmt: skip
 
 
 def stream_error(e: BaseException) -> OpenAIError:

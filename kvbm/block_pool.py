@@ -259,12 +259,15 @@ class KVCacheManager:
         self._tables[seq_id] = _Table(list(hits), hashes[: len(hits)], extra_keys)
         return len(hits) * self.block_size
 
-    def allocate_slots(self, seq_id: str, num_tokens: int) -> Allocation | None:
+    def allocate_slots(
+        self, seq_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
+    ) -> Allocation | None:
         """Make ``seq_id``'s table cover ``num_tokens`` tokens. ``None``: not enough room
-        (nothing is allocated in that case)."""
+        (nothing is allocated in that case). ``extra_keys`` name the blocks of a new table
+        (a sequence whose KV is imported, not found by :meth:`find_prefix`)."""
         table = self._tables.get(seq_id)
         if table is None:
-            table = self._tables[seq_id] = _Table()
+            table = self._tables[seq_id] = _Table(extra_keys=extra_keys)
         extra = self.blocks_needed(num_tokens) - len(table.block_ids)
         if extra > 0:
             new = self.pool.allocate(extra)

@@ -20,6 +20,7 @@ Public part:
     Sampling            the sampling parameters a request carries to the engine
     ImageRef            one image of a prompt: its content hash and placeholder tokens
     StagePayload        what every stage task receives
+    EncodeHandle        what an encode task hands the task that prefills (embeddings)
     PrefillHandle       what a prefill task hands its decode task (where the KV is)
     StageSummary        what a generate or decode task returns
 """
@@ -453,6 +454,24 @@ class StagePayload(BaseModel):
     images: list[ImageRef] = Field(default_factory=list)  # in prompt order
 
 
+class EmbeddingRef(BaseModel):
+    """Where one image's embedding is: the transfer backend's metadata for it."""
+
+    hash: str  # the image's content hash (ImageRef.hash)
+    transfer: dict
+
+
+class EncodeHandle(BaseModel):
+    """An encode task's result, handed to the task that prefills: where each image's
+    embedding is (``embeddings``, in the order of the payload's images), or that encoding
+    failed and the stream already ended with an error frame (``error``)."""
+
+    request_id: str
+    encode_worker: str
+    embeddings: list[EmbeddingRef] = Field(default_factory=list)
+    error: str | None = None
+
+
 class PrefillHandle(BaseModel):
     """A prefill task's result, handed to its decode task by the chain: where the prompt's
     KV is (``transfer``: the backend's metadata), or that the request already ended on its
@@ -467,6 +486,7 @@ class PrefillHandle(BaseModel):
     emitted_chars: int = 0  # characters of text the prefill worker already streamed
     prompt_tokens: int = 0
     transfer: dict | None = None
+    embeddings: list[EmbeddingRef] = Field(default_factory=list)  # the prompt's images
 
     @property
     def backend(self) -> str:

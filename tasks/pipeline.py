@@ -25,9 +25,9 @@ from tasks.app import queue, route_to
 from tasks.modes import merged
 from tasks.router import PinnedWorkerMissing, Route, Router, RouteRequest
 from tasks.settings import Settings
-from tasks.stages import decode, generate, prefill
+from tasks.stages import decode, encode, generate, prefill
 
-TASKS = {"generate": generate, "prefill": prefill, "decode": decode}
+TASKS = {"encode": encode, "generate": generate, "prefill": prefill, "decode": decode}
 
 
 @dataclass(slots=True)

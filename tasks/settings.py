@@ -258,6 +258,12 @@ class Settings(BaseSettings):
         description="MiB of image embeddings each encoding worker keeps (LRU, by the "
         "image's content hash): an image seen before skips the vision tower; 0: off.",
     )
+    encoder_max_batch: int = Field(
+        16,
+        ge=1,
+        description="Images an encode worker puts through its vision tower in one forward "
+        "(the images of the requests waiting, up to this many); 1: no batching.",
+    )
     disagg_min_prompt_tokens: int = Field(
         256, ge=0, description="Shorter prompts are prefilled on the decode worker itself."
     )

@@ -149,8 +149,11 @@ class Engine(Protocol):
         """Prefilled KV waits for a decode worker (expire it now and then)."""
 
     # --- disaggregation: KV handed from a prefill engine to a decode engine ----------------
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Decode side: blocks to import ``num_tokens`` of KV into (``None``: no room)."""
+    def reserve(
+        self, request_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
+    ) -> list[int] | None:
+        """Decode side: blocks to import ``num_tokens`` of KV into (``None``: no room),
+        named with ``extra_keys`` (the prompt's images) once their KV is in."""
 
     def cancel_reservation(self, request_id: str) -> None:
         """Decode side: the import failed or was abandoned; free the reserved blocks."""

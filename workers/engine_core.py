@@ -17,6 +17,7 @@ import time
 from tokenizers import Tokenizer
 
 from kvbm.block_pool import KVEvent
+from kvbm.protocol import ExtraKeys
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats, RequestOutput
 from workers.output_processor import OutputProcessor, failed, finished
@@ -151,8 +152,10 @@ class EngineCore:
             outs.append(out)
         return outs
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        return self.scheduler.reserve(request_id, num_tokens)
+    def reserve(
+        self, request_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
+    ) -> list[int] | None:
+        return self.scheduler.reserve(request_id, num_tokens, extra_keys)
 
     def cancel_reservation(self, request_id: str) -> None:
         self.scheduler.cancel_reservation(request_id)

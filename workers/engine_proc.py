@@ -25,12 +25,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbm.protocol import PrefillHandle, kv_release_channel
+from kvbm.protocol import EncodeHandle, PrefillHandle, kv_release_channel
 
 if TYPE_CHECKING:
     from workers.engine_api import Engine
@@ -57,6 +57,10 @@ class EngineProcSpec:
     stats_period_s: float = 0.25
     log_level: int = logging.INFO
     fastpath: bool = True  # frames on a raw connection (workers.stream); else redis-py's
+    role: str = "engine"  # engine: the text model; encoder: the vision tower alone (encode pool)
+    embedding_transfer: str = "auto"  # how image embeddings move between workers
+    encoder_cache_mb: int = 256  # the image embedding cache
+    encoder_max_batch: int = 16  # images per vision-tower forward on an encode worker
 
 
 @dataclass(slots=True)
@@ -68,7 +72,7 @@ class Completion:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
-    handle: PrefillHandle | None = None  # prefill: what the decode worker pulls the KV with
+    handle: PrefillHandle | EncodeHandle | None = None  # what the next stage pulls from
     transfer_failed: bool = False  # decode: the KV could not be pulled
     engine_died: bool = False  # the engine process is gone; the request is lost with it
 
@@ -163,23 +167,30 @@ class EngineClient:
 
     def submit(
         self, request_id: str, prompt_ids: list[int], params: dict,
-        forced_first_token: int | None = None,
+        forced_first_token: int | None = None, mm: dict | None = None,
     ) -> _Waiter:  # fmt: skip
-        """Run a whole request (aggregated)."""
-        return self._submit("submit", request_id, (prompt_ids, params, forced_first_token))
+        """Run a whole request (aggregated). ``mm``: its images, ``{"images": [ImageRef
+        dicts], "refs": [EmbeddingRef dicts]}`` (refs: embeddings another worker made)."""
+        return self._submit("submit", request_id, (prompt_ids, params, forced_first_token, mm))
 
     def prefill(
         self, request_id: str, prompt_ids: list[int], params: dict,
-        forced_first_token: int | None = None,
+        forced_first_token: int | None = None, mm: dict | None = None,
     ) -> _Waiter:  # fmt: skip
         """Prefill only; the waiter's result carries the handle for the decode side."""
-        return self._submit("prefill", request_id, (prompt_ids, params, forced_first_token))
+        return self._submit("prefill", request_id, (prompt_ids, params, forced_first_token, mm))
 
     def decode(
-        self, request_id: str, prompt_ids: list[int], params: dict, handle: PrefillHandle
-    ) -> _Waiter:
+        self, request_id: str, prompt_ids: list[int], params: dict, handle: PrefillHandle,
+        mm: dict | None = None,
+    ) -> _Waiter:  # fmt: skip
         """Pull the prefilled KV described by ``handle``, then decode from the 2nd token."""
-        return self._submit("decode", request_id, (prompt_ids, params, handle))
+        return self._submit("decode", request_id, (prompt_ids, params, handle, mm))
+
+    def encode(self, request_id: str, images: list[dict]) -> _Waiter:
+        """Encode pool: run the images through the vision tower; the waiter's result
+        carries the :class:`EncodeHandle` (where the embeddings are)."""
+        return self._submit("encode", request_id, (images,))
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -283,9 +294,25 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
             log.info("engine process pinned to CPUs %s", ",".join(map(str, spec.cpus)))
+        if spec.role == "encoder":
+            from workers.encode_server import serve_encoder
+
+            serve_encoder(spec, conn, send)
+            return
         engine = _make_engine(spec)
         client = redis.Redis.from_url(spec.redis_url)
         client.ping()
+        images = emb_transfer = None
+        if spec.engine != "mock" and _is_multimodal(spec.model_dir):
+            from workers.images import ImageEncoder
+            from workers.transfer.embeddings import make_embedding_transfer
+
+            images = ImageEncoder(spec.model_dir, client, spec.encoder_cache_mb,
+                                  spec.engine_config.get("dtype", "float32"),
+                                  spec.engine_config.get("device", "cpu"))  # fmt: skip
+            emb_transfer = make_embedding_transfer(
+                spec.embedding_transfer, client, spec.worker_id,
+                hold_s=spec.engine_config.get("kv_pin_timeout_s", 60.0))  # fmt: skip
         transfer = None
         if spec.kv_transfer:
             from workers.transfer import make_transfer  # torch: not for the mock engine
@@ -300,7 +327,7 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         send(("error", f"{type(e).__name__}: {e}"))
         return
 
-    server = _EngineServer(spec, engine, client, transfer, send)
+    server = _EngineServer(spec, engine, client, transfer, send, images, emb_transfer)
     publisher = (FramePublisher if spec.fastpath else StockFramePublisher)(
         client, server.on_published
     )
@@ -328,6 +355,14 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     log.info("engine process stopped in %.2fs", time.monotonic() - t0)
 
 
+def _is_multimodal(model_dir: str) -> bool:
+    """Whether the checkpoint has a vision tower (its config names one)."""
+    import json
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    return "vision_config" in raw
+
+
 def _make_engine(spec: EngineProcSpec) -> Engine:
     from workers.engine_api import EngineConfig
 
@@ -347,7 +382,8 @@ def _make_engine(spec: EngineProcSpec) -> Engine:
 class _EngineServer:
     """The engine process's command handlers (runs in the engine process only)."""
 
-    def __init__(self, spec: EngineProcSpec, engine, client, transfer, send) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, spec: EngineProcSpec, engine, client, transfer, send, images=None,
+                 emb_transfer=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
         from concurrent.futures import ThreadPoolExecutor
 
         self.spec = spec
@@ -355,8 +391,16 @@ class _EngineServer:
         self.redis = client
         self.transfer = transfer
         self.send = send
+        self.images = images  # workers.images.ImageEncoder: a vision-language model's
+        self.emb_transfer = emb_transfer
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="kv-transfer")
+        # images are made ready (pulled or encoded) off the loop, one request at a time
+        # per thread, so a burst of image requests never holds up the KV pulls
+        self.mm_pool = ThreadPoolExecutor(2, thread_name_prefix="images")
         self.exports: dict[str, dict] = {}  # prefill side: request -> transfer metadata
+        # prefill side: a request's images and the embeddings it used, until its handle
+        # carries them to the decode worker
+        self.mm_used: dict[str, tuple[list, list]] = {}
         self._stop = threading.Event()
         self.loop = None
         self.publisher = None
@@ -379,6 +423,13 @@ class _EngineServer:
             st["kv_transfer"] = {"backend": self.transfer.name, **self.transfer.stats()}
         if self.events is not None:
             st.update(self.events.stats())
+        if self.images is not None:
+            st["images"] = {**self.images.stats.as_dict(),
+                            **{f"cache_{k}": v for k, v in
+                               asdict(self.images.cache.stats()).items()}}  # fmt: skip
+        if self.emb_transfer is not None:
+            st["embedding_transfer"] = {"backend": self.emb_transfer.name,
+                                        **self.emb_transfer.stats()}  # fmt: skip
         return st
 
     # ----------------------------------------------------------------------------------
@@ -396,12 +447,44 @@ class _EngineServer:
             self.publisher.publish_error(rid, f"invalid sampling parameters: {e}",
                                          code="invalid_sampling_params")  # fmt: skip
             return
-        if kind in ("submit", "prefill"):
+        mm = rest[1] if len(rest) > 1 else None
+        if mm and mm.get("images") and self.images is not None:
+            self.mm_pool.submit(self._with_images, kind, rid, list(prompt_ids), sp, rest[0], mm)
+        elif kind in ("submit", "prefill"):
             self.loop.submit(EngineRequest(rid, list(prompt_ids), sp,
                                            prefill_only=kind == "prefill",
                                            forced_first_token=rest[0]))  # fmt: skip
         elif kind == "decode":
             self.pool.submit(self._pull_and_decode, rid, list(prompt_ids), sp, rest[0])
+
+    def _with_images(self, kind: str, rid: str, prompt_ids: list[int], sp, arg, mm: dict) -> None:  # type: ignore[no-untyped-def]
+        """Get the request's image embeddings (pulled or encoded here), then run it."""
+        from kvbm.protocol import EmbeddingRef, ImageRef, request_extra_keys
+        from workers.engine_api import EngineRequest
+        from workers.images import ImageUnavailable, prepare
+
+        images = [ImageRef.model_validate(d) for d in mm["images"]]
+        refs = [EmbeddingRef.model_validate(d) for d in mm.get("refs") or ()]
+        if kind == "decode":
+            refs += arg.embeddings  # what the prefill worker used
+        try:
+            inputs = prepare(images, refs, self.images, self.emb_transfer,
+                             self.spec.transfer_timeout_s)  # fmt: skip
+        except ImageUnavailable as e:
+            log.warning("[%s] %s", rid, e)
+            if kind == "decode":
+                self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
+            self.publisher.publish_error(rid, str(e), code="image_unavailable")
+            return
+        extra = request_extra_keys(images, len(prompt_ids), self.engine.config.block_size)
+        if kind == "decode":
+            self._pull_and_decode(rid, prompt_ids, sp, arg, inputs, extra)
+            return
+        if kind == "prefill":
+            self.mm_used[rid] = (images, [m.embeds for m in inputs])
+        self.loop.submit(EngineRequest(rid, prompt_ids, sp, prefill_only=kind == "prefill",
+                                       forced_first_token=arg, mm_inputs=inputs,
+                                       block_extra_keys=extra))  # fmt: skip
 
     def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
         """Frames are out: report finished requests; export prefilled ones' KV."""
@@ -417,6 +500,8 @@ class _EngineServer:
         for o in outs:
             if o.prefilled:
                 self.pool.submit(self._export, o)
+            elif o.finished:
+                self.mm_used.pop(o.request_id, None)
 
     # ----------------------------------------------------------------------------------
     def _export(self, out) -> None:  # type: ignore[no-untyped-def]
@@ -430,6 +515,15 @@ class _EngineServer:
                                            f"KV export failed: {e}")]))  # fmt: skip
             return
         self.exports[rid] = meta
+        embeddings = []
+        used = self.mm_used.pop(rid, None)
+        if used is not None and self.emb_transfer is not None:
+            from workers.images import export
+
+            try:  # the decode worker needs them too: to recompute after a preemption
+                embeddings = export(rid, used[0], used[1], self.emb_transfer)
+            except Exception as e:  # noqa: BLE001 - it encodes them itself then
+                log.warning("[%s] image embeddings not exported: %s", rid, e)
         handle = PrefillHandle(
             request_id=rid,
             prefill_worker=self.spec.worker_id,
@@ -437,10 +531,12 @@ class _EngineServer:
             emitted_chars=len(out.text),
             prompt_tokens=out.num_prompt_tokens,
             transfer=meta,
+            embeddings=embeddings,
         )
         self.send(("done", [Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
 
-    def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle) -> None:  # type: ignore[no-untyped-def]
+    def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle,
+                         mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
         from workers.engine_api import EngineRequest, ImportedPrefill
         from workers.transfer import TransferError
 
@@ -448,7 +544,7 @@ class _EngineServer:
         deadline = time.monotonic() + timeout
         blocks = None
         while blocks is None:
-            blocks = self.loop.call(lambda e: e.reserve(rid, len(prompt_ids))).result()
+            blocks = self.loop.call(lambda e: e.reserve(rid, len(prompt_ids), extra)).result()
             if blocks is None:
                 if time.monotonic() > deadline:
                     self._transfer_failed(rid, "no free KV blocks to receive the prefill")
@@ -466,7 +562,8 @@ class _EngineServer:
         self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
         assert handle.first_token is not None, "a handle to pull from names its first token"
         imported = ImportedPrefill(handle.first_token, handle.emitted_chars)
-        self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported))
+        self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported,
+                                       mm_inputs=mm_inputs, block_extra_keys=extra))  # fmt: skip
 
     def _transfer_failed(self, rid: str, why: str) -> None:
         log.warning("[%s] %s", rid, why)
@@ -505,5 +602,8 @@ class _EngineServer:
             self.events.close()  # on the publisher's connection: before it closes
         self.publisher.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.mm_pool.shutdown(wait=False, cancel_futures=True)
         if self.transfer is not None:
             self.transfer.close()
+        if self.emb_transfer is not None:
+            self.emb_transfer.close()

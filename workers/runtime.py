@@ -18,7 +18,13 @@ from pathlib import Path
 
 import redis
 
-from kvbm.protocol import CANCEL_CHANNEL, PrefillHandle, StageSummary, cancelled_key
+from kvbm.protocol import (
+    CANCEL_CHANNEL,
+    EncodeHandle,
+    PrefillHandle,
+    StageSummary,
+    cancelled_key,
+)
 from workers.engine_api import EngineConfig
 from workers.engine_proc import Completion, EngineClient, EngineDied, EngineProcSpec, _Waiter
 from workers.registry import Heartbeat
@@ -50,6 +56,10 @@ class WorkerRuntime:
         engine: str = "reference",
         mock_timing: dict | None = None,
         fastpath: bool = True,
+        role: str = "engine",
+        embedding_transfer: str = "auto",
+        encoder_cache_mb: int = 256,
+        encoder_max_batch: int = 16,
     ) -> None:
         self.pool = pool
         self.worker_id = worker_id
@@ -70,6 +80,10 @@ class WorkerRuntime:
             stats_period_s=min(0.25, heartbeat_s / 2),
             log_level=logging.getLogger().getEffectiveLevel(),
             fastpath=fastpath,
+            role=role,
+            embedding_transfer=embedding_transfer,
+            encoder_cache_mb=encoder_cache_mb,
+            encoder_max_batch=encoder_max_batch,
         )
         self.engine = EngineClient(spec, on_death=self._engine_died)
         self.heartbeat = Heartbeat(
@@ -126,9 +140,10 @@ class WorkerRuntime:
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: dict,
-        forced_first_token: int | None = None,
+        forced_first_token: int | None = None, mm: dict | None = None,
     ) -> StageSummary:  # fmt: skip
-        """Run one request to completion; frames are published as it goes."""
+        """Run one request to completion; frames are published as it goes. ``mm``: its
+        images and the embeddings an encode worker made (see EngineClient.submit)."""
         t0 = time.perf_counter()
         # A request not begun on receipt (a redelivered task, among others) is skipped if
         # the API is done with it. The API sets the cancelled key before it publishes a
@@ -139,7 +154,7 @@ class WorkerRuntime:
             if self._abandoned(request_id):
                 return StageSummary(request_id=request_id, finish_reason="abort")
             waiter = self.engine.submit(request_id, list(prompt_token_ids), params,
-                                        forced_first_token)  # fmt: skip
+                                        forced_first_token, mm)  # fmt: skip
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
@@ -156,7 +171,7 @@ class WorkerRuntime:
 
     def begin(
         self, stage: str, request_id: str, prompt_token_ids: list[int], params: dict,
-        forced_first_token: int | None = None,
+        forced_first_token: int | None = None, mm: dict | None = None,
     ) -> None:  # fmt: skip
         """Start a ``generate`` or ``prefill`` request in the engine now, ahead of its stage
         task, which then waits for this run (:meth:`generate`, :meth:`prefill`).
@@ -171,7 +186,7 @@ class WorkerRuntime:
         with self._begun_lock:  # held while submitting: the task cannot miss the waiter
             if request_id not in self._begun:
                 self._begun[request_id] = submit(request_id, list(prompt_token_ids), params,
-                                                 forced_first_token)  # fmt: skip
+                                                 forced_first_token, mm)  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         """A request begun whose task will not run (revoked, or refused by Celery): abort
@@ -191,7 +206,7 @@ class WorkerRuntime:
 
     def prefill(
         self, request_id: str, prompt_token_ids: list[int], params: dict,
-        forced_first_token: int | None = None,
+        forced_first_token: int | None = None, mm: dict | None = None,
     ) -> PrefillHandle:  # fmt: skip
         """Prefill stage: run the prompt, stream the first token, pin the KV; returns the
         handle the decode stage pulls it with."""
@@ -201,7 +216,7 @@ class WorkerRuntime:
                 return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
                                      finished=True, finish_reason="abort")  # fmt: skip
             waiter = self.engine.prefill(request_id, list(prompt_token_ids), params,
-                                         forced_first_token)  # fmt: skip
+                                         forced_first_token, mm)  # fmt: skip
         out = self._wait(request_id, waiter)
         if out.handle is not None:
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
@@ -213,14 +228,15 @@ class WorkerRuntime:
                              error=out.error)  # fmt: skip
 
     def decode(
-        self, request_id: str, prompt_token_ids: list[int], params: dict, handle: PrefillHandle
-    ) -> StageSummary:
+        self, request_id: str, prompt_token_ids: list[int], params: dict, handle: PrefillHandle,
+        mm: dict | None = None,
+    ) -> StageSummary:  # fmt: skip
         """Decode stage: pull the prefilled KV, then generate from the second token on.
         Raises :class:`KVPullFailed` when the KV could not be pulled (nothing streamed)."""
         t0 = time.perf_counter()
         if self._abandoned(request_id):
             return StageSummary(request_id=request_id, finish_reason="abort")
-        waiter = self.engine.decode(request_id, list(prompt_token_ids), params, handle)
+        waiter = self.engine.decode(request_id, list(prompt_token_ids), params, handle, mm)
         out = self._wait(request_id, waiter)
         if out.transfer_failed:
             raise KVPullFailed(out.error or "KV pull failed")
@@ -228,6 +244,22 @@ class WorkerRuntime:
                  out.finish_reason, out.completion_tokens, handle.backend,
                  time.perf_counter() - t0)  # fmt: skip
         return _summary(request_id, out)
+
+    def encode(self, request_id: str, images: list[dict]) -> EncodeHandle:
+        """Encode stage: the images through the vision tower; the handle says where their
+        embeddings are (or that encoding failed: the stream has ended then)."""
+        t0 = time.perf_counter()
+        if self._abandoned(request_id):
+            return EncodeHandle(request_id=request_id, encode_worker=self.worker_id,
+                                error="abandoned")  # fmt: skip
+        out = self._wait(request_id, self.engine.encode(request_id, images))
+        if not isinstance(out.handle, EncodeHandle):
+            why = out.error or f"not encoded ({out.finish_reason})"
+            return EncodeHandle(request_id=request_id, encode_worker=self.worker_id, error=why)
+        log.info("[%s] %d image(s) encoded in %.3fs%s", request_id, len(images),
+                 time.perf_counter() - t0,
+                 f": {out.handle.error}" if out.handle.error else "")  # fmt: skip
+        return out.handle
 
     def _abandoned(self, request_id: str) -> bool:
         """Whether the API is done with the request (it ended, or was given up on): a task

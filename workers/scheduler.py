@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvbm.block_pool import KVCacheManager, KVEvent
-from kvbm.protocol import model_namespace
+from kvbm.protocol import ExtraKeys, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats
 
@@ -167,8 +167,10 @@ class Scheduler:
         return self.kv.block_table(request_id)
 
     # --- disaggregation -------------------------------------------------------------------
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        alloc = self.kv.allocate_slots(request_id, num_tokens)
+    def reserve(
+        self, request_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
+    ) -> list[int] | None:
+        alloc = self.kv.allocate_slots(request_id, num_tokens, extra_keys)
         if alloc is None:
             return None
         self.reserved.add(request_id)

@@ -70,6 +70,16 @@ def test_the_message_carries_the_payload_and_no_repr_of_the_token_ids(
     r.flushdb()
 
 
+def _png_url() -> str:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 10, 90)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path, mode: str
@@ -77,7 +87,8 @@ def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
     """What Flower shows as a task's arguments: the ``args`` of the task-received event
     each stage's worker emits. For a 400-token prompt they name the request and its
     prompt length, not a repr of 400 token ids, for the task the API sends and for the
-    one a prefill worker sends on down the chain (disagg)."""
+    ones a worker sends on down the chain (an image request where the mode encodes, so
+    that every stage runs)."""
     url = redis_db(redis_url, 1)
     r = redis.Redis.from_url(url)
     r.flushdb()
@@ -90,13 +101,24 @@ def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
         with stop_on_error(*procs):
             api, http = start_api("api-events", env, tmp_path)
         procs.append(api)
-        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 90, "workers", procs)
+        pools = MODES[mode].pools
+        wait_for(lambda: all(httpx.get(f"{http}/health").json()["workers"][p] >= 1
+                             for p in pools), 90, "workers", procs)  # fmt: skip
         events.psubscribe("*celeryev*")
         assert events.get_message(timeout=2)["type"] == "psubscribe"
-        prompt = [1] + [5 + i % 400 for i in range(399)]
         client = openai.OpenAI(base_url=f"{http}/v1", api_key="x", max_retries=0)
-        out = client.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=4)
-        assert out.usage.prompt_tokens == 400
+        if any(stage.encodes for stage in MODES[mode].stages):
+            content = [{"type": "image_url", "image_url": {"url": _png_url()}},
+                       {"type": "text", "text": " ".join(["seven"] * 380)}]  # fmt: skip
+            out = client.chat.completions.create(
+                model=tiny_model_dir.name, max_tokens=4,
+                messages=[{"role": "user", "content": content}],  # type: ignore[misc, list-item]
+            )  # fmt: skip
+        else:
+            prompt = [1] + [5 + i % 400 for i in range(399)]
+            out = client.completions.create(model=tiny_model_dir.name, prompt=prompt, max_tokens=4)
+        n = out.usage.prompt_tokens
+        assert n >= 400
         shown: dict[str, str] = {}  # task name -> the args its task-received event shows
         wanted = {f"conveyor.{stage.task}" for stage in MODES[mode].stages}
         deadline = time.monotonic() + 10
@@ -110,7 +132,7 @@ def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
                     shown[ev["name"]] = ev["args"]
         assert set(shown) == wanted
         for name, args in shown.items():
-            assert out.id in args and "400" in args, (name, args)
+            assert out.id in args and str(n) in args, (name, args)
             assert len(args) < 100 and "5, 6, 7" not in args, (name, args)
     finally:
         events.close()

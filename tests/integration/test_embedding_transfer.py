@@ -74,6 +74,31 @@ def test_nixl_frees_an_embedding_nobody_pulled(redis_url: str) -> None:
         enc.close()
 
 
+def test_redis_a_declined_embedding_is_deleted(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_db(redis_url, 12))
+    enc, pd = RedisEmbeddingTransfer(r), RedisEmbeddingTransfer(r)
+    m = enc.export("req", "cc", _embeds(4))
+    assert r.exists(m["key"])
+    pd.decline(m)  # the puller had its own copy
+    assert not r.exists(m["key"])
+
+
+@needs_nixl
+def test_nixl_a_declined_embedding_frees_its_slot_now(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_db(redis_url, 12))
+    enc = NixlEmbeddingTransfer(r, "enc-y", arena_mb=1, pin_timeout_s=600)
+    pd = NixlEmbeddingTransfer(r, "pd-y", arena_mb=1)
+    try:
+        full = enc._arena.free_bytes
+        m = enc.export("req", "dd", _embeds(5))
+        assert enc._arena.free_bytes < full
+        pd.decline(m)  # long before the pin timeout
+        wait_for(lambda: enc._arena.free_bytes == full, 5, "the declined slot freed")
+    finally:
+        pd.close()
+        enc.close()
+
+
 def test_arena_slots_coalesce() -> None:
     arena = _Arena(16 * 4096)
     offs = [arena.alloc(4096 * 3) for _ in range(5)]

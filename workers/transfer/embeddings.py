@@ -52,6 +52,11 @@ class EmbeddingTransfer(ABC):
     def discard(self, meta: dict) -> None:  # noqa: B027 - optional hook
         """Encode side: the tensor was pulled or abandoned; free what holds it."""
 
+    @abstractmethod
+    def decline(self, meta: dict) -> None:
+        """The puller's side: a tensor it will not pull (it has its own copy); the encode
+        side frees it now rather than at its timeout."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources at shutdown."""
 
@@ -103,6 +108,9 @@ class RedisEmbeddingTransfer(EmbeddingTransfer):
         return out
 
     def discard(self, meta: dict) -> None:
+        self._r.delete(meta["key"])
+
+    def decline(self, meta: dict) -> None:
         self._r.delete(meta["key"])
 
 
@@ -198,6 +206,9 @@ class NixlEmbeddingTransfer(EmbeddingTransfer):
             self._arena.free(pinned[0], pinned[1])
 
     # --- the puller's side ----------------------------------------------------------------
+    def decline(self, meta: dict) -> None:
+        self._r.publish(embedding_release_channel(meta["worker"]), meta["slot"])
+
     def pull(self, meta: dict, timeout: float) -> torch.Tensor:
         t0 = time.perf_counter()
         n = meta["nbytes"]
@@ -283,19 +294,21 @@ class NixlEmbeddingTransfer(EmbeddingTransfer):
             pass
 
 
-def make_embedding_transfer(kind: str, client: redis.Redis, worker_id: str,
-                            arena_mb: int = 256) -> EmbeddingTransfer:  # fmt: skip
-    """The backend ``kind`` names; ``auto`` takes NIXL when it loads here, else Redis."""
+def make_embedding_transfer(
+    kind: str, client: redis.Redis, worker_id: str, arena_mb: int = 256, hold_s: float = 60.0
+) -> EmbeddingTransfer:
+    """The backend ``kind`` names; ``auto`` takes NIXL when it loads here, else Redis.
+    ``hold_s``: how long an embedding nobody pulls is kept (the KV pin timeout)."""
     if kind not in ("auto", "nixl", "redis"):
         raise ValueError(f"unknown transfer backend {kind!r}; choose from auto, nixl, redis")
     if kind in ("auto", "nixl"):
         if nixl_available():
             try:
-                return NixlEmbeddingTransfer(client, worker_id, arena_mb)
+                return NixlEmbeddingTransfer(client, worker_id, arena_mb, hold_s)
             except Exception as e:  # noqa: BLE001
                 if kind == "nixl":
                     raise
                 log.warning("NIXL unavailable (%s): embeddings go through Redis", e)
         elif kind == "nixl":
             raise RuntimeError("CONVEYOR_KV_TRANSFER=nixl but the nixl package is not installed")
-    return RedisEmbeddingTransfer(client)
+    return RedisEmbeddingTransfer(client, hold_s)

@@ -175,7 +175,10 @@ def _build_cases(model_dir: Path, requests: list[tuple[list[str], int, bool]]) -
     for parts, max_tokens, chat in requests:
         text, imgs = _render(proc, parts, chat)
         pil = [im.open() for im in imgs]
-        inputs = proc(text=text, images=pil or None, return_tensors="pt")
+        # a chat template writes the BOS itself: no second one (as apply_chat_template
+        # tokenizes, and as the API does)
+        inputs = proc(text=text, images=pil or None, return_tensors="pt",
+                      add_special_tokens=not chat)  # fmt: skip
         prompt = inputs["input_ids"][0].tolist()
         with torch.inference_mode():
             out = model.generate(

@@ -1,0 +1,66 @@
+"""The encode worker's batching and aborts (workers/encode_server.py), without a model:
+which waiting requests go through the tower together, and what an abort drops."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from types import SimpleNamespace
+
+from kvbm.protocol import ImageRef
+from workers.encode_server import EncodeServer
+
+
+def _server(max_batch: int) -> tuple[EncodeServer, list]:
+    sent: list = []
+    srv = object.__new__(EncodeServer)  # no model, no Redis: the queue logic only
+    srv.spec = SimpleNamespace(encoder_max_batch=max_batch)
+    srv.send = sent.append
+    srv._queue = deque()
+    srv._cv = threading.Condition()
+    return srv, sent
+
+
+def _refs(n: int) -> list[dict]:
+    return [ImageRef(hash=f"{i:064x}", offset=i, num_tokens=4).model_dump() for i in range(n)]
+
+
+def test_a_batch_takes_waiting_requests_in_order_up_to_the_image_limit() -> None:
+    srv, _ = _server(max_batch=4)
+    for rid, n in (("a", 1), ("b", 2), ("c", 2), ("d", 1)):
+        srv.handle("encode", (rid, _refs(n)))
+    with srv._cv:
+        first = srv._take(4)
+        second = srv._take(4)
+    assert [rid for rid, _ in first] == ["a", "b"]  # c would make 5 images
+    assert [rid for rid, _ in second] == ["c", "d"]
+    assert not srv._queue
+
+
+def test_a_request_with_more_images_than_the_limit_still_goes_alone() -> None:
+    srv, _ = _server(max_batch=2)
+    srv.handle("encode", ("big", _refs(3)))
+    srv.handle("encode", ("small", _refs(1)))
+    with srv._cv:
+        assert [rid for rid, _ in srv._take(2)] == ["big"]
+        assert [rid for rid, _ in srv._take(2)] == ["small"]
+
+
+def test_no_batching_is_one_request_at_a_time() -> None:
+    srv, _ = _server(max_batch=1)
+    for rid in "xyz":
+        srv.handle("encode", (rid, _refs(1)))
+    with srv._cv:
+        assert [[rid for rid, _ in srv._take(1)] for _ in range(3)] == [["x"], ["y"], ["z"]]
+
+
+def test_an_abort_drops_a_waiting_request_and_says_it_ended() -> None:
+    srv, sent = _server(max_batch=8)
+    srv.handle("encode", ("keep", _refs(1)))
+    srv.handle("encode", ("drop", _refs(1)))
+    srv.handle("abort", "drop")
+    srv.handle("abort", "never-seen")  # nothing waiting under that id: nothing happens
+    assert [rid for rid, _ in srv._queue] == ["keep"]
+    assert len(sent) == 1
+    (kind, [done]) = sent[0]
+    assert kind == "done" and done.request_id == "drop" and done.finish_reason == "abort"

@@ -1,0 +1,178 @@
+"""The engine process of an encode worker: the vision tower alone, no text model.
+
+An ``encode`` command names a request and its images (content hashes; the bytes are in
+Redis). One thread takes every request waiting when it comes round and runs all their
+images through the tower as one batch (images seen before come from the embedding cache),
+stages each embedding once in the transfer backend (:mod:`workers.transfer.embeddings`)
+and answers with an :class:`kvbm.protocol.EncodeHandle` naming where they are. A request
+whose image cannot be encoded (its bytes expired, or do not decode) ends its stream with
+an error frame, and its handle says so; the others of the batch go on.
+
+Speaks the same pipe protocol as the text engine's process (:mod:`workers.engine_proc`):
+``encode``, ``abort``, ``stop`` in; ``ready``, ``done``, ``stats`` out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+import redis
+
+from kvbm.protocol import EncodeHandle, ImageRef
+from workers.images import ImageEncoder, ImageUnavailable, export
+from workers.stream import publish_error_frame
+from workers.transfer.embeddings import make_embedding_transfer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from workers.engine_proc import EngineProcSpec
+
+log = logging.getLogger(__name__)
+
+
+class EncodeServer:
+    def __init__(self, spec: EngineProcSpec, client: redis.Redis,
+                 send: Callable[[tuple], None]) -> None:  # fmt: skip
+        cfg = spec.engine_config
+        self.spec = spec
+        self.redis = client
+        self.send = send
+        dtype, device = cfg.get("dtype", "float32"), cfg.get("device", "cpu")
+        self.encoder = ImageEncoder(spec.model_dir, client, spec.encoder_cache_mb, dtype, device)
+        hold_s = cfg.get("kv_pin_timeout_s", 60.0)
+        self.transfer = make_embedding_transfer(spec.embedding_transfer, client, spec.worker_id,
+                                                hold_s=hold_s)  # fmt: skip
+        self._queue: deque[tuple[str, list[ImageRef]]] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.requests = 0
+        self._thread = threading.Thread(target=self._run, name="encoder", daemon=True)
+        self._thread.start()
+        threading.Thread(target=self._report, name="stats", daemon=True).start()
+
+    def handle(self, kind: str, payload: object) -> None:
+        if kind == "encode":
+            rid, images = payload  # type: ignore[misc]
+            with self._cv:
+                self._queue.append((rid, [ImageRef.model_validate(d) for d in images]))
+                self._cv.notify()
+        elif kind == "abort":  # a request still waiting is dropped; one in the tower ends
+            with self._cv:  # (the next stage skips it: the API has marked it cancelled)
+                gone = [e for e in self._queue if e[0] == payload]
+                for e in gone:
+                    self._queue.remove(e)
+            for rid, _ in gone:
+                self.send(("done", [_done(rid, "abort")]))
+
+    def stats(self) -> dict:
+        cache = asdict(self.encoder.cache.stats())
+        return {"running": len(self._queue), "waiting": 0, "encode_requests": self.requests,
+                "images": {**self.encoder.stats.as_dict(),
+                           **{f"cache_{k}": v for k, v in cache.items()}},
+                "embedding_transfer": {"backend": self.transfer.name,
+                                       **self.transfer.stats()}}  # fmt: skip
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(5)
+        self.transfer.close()
+
+    # ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                batch = self._take(self.spec.encoder_max_batch)
+            self._encode(batch)
+
+    def _take(self, max_images: int) -> list[tuple[str, list[ImageRef]]]:
+        """The waiting requests, oldest first, up to ``max_images`` images (at least one
+        request, however many images it has). Holds the condition's lock."""
+        batch, n = [], 0
+        while self._queue and (not batch or n + len(self._queue[0][1]) <= max_images):
+            rid, ims = self._queue.popleft()
+            batch.append((rid, ims))
+            n += len(ims)
+        return batch
+
+    def _encode(self, batch: list[tuple[str, list[ImageRef]]]) -> None:
+        """Every image of ``batch`` through the tower in one go; a batch with an image that
+        cannot be encoded is redone request by request, so only that request fails."""
+        try:
+            self.encoder.encode([im for _, ims in batch for im in ims])
+        except ImageUnavailable:
+            if len(batch) > 1:
+                for one in batch:
+                    self._encode([one])
+                return
+        for rid, images in batch:
+            self.requests += 1
+            try:
+                embeds = self.encoder.encode(images)  # from the cache now
+                refs = export(rid, images, embeds, self.transfer)
+            except Exception as e:  # noqa: BLE001 - the stream must end, the worker go on
+                log.warning("[%s] encoding failed: %s", rid, e)
+                code = "image_unavailable" if isinstance(e, ImageUnavailable) else "encode_failed"
+                publish_error_frame(self.redis, rid, f"encoding failed: {e}", code, 0)
+                handle = EncodeHandle(request_id=rid, encode_worker=self.spec.worker_id,
+                                      error=str(e))  # fmt: skip
+                self.send(("done", [_done(rid, "error", handle, str(e))]))
+                continue
+            handle = EncodeHandle(request_id=rid, encode_worker=self.spec.worker_id,
+                                  embeddings=refs)  # fmt: skip
+            self.send(("done", [_done(rid, None, handle)]))
+
+    def _report(self) -> None:
+        while not self._stop:
+            time.sleep(self.spec.stats_period_s)
+            try:
+                self.send(("stats", self.stats()))
+            except OSError:
+                return
+
+
+def _done(rid: str, reason: str | None, handle: EncodeHandle | None = None,
+          error: str | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
+    from workers.engine_proc import Completion
+
+    return Completion(rid, reason, error=error, handle=handle)
+
+
+def serve_encoder(spec: EngineProcSpec, conn: Connection, send: Callable[[tuple], None]) -> None:
+    """Entry point of an encode worker's engine process (after the common set-up)."""
+    try:
+        import torch
+
+        torch.set_num_threads(spec.torch_threads)
+        client = redis.Redis.from_url(spec.redis_url)
+        client.ping()
+        server = EncodeServer(spec, client, send)
+    except Exception as e:  # noqa: BLE001 - report the reason to the parent
+        log.exception("encoder process failed to start")
+        send(("error", f"{type(e).__name__}: {e}"))
+        return
+    send(("ready", server.stats()))
+    log.info("encoder process %d serving %s (embeddings via %s)", os.getpid(), spec.model_dir,
+             server.transfer.name)  # fmt: skip
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            break
+        if kind == "stop":
+            break
+        server.handle(kind, payload)
+    server.close()
