@@ -440,6 +440,20 @@ class ImageRef(BaseModel):
     num_tokens: int = Field(ge=1)
 
 
+class Resume(BaseModel):
+    """A stream continued on another worker after its worker died mid-stream (migration):
+    the output tokens the client already has, how many characters of their text it was
+    sent, and the ``seq`` of the next frame. The new worker recomputes prompt + these
+    tokens, then samples on from output index ``len(output_token_ids)`` (a seeded request
+    keeps its per-index seeds); its frames carry on at ``next_seq`` and its usage counts
+    the original prompt and every output token once."""
+
+    output_token_ids: list[int] = Field(min_length=1)
+    emitted_chars: int = Field(ge=0)
+    next_seq: int = Field(ge=1)
+    migration: int = Field(ge=1)  # 1 for the first move, 2 for the next...
+
+
 class StagePayload(BaseModel):
     """Everything a stage task needs to run one request (the same payload for every stage;
     a decode task gets the prefill task's handle in front of it)."""
@@ -452,6 +466,7 @@ class StagePayload(BaseModel):
     attempt: int = 0  # disagg: how many times the prefill was redone after a failed pull
     forced_first_token: int | None = None  # a redo keeps the first token already streamed
     images: list[ImageRef] = Field(default_factory=list)  # in prompt order
+    resume: Resume | None = None  # a migrated stream: what the client already has
 
 
 class EmbeddingRef(BaseModel):

@@ -78,6 +78,13 @@ class Settings(BaseSettings):
     dispatch_attempts: int = Field(
         3, ge=1, description="Tries to start a request when its worker dies before answering."
     )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        description="Times a stream whose worker dies mid-generation moves on to another "
+        "worker of the pool (which recomputes prompt + tokens so far and carries on); 0: "
+        "the stream ends with worker_lost.",
+    )
 
     # --- media (image parts: the API's media guard, api/media.py) ----------------------
     media_allow_http: bool = Field(

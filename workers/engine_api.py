@@ -33,6 +33,16 @@ class ImportedPrefill:
 
 
 @dataclass(slots=True)
+class ResumedOutput:
+    """A request continued here after the worker streaming it died (migration): these
+    output tokens are out already (their KV is recomputed with the prompt's), and
+    ``emitted_chars`` characters of their text were sent."""
+
+    output_token_ids: list[int]
+    emitted_chars: int
+
+
+@dataclass(slots=True)
 class MMInput:
     """An image's embeddings in a prompt: they stand in for the token embeddings of the
     prompt's rows ``offset:offset + len(embeds)`` (the image's placeholder tokens)."""
@@ -53,6 +63,7 @@ class EngineRequest:
     # images' embeddings at their placeholder positions; the caller names each image in the
     # blocks it covers (block_extra_keys: kvbm.protocol.image_extra_key of its hash)
     mm_inputs: list[MMInput] | None = None
+    resumed: ResumedOutput | None = None
 
 
 @dataclass(slots=True)

@@ -103,6 +103,17 @@ class EngineCore:
             seq.output_ids.append(first)
             seq.num_computed = n  # the prompt's KV is in the reserved blocks
             detok.prime([first], req.imported.emitted_chars)
+        elif req.resumed is not None:
+            # the tokens out so far join the prompt's in the first forward (as a preempted
+            # request's do), and count as output: max_tokens, min_tokens, per-index seeds
+            # and usage go on from there
+            out = list(req.resumed.output_token_ids)
+            if n + len(out) >= self.max_model_len or len(out) >= req.params.max_tokens:
+                return failed(rid, n, f"cannot resume after {len(out)} output tokens: the "
+                                      "request was already complete")  # fmt: skip
+            seq.token_ids.extend(out)
+            seq.output_ids.extend(out)
+            detok.prime(out, req.resumed.emitted_chars)
         self.scheduler.add(seq)
         return None
 

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 from kvbm.protocol import EncodeHandle, PrefillHandle, kv_release_channel
 
 if TYPE_CHECKING:
+    import redis
+
     from workers.engine_api import Engine
 
 log = logging.getLogger(__name__)
@@ -168,10 +170,13 @@ class EngineClient:
     def submit(
         self, request_id: str, prompt_ids: list[int], params: dict,
         forced_first_token: int | None = None, mm: dict | None = None,
+        resume: dict | None = None,
     ) -> _Waiter:  # fmt: skip
         """Run a whole request (aggregated). ``mm``: its images, ``{"images": [ImageRef
-        dicts], "refs": [EmbeddingRef dicts]}`` (refs: embeddings another worker made)."""
-        return self._submit("submit", request_id, (prompt_ids, params, forced_first_token, mm))
+        dicts], "refs": [EmbeddingRef dicts]}`` (refs: embeddings another worker made).
+        ``resume``: a migrated stream's :class:`kvbm.protocol.Resume` (as a dict)."""
+        return self._submit("submit", request_id,
+                            (prompt_ids, params, forced_first_token, mm, resume))  # fmt: skip
 
     def prefill(
         self, request_id: str, prompt_ids: list[int], params: dict,
@@ -346,13 +351,36 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         try:
             kind, payload = conn.recv()
         except (EOFError, OSError):
-            break  # the worker process is gone: nothing left to serve
+            # the worker process is gone (killed: it would have said "stop"). Say so in
+            # Redis now, so its streams move on at once instead of after its heartbeat TTL.
+            declare_worker_dead(client, spec)
+            break
         if kind == "stop":
             break
         server.handle(kind, payload)
     t0 = time.monotonic()
     server.close()
     log.info("engine process stopped in %.2fs", time.monotonic() - t0)
+
+
+def declare_worker_dead(client: redis.Redis, spec: EngineProcSpec) -> None:
+    """The engine (or encoder) process's last word when its worker process died under it."""
+    import redis
+
+    from workers.registry import declare_dead
+
+    try:
+        declare_dead(client, spec.pool, spec.worker_id)
+        log.warning("worker %s died under its engine process: declared dead", spec.worker_id)
+    except redis.RedisError as e:
+        log.warning("worker %s died; could not say so in Redis (%s)", spec.worker_id, e)
+
+
+def _resumed(resume: dict):  # type: ignore[no-untyped-def]
+    """The engine's view of a migrated stream's :class:`kvbm.protocol.Resume`."""
+    from workers.engine_api import ResumedOutput
+
+    return ResumedOutput(list(resume["output_token_ids"]), int(resume["emitted_chars"]))
 
 
 def _is_multimodal(model_dir: str) -> bool:
@@ -448,16 +476,22 @@ class _EngineServer:
                                          code="invalid_sampling_params")  # fmt: skip
             return
         mm = rest[1] if len(rest) > 1 else None
+        resumed = _resumed(rest[2]) if len(rest) > 2 and rest[2] else None
+        if resumed is not None:  # the stream carries on where the lost worker left it
+            self.publisher.start_at(rid, rest[2]["next_seq"])
         if mm and mm.get("images") and self.images is not None:
-            self.mm_pool.submit(self._with_images, kind, rid, list(prompt_ids), sp, rest[0], mm)
+            self.mm_pool.submit(self._with_images, kind, rid, list(prompt_ids), sp, rest[0], mm,
+                                resumed)  # fmt: skip
         elif kind in ("submit", "prefill"):
             self.loop.submit(EngineRequest(rid, list(prompt_ids), sp,
                                            prefill_only=kind == "prefill",
-                                           forced_first_token=rest[0]))  # fmt: skip
+                                           forced_first_token=rest[0],
+                                           resumed=resumed))  # fmt: skip
         elif kind == "decode":
             self.pool.submit(self._pull_and_decode, rid, list(prompt_ids), sp, rest[0])
 
-    def _with_images(self, kind: str, rid: str, prompt_ids: list[int], sp, arg, mm: dict) -> None:  # type: ignore[no-untyped-def]
+    def _with_images(self, kind: str, rid: str, prompt_ids: list[int], sp, arg, mm: dict,  # type: ignore[no-untyped-def]
+                     resumed=None) -> None:  # fmt: skip
         """Get the request's image embeddings (pulled or encoded here), then run it."""
         from kvbm.protocol import EmbeddingRef, ImageRef, request_extra_keys
         from workers.engine_api import EngineRequest
@@ -484,7 +518,7 @@ class _EngineServer:
             self.mm_used[rid] = (images, [m.embeds for m in inputs])
         self.loop.submit(EngineRequest(rid, prompt_ids, sp, prefill_only=kind == "prefill",
                                        forced_first_token=arg, mm_inputs=inputs,
-                                       block_extra_keys=extra))  # fmt: skip
+                                       block_extra_keys=extra, resumed=resumed))  # fmt: skip
 
     def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
         """Frames are out: report finished requests; export prefilled ones' KV."""

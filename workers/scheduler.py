@@ -119,9 +119,9 @@ class Scheduler:
                     seq.num_computed = 0
                 break
             if seq.num_preemptions == 0 and seq.req.imported is None:
-                seq.num_cached = hit
+                seq.num_cached = min(hit, seq.num_prompt)  # a resumed one: its prompt's
                 self.prompt_tokens_seen += seq.num_prompt
-                self.prompt_tokens_cached += hit
+                self.prompt_tokens_cached += seq.num_cached
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append((seq, n))
