@@ -90,8 +90,10 @@ def deployment(
         api, api_url = start_api(f"{mode}-{backend}-api", env, logdir)
     procs = [*workers, api]
     try:
-        wait_for(lambda: httpx.get(f"{api_url}/health", timeout=1).status_code == 200, 120,
-                 f"{mode} healthy", procs)  # fmt: skip
+        # every pool's worker registered (an optional stage's absence is no error for
+        # /health, but the test wants every stage to run where the mode puts it)
+        wait_for(lambda: all(httpx.get(f"{api_url}/health", timeout=1).json()["workers"][p]
+                             >= 1 for p in pools), 120, f"{mode} healthy", procs)  # fmt: skip
         yield api_url, procs, url
     finally:
         for p in procs:
