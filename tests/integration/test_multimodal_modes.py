@@ -28,7 +28,7 @@ import pytest
 import redis
 import transformers
 
-from kvbm.protocol import media_key, worker_key
+from kvbm.protocol import embedding_key, media_key, worker_key
 from tasks.modes import get_mode
 from tests.integration.conftest import (
     Proc,
@@ -45,6 +45,7 @@ from workers.transfer.nixl_kv import nixl_available
 pytestmark = pytest.mark.integration
 
 CHAT = [(parts, n) for parts, n, chat in REQUESTS if chat]
+STAGED = embedding_key("*", "*")  # every image embedding staged in Redis for a pull
 DEPLOYMENTS = [("agg", "redis"), ("e-pd", "redis"), ("e-p-d", "redis"), ("ep-d", "redis")]
 DEPLOYMENTS += [(m, "nixl") for m in ("e-pd", "e-p-d", "ep-d")] if nixl_available() else []
 
@@ -163,7 +164,7 @@ def test_every_mode_and_backend_gives_hf_tokens(
         wait_for(lambda: all(w.get("blocks_used", 0) == 0 for w in _reports(rurl).values()),
                  15, "blocks freed", procs)  # fmt: skip
         r = redis.Redis.from_url(rurl)
-        wait_for(lambda: not list(r.scan_iter("conveyor:emb:*")), 15, "embeddings freed", procs)
+        wait_for(lambda: not list(r.scan_iter(STAGED)), 15, "embeddings freed", procs)
         imgs = {w: rep.get("images", {}) for w, rep in _reports(rurl).items()}
         assert encoders() == want_encoders, imgs
         # ... and /metrics says so: images through the tower, embeddings pulled across
@@ -324,4 +325,4 @@ def test_cancelled_image_requests_free_their_kv_and_embeddings(
 
         wait_for(idle, 20, "blocks freed", procs)
         r = redis.Redis.from_url(rurl)
-        wait_for(lambda: not list(r.scan_iter("conveyor:emb:*")), 15, "embeddings freed", procs)
+        wait_for(lambda: not list(r.scan_iter(STAGED)), 15, "embeddings freed", procs)
