@@ -127,6 +127,12 @@ def _reports(url: str) -> dict[str, dict]:
     return out
 
 
+def _idle(url: str) -> bool:
+    """No worker holds a KV block or a request (as their last heartbeats report)."""
+    return all(w.get("blocks_used", 0) == 0 and w.get("active", 0) == 0
+               for w in _reports(url).values())  # fmt: skip
+
+
 @pytest.mark.parametrize(("mode", "backend"), DEPLOYMENTS, ids=lambda x: x)
 def test_every_mode_and_backend_gives_hf_tokens(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path, hf_texts: list[str], mode: str,
@@ -232,6 +238,9 @@ def test_a_failed_encode_ends_the_request_with_an_error(
         assert e.value.body["code"] == "image_unavailable", e.value.body  # type: ignore[index]
         text, _ = asyncio.run(_chat(url, tiny_model_dir.name, ["@png", "and this?"], 4))
         assert text  # the next image request is served
+        # the failure left nothing held: KV blocks, staged embeddings
+        wait_for(lambda: _idle(rurl), 15, "blocks freed", procs)
+        wait_for(lambda: not list(r.scan_iter(STAGED)), 15, "embeddings freed", procs)
 
 
 def test_no_live_encode_worker_the_pd_worker_encodes(
@@ -319,10 +328,6 @@ def test_cancelled_image_requests_free_their_kv_and_embeddings(
                                     if x.startswith("conveyor_requests_cancelled_total"))) >= 6,
                  15, "six cancellations", procs)  # fmt: skip
 
-        def idle() -> bool:
-            return all(w.get("blocks_used", 0) == 0 and w.get("active", 0) == 0
-                       for w in _reports(rurl).values())  # fmt: skip
-
-        wait_for(idle, 20, "blocks freed", procs)
+        wait_for(lambda: _idle(rurl), 20, "blocks freed", procs)
         r = redis.Redis.from_url(rurl)
         wait_for(lambda: not list(r.scan_iter(STAGED)), 15, "embeddings freed", procs)
