@@ -64,12 +64,7 @@ class ClusterCollector:
                                         "Requests running or waiting in the engine",
                                         labels=["pool", "worker"]),
         }  # fmt: skip
-        t_bytes = CounterMetricFamily("conveyor_kv_transfer_bytes", "KV bytes pulled",
-                                      labels=["backend", "worker"])  # fmt: skip
-        t_secs = CounterMetricFamily("conveyor_kv_transfer_seconds", "Seconds spent pulling KV",
-                                     labels=["backend", "worker"])  # fmt: skip
-        t_count = CounterMetricFamily("conveyor_kv_transfers", "KV pulls",
-                                      labels=["backend", "worker"])  # fmt: skip
+        kv_moved = _transfer_families("kv_transfer", "KV")
         frames = CounterMetricFamily(
             "conveyor_worker_frames_published",
             "Token frames a worker published",
@@ -84,14 +79,9 @@ class ClusterCollector:
             frame_errors.add_metric(key, w.get("frame_publish_errors", 0))
             for field, fam in fams.items():
                 fam.add_metric(key, float(w.get(field, 0)))
-            kt = w.get("kv_transfer")
-            if kt:
-                lab = [kt["backend"], w.get("worker_id", "?")]
-                t_bytes.add_metric(lab, kt["bytes"])
-                t_secs.add_metric(lab, kt["seconds"])
-                t_count.add_metric(lab, kt["count"])
+            _add_transfer(kv_moved, w, "kv_transfer")
         yield from fams.values()
-        yield from (frames, frame_errors, t_bytes, t_secs, t_count)
+        yield from (frames, frame_errors, *kv_moved.values())
         yield from self._routing()
         yield from self._images()
 
@@ -127,27 +117,14 @@ class ClusterCollector:
             **{k: GaugeMetricFamily(n, d, labels=["pool", "worker"])
                for k, (n, d) in gauges.items()},
         }  # fmt: skip
-        moved = {
-            "bytes": CounterMetricFamily("conveyor_embedding_transfer_bytes",
-                                         "Image embedding bytes pulled",
-                                         labels=["backend", "worker"]),
-            "seconds": CounterMetricFamily("conveyor_embedding_transfer_seconds",
-                                           "Seconds spent pulling image embeddings",
-                                           labels=["backend", "worker"]),
-            "count": CounterMetricFamily("conveyor_embedding_transfers",
-                                         "Image embeddings pulled",
-                                         labels=["backend", "worker"]),
-        }  # fmt: skip
+        moved = _transfer_families("embedding_transfer", "image embedding")
         for w in self._workers:
-            wid = w.get("worker_id", "?")
             st = w.get("images")
             if st:
                 for k, fam in fams.items():
-                    fam.add_metric([w.get("pool", "?"), wid], float(st.get(k, 0)))  # type: ignore[attr-defined]
-            et = w.get("embedding_transfer")
-            if et:
-                for k, fam in moved.items():
-                    fam.add_metric([et["backend"], wid], et.get(k, 0))
+                    key = [w.get("pool", "?"), w.get("worker_id", "?")]
+                    fam.add_metric(key, float(st.get(k, 0)))  # type: ignore[attr-defined]
+            _add_transfer(moved, w, "embedding_transfer")
         yield from fams.values()
         yield from moved.values()
 
@@ -231,3 +208,22 @@ class ClusterCollector:
             for pool, st in sorted(self._router.items()):
                 cfam.add_metric([pool], st[key])
             yield cfam
+
+
+def _transfer_families(name: str, what: str) -> dict[str, CounterMetricFamily]:
+    """One kind of transfer's totals by backend and worker: bytes, seconds and pulls."""
+    lab = ["backend", "worker"]
+    return {
+        "bytes": CounterMetricFamily(f"conveyor_{name}_bytes", f"{what} bytes pulled", labels=lab),
+        "seconds": CounterMetricFamily(f"conveyor_{name}_seconds", f"Seconds pulling {what}",
+                                       labels=lab),
+        "count": CounterMetricFamily(f"conveyor_{name}s", f"{what} pulls", labels=lab),
+    }  # fmt: skip
+
+
+def _add_transfer(fams: dict[str, CounterMetricFamily], worker: dict, field: str) -> None:
+    """A worker's heartbeat totals of one transfer kind (``worker[field]``), if it has any."""
+    t = worker.get(field)
+    if t:
+        for k, fam in fams.items():
+            fam.add_metric([t["backend"], worker.get("worker_id", "?")], t.get(k, 0))
