@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import routes_openai, routes_ops
+from api.admission import ClientLimitMiddleware
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
 from api.media import MediaGuard, MediaLimits
@@ -69,6 +70,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.state.conveyor = st
     install_error_handlers(app)
+    if s.client_max_requests:  # inside the access counts, so its 429s are counted too
+        app.add_middleware(ClientLimitMiddleware, max_requests=s.client_max_requests,
+                           by_key=bool(s.api_key_list), retry_after_s=s.retry_after_s,
+                           metrics=metrics)  # fmt: skip
     app.add_middleware(AccessMiddleware, max_body_bytes=s.max_body_bytes, metrics=metrics)
     keys = s.api_key_list
     if keys:  # outermost: an unauthenticated request is answered before anything reads it

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import redis.asyncio as aioredis
@@ -20,6 +20,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from api.admission import Admission
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.resp import RespConnection
@@ -85,8 +86,14 @@ class Runner:
         # Off: redis-py's asyncio client, and Celery sends from a thread.
         self._fast = RespConnection(settings.effective_redis_url) \
             if settings.broker_fastpath else None  # fmt: skip
-        self.router = Router(client, RouterConfig.from_settings(settings), fast=self._fast,
-                             on_decision=metrics.observe_decision)  # fmt: skip
+        # admission: the router's commit holds each worker to its cap (cluster-wide); the
+        # bounded wait for a slot is here (api.admission)
+        self.admission = Admission(settings.admission_wait_s, settings.retry_after_s, metrics)
+        config = replace(RouterConfig.from_settings(settings),
+                         max_requests=settings.effective_worker_max_requests)  # fmt: skip
+        self.router = Router(client, config, fast=self._fast,
+                             on_decision=metrics.observe_decision,
+                             on_release=self.admission.notify)  # fmt: skip
         self._client = client
         # the same hash function and namespace as the workers' block pools
         self._namespace = model_namespace(settings.model_name)
@@ -165,7 +172,7 @@ class Runner:
         route_req: RouteRequest, images: list[ImageRef] | None = None,
     ) -> RunningRequest:  # fmt: skip
         try:
-            p = await plan(self.router, self.s, route_req)
+            p = await self.admission.admit(partial(plan, self.router, self.s, route_req))
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
