@@ -80,7 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         freeze_startup_heap("api")  # no full collection pauses every stream later
         trimmer = asyncio.get_running_loop().create_task(_trim_when_idle(metrics))
         log.info("api up: model %s, mode %s, redis %s, fast path %s", s.model_name, s.mode,
-                 s.effective_redis_url, "on" if s.broker_fastpath else "off")  # fmt: skip
+                 s.redis_url_for_logs, "on" if s.broker_fastpath else "off")  # fmt: skip
         try:
             yield
         finally:

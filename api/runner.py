@@ -258,7 +258,7 @@ class Runner:
                 sig.apply_async(retry_policy=SEND_RETRY_POLICY, declare=[])
             # Celery's broker is ``effective_redis_url`` too (tasks.app.configure), so the
             # writes go to the same Redis as the pick. Empty when the broker's transport
-            # sent the message itself (only a redis:// broker defers, see tasks.broker).
+            # sent the message itself (a broker neither redis:// nor rediss://: tasks.broker).
             if writes:
                 async with asyncio.timeout(SEND_TIMEOUT_S):  # inline, unlike wait_for
                     await self._send_writes(self._fast, writes)

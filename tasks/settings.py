@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -342,6 +342,15 @@ class Settings(BaseSettings):
             password = self.redis_password_file.read_text().strip()
         auth = f":{quote(password, safe='')}@" if password else ""
         return f"redis://{auth}127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def redis_url_for_logs(self) -> str:
+        """``effective_redis_url`` with its password masked (for logs and messages)."""
+        u = urlsplit(self.effective_redis_url)
+        if u.password is None:
+            return u.geturl()
+        host = u.netloc.rpartition("@")[2]
+        return u._replace(netloc=f"{u.username or ''}:***@{host}").geturl()
 
     @property
     def effective_worker_max_requests(self) -> int:
