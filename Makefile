@@ -24,7 +24,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU torch first, so nothing below pulls the CUDA build (several GB)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[model]"
+	# NIXL too where its wheel installs (after torch: it needs one), so KV transfer skips
+	# Redis out of the box (CONVEYOR_KV_TRANSFER=auto); elsewhere the workers log that
+	# KV goes through Redis, and why
+	$(PIP) install -q -e ".[model,nixl]" || { \
+	  echo "nixl does not install here: KV transfer will go through Redis"; \
+	  $(PIP) install -q -e ".[model]"; }
 	touch $@
 
 install: $(VENV)/.installed

@@ -118,5 +118,24 @@ class ApiMetrics:
             registry=r,
         )
 
+        # admission (api/admission.py)
+        self.refused = Counter(
+            "conveyor_requests_refused",
+            "Requests refused before any work was queued, by reason (workers_busy: 503, "
+            "every worker at its request cap past the admission wait; client_limit: 429)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "conveyor_admission_waiting", "Requests waiting for a worker under its cap",
+            registry=r,
+        )  # fmt: skip
+        self.admission_wait = Histogram(
+            "conveyor_admission_wait_seconds",
+            "Time requests that found every worker at its cap waited (admitted or refused)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
     def observe_decision(self, pool: str, seconds: float) -> None:
         self.decision_seconds.labels(pool).observe(seconds)

@@ -20,6 +20,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from api.admission import Admission
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.resp import RespConnection
@@ -94,8 +95,14 @@ class Runner:
         # Off: redis-py's asyncio client, and Celery sends from a thread.
         self._fast = RespConnection(settings.effective_redis_url) \
             if settings.broker_fastpath else None  # fmt: skip
-        self.router = Router(client, RouterConfig.from_settings(settings), fast=self._fast,
-                             on_decision=metrics.observe_decision)  # fmt: skip
+        # admission: the router's commit holds each worker to its cap (cluster-wide); the
+        # bounded wait for a slot is here (api.admission)
+        self.admission = Admission(settings.admission_wait_s, settings.retry_after_s, metrics)
+        config = replace(RouterConfig.from_settings(settings),
+                         max_requests=settings.effective_worker_max_requests)  # fmt: skip
+        self.router = Router(client, config, fast=self._fast,
+                             on_decision=metrics.observe_decision,
+                             on_release=self.admission.notify)  # fmt: skip
         self._client = client
         # the same hash function and namespace as the workers' block pools
         self._namespace = model_namespace(settings.model_name)
@@ -174,7 +181,7 @@ class Runner:
         route_req: RouteRequest, images: list[ImageRef] | None = None,
     ) -> RunningRequest:  # fmt: skip
         try:
-            p = await plan(self.router, self.s, route_req)
+            p = await self.admission.admit(partial(plan, self.router, self.s, route_req))
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
@@ -260,7 +267,7 @@ class Runner:
                 sig.apply_async(retry_policy=SEND_RETRY_POLICY, declare=[])
             # Celery's broker is ``effective_redis_url`` too (tasks.app.configure), so the
             # writes go to the same Redis as the pick. Empty when the broker's transport
-            # sent the message itself (only a redis:// broker defers, see tasks.broker).
+            # sent the message itself (a broker neither redis:// nor rediss://: tasks.broker).
             if writes:
                 async with asyncio.timeout(SEND_TIMEOUT_S):  # inline, unlike wait_for
                     await self._send_writes(self._fast, writes)
@@ -330,6 +337,7 @@ class Runner:
         prompt = run.payload.prompt_token_ids
         route_req = self.route_request(prompt + run.output_ids, run.payload.images)
         route_req.exclude = {dead.worker_id}
+        route_req.admitted = True  # accepted already: the worker cap does not refuse it
         try:
             p = await plan_continuation(self.router, dead.pool, route_req)
         except NoLiveWorker:

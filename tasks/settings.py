@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -84,6 +84,31 @@ class Settings(BaseSettings):
         description="Times a stream whose worker dies mid-generation moves on to another "
         "worker of the pool (which recomputes prompt + tokens so far and carries on); 0: "
         "the stream ends with worker_lost.",
+    )
+
+    # --- admission (api/admission.py; the cap is checked in the router's commit) -------
+    worker_max_requests: int | None = Field(
+        None,
+        ge=0,
+        description="Requests one worker may hold, running and queued, counted by every API "
+        "replica at the router's commit; beyond it a request waits (admission_wait_s), then "
+        "gets 503. Unset: 2 x max_num_seqs (a full batch running, one more waiting); 0: no "
+        "cap.",
+    )
+    admission_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long a request waits for a worker under its cap before the API "
+        "answers 503 server_overloaded (0: at once).",
+    )
+    client_max_requests: int = Field(
+        0,
+        ge=0,
+        description="Requests one client (its API key when keys are set, else its address) "
+        "may have in flight on one API process; beyond it 429. 0: no limit.",
+    )
+    retry_after_s: int = Field(
+        1, ge=0, description="Retry-After (seconds) of the 503 and 429 admission answers."
     )
 
     # --- media (image parts: the API's media guard, api/media.py) ----------------------
@@ -324,6 +349,22 @@ class Settings(BaseSettings):
             password = self.redis_password_file.read_text().strip()
         auth = f":{quote(password, safe='')}@" if password else ""
         return f"redis://{auth}127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def redis_url_for_logs(self) -> str:
+        """``effective_redis_url`` with its password masked (for logs and messages)."""
+        u = urlsplit(self.effective_redis_url)
+        if u.password is None:
+            return u.geturl()
+        host = u.netloc.rpartition("@")[2]
+        return u._replace(netloc=f"{u.username or ''}:***@{host}").geturl()
+
+    @property
+    def effective_worker_max_requests(self) -> int:
+        """``worker_max_requests``, else two full batches (``max_num_seqs``) per worker."""
+        if self.worker_max_requests is None:
+            return 2 * self.max_num_seqs
+        return self.worker_max_requests
 
     @property
     def api_key_list(self) -> list[str]:

@@ -333,7 +333,7 @@ class Supervisor:
             except redis.RedisError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"redis at {self.s.effective_redis_url} unreachable"
+                        f"redis at {self.s.redis_url_for_logs} unreachable"
                     ) from None
                 time.sleep(0.1)
 

@@ -605,3 +605,78 @@ def test_one_release_gives_back_every_route_of_a_request(db: str, fast: bool) ->
     during_p, during_d, after_p, after_d = asyncio.run(go())
     assert during_p["reqs"] == during_d["reqs"] == 1
     assert after_p == after_d == {"reqs": 0, "blocks": 0, "prefill": 0}
+
+
+# ---------------------------------------------------------------------------------------
+# The request cap (admission): checked in the commit, so it holds across API replicas
+# ---------------------------------------------------------------------------------------
+_CAPPED_PICKER = """
+import asyncio, sys
+import redis.asyncio as aioredis
+from tasks.router import Router, RouterConfig, RouteRequest, WorkersBusy
+async def main():
+    client = aioredis.Redis.from_url(sys.argv[1])
+    router = Router(client, RouterConfig(block_size=16, max_requests=int(sys.argv[2])))
+    picked = busy = 0
+    for i in range(int(sys.argv[3])):
+        try:
+            await router.pick("generate", RouteRequest([], 16 + i % 50))
+            picked += 1
+        except WorkersBusy:
+            busy += 1
+    print(picked, busy)
+    await router.aclose()
+    await client.aclose()
+asyncio.run(main())
+"""
+
+
+def test_two_router_processes_never_count_a_worker_past_its_cap(db: str) -> None:
+    """Two API processes (their own stale views) routing 60 requests each at 3 workers
+    capped at 10: the commit refuses a worker at its cap, so exactly 30 are counted, 10 per
+    worker, and every other pick raises WorkersBusy (nothing is lost between the two)."""
+    register(db, "a", "b", "c")
+    procs = [subprocess.Popen([sys.executable, "-c", _CAPPED_PICKER, db, "10", "60"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    picked, busy = (sum(int(o.split()[i]) for o in outs) for i in (0, 1))
+    assert (picked, busy) == (30, 90), outs
+    r = redis.Redis.from_url(db)
+    assert [int(r.hget(load_key(POOL), f"{w}:reqs") or 0) for w in "abc"] == [10, 10, 10]
+
+
+def test_a_capped_worker_takes_requests_again_once_one_is_released(db: str) -> None:
+    """At the cap a pick (a pinned one too) raises WorkersBusy without counting anything;
+    a release frees one slot for one pick; a router with no cap (a worker re-routing an
+    accepted request) is never refused, nor is a migrated stream (``admitted``)."""
+    from tasks.router import WorkersBusy
+
+    register(db, "a")
+
+    async def go() -> None:
+        client = aioredis.Redis.from_url(db)
+        released = []
+        router = Router(client, RouterConfig(block_size=BS, max_requests=2),
+                        on_release=lambda: released.append(1))  # fmt: skip
+        routes = [await router.pick(POOL, RouteRequest([], 20)) for _ in range(2)]
+        for req in (RouteRequest([], 20), RouteRequest([], 20, pin="a")):
+            with pytest.raises(WorkersBusy):
+                await router.pick(POOL, req)
+        assert await router.load(POOL, "a") == {"reqs": 2, "blocks": 0, "prefill": 40}
+        await router.release(routes[0])  # type: ignore[arg-type]
+        assert released == [1]
+        assert (await router.pick(POOL, RouteRequest([], 20))) is not None
+        with pytest.raises(WorkersBusy):
+            await router.pick(POOL, RouteRequest([], 20))
+        uncapped = Router(client, RouterConfig(block_size=BS), follow=False)
+        assert (await uncapped.pick(POOL, RouteRequest([], 20))) is not None
+        assert (await router.load(POOL, "a"))["reqs"] == 3
+        # an accepted stream moving on (migration) is not refused by the capped router
+        moving = RouteRequest([], 20, admitted=True)
+        assert (await router.pick(POOL, moving)) is not None
+        assert (await router.load(POOL, "a"))["reqs"] == 4
+        await router.aclose()
+        await client.aclose()
+
+    asyncio.run(go())
