@@ -14,6 +14,8 @@ Public part:
                         Redis's clock), used by every reader
     block hashing       block_hashes (chained, seeded, with per-block extra keys),
                         model_namespace, extra_keys_for_spans
+    KV tiers            G1 / G2 / G3: what KV events and the index call the engine pool,
+                        host memory and local disk
     TokenFrame          one frame of a token stream: built by a worker, parsed by the API
     Sampling            the sampling parameters a request carries to the engine
     StagePayload        what every stage task receives
@@ -99,19 +101,34 @@ def load_totals_key(pool: str) -> str:
     return f"{KEY_PREFIX}loadsum:{pool}"
 
 
+# KV cache tiers (the KVBM's G1 / G2 / G3), as KV events and the index name them
+G1 = 1  # the engine's own pool (GPU memory, or the CPU pool of the reference engine)
+G2 = 2  # host memory
+G3 = 3  # local disk
+TIERS = (G1, G2, G3)
+TIER_NAMES = {G1: "g1", G2: "g2", G3: "g3"}
+
+
 @dataclass(frozen=True, slots=True)
 class IndexKeys:
     """One pool's KV-block index in Redis (see :mod:`kvbm.index`)."""
 
     events: str  # STREAM of event batches (workers') and decisions (approximate routers')
-    worker_blocks: str  # + worker id: SET of hex hashes the worker holds (its snapshot)
+    worker_blocks: str  # + worker id: SET of hex hashes the worker holds in G1 (snapshot)
     seq: str  # + worker id: the number of its last applied event batch
+    host_blocks: str  # + worker id: SET of hex hashes the worker holds in G2
+    disk_blocks: str  # + worker id: SET of hex hashes the worker holds in G3
+
+    def tier_blocks(self, tier: int) -> str:
+        """The prefix (+ worker id) of the SET of blocks a worker holds in ``tier``."""
+        return {G1: self.worker_blocks, G2: self.host_blocks, G3: self.disk_blocks}[tier]
 
 
 def index_keys(pool: str) -> IndexKeys:
     return IndexKeys(
-        f"{KEY_PREFIX}kvev:{pool}", f"{KEY_PREFIX}kvw:{pool}:", f"{KEY_PREFIX}kvseq:{pool}:"
-    )
+        f"{KEY_PREFIX}kvev:{pool}", f"{KEY_PREFIX}kvw:{pool}:", f"{KEY_PREFIX}kvseq:{pool}:",
+        f"{KEY_PREFIX}kvw2:{pool}:", f"{KEY_PREFIX}kvw3:{pool}:",
+    )  # fmt: skip
 
 
 def kv_release_channel(worker_id: str) -> str:

@@ -84,6 +84,17 @@ class TinyModelSpec:
     seed: int = 1234
 
 
+# `conveyor model init --preset NAME`. kvbm-bench (bench/kvbm.py): large enough that a
+# 2k-token prefill costs about a second on one CPU core, grouped-query attention, 4k context
+PRESETS: dict[str, TinyModelSpec] = {
+    "tiny": TinyModelSpec(),
+    "kvbm-bench": TinyModelSpec(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=4096, seed=2222,
+    ),
+}  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------
 # Public entry point
 # ----------------------------------------------------------------------------------------
