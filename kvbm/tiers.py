@@ -190,7 +190,8 @@ class TierIndex:
         e.doomed = True
         for child in list(e.kids):
             self.remove(child)
-        self._maybe_leaf(h, e)
+        if self._entries.get(h) is e:  # not dropped already, with its last child
+            self._maybe_leaf(h, e)
 
     def evict_for(self, n: int) -> list[int]:
         """Evict until ``n`` slots are free (or nothing more can go); the hashes evicted."""
