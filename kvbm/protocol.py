@@ -432,6 +432,7 @@ class PrefillHandle(BaseModel):
     first_token: int | None = None
     emitted_chars: int = 0  # characters of text the prefill worker already streamed
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of them, found cached (any KVBM tier) by the prefill worker
     transfer: dict | None = None
 
     @property

@@ -50,6 +50,7 @@ class ImportedPrefill:
     first_token: int
     emitted_chars: int  # characters of text the prefill worker already released
     source: KVSource | None = None
+    cached_tokens: int = 0  # prompt tokens the prefill worker found cached (for usage)
 
 
 @dataclass(slots=True)

@@ -137,6 +137,7 @@ class EngineCore:
                 seq.num_computed = n  # the prompt's KV is in the reserved blocks
                 seq.matched = True
             first = req.imported.first_token
+            seq.num_cached = req.imported.cached_tokens
             seq.token_ids.append(first)
             seq.output_ids.append(first)
             detok.prime([first], req.imported.emitted_chars)

@@ -465,6 +465,7 @@ class _EngineServer:
             first_token=out.token_ids[0],
             emitted_chars=len(out.text),
             prompt_tokens=out.num_prompt_tokens,
+            cached_tokens=out.num_cached_tokens,
             transfer=meta,
         )
         self.send(("done", [Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
@@ -477,7 +478,8 @@ class _EngineServer:
 
         assert handle.first_token is not None, "a handle to pull from names its first token"
         source = _KVPull(self, rid, handle)
-        imported = ImportedPrefill(handle.first_token, handle.emitted_chars, source)
+        imported = ImportedPrefill(handle.first_token, handle.emitted_chars, source,
+                                   handle.cached_tokens)  # fmt: skip
         self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported))
 
     def _transfer_failed(self, rid: str, why: str) -> None:
