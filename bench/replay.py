@@ -320,8 +320,10 @@ async def run_mode(
 
 # --- A fresh server per mode ----------------------------------------------------------
 @contextmanager
-def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path) -> Iterator[tuple]:
-    """``conveyor serve`` with router mode ``mode``; yields (api url, redis url)."""
+def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path,
+                    label: str | None = None) -> Iterator[tuple]:  # fmt: skip
+    """``conveyor serve`` with router mode ``mode`` (its log named after ``label``, default
+    the mode); yields (api url, redis url)."""
     port, flower_port, redis_port = free_ports(3)
     argv = [args.conveyor, "serve", "--engine", args.engine, "--workers", str(args.workers),
             "--router-mode", mode, "--port", str(port), "--flower-port", str(flower_port),
@@ -330,7 +332,7 @@ def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path) -> Itera
     env["CONVEYOR_REDIS_PORT"] = str(redis_port)
     env.update(args.server_env)
     redis_url = env.get("CONVEYOR_REDIS_URL", f"redis://127.0.0.1:{redis_port}/0")
-    log_path = log_dir / f"serve-{mode}.log"
+    log_path = log_dir / f"serve-{label or mode}.log"
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)  # fmt: skip

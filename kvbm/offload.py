@@ -171,6 +171,7 @@ class OffloadManager:
             self.filter = FrequencyFilter(decay_s=filter_decay_s, max_entries=entries)
         self.stats = Stats()
         self._events: list[KVEvent] = []
+        self._batches: dict[int, _Store] = {}  # stores of this step, by tier (see flush)
         self._done: deque[_Store] = deque()
         self._waker: Callable[[], None] | None = None
         self._copy_q: queue.SimpleQueue = queue.SimpleQueue()  # G1 -> G2
@@ -310,9 +311,10 @@ class OffloadManager:
 
     # --- completions, events, stats -------------------------------------------------------
     def poll(self) -> None:
-        """Complete the copies that ended (engine thread)."""
+        """Complete the copies that ended (engine thread); send what is batched."""
         while self._done:
             self._complete(self._done.popleft())
+        self.flush()
 
     @property
     def busy(self) -> bool:
@@ -407,10 +409,26 @@ class OffloadManager:
         if new:
             ids = [block_ids[j] for j in new]
             self.pool.pin(ids)
-            job = _Store(G2, [hashes[j] for j in new], slots, [(G1, b) for b in ids],
-                         [self._parent(hashes, j) for j in new])  # fmt: skip
-            self._copy_q.put(job)
+            job = self._batch(G2)
+            job.hashes += [hashes[j] for j in new]
+            job.slots += slots
+            job.sources += [(G1, b) for b in ids]
+            job.parents += [self._parent(hashes, j) for j in new]
         return i
+
+    def _batch(self, tier: int) -> _Store:
+        """This step's copies into ``tier``, sent as one job by :meth:`flush`."""
+        job = self._batches.get(tier)
+        if job is None:
+            job = self._batches[tier] = _Store(tier, [], [], [], [])
+        return job
+
+    def flush(self) -> None:
+        """Send this step's stores to the copy threads, one job per tier (the engine calls
+        it once per step: one copy for every block named in the step)."""
+        for tier, job in self._batches.items():
+            (self._copy_q if tier == G2 else self._disk_q).put(job)
+        self._batches.clear()
 
     def _store_disk(self, h: int, parent: int, src: tuple[int, int]) -> None:
         assert self.disk is not None
@@ -422,7 +440,11 @@ class OffloadManager:
         else:
             assert self.host is not None
             self.host.pin([h])
-        self._disk_q.put(_Store(G3, [h], [slot], [src], [parent]))
+        job = self._batch(G3)
+        job.hashes.append(h)
+        job.slots.append(slot)
+        job.sources.append(src)
+        job.parents.append(parent)
 
     def _complete(self, job: _Store) -> None:
         for h, ok, (src_tier, idx) in zip(job.hashes, job.ok, job.sources, strict=True):

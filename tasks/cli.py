@@ -367,8 +367,8 @@ def model() -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing checkpoint.")
 @click.option(
     "--preset", default="tiny", show_default=True,
-    help="Model sizes: tiny (the default model) or kvbm-bench (bench/kvbm.py: a 2k-token "
-    "prefill takes about a second on one CPU core).",
+    help="Model sizes: tiny (the default model) or kvbm-bench (bench/kvbm_tiers.py: a "
+    "2k-token prefill takes seconds on one CPU core).",
 )  # fmt: skip
 def model_init(directory: Path | None, force: bool, preset: str) -> None:
     """Write the tiny default LLaVA checkpoint to DIRECTORY (default: the default model dir)."""

@@ -31,6 +31,12 @@ class MockTimingSettings(BaseModel):
     decode_step_ms: float = Field(5.0, ge=0, description="ms of a step with one sequence.")
     decode_ms_per_seq: float = Field(0.05, ge=0, description="ms per further sequence.")
     speedup: float = Field(1.0, gt=0, description="Divides every simulated time.")
+    host_copy_us_per_block: float = Field(
+        80.0, ge=0, description="µs to copy one KV block between G1 and host memory (G2)."
+    )
+    disk_us_per_block: float = Field(
+        400.0, ge=0, description="µs to write or read one KV block on disk (G3)."
+    )
 
 
 class Settings(BaseSettings):

@@ -168,6 +168,7 @@ class EngineCore:
             self.scheduler.last_prefill_s = time.monotonic() - t0
         for seq, _, end in batch:
             self.scheduler.computed(seq, end)
+        self.scheduler.flush()  # the blocks this step named go down, in one copy
         outputs: list[RequestOutput] = dropped
         for seq, tok in zip(sampled, tokens, strict=True):
             forced = seq.req.forced_first_token

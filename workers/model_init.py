@@ -84,8 +84,8 @@ class TinyModelSpec:
     seed: int = 1234
 
 
-# `conveyor model init --preset NAME`. kvbm-bench (bench/kvbm.py): large enough that a
-# 2k-token prefill costs about a second on one CPU core, grouped-query attention, 4k context
+# `conveyor model init --preset NAME`. kvbm-bench (bench/kvbm_tiers.py): large enough that
+# a 2k-token prefill takes seconds on one CPU core; grouped-query attention, 4k context
 PRESETS: dict[str, TinyModelSpec] = {
     "tiny": TinyModelSpec(),
     "kvbm-bench": TinyModelSpec(

@@ -316,6 +316,12 @@ class Scheduler:
             self.offload.poll()
         while self._loads_done:
             self._finish_load(self._loads_done.popleft())
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the step's offload copies (one job per tier for the whole step)."""
+        if self.offload is not None:
+            self.offload.flush()
 
     def _match(self, seq: Seq) -> bool | None:
         """Start ``seq`` on its cached prefix: G1's blocks, then those found in G2 / G3,
