@@ -323,16 +323,26 @@ class LocalIndex:
 
     def tier_overlaps(self, ids: list[str], hashes: list[int]) -> dict[str, tuple[int, int, int]]:
         """Per worker, its leading blocks of ``hashes`` held in G1, in G1 or G2, and in any
-        tier (each a prefix, as every tier keeps ancestors). The two tier bisections run
-        only when some worker holds blocks below G1."""
+        tier (each a prefix, as every tier keeps ancestors). Beyond the bisection of
+        :meth:`overlaps`, a worker whose deepest block held is in G1 costs nothing more;
+        only one whose overlap spans tiers is searched again (docs/performance.md, "KVBM
+        tiers in the router's decision")."""
         any_tier = self.overlaps(ids, hashes)
         if not self._lower:
             return {w: (n, n, n) for w, n in any_tier.items()}
-        some = [w for w in ids if any_tier[w]]
-        top = max((any_tier[w] for w in some), default=0)
-        g1 = self._overlaps_in(some, hashes[:top], TIER_BIT[G1])
-        g12 = self._overlaps_in(some, hashes[:top], TIER_BIT[G1] | TIER_BIT[G2])
-        return {w: (g1.get(w, 0), g12.get(w, 0), n) for w, n in any_tier.items()}
+        out = {}
+        col: list[dict[str, int]] = []  # who holds each block, in what tiers (as needed)
+        for w, n in any_tier.items():
+            if n:
+                last = self._holders[hashes[n - 1]].get(w, 0)
+                if not last & 1:  # else its deepest block is in G1, and so are all before
+                    if len(col) < n:
+                        col += [self._holders.get(h, {}) for h in hashes[len(col) : n]]
+                    n12 = n if last & 2 else _held_up_to(col, w, 3, n)
+                    out[w] = (_held_up_to(col, w, 1, n12), n12, n)
+                    continue
+            out[w] = (n, n, n)
+        return out
 
     # ----------------------------------------------------------------------------------
     def _held(self, block_hash: int, approx: bool, now: float) -> dict[str, int] | set[str]:
@@ -349,29 +359,6 @@ class LocalIndex:
             if not held:
                 del self._approx[block_hash]
         return live
-
-    def _overlaps_in(self, ids: list[str], hashes: list[int], mask: int) -> dict[str, int]:
-        """:meth:`overlaps` counting only blocks held in the tiers of ``mask``."""
-        out = dict.fromkeys(ids, 0)
-        n = len(hashes)
-        if not n or not ids:
-            return out
-        empty: dict[str, int] = {}
-        first = self._holders.get(hashes[0], empty)
-        todo = [(1, n, [w for w in ids if first.get(w, 0) & mask])]
-        while todo:
-            lo, hi, group = todo.pop()
-            if not group:
-                continue
-            if lo == hi:
-                for w in group:
-                    out[w] = lo
-                continue
-            mid = (lo + hi + 1) // 2
-            held = self._holders.get(hashes[mid - 1], empty)
-            todo.append((mid, hi, [w for w in group if held.get(w, 0) & mask]))
-            todo.append((lo, mid - 1, [w for w in group if not held.get(w, 0) & mask]))
-        return out
 
     def _store(self, worker_id: str, hashes: list[int], bit: int) -> None:
         mine = self._blocks.setdefault(worker_id, {})
@@ -416,6 +403,20 @@ class WorkerSnapshot:
 
     def load_into(self, index: LocalIndex) -> None:
         index.load(self.worker_id, self.seq, self.hashes, self.host, self.disk)
+
+
+def _held_up_to(col: list[dict[str, int]], worker_id: str, mask: int, hi: int) -> int:
+    """How many leading blocks (at most ``hi``) ``worker_id`` holds in the tiers of
+    ``mask``, ``col[i]`` holding block i's holders: a binary search, the tiers keeping
+    ancestors. One worker at a time: where tiers split prefixes, the points rarely agree."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if col[mid - 1].get(worker_id, 0) & mask:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def parse_snapshot(flat: list) -> tuple[str, list[WorkerSnapshot]]:
