@@ -17,6 +17,10 @@ Modes (``CONVEYOR_ROUTER_MODE``):
     cost(w) = overlap_weight x (prompt blocks w would still compute + blocks of prompt
     tokens already queued for prefill on w) + active decode blocks on w. The first term
     is the work ahead of this request's first token, the second the decode load it joins.
+    A cached block counts by the tier it would come from (``tier_weights``, default 1.0
+    in G1, 0.75 in G2 host memory, 0.25 on G3 disk): a block on disk saves less work than
+    one in the engine's pool, and a worker holding the prefix in G1 beats one holding it
+    on disk, which beats one holding nothing.
     Lowest cost wins (ties broken at random), or with a temperature > 0 a softmax over
     the normalised costs. A load guard first drops workers whose load (decode blocks +
     queued prefill blocks) exceeds ``guard_ratio`` x the mean and ``guard_min_blocks``
@@ -195,6 +199,7 @@ class RouterConfig:
     guard_ratio: float = 1.5
     guard_min_blocks: int = 256
     block_size: int = 16
+    tier_weights: tuple[float, float, float] = (1.0, 0.75, 0.25)  # a cached block in G1/G2/G3
     refresh_s: float = 0.1  # how often a router re-reads the pools' live workers and load
     prune_s: float = 1.0  # how often it forgets workers whose heartbeat lapsed
     max_requests: int = 0  # requests (running + queued) one worker may hold; 0: no cap
@@ -214,6 +219,7 @@ class RouterConfig:
             guard_ratio=s.router_guard_ratio,
             guard_min_blocks=s.router_guard_min_blocks,
             block_size=s.block_size,
+            tier_weights=(s.router_g1_weight, s.router_g2_weight, s.router_g3_weight),
             prune_s=min(1.0, s.heartbeat_s),
         )
 
@@ -381,8 +387,9 @@ class Router:
         elif c.mode == "random":
             order, ov, guard, best = random.sample(ids, len(ids)), {}, False, 0
         else:
-            ov = self._overlaps(v, ids, req.block_hashes)
-            order = self._rank(v, ids, ov, req, load, limit)
+            tov = self._tier_overlaps(v, ids, req.block_hashes)
+            ov = {w: t[2] for w, t in tov.items()}
+            order = self._rank(v, ids, tov, req, load, limit)
             best, guard = max(ov.values()), True
         for w in order[:MAX_CONFLICTS]:
             route, _ = await self._try(v, w, req, guard, ov.get(w, 0), least)
@@ -409,11 +416,12 @@ class Router:
             route.reason = "kv_guarded"
         return route
 
-    def _rank(self, v: PoolView, ids: list[str], ov: dict[str, int], req: RouteRequest,
-              load: dict[str, int], limit: float) -> list[str]:  # fmt: skip
+    def _rank(self, v: PoolView, ids: list[str], tov: dict[str, tuple[int, int, int]],
+              req: RouteRequest, load: dict[str, int], limit: float) -> list[str]:  # fmt: skip
         """Candidates in the order to try them: within the load guard, by cost (or drawn by
         the softmax over costs with a temperature); the guarded ones last."""
         c, bs = self.config, self.config.block_size
+        w1, w2, w3 = c.tier_weights
         nblocks = -(-max(req.prompt_len, 1) // bs)
         costs = {}
         inside: list[str] = []
@@ -421,7 +429,9 @@ class Router:
         for w in ids:
             b, q = v.loads.get(w, (0, 0))
             q += v.pending.get(w, 0)
-            costs[w] = c.overlap_weight * (nblocks - ov[w] + -(-q // bs)) + b
+            n1, n12, n = tov[w]
+            saved = w1 * n1 + w2 * (n12 - n1) + w3 * (n - n12)  # cached blocks, by tier
+            costs[w] = c.overlap_weight * (nblocks - saved + -(-q // bs)) + b
             (inside if load.get(w, 0) <= limit else outside).append(w)
         outside.sort(key=lambda w: load.get(w, 0))
         if c.temperature <= 0:
@@ -450,6 +460,15 @@ class Router:
         if v.follower is None or not hashes:
             return dict.fromkeys(ids, 0)
         return v.follower.index.overlaps(ids, hashes, approx=not self.config.kv_events)
+
+    def _tier_overlaps(self, v: PoolView, ids: list[str],
+                       hashes: list[int]) -> dict[str, tuple[int, int, int]]:  # fmt: skip
+        """Per worker, its prefix blocks held in G1, in G1 or G2, in any tier."""
+        if v.follower is None or not hashes:
+            return dict.fromkeys(ids, (0, 0, 0))
+        if not self.config.kv_events:  # approximate: the router's decisions stand for G1
+            return {w: (n, n, n) for w, n in self._overlaps(v, ids, hashes).items()}
+        return v.follower.index.tier_overlaps(ids, hashes)
 
     async def _try(self, v: PoolView, w: str, req: RouteRequest, guard: bool,
                    overlap: int, least: int) -> tuple[Route | None, int]:  # fmt: skip

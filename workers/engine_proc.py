@@ -340,7 +340,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     if engine.records_kv_events:
         # on the frames' connection, from the engine loop's thread: no thread of its own
         events = KVEventPublisher(publisher, spec.pool, spec.worker_id,
-                                  engine.cached_block_hashes).start()  # fmt: skip
+                                  engine.cached_blocks_by_tier).start()  # fmt: skip
+        # what the engine holds from the start (a disk tier's blocks from a previous run)
+        events.publish(engine.take_kv_events(), idle=True)
     loop = EngineLoop(engine, publisher.publish_outputs,
                       event_sink=events.publish if events else None).start()  # fmt: skip
     server.attach(loop, publisher, events)
@@ -405,6 +407,33 @@ def _make_engine(spec: EngineProcSpec) -> Engine:
 
     torch.set_num_threads(spec.torch_threads)
     return Engine.from_model_dir(Path(spec.model_dir), config)
+
+
+class _KVPull:
+    """A disaggregated decode's :class:`workers.engine_api.KVSource`: the prefill worker's
+    KV, pulled through the transfer backend into the blocks the engine allocated."""
+
+    def __init__(self, server: _EngineServer, rid: str, handle: PrefillHandle) -> None:
+        self.server = server
+        self.rid = rid
+        self.handle = handle
+        self.deadline = time.monotonic() + server.spec.transfer_timeout_s
+
+    def load(self, block_ids: list[int]) -> None:
+        from workers.transfer import TransferError
+
+        srv, h = self.server, self.handle
+        if srv.transfer is None:
+            raise TransferError("this worker has no KV transfer backend")
+        try:
+            srv.transfer.pull(h.transfer or {}, block_ids, srv.spec.transfer_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure: the decode task retries
+            raise TransferError(f"KV pull from {h.prefill_worker} failed: {e}") from e
+        srv.redis.publish(kv_release_channel(h.prefill_worker), self.rid)
+        srv.publisher.start_at(self.rid, 1)  # the prefill worker streamed frame 0
+
+    def failed(self, why: str) -> None:
+        self.server._transfer_failed(self.rid, why)
 
 
 class _EngineServer:
@@ -564,6 +593,7 @@ class _EngineServer:
             first_token=out.token_ids[0],
             emitted_chars=len(out.text),
             prompt_tokens=out.num_prompt_tokens,
+            cached_tokens=out.num_cached_tokens,
             transfer=meta,
             embeddings=embeddings,
         )
@@ -571,31 +601,15 @@ class _EngineServer:
 
     def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle,
                          mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+        """The decode request joins the engine at once and waits there, in the loading
+        state, for blocks and then for its pull (a loader thread runs ``_KVPull.load``)
+        while the others keep decoding."""
         from workers.engine_api import EngineRequest, ImportedPrefill
-        from workers.transfer import TransferError
 
-        timeout = self.spec.transfer_timeout_s
-        deadline = time.monotonic() + timeout
-        blocks = None
-        while blocks is None:
-            blocks = self.loop.call(lambda e: e.reserve(rid, len(prompt_ids), extra)).result()
-            if blocks is None:
-                if time.monotonic() > deadline:
-                    self._transfer_failed(rid, "no free KV blocks to receive the prefill")
-                    return
-                time.sleep(0.01)  # full pool: wait for running sequences to finish
-        try:
-            if self.transfer is None:
-                raise TransferError("this worker has no KV transfer backend")
-            self.transfer.pull(handle.transfer or {}, blocks, timeout)
-        except Exception as e:  # noqa: BLE001 - any failure: give the blocks back, retry
-            self.loop.call(lambda e_: e_.cancel_reservation(rid))
-            self._transfer_failed(rid, f"KV pull from {handle.prefill_worker} failed: {e}")
-            return
-        self.redis.publish(kv_release_channel(handle.prefill_worker), rid)
-        self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
         assert handle.first_token is not None, "a handle to pull from names its first token"
-        imported = ImportedPrefill(handle.first_token, handle.emitted_chars)
+        source = _KVPull(self, rid, handle)
+        imported = ImportedPrefill(handle.first_token, handle.emitted_chars, source,
+                                   handle.cached_tokens)  # fmt: skip
         self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported,
                                        mm_inputs=mm_inputs, block_extra_keys=extra))  # fmt: skip
 
@@ -632,6 +646,9 @@ class _EngineServer:
     def close(self) -> None:
         self._stop.set()
         self.loop.stop()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()  # the KVBM tiers' threads, the disk dir
         if self.events is not None:
             self.events.close()  # on the publisher's connection: before it closes
         self.publisher.stop()
