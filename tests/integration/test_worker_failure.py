@@ -88,9 +88,9 @@ def test_request_redispatched_when_worker_dies_before_answering(
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
         # A worker that registered and then froze: the real one looks busy, so the router
-        # picks the frozen one; its heartbeat expires 2 s later and the API must move the
-        # request on.
-        Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=2.0).beat()
+        # picks the frozen one; its heartbeat expires 3 s later and the API must move the
+        # request on (3 s: on a loaded machine the pick itself may come a second late).
+        Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=3.0).beat()
         r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
         time.sleep(0.5)  # the API's router reads workers and load every 100 ms
         t0 = time.monotonic()
