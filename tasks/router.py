@@ -42,8 +42,12 @@ Load, per worker, lives in :func:`kvbm.protocol.load_key` (fields
 :func:`kvbm.protocol.load_totals_key`: requests routed and not finished; prompt tokens
 routed and not yet prefilled; and the KV blocks (prompt + one for decoding) of requests
 past their first token. A request counts as prefill work until its first token, then the
-API moves it to decode blocks; it gives everything back when it ends. Both hashes expire
-when nobody touches them, so an API process that died cannot pin load on a worker for good.
+API moves it to decode blocks; it gives everything back when it ends. Each router also
+keeps what it counted in a hash of its own (:func:`kvbm.protocol.load_owner_key`) under a
+lease it renews every second (:func:`kvbm.protocol.load_owners_key`); when an API process
+dies with requests counted, its lease lapses (``lease_s``) and the other routers give
+its counts back (:data:`RECLAIM_LUA`), so it cannot pin load, or requests against the cap,
+on a worker for good.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import logging
 import math
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +76,8 @@ from kvbm.protocol import (
     alive_key,
     index_keys,
     load_key,
+    load_owner_key,
+    load_owners_key,
     load_totals_key,
     worker_key,
     worker_queue,
@@ -91,7 +98,8 @@ MODES = ("kv", "round_robin", "random")
 MAX_CONFLICTS = 3  # candidates refused by the commit before the least loaded is taken
 FULL, DEAD, GUARDED, COUNTED = -2, -1, 0, 1  # the commit's answers (COMMIT_LUA)
 
-# Count a request against one worker. KEYS: load hash, load totals, alive zset. ARGV:
+# Count a request against one worker. KEYS: load hash, load totals, alive zset, and the
+# committing router's own load hash (optional: the same counts, kept per router). ARGV:
 # worker, prompt tokens to queue, guard (0/1), guard ratio, guard min blocks, live workers,
 # least load (blocks, as the caller sees it), block size, ttl ms, the most requests a
 # worker may hold (0: no cap), then in approximate mode the pool's stream, the decision's
@@ -122,6 +130,11 @@ q = redis.call('HINCRBY', KEYS[1], wid .. ':prefill', add)
 redis.call('HINCRBY', KEYS[2], 'prefill', add)
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('PEXPIRE', KEYS[2], ARGV[9])
+if #KEYS > 3 then
+  redis.call('HINCRBY', KEYS[4], wid .. ':reqs', 1)
+  redis.call('HINCRBY', KEYS[4], wid .. ':prefill', add)
+  redis.call('PEXPIRE', KEYS[4], ARGV[9])
+end
 if #ARGV > 10 then
   redis.call('XADD', ARGV[11], 'MAXLEN', '~', ARGV[14], '*', 'w', wid, 'a', ARGV[12],
              'b', ARGV[13])
@@ -130,9 +143,9 @@ return {1, b, q, n}
 """
 )
 
-# Take load off workers. KEYS: load hash, load totals. ARGV: (field, amount, total field or
-# '') triples, then the ttl ms. An amount below 0 adds; counts never go below 0, and a
-# total moves by what its field really moved.
+# Take load off workers. KEYS: load hash, load totals, and the router's own load hash
+# (optional). ARGV: (field, amount, total field or '') triples, then the ttl ms. An amount
+# below 0 adds; counts never go below 0, and a total moves by what its field really moved.
 GIVE_BACK_LUA = """
 for i = 1, #ARGV - 1, 3 do
   local n = tonumber(ARGV[i + 1])
@@ -144,12 +157,50 @@ for i = 1, #ARGV - 1, 3 do
       local t = redis.call('HINCRBY', KEYS[2], ARGV[i + 2], 0 - moved)
       if t < 0 then redis.call('HSET', KEYS[2], ARGV[i + 2], 0) end
     end
+    if #KEYS > 2 then
+      local o = redis.call('HINCRBY', KEYS[3], ARGV[i], 0 - n)
+      if o <= 0 then redis.call('HDEL', KEYS[3], ARGV[i]) end
+    end
   end
 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[#ARGV]))
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[#ARGV]))
+if #KEYS > 2 then redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[#ARGV])) end
 return 1
 """
+
+# Renew this router's lease on the load it counted in a pool, and give back the load of
+# the routers whose lease lapsed (their API process died with requests counted): what
+# each counted comes off the pool's counts and totals, as their releases would have done.
+# KEYS: owners zset, load hash, load totals. ARGV: router id, lease ms, the owners' hash
+# key prefix (+ id). Returns the ids of the routers given back for.
+RECLAIM_LUA = (
+    NOW_LUA
+    + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local gone = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')
+for _, o in ipairs(gone) do
+  local h = ARGV[3] .. o
+  local f = redis.call('HGETALL', h)
+  for i = 1, #f, 2 do
+    local n = tonumber(f[i + 1])
+    if n > 0 and redis.call('HEXISTS', KEYS[2], f[i]) == 1 then
+      local v = redis.call('HINCRBY', KEYS[2], f[i], 0 - n)
+      local moved = n
+      if v < 0 then redis.call('HSET', KEYS[2], f[i], 0); moved = n + v end
+      local kind = string.match(f[i], ':(%a+)$')
+      if (kind == 'prefill' or kind == 'blocks') and moved > 0 then
+        local t = redis.call('HINCRBY', KEYS[3], kind, 0 - moved)
+        if t < 0 then redis.call('HSET', KEYS[3], kind, 0) end
+      end
+    end
+  end
+  redis.call('DEL', h)
+  redis.call('ZREM', KEYS[1], o)
+end
+return gone
+"""
+)
 
 # A pool's live workers and their counted load. ARGV: alive zset, load hash, load totals
 # -> {total blocks, total prefill, id1, blocks1, prefill1, reqs1, id2, ...}
@@ -195,6 +246,9 @@ class RouterConfig:
     refresh_s: float = 0.1  # how often a router re-reads the pools' live workers and load
     prune_s: float = 1.0  # how often it forgets workers whose heartbeat lapsed
     max_requests: int = 0  # requests (running + queued) one worker may hold; 0: no cap
+    # a router's lease on the load it counted, renewed every prune: an API process gone
+    # this long has its counts given back by the others (a stalled loop is not that long)
+    lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -291,6 +345,9 @@ class Router:
     ) -> None:
         self._r = client
         self._on_release = on_release
+        # who counts this router's load, so others can give it back if this process dies
+        # (RECLAIM_LUA); a router that does not follow holds a count for moments only
+        self.id = uuid.uuid4().hex[:16] if follow else None
         self.config = config or RouterConfig()
         self._fast = fast
         self._follow = follow
@@ -299,6 +356,7 @@ class Router:
         self._give_back = client.register_script(GIVE_BACK_LUA)
         self._view_script = client.register_script(VIEW_LUA)
         self._prune = client.register_script(PRUNE_LUA)
+        self._reclaim = client.register_script(RECLAIM_LUA)
         self._live = client.register_script(LIVE_WORKERS_LUA)
         self._all_live = client.register_script(ALL_LIVE_LUA)
         self._views: dict[str, PoolView] = {}
@@ -465,7 +523,7 @@ class Router:
             ttl_ms = int(c.approx_ttl_s * 1000)
             args += [index_keys(v.pool).events, ttl_ms, _json_hex(req.block_hashes),
                      EVENTS_MAXLEN]  # fmt: skip
-        keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool))
+        keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool), *self._own(v.pool))
         v.pending[w] = v.pending.get(w, 0) + add_prefill
         v.reqs[w] = v.reqs.get(w, 0) + 1  # the picks made meanwhile see it
         try:
@@ -543,6 +601,15 @@ class Router:
             if gone:
                 log.info("router: forgot dead workers of %s: %s", v.pool,
                          ", ".join(_str(g) for g in gone))  # fmt: skip
+            if self.id is not None:
+                gone = await self._reclaim(
+                    keys=[load_owners_key(v.pool), load_key(v.pool), load_totals_key(v.pool)],
+                    args=[self.id, int(self.config.lease_s * 1000), load_owner_key(v.pool, "")],
+                )
+                if gone:
+                    log.warning("router: gave back the load counted on %s by routers gone for "
+                                "%.0f s: %s", v.pool, self.config.lease_s,
+                                ", ".join(_str(g) for g in gone))  # fmt: skip
         flat = await self._view_script(
             args=[alive_key(v.pool), load_key(v.pool), load_totals_key(v.pool)]
         )
@@ -600,7 +667,7 @@ class Router:
             self._give_back,
             [f"{w}:prefill", n, "prefill", f"{w}:blocks", -route.blocks, "blocks",
              LOAD_TTL_S * 1000],
-            keys=(load_key(route.pool), load_totals_key(route.pool)),
+            keys=(load_key(route.pool), load_totals_key(route.pool), *self._own(route.pool)),
         )  # fmt: skip
         self._count(route.pool, w, route.blocks, -n)
 
@@ -612,7 +679,7 @@ class Router:
             w = route.worker_id
             blocks = route.blocks if route.decoding else 0
             calls.append((
-                (load_key(route.pool), load_totals_key(route.pool)),
+                (load_key(route.pool), load_totals_key(route.pool), *self._own(route.pool)),
                 [f"{w}:reqs", 1, "", f"{w}:blocks", blocks, "blocks",
                  f"{w}:prefill", route.prefill_tokens, "prefill", LOAD_TTL_S * 1000],
             ))  # fmt: skip
@@ -626,6 +693,10 @@ class Router:
                         -route.prefill_tokens, -1)  # fmt: skip
             route.prefill_tokens = 0
             route.decoding = False
+
+    def _own(self, pool: str) -> tuple[str, ...]:
+        """The key of this router's own load counts in ``pool``, if it keeps them."""
+        return () if self.id is None else (load_owner_key(pool, self.id),)
 
     def _count(self, pool: str, w: str, blocks: int, prefill: int, reqs: int = 0) -> None:
         """This router's own change to a worker's load, seen before the next refresh."""

@@ -676,3 +676,54 @@ def test_a_capped_worker_takes_requests_again_once_one_is_released(db: str) -> N
         await client.aclose()
 
     asyncio.run(go())
+
+
+_DYING_PICKER = """
+import asyncio, os, sys
+import redis.asyncio as aioredis
+from tasks.router import Router, RouterConfig, RouteRequest
+async def main():
+    client = aioredis.Redis.from_url(sys.argv[1])
+    router = Router(client, RouterConfig(block_size=16, max_requests=4, lease_s=1.0))
+    for _ in range(3):
+        route = await router.pick("generate", RouteRequest([], 40))
+        await router.prefilled(route)
+    os._exit(0)  # dies holding three requests: nothing given back
+asyncio.run(main())
+"""
+
+
+def test_the_load_of_a_dead_api_process_is_given_back_after_its_lease(db: str) -> None:
+    """An API process that dies with requests counted leaves them on the worker (and under
+    its cap); once its lease lapses another router gives back exactly what it counted,
+    and leaves what the others counted alone."""
+    from tasks.router import WorkersBusy
+
+    register(db, "a")
+    p = subprocess.run([sys.executable, "-c", _DYING_PICKER, db], timeout=60)
+    assert p.returncode == 0
+
+    async def go() -> tuple[dict, dict, dict]:
+        client = aioredis.Redis.from_url(db)
+        router = Router(client, RouterConfig(block_size=BS, max_requests=4, lease_s=1.0))
+        mine = await router.pick(POOL, RouteRequest([], 40))  # the cap's last slot
+        assert mine is not None
+        with pytest.raises(WorkersBusy):
+            await router.pick(POOL, RouteRequest([], 40))
+        held = await router.load(POOL, "a")
+        await router.start(POOL)  # follows: prunes (and renews its lease) every second
+        deadline = time.monotonic() + 10
+        while (await router.load(POOL, "a"))["reqs"] > 1:
+            assert time.monotonic() < deadline, "the dead router's load was not given back"
+            await asyncio.sleep(0.1)
+        after = await router.load(POOL, "a")
+        totals = {k.decode(): int(v) for k, v in
+                  (await client.hgetall(load_totals_key(POOL))).items()}  # fmt: skip
+        await router.aclose()
+        await client.aclose()
+        return held, after, totals
+
+    held, after, totals = asyncio.run(go())
+    assert held == {"reqs": 4, "blocks": 3 * 4, "prefill": 40}  # 3 decoding + ours
+    assert after == {"reqs": 1, "blocks": 0, "prefill": 40}  # ours alone is left
+    assert totals == {"blocks": 0, "prefill": 40}
