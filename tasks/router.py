@@ -17,6 +17,10 @@ Modes (``CONVEYOR_ROUTER_MODE``):
     cost(w) = overlap_weight x (prompt blocks w would still compute + blocks of prompt
     tokens already queued for prefill on w) + active decode blocks on w. The first term
     is the work ahead of this request's first token, the second the decode load it joins.
+    A cached block counts by the tier it would come from (``tier_weights``, default 1.0
+    in G1, 0.75 in G2 host memory, 0.25 on G3 disk): a block on disk saves less work than
+    one in the engine's pool, and a worker holding the prefix in G1 beats one holding it
+    on disk, which beats one holding nothing.
     Lowest cost wins (ties broken at random), or with a temperature > 0 a softmax over
     the normalised costs. A load guard first drops workers whose load (decode blocks +
     queued prefill blocks) exceeds ``guard_ratio`` x the mean and ``guard_min_blocks``
@@ -34,8 +38,9 @@ Admission: with ``max_requests`` > 0 (the API's, ``CONVEYOR_WORKER_MAX_REQUESTS`
 commit also refuses a worker that already counts that many requests (running and queued,
 routed by any API replica), so the cap holds cluster-wide; when every live worker of the
 pool is at it, :meth:`Router.pick` raises :class:`WorkersBusy` and the API decides whether
-to wait (:mod:`api.admission`). Routers that re-route accepted work (a worker redoing a
-prefill) keep no cap.
+to wait (:mod:`api.admission`). Accepted work moving on is never refused: routers that
+re-route it (a worker redoing a prefill) keep no cap, and a migrated stream's pick says
+``RouteRequest.admitted``.
 
 Load, per worker, lives in :func:`kvbm.protocol.load_key` (fields
 ``<worker>:reqs|prefill|blocks``) and the pool's totals in
@@ -231,6 +236,8 @@ class RouteRequest:
     pin: str | None = None  # a worker id the request must run on
     exclude: set[str] = field(default_factory=set)  # worker ids it must not run on
     images: int = 0  # images in the prompt (an encode stage runs only for those)
+    # accepted work moving on (a migrated stream): no request cap applies to it
+    admitted: bool = False
 
 
 @dataclass(slots=True)
@@ -243,6 +250,7 @@ class RouterConfig:
     guard_ratio: float = 1.5
     guard_min_blocks: int = 256
     block_size: int = 16
+    tier_weights: tuple[float, float, float] = (1.0, 0.75, 0.25)  # a cached block in G1/G2/G3
     refresh_s: float = 0.1  # how often a router re-reads the pools' live workers and load
     prune_s: float = 1.0  # how often it forgets workers whose heartbeat lapsed
     max_requests: int = 0  # requests (running + queued) one worker may hold; 0: no cap
@@ -265,6 +273,7 @@ class RouterConfig:
             guard_ratio=s.router_guard_ratio,
             guard_min_blocks=s.router_guard_min_blocks,
             block_size=s.block_size,
+            tier_weights=(s.router_g1_weight, s.router_g2_weight, s.router_g3_weight),
             prune_s=min(1.0, s.heartbeat_s),
         )
 
@@ -419,7 +428,7 @@ class Router:
             ids = [w for w in v.live if w not in req.exclude]
             if not ids:
                 return None
-        cap = c.max_requests
+        cap = 0 if req.admitted else c.max_requests
         if cap:  # as far as this router knows; the commit has the last word
             room = [w for w in ids if v.reqs.get(w, 0) < cap]
             if not room:
@@ -436,16 +445,17 @@ class Router:
         elif c.mode == "random":
             order, ov, guard, best = random.sample(ids, len(ids)), {}, False, 0
         else:
-            ov = self._overlaps(v, ids, req.block_hashes)
-            order = self._rank(v, ids, ov, req, load, limit)
+            tov = self._tier_overlaps(v, ids, req.block_hashes)
+            ov = {w: t[2] for w, t in tov.items()}
+            order = self._rank(v, ids, tov, req, load, limit)
             best, guard = max(ov.values()), True
         for w in order[:MAX_CONFLICTS]:
             route, _ = await self._try(v, w, req, guard, ov.get(w, 0), least)
             if route is not None:
                 break
         else:  # refused again and again: the least loaded takes it, guard or not
-            alive = [w for w in ids if w in v.live and not self._full(v, w)]
-            if not alive and cap and any(self._full(v, w) for w in ids):
+            alive = [w for w in ids if w in v.live and not self._full(v, w, cap)]
+            if not alive and cap and any(self._full(v, w, cap) for w in ids):
                 raise WorkersBusy(v.pool, cap, len(ids))
             w = min(alive or ids, key=lambda w: self._load(v, w))
             route, status = await self._try(v, w, req, False, ov.get(w, 0), least)
@@ -464,11 +474,12 @@ class Router:
             route.reason = "kv_guarded"
         return route
 
-    def _rank(self, v: PoolView, ids: list[str], ov: dict[str, int], req: RouteRequest,
-              load: dict[str, int], limit: float) -> list[str]:  # fmt: skip
+    def _rank(self, v: PoolView, ids: list[str], tov: dict[str, tuple[int, int, int]],
+              req: RouteRequest, load: dict[str, int], limit: float) -> list[str]:  # fmt: skip
         """Candidates in the order to try them: within the load guard, by cost (or drawn by
         the softmax over costs with a temperature); the guarded ones last."""
         c, bs = self.config, self.config.block_size
+        w1, w2, w3 = c.tier_weights
         nblocks = -(-max(req.prompt_len, 1) // bs)
         costs = {}
         inside: list[str] = []
@@ -476,7 +487,9 @@ class Router:
         for w in ids:
             b, q = v.loads.get(w, (0, 0))
             q += v.pending.get(w, 0)
-            costs[w] = c.overlap_weight * (nblocks - ov[w] + -(-q // bs)) + b
+            n1, n12, n = tov[w]
+            saved = w1 * n1 + w2 * (n12 - n1) + w3 * (n - n12)  # cached blocks, by tier
+            costs[w] = c.overlap_weight * (nblocks - saved + -(-q // bs)) + b
             (inside if load.get(w, 0) <= limit else outside).append(w)
         outside.sort(key=lambda w: load.get(w, 0))
         if c.temperature <= 0:
@@ -494,8 +507,7 @@ class Router:
             inside = drawn
         return inside + outside
 
-    def _full(self, v: PoolView, w: str) -> bool:
-        cap = self.config.max_requests
+    def _full(self, v: PoolView, w: str, cap: int) -> bool:
         return bool(cap) and v.reqs.get(w, 0) >= cap
 
     def _load(self, v: PoolView, w: str) -> int:
@@ -507,6 +519,15 @@ class Router:
             return dict.fromkeys(ids, 0)
         return v.follower.index.overlaps(ids, hashes, approx=not self.config.kv_events)
 
+    def _tier_overlaps(self, v: PoolView, ids: list[str],
+                       hashes: list[int]) -> dict[str, tuple[int, int, int]]:  # fmt: skip
+        """Per worker, its prefix blocks held in G1, in G1 or G2, in any tier."""
+        if v.follower is None or not hashes:
+            return dict.fromkeys(ids, (0, 0, 0))
+        if not self.config.kv_events:  # approximate: the router's decisions stand for G1
+            return {w: (n, n, n) for w, n in self._overlaps(v, ids, hashes).items()}
+        return v.follower.index.tier_overlaps(ids, hashes)
+
     async def _try(self, v: PoolView, w: str, req: RouteRequest, guard: bool,
                    overlap: int, least: int) -> tuple[Route | None, int]:  # fmt: skip
         """Commit the request to ``w`` (``least``: the least load this router sees, for the
@@ -517,7 +538,7 @@ class Router:
         add_prefill = max(req.prompt_len - overlap * bs, 1)
         args: list = [w, add_prefill, int(guard), c.guard_ratio, c.guard_min_blocks,
                       max(len(v.live), 1), least, bs, LOAD_TTL_S * 1000,
-                      c.max_requests]  # fmt: skip
+                      0 if req.admitted else c.max_requests]  # fmt: skip
         approx = c.mode == "kv" and not c.kv_events and bool(req.block_hashes)
         if approx:
             ttl_ms = int(c.approx_ttl_s * 1000)

@@ -2,8 +2,10 @@
 
 Other threads (the engine process's command reader, transfer threads) submit and abort
 through it; every step's outputs go to a sink callback, and the engine's KV events to an
-event sink (called after every step, with or without events). Works with any
-:class:`workers.engine_api.Engine`; torch-free.
+event sink (called after every step, with or without events). The engine wakes the loop
+when a copy it started on another thread has ended (KV onboarded or pulled, an offload
+done), so a request waiting for its KV resumes at once and nothing waits on a timer.
+Works with any :class:`workers.engine_api.Engine`; torch-free.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class EngineLoop:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds_total = 0.0
+        engine.set_waker(self._wake)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -76,6 +79,10 @@ class EngineLoop:
             self._inbox.append(item)
             self._cv.notify()
 
+    def _wake(self) -> None:
+        """A copy ended (another thread): step soon, to collect it."""
+        self._post(("wake", None))
+
     def _drain(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
         while self._inbox:
@@ -89,6 +96,8 @@ class EngineLoop:
                 except Exception as e:  # noqa: BLE001 - hand it to the caller
                     fut.set_exception(e)
                 out = None
+            elif kind == "wake":
+                out = None  # the step below collects what ended
             else:
                 out = self.engine.abort(arg)  # type: ignore[arg-type]
             if out is not None:
