@@ -37,11 +37,9 @@ import orjson
 import xxhash
 from pydantic import BaseModel, Field
 
-# ===============================================================================
-
+# ======================================================================================
 # Redis keys and channels, Celery queues
-# ===============================================================================
-
+# ======================================================================================
 KEY_PREFIX = "conveyor:"
 TOKENS_PREFIX = "tokens:"
 CANCEL_CHANNEL = KEY_PREFIX + "cancel"  # PUBLISH request id: abort it wherever it runs
@@ -181,11 +179,9 @@ def media_key(image_hash: str) -> str:
     return f"{KEY_PREFIX}media:{image_hash}"
 
 
-# ===============================================================================
-
+# ======================================================================================
 # Queue depths, as the registry's script reads them (workers.registry.queue_depths)
-# ===============================================================================
-
+# ======================================================================================
 @dataclass(slots=True)
 class WorkerQueue:
     """A worker's own queue: a live worker's, or a departed one's still holding messages."""
@@ -224,11 +220,9 @@ class PoolQueues:
         return bool(self.workers) or self.shared > 0
 
 
-# ===============================================================================
-
+# ======================================================================================
 # Liveness: one rule for every reader
-# ===============================================================================
-
+# ======================================================================================
 # A heartbeat writes ``now + ttl`` (Redis's clock, ms) as the worker's score in its pool's
 # alive ZSET (and its report under worker_key with the same TTL). A worker is live while
 # its score is above Redis's now. Scripts include this; they define ``now`` with NOW_LUA.
@@ -277,11 +271,9 @@ return 1
 )
 
 
-# ===============================================================================
-
+# ======================================================================================
 # Block hashing
-# ===============================================================================
-
+# ======================================================================================
 # The hash of block i covers (the hash of block i-1, the token ids of block i, a namespace
 # such as the model, and the extra keys of block i: the content hash of an image whose
 # placeholder tokens fall in it, a LoRA name), so equal hashes mean equal prefixes. It is
@@ -372,11 +364,9 @@ def request_extra_keys(
     return extra_keys_for_spans(image_spans(images), num_tokens, block_size)
 
 
-# ===============================================================================
-
+# ======================================================================================
 # Token frames
-# ===============================================================================
-
+# ======================================================================================
 # One frame per engine step per request, JSON on ``tokens:{request_id}``. ``seq`` counts
 # from 0 per request with no gaps; the frame with ``done`` is always the last: it carries
 # the finish reason and usage, or an error.
@@ -449,11 +439,9 @@ class TokenFrame:
         return frame
 
 
-# ===============================================================================
-
+# ======================================================================================
 # Stage payloads and handles (JSON inside Celery messages: handles and ids, no tensors)
-# ===============================================================================
-
+# ======================================================================================
 
 
 class Sampling(BaseModel):
