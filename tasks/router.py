@@ -151,9 +151,14 @@ return {1, b, q, n}
 # Take load off workers. KEYS: load hash, load totals, and the router's own load hash
 # (optional). ARGV: (field, amount, total field or '') triples, then the ttl ms. An amount
 # below 0 adds; counts never go below 0, and a total moves by what its field really moved.
+# With the router's own hash, no more is taken than it still holds there: what another
+# router gave back for it (its lease lapsed while it stalled) is not taken a second time.
 GIVE_BACK_LUA = """
 for i = 1, #ARGV - 1, 3 do
   local n = tonumber(ARGV[i + 1])
+  if #KEYS > 2 and n > 0 then
+    n = math.min(n, tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0'))
+  end
   if n ~= 0 then
     local v = redis.call('HINCRBY', KEYS[1], ARGV[i], 0 - n)
     local moved = n
@@ -174,19 +179,26 @@ if #KEYS > 2 then redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[#ARGV])) end
 return 1
 """
 
-# Renew this router's lease on the load it counted in a pool, and give back the load of
-# the routers whose lease lapsed (their API process died with requests counted): what
-# each counted comes off the pool's counts and totals, as their releases would have done.
+# Renew this router's lease on the load it counted in a pool (and its own hash's TTL),
+# then give back the load of the routers whose lease lapsed (their API process died with
+# requests counted): what each counted comes off the pool's counts and totals, as their
+# releases would have done. A router whose own lease had lapsed too (Redis was away, or
+# this process stalled) only renews: the others may be alive and about to renew theirs.
 # KEYS: owners zset, load hash, load totals. ARGV: router id, lease ms, the owners' hash
-# key prefix (+ id). Returns the ids of the routers given back for.
+# key prefix (+ id), ttl ms. Returns {requests given back, ids of the routers that held any}.
 RECLAIM_LUA = (
     NOW_LUA
     + """
+local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-local gone = redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')
-for _, o in ipairs(gone) do
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('PEXPIRE', ARGV[3] .. ARGV[1], ARGV[4])
+if not mine or tonumber(mine) <= now then return {0} end
+local out = {0}
+for _, o in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
   local h = ARGV[3] .. o
   local f = redis.call('HGETALL', h)
+  if #f > 0 then out[#out + 1] = o end  -- a router that ended holding nothing: no news
   for i = 1, #f, 2 do
     local n = tonumber(f[i + 1])
     if n > 0 and redis.call('HEXISTS', KEYS[2], f[i]) == 1 then
@@ -197,13 +209,15 @@ for _, o in ipairs(gone) do
       if (kind == 'prefill' or kind == 'blocks') and moved > 0 then
         local t = redis.call('HINCRBY', KEYS[3], kind, 0 - moved)
         if t < 0 then redis.call('HSET', KEYS[3], kind, 0) end
+      elseif kind == 'reqs' then
+        out[1] = out[1] + moved
       end
     end
   end
   redis.call('DEL', h)
   redis.call('ZREM', KEYS[1], o)
 end
-return gone
+return out
 """
 )
 
@@ -261,6 +275,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown router mode {self.mode!r}; known: {list(MODES)}")
+        if self.lease_s < 2 * self.prune_s:
+            raise ValueError(f"lease_s ({self.lease_s}) must be at least 2 x prune_s "
+                             f"({self.prune_s}): the lease is renewed once per prune")  # fmt: skip
 
     @classmethod
     def from_settings(cls, s: Settings) -> RouterConfig:
@@ -275,6 +292,7 @@ class RouterConfig:
             block_size=s.block_size,
             tier_weights=(s.router_g1_weight, s.router_g2_weight, s.router_g3_weight),
             prune_s=min(1.0, s.heartbeat_s),
+            lease_s=s.router_lease_s,
         )
 
 
@@ -328,6 +346,8 @@ class PoolView:
     follower: IndexFollower | None = None
     rr: int = 0
     conflicts: int = 0  # candidates the commit refused (died, or past the guard)
+    leases_reclaimed: int = 0  # routers (API processes) gone whose counts this one gave back
+    requests_reclaimed: int = 0  # ... and the requests they had counted
     task: asyncio.Task[None] | None = None
 
 
@@ -622,15 +642,19 @@ class Router:
             if gone:
                 log.info("router: forgot dead workers of %s: %s", v.pool,
                          ", ".join(_str(g) for g in gone))  # fmt: skip
-            if self.id is not None:
-                gone = await self._reclaim(
+            if self.id is not None:  # once per prune: renew the lease, reclaim lapsed ones
+                res = await self._reclaim(
                     keys=[load_owners_key(v.pool), load_key(v.pool), load_totals_key(v.pool)],
-                    args=[self.id, int(self.config.lease_s * 1000), load_owner_key(v.pool, "")],
-                )
-                if gone:
-                    log.warning("router: gave back the load counted on %s by routers gone for "
-                                "%.0f s: %s", v.pool, self.config.lease_s,
-                                ", ".join(_str(g) for g in gone))  # fmt: skip
+                    args=[self.id, int(self.config.lease_s * 1000),
+                          load_owner_key(v.pool, ""), LOAD_TTL_S * 1000],
+                )  # fmt: skip
+                if len(res) > 1:
+                    v.leases_reclaimed += len(res) - 1
+                    v.requests_reclaimed += int(res[0])
+                    log.warning("router: gave back %d requests counted on %s by routers whose "
+                                "lease lapsed (%.0f s; their API process died?): %s",
+                                int(res[0]), v.pool, self.config.lease_s,
+                                ", ".join(_str(g) for g in res[1:]))  # fmt: skip
         flat = await self._view_script(
             args=[alive_key(v.pool), load_key(v.pool), load_totals_key(v.pool)]
         )
@@ -761,6 +785,8 @@ class Router:
                 "snapshot_loads": f.stats.snapshot_loads if f else 0,
                 "worker_reloads": f.stats.worker_reloads if f else 0,
                 "commit_conflicts": v.conflicts,
+                "leases_reclaimed": v.leases_reclaimed,
+                "requests_reclaimed": v.requests_reclaimed,
                 "live_workers": len(v.live),
             }
         return out
