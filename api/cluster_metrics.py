@@ -284,6 +284,10 @@ class ClusterCollector:
                                "KV event stream entries this API process applied"),
             "commit_conflicts": ("conveyor_router_commit_conflicts",
                                  "Picks refused at commit (worker dead or past the guard)"),
+            "leases_reclaimed": ("conveyor_router_leases_reclaimed",
+                                 "API processes gone whose counted load this one gave back"),
+            "requests_reclaimed": ("conveyor_router_requests_reclaimed",
+                                   "Requests counted by API processes gone, given back here"),
         }  # fmt: skip
         for key, (name, doc) in gauges.items():
             fam = GaugeMetricFamily(name, doc, labels=["pool"])

@@ -4,6 +4,7 @@ with its embedded Redis, no Flower).
 
     python bench/faults.py                       # every part
     python bench/faults.py --parts overload --workers 2 --cap 8
+    python bench/faults.py --parts migration --rounds 3 --tokens 128
 
 ``overload``  ``--workers`` mock workers, each capped at ``--cap`` requests
               (``CONVEYOR_WORKER_MAX_REQUESTS``), an admission wait of ``--wait-s``;
@@ -14,17 +15,27 @@ with its embedded Redis, no Flower).
 ``redis``     One mock worker; ``--restarts`` times: SIGKILL the embedded Redis (serve
               restarts it, with its backoff) and time how long it is away, and from its
               return (its first PING) to the first request that succeeds: the recovery.
+``migration`` Two mock workers (the mock engine resumes as the reference one does:
+              prompt + tokens so far, then on); per ``--victim`` (``worker``: the Celery
+              worker process, whose engine process then says it died; ``engine``: only
+              the engine process, which takes its worker along), ``--rounds`` rounds of
+              ``--streams`` greedy streams of ``--tokens`` tokens, half pinned to each
+              worker, and the victim SIGKILLed once every stream is a quarter through.
+              Per round: streams migrated and failed, time from the kill to the next
+              token on each migrated stream (p50 / p99), tokens lost / duplicated against
+              an uninterrupted run (the text re-tokenized, aligned), usage != max_tokens.
+              serve restarts the victim between rounds.
 
 Each part starts its own server and stops it; ``PARTS`` maps a name to its function
 ``part(args, log_dir, out)``, which prints its table and puts its raw numbers under
-``out[name]`` (``--json PATH`` writes them), so another part (a worker killed
-mid-stream: kill-to-next-token, tokens lost or duplicated) can be added beside these.
+``out[name]`` (``--json PATH`` writes them).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import os
 import signal
@@ -40,9 +51,11 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 import redis  # noqa: E402
-from common import conveyor_serve  # noqa: E402
+from common import conveyor_serve, event_error  # noqa: E402
 
+from kvbm.protocol import alive_key, worker_key  # noqa: E402
 from tasks.serve_state import ServeState  # noqa: E402
+from tasks.settings import Settings  # noqa: E402
 
 
 # --- helpers ----------------------------------------------------------------------------
@@ -209,7 +222,183 @@ def part_redis(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
     print(f"recovery median {statistics.median(rec):.2f} s, max {max(rec):.2f} s")
 
 
-PARTS = {"overload": part_overload, "redis": part_redis}
+async def pinned_stream(http: aiohttp.ClientSession, model: str, tokens: int, worker: str,
+                        rec: dict) -> dict:  # fmt: skip
+    """One greedy streamed completion pinned to ``worker``, filling ``rec`` as it goes:
+    each text chunk's arrival time and text, the usage, and how it ended (``done``, or
+    ``error``)."""
+    body = {"model": model, "prompt": "migration bench", "max_tokens": tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    rec.update(times=[], text=[], usage=None, done=False, error=None)
+    try:
+        async with http.post("/v1/completions", json=body,
+                             headers={"x-conveyor-worker-id": worker}) as r:  # fmt: skip
+            if r.status != 200:
+                rec["error"] = f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                return rec
+            async for line in r.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    rec["done"] = True
+                    break
+                now = time.monotonic()
+                obj = json.loads(data)
+                if (msg := event_error(obj)) is not None:
+                    rec["error"] = str(msg)
+                    break
+                rec["usage"] = obj.get("usage") or rec["usage"]
+                for choice in obj.get("choices") or ():
+                    if choice.get("text"):
+                        rec["times"].append(now)
+                        rec["text"].append(choice["text"])
+    except (aiohttp.ClientError, TimeoutError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def live_generate_workers(r: redis.Redis) -> dict[str, int]:
+    """Live generate workers -> their engine process's pid (from their heartbeat report)."""
+    now_ms = int(r.time()[0] * 1000)
+    out = {}
+    for wid in r.zrangebyscore(alive_key("generate"), f"({now_ms}", "+inf"):
+        report = r.get(worker_key("generate", wid.decode()))
+        if report is not None:
+            out[wid.decode()] = int(json.loads(report)["engine_pid"])
+    return out
+
+
+def token_diff(tok, want: str, got: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """Tokens of ``want`` missing from ``got`` and tokens of ``got`` beyond ``want``, both
+    texts re-tokenized and aligned (0, 0 when the texts are equal)."""
+    a, b = tok.encode(want).ids, tok.encode(got).ids
+    lost = dup = 0
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if op in ("delete", "replace"):
+            lost += i2 - i1
+        if op in ("insert", "replace"):
+            dup += j2 - j1
+    return lost, dup
+
+
+async def migration_streams(
+    url: str, model: str, args: argparse.Namespace, pins: list[str], kill_pid: int | None
+) -> tuple[float, list[dict]]:
+    """Streams pinned to ``pins``; ``kill_pid`` SIGKILLed once each is a quarter through.
+    The kill's time and the streams' records."""
+    recs: list[dict] = [{"times": []} for _ in pins]
+    conn = aiohttp.TCPConnector(limit=len(pins) + 4)
+    async with aiohttp.ClientSession(url, connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=300)) as http:  # fmt: skip
+        tasks = [asyncio.create_task(pinned_stream(http, model, args.tokens, w, rec))
+                 for w, rec in zip(pins, recs, strict=True)]  # fmt: skip
+        t_kill = float("nan")
+        if kill_pid is not None:
+            quarter, t_end = max(args.tokens // 4, 1), time.monotonic() + 60
+            while (min(len(rec["times"]) for rec in recs) < quarter
+                   and time.monotonic() < t_end):  # fmt: skip
+                await asyncio.sleep(0.002)
+            t_kill = time.monotonic()
+            os.kill(kill_pid, signal.SIGKILL)
+        await asyncio.gather(*tasks)
+    for rec in recs:
+        rec["text"] = "".join(rec["text"])
+    return t_kill, recs
+
+
+def migration_round(url: str, model: str, r: redis.Redis, args: argparse.Namespace,
+                    victim_kind: str, want: str, tok) -> dict:  # type: ignore[no-untyped-def]  # fmt: skip
+    """One round: two live workers (serve restarted the last victim), ``--streams``
+    streams half on each, the victim's process (or its engine's) SIGKILLed mid-stream."""
+    deadline = time.monotonic() + 120
+    while len(live := live_generate_workers(r)) < 2:
+        assert time.monotonic() < deadline, f"two live workers, not {live}"
+        time.sleep(0.2)
+    (victim, engine_pid), (other, _) = sorted(live.items())[:2]
+    with open(f"/proc/{engine_pid}/stat") as f:  # the engine's parent: the Celery worker
+        worker_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    pins = [victim if i % 2 == 0 else other for i in range(args.streams)]
+    t_kill, recs = asyncio.run(migration_streams(
+        url, model, args, pins, engine_pid if victim_kind == "engine" else worker_pid))  # fmt: skip
+    resumed_ms, stalls_ms, lost, dup, usage_off, failed, migrated = [], [], 0, 0, 0, 0, 0
+    for pin, rec in zip(pins, recs, strict=True):
+        if not rec["done"] or rec["error"]:
+            failed += 1
+        if rec["usage"] is None or rec["usage"]["completion_tokens"] != args.tokens:
+            usage_off += 1
+        a, b = token_diff(tok, want, rec["text"])
+        lost, dup = lost + a, dup + b
+        if pin != victim or not rec["done"]:
+            continue
+        migrated += 1
+        ts = rec["times"]
+        before = sum(t <= t_kill for t in ts)
+        # the dead worker's last frames may land just after the kill: the next token of
+        # the new worker ends the longest gap from the last token before the kill on
+        gaps = [(ts[i] - ts[i - 1], i) for i in range(max(before, 1), len(ts))]
+        if gaps:
+            stall, i = max(gaps)
+            resumed_ms.append((ts[i] - t_kill) * 1e3)
+            stalls_ms.append(stall * 1e3)
+    return {"victim": victim_kind, "migrated": migrated, "failed": failed, "lost": lost,
+            "duplicated": dup, "usage_off": usage_off, "resumed_ms": resumed_ms,
+            "stalls_ms": stalls_ms}  # fmt: skip
+
+
+def part_migration(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
+    from tokenizers import Tokenizer
+
+    rows = []
+    for kind in args.victim.split(","):
+        state_dir = log_dir / f"state-migration-{kind}"
+        env = serve_env(state_dir, CONVEYOR_MOCK__DECODE_STEP_MS=str(args.step_ms),
+                        CONVEYOR_SERVE_RESTART_BACKOFF_S="0.5",
+                        CONVEYOR_SERVE_CRASH_LOOP_EXITS=str(args.rounds + 2))  # fmt: skip
+        with conveyor_serve(["--workers", "2"], log_dir / f"migration-{kind}.log",
+                            {"generate": 2}, env) as (url, rurl):  # fmt: skip
+            model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+            tok = Tokenizer.from_file(str(Settings().model / "tokenizer.json"))
+            r = redis.Redis.from_url(rurl)
+            live = sorted(live_generate_workers(r))
+            _, ref = asyncio.run(migration_streams(url, model, args, live[:1], None))
+            assert ref[0]["done"], f"the uninterrupted run failed: {ref[0]}"
+            want = ref[0]["text"]
+            for i in range(args.rounds):
+                row = migration_round(url, model, r, args, kind, want, tok)
+                rows.append(row)
+                print(f"  {kind} round {i + 1}: {row['migrated']} migrated, {row['failed']} "
+                      f"failed", file=sys.stderr)  # fmt: skip
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        moved = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("conveyor_migrations_total{")
+                    and 'outcome="moved"' in line)  # fmt: skip
+        print(
+            f"  {kind}: conveyor_migrations_total{{outcome=moved}} = {moved:.0f}", file=sys.stderr
+        )
+    out["migration"] = rows
+    print(f"\nMigration: 2 mock workers ({args.step_ms:g} ms steps), {args.streams} greedy streams "
+          f"of {args.tokens} tokens per round (half on the victim), the victim SIGKILLed once "
+          f"every stream is a quarter through; serve restarts it between rounds")  # fmt: skip
+    print(
+        "| victim | round | migrated | failed | kill -> next token p50 / p99 ms | "
+        "longest stall p50 ms | tokens lost / duplicated | usage != max_tokens |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for i, row in enumerate(rows):
+        n = sum(1 for x in rows[:i] if x["victim"] == row["victim"]) + 1
+        res, st = row["resumed_ms"], row["stalls_ms"]
+        print(f"| {row['victim']} | {n} | {row['migrated']} | {row['failed']} | "
+              f"{pct(res, 50):.0f} / {pct(res, 99):.0f} | {pct(st, 50):.0f} | "
+              f"{row['lost']} / {row['duplicated']} | {row['usage_off']} |")  # fmt: skip
+    for kind in args.victim.split(","):
+        res = [x for row in rows if row["victim"] == kind for x in row["resumed_ms"]]
+        print(f"{kind}: kill -> next token over all rounds p50 {pct(res, 50):.0f} ms, "
+              f"p99 {pct(res, 99):.0f} ms ({len(res)} streams)")  # fmt: skip
+
+
+PARTS = {"overload": part_overload, "redis": part_redis, "migration": part_migration}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--step-ms", type=float, default=10.0, help="mock decode step")
     ap.add_argument("--restarts", type=int, default=3, help="<= 4: 5 exits stop serve")
+    ap.add_argument("--streams", type=int, default=16, help="migration: streams per round")
+    ap.add_argument("--victim", default="worker,engine", help="migration: worker | engine")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--log-dir", type=Path)
     args = ap.parse_args(argv)

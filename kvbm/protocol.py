@@ -105,6 +105,18 @@ def load_totals_key(pool: str) -> str:
     return f"{KEY_PREFIX}loadsum:{pool}"
 
 
+def load_owner_key(pool: str, router_id: str) -> str:
+    """HASH, the fields of :func:`load_key`: the part of the pool's load one router (one
+    API process) counted, so that another can give it back if that process dies."""
+    return f"{KEY_PREFIX}loadby:{pool}:{router_id}"
+
+
+def load_owners_key(pool: str) -> str:
+    """ZSET router id -> the expiry (ms, Redis's clock) of its lease on its counted load,
+    renewed while it runs; a lapsed lease's counts are given back by the other routers."""
+    return f"{KEY_PREFIX}loadowners:{pool}"
+
+
 # KV cache tiers (the KVBM's G1 / G2 / G3), as KV events and the index name them
 G1 = 1  # the engine's own pool (GPU memory, or the CPU pool of the reference engine)
 G2 = 2  # host memory

@@ -47,8 +47,12 @@ Load, per worker, lives in :func:`kvbm.protocol.load_key` (fields
 :func:`kvbm.protocol.load_totals_key`: requests routed and not finished; prompt tokens
 routed and not yet prefilled; and the KV blocks (prompt + one for decoding) of requests
 past their first token. A request counts as prefill work until its first token, then the
-API moves it to decode blocks; it gives everything back when it ends. Both hashes expire
-when nobody touches them, so an API process that died cannot pin load on a worker for good.
+API moves it to decode blocks; it gives everything back when it ends. Each router also
+keeps what it counted in a hash of its own (:func:`kvbm.protocol.load_owner_key`) under a
+lease it renews every second (:func:`kvbm.protocol.load_owners_key`); when an API process
+dies with requests counted, its lease lapses (``lease_s``) and the other routers give
+its counts back (:data:`RECLAIM_LUA`), so it cannot pin load, or requests against the cap,
+on a worker for good.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import logging
 import math
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +81,8 @@ from kvbm.protocol import (
     alive_key,
     index_keys,
     load_key,
+    load_owner_key,
+    load_owners_key,
     load_totals_key,
     worker_key,
     worker_queue,
@@ -96,7 +103,8 @@ MODES = ("kv", "round_robin", "random")
 MAX_CONFLICTS = 3  # candidates refused by the commit before the least loaded is taken
 FULL, DEAD, GUARDED, COUNTED = -2, -1, 0, 1  # the commit's answers (COMMIT_LUA)
 
-# Count a request against one worker. KEYS: load hash, load totals, alive zset. ARGV:
+# Count a request against one worker. KEYS: load hash, load totals, alive zset, and the
+# committing router's own load hash (optional: the same counts, kept per router). ARGV:
 # worker, prompt tokens to queue, guard (0/1), guard ratio, guard min blocks, live workers,
 # least load (blocks, as the caller sees it), block size, ttl ms, the most requests a
 # worker may hold (0: no cap), then in approximate mode the pool's stream, the decision's
@@ -127,6 +135,11 @@ q = redis.call('HINCRBY', KEYS[1], wid .. ':prefill', add)
 redis.call('HINCRBY', KEYS[2], 'prefill', add)
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('PEXPIRE', KEYS[2], ARGV[9])
+if #KEYS > 3 then
+  redis.call('HINCRBY', KEYS[4], wid .. ':reqs', 1)
+  redis.call('HINCRBY', KEYS[4], wid .. ':prefill', add)
+  redis.call('PEXPIRE', KEYS[4], ARGV[9])
+end
 if #ARGV > 10 then
   redis.call('XADD', ARGV[11], 'MAXLEN', '~', ARGV[14], '*', 'w', wid, 'a', ARGV[12],
              'b', ARGV[13])
@@ -135,12 +148,17 @@ return {1, b, q, n}
 """
 )
 
-# Take load off workers. KEYS: load hash, load totals. ARGV: (field, amount, total field or
-# '') triples, then the ttl ms. An amount below 0 adds; counts never go below 0, and a
-# total moves by what its field really moved.
+# Take load off workers. KEYS: load hash, load totals, and the router's own load hash
+# (optional). ARGV: (field, amount, total field or '') triples, then the ttl ms. An amount
+# below 0 adds; counts never go below 0, and a total moves by what its field really moved.
+# With the router's own hash, no more is taken than it still holds there: what another
+# router gave back for it (its lease lapsed while it stalled) is not taken a second time.
 GIVE_BACK_LUA = """
 for i = 1, #ARGV - 1, 3 do
   local n = tonumber(ARGV[i + 1])
+  if #KEYS > 2 and n > 0 then
+    n = math.min(n, tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0'))
+  end
   if n ~= 0 then
     local v = redis.call('HINCRBY', KEYS[1], ARGV[i], 0 - n)
     local moved = n
@@ -149,12 +167,59 @@ for i = 1, #ARGV - 1, 3 do
       local t = redis.call('HINCRBY', KEYS[2], ARGV[i + 2], 0 - moved)
       if t < 0 then redis.call('HSET', KEYS[2], ARGV[i + 2], 0) end
     end
+    if #KEYS > 2 then
+      local o = redis.call('HINCRBY', KEYS[3], ARGV[i], 0 - n)
+      if o <= 0 then redis.call('HDEL', KEYS[3], ARGV[i]) end
+    end
   end
 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[#ARGV]))
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[#ARGV]))
+if #KEYS > 2 then redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[#ARGV])) end
 return 1
 """
+
+# Renew this router's lease on the load it counted in a pool (and its own hash's TTL),
+# then give back the load of the routers whose lease lapsed (their API process died with
+# requests counted): what each counted comes off the pool's counts and totals, as their
+# releases would have done. A router whose own lease had lapsed too (Redis was away, or
+# this process stalled) only renews: the others may be alive and about to renew theirs.
+# KEYS: owners zset, load hash, load totals. ARGV: router id, lease ms, the owners' hash
+# key prefix (+ id), ttl ms. Returns {requests given back, ids of the routers that held any}.
+RECLAIM_LUA = (
+    NOW_LUA
+    + """
+local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('PEXPIRE', ARGV[3] .. ARGV[1], ARGV[4])
+if not mine or tonumber(mine) <= now then return {0} end
+local out = {0}
+for _, o in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
+  local h = ARGV[3] .. o
+  local f = redis.call('HGETALL', h)
+  if #f > 0 then out[#out + 1] = o end  -- a router that ended holding nothing: no news
+  for i = 1, #f, 2 do
+    local n = tonumber(f[i + 1])
+    if n > 0 and redis.call('HEXISTS', KEYS[2], f[i]) == 1 then
+      local v = redis.call('HINCRBY', KEYS[2], f[i], 0 - n)
+      local moved = n
+      if v < 0 then redis.call('HSET', KEYS[2], f[i], 0); moved = n + v end
+      local kind = string.match(f[i], ':(%a+)$')
+      if (kind == 'prefill' or kind == 'blocks') and moved > 0 then
+        local t = redis.call('HINCRBY', KEYS[3], kind, 0 - moved)
+        if t < 0 then redis.call('HSET', KEYS[3], kind, 0) end
+      elseif kind == 'reqs' then
+        out[1] = out[1] + moved
+      end
+    end
+  end
+  redis.call('DEL', h)
+  redis.call('ZREM', KEYS[1], o)
+end
+return out
+"""
+)
 
 # A pool's live workers and their counted load. ARGV: alive zset, load hash, load totals
 # -> {total blocks, total prefill, id1, blocks1, prefill1, reqs1, id2, ...}
@@ -203,10 +268,16 @@ class RouterConfig:
     refresh_s: float = 0.1  # how often a router re-reads the pools' live workers and load
     prune_s: float = 1.0  # how often it forgets workers whose heartbeat lapsed
     max_requests: int = 0  # requests (running + queued) one worker may hold; 0: no cap
+    # a router's lease on the load it counted, renewed every prune: an API process gone
+    # this long has its counts given back by the others (a stalled loop is not that long)
+    lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown router mode {self.mode!r}; known: {list(MODES)}")
+        if self.lease_s < 2 * self.prune_s:
+            raise ValueError(f"lease_s ({self.lease_s}) must be at least 2 x prune_s "
+                             f"({self.prune_s}): the lease is renewed once per prune")  # fmt: skip
 
     @classmethod
     def from_settings(cls, s: Settings) -> RouterConfig:
@@ -221,6 +292,7 @@ class RouterConfig:
             block_size=s.block_size,
             tier_weights=(s.router_g1_weight, s.router_g2_weight, s.router_g3_weight),
             prune_s=min(1.0, s.heartbeat_s),
+            lease_s=s.router_lease_s,
         )
 
 
@@ -274,6 +346,8 @@ class PoolView:
     follower: IndexFollower | None = None
     rr: int = 0
     conflicts: int = 0  # candidates the commit refused (died, or past the guard)
+    leases_reclaimed: int = 0  # routers (API processes) gone whose counts this one gave back
+    requests_reclaimed: int = 0  # ... and the requests they had counted
     task: asyncio.Task[None] | None = None
 
 
@@ -300,6 +374,9 @@ class Router:
     ) -> None:
         self._r = client
         self._on_release = on_release
+        # who counts this router's load, so others can give it back if this process dies
+        # (RECLAIM_LUA); a router that does not follow holds a count for moments only
+        self.id = uuid.uuid4().hex[:16] if follow else None
         self.config = config or RouterConfig()
         self._fast = fast
         self._follow = follow
@@ -308,6 +385,7 @@ class Router:
         self._give_back = client.register_script(GIVE_BACK_LUA)
         self._view_script = client.register_script(VIEW_LUA)
         self._prune = client.register_script(PRUNE_LUA)
+        self._reclaim = client.register_script(RECLAIM_LUA)
         self._live = client.register_script(LIVE_WORKERS_LUA)
         self._all_live = client.register_script(ALL_LIVE_LUA)
         self._views: dict[str, PoolView] = {}
@@ -486,7 +564,7 @@ class Router:
             ttl_ms = int(c.approx_ttl_s * 1000)
             args += [index_keys(v.pool).events, ttl_ms, _json_hex(req.block_hashes),
                      EVENTS_MAXLEN]  # fmt: skip
-        keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool))
+        keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool), *self._own(v.pool))
         v.pending[w] = v.pending.get(w, 0) + add_prefill
         v.reqs[w] = v.reqs.get(w, 0) + 1  # the picks made meanwhile see it
         try:
@@ -564,6 +642,19 @@ class Router:
             if gone:
                 log.info("router: forgot dead workers of %s: %s", v.pool,
                          ", ".join(_str(g) for g in gone))  # fmt: skip
+            if self.id is not None:  # once per prune: renew the lease, reclaim lapsed ones
+                res = await self._reclaim(
+                    keys=[load_owners_key(v.pool), load_key(v.pool), load_totals_key(v.pool)],
+                    args=[self.id, int(self.config.lease_s * 1000),
+                          load_owner_key(v.pool, ""), LOAD_TTL_S * 1000],
+                )  # fmt: skip
+                if len(res) > 1:
+                    v.leases_reclaimed += len(res) - 1
+                    v.requests_reclaimed += int(res[0])
+                    log.warning("router: gave back %d requests counted on %s by routers whose "
+                                "lease lapsed (%.0f s; their API process died?): %s",
+                                int(res[0]), v.pool, self.config.lease_s,
+                                ", ".join(_str(g) for g in res[1:]))  # fmt: skip
         flat = await self._view_script(
             args=[alive_key(v.pool), load_key(v.pool), load_totals_key(v.pool)]
         )
@@ -621,7 +712,7 @@ class Router:
             self._give_back,
             [f"{w}:prefill", n, "prefill", f"{w}:blocks", -route.blocks, "blocks",
              LOAD_TTL_S * 1000],
-            keys=(load_key(route.pool), load_totals_key(route.pool)),
+            keys=(load_key(route.pool), load_totals_key(route.pool), *self._own(route.pool)),
         )  # fmt: skip
         self._count(route.pool, w, route.blocks, -n)
 
@@ -633,7 +724,7 @@ class Router:
             w = route.worker_id
             blocks = route.blocks if route.decoding else 0
             calls.append((
-                (load_key(route.pool), load_totals_key(route.pool)),
+                (load_key(route.pool), load_totals_key(route.pool), *self._own(route.pool)),
                 [f"{w}:reqs", 1, "", f"{w}:blocks", blocks, "blocks",
                  f"{w}:prefill", route.prefill_tokens, "prefill", LOAD_TTL_S * 1000],
             ))  # fmt: skip
@@ -647,6 +738,10 @@ class Router:
                         -route.prefill_tokens, -1)  # fmt: skip
             route.prefill_tokens = 0
             route.decoding = False
+
+    def _own(self, pool: str) -> tuple[str, ...]:
+        """The key of this router's own load counts in ``pool``, if it keeps them."""
+        return () if self.id is None else (load_owner_key(pool, self.id),)
 
     def _count(self, pool: str, w: str, blocks: int, prefill: int, reqs: int = 0) -> None:
         """This router's own change to a worker's load, seen before the next refresh."""
@@ -690,6 +785,8 @@ class Router:
                 "snapshot_loads": f.stats.snapshot_loads if f else 0,
                 "worker_reloads": f.stats.worker_reloads if f else 0,
                 "commit_conflicts": v.conflicts,
+                "leases_reclaimed": v.leases_reclaimed,
+                "requests_reclaimed": v.requests_reclaimed,
                 "live_workers": len(v.live),
             }
         return out

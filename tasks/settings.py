@@ -237,6 +237,13 @@ class Settings(BaseSettings):
     router_guard_min_blocks: int = Field(
         256, ge=0, description="Load guard: imbalance in blocks tolerated regardless of ratio."
     )
+    router_lease_s: float = Field(
+        30.0,
+        ge=2,
+        description="An API process's lease on the load (and request-cap slots) it counted "
+        "on workers, renewed every second: one gone this long (killed) has its counts given "
+        "back by the other API processes. Longer than any stall of a live one.",
+    )
     router_g1_weight: float = Field(
         1.0, ge=0, description="Prefill a cached block saves when it is in the engine pool (G1)."
     )
