@@ -138,11 +138,11 @@ def test_serving_over_tls_with_a_password(
             usage.append(out.usage)
         assert usage[1].prompt_tokens_details.cached_tokens >= 32, usage
 
-        async def streams() -> list[tuple[str, str | None]]:
+        async def streams() -> list[tuple[str, str, str | None]]:
             return await asyncio.gather(*(_stream(url, model, f"tls {i}", 24) for i in range(8)))
 
-        for text, err in asyncio.run(streams()):  # token frames over TLS pub/sub
-            assert err is None and text, err
+        for text, reason, err in asyncio.run(streams()):  # token frames over TLS pub/sub
+            assert err is None and text and reason == "length", err
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert 'conveyor_finish_reasons_total{reason="length"} 10.0' in metrics
         for p in procs:  # the password never reaches a log
