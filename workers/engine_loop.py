@@ -41,6 +41,11 @@ class EngineLoop:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds_total = 0.0
+        # an engine that computes elsewhere (vLLM) blocks in step() until outputs come:
+        # it is woken when commands arrive, and rouses this loop when it has news
+        self._engine_wake = getattr(engine, "wake", None)
+        if hasattr(engine, "set_waker"):
+            engine.set_waker(self._notify)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -50,6 +55,8 @@ class EngineLoop:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+        if self._engine_wake is not None:
+            self._engine_wake()
         self._thread.join(timeout)
 
     def submit(self, req: EngineRequest) -> None:
@@ -74,6 +81,12 @@ class EngineLoop:
     def _post(self, item: tuple[str, object]) -> None:
         with self._cv:
             self._inbox.append(item)
+            self._cv.notify()
+        if self._engine_wake is not None:
+            self._engine_wake()
+
+    def _notify(self) -> None:
+        with self._cv:
             self._cv.notify()
 
     def _drain(self) -> list[RequestOutput]:
