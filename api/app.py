@@ -13,6 +13,8 @@ hands the request to :class:`api.runner.Runner`; it never imports torch or the e
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +24,7 @@ import redis.asyncio as aioredis
 from fastapi import FastAPI
 
 from api import routes_openai, routes_ops
+from api.admission import ClientLimitMiddleware
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
 from api.media import MediaGuard, MediaLimits
@@ -32,10 +35,29 @@ from api.state import ApiState
 from api.streams import StreamHub
 from api.tokenization import PromptBuilder
 from tasks.app import configure as configure_celery
-from tasks.heap import freeze_startup_heap
+from tasks.heap import freeze_startup_heap, trim_heap
 from tasks.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
+
+
+IDLE_TRIM_S = 2.0  # an API with nothing in flight this long gives freed heap back
+
+
+async def _trim_when_idle(metrics: ApiMetrics) -> None:
+    """Once the requests in flight are down to none, and some ended since the last look,
+    collect the cyclic garbage the streams left and hand the C heap's free pages back to
+    the OS (:func:`tasks.heap.trim_heap`). Nothing is in flight, so the full collection
+    pauses no stream (docs/performance.md, "API: 1,000 concurrent streams")."""
+    get = metrics.registry.get_sample_value
+    seen = 0.0
+    while True:
+        await asyncio.sleep(IDLE_TRIM_S)
+        ended = get("conveyor_request_latency_seconds_count") or 0.0
+        if ended != seen and not get("conveyor_requests_in_flight"):
+            seen = ended
+            gc.collect()
+            trim_heap()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -56,11 +78,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.runner = await Runner(s, st.redis, st.hub, metrics).open()
         st.created = int(time.time())
         freeze_startup_heap("api")  # no full collection pauses every stream later
+        trimmer = asyncio.get_running_loop().create_task(_trim_when_idle(metrics))
         log.info("api up: model %s, mode %s, redis %s, fast path %s", s.model_name, s.mode,
-                 s.effective_redis_url, "on" if s.broker_fastpath else "off")  # fmt: skip
+                 s.redis_url_for_logs, "on" if s.broker_fastpath else "off")  # fmt: skip
         try:
             yield
         finally:
+            trimmer.cancel()
             await st.runner.aclose()
             await st.media.aclose()
             await st.hub.close()
@@ -69,6 +93,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.state.conveyor = st
     install_error_handlers(app)
+    if s.client_max_requests:  # inside the access counts, so its 429s are counted too
+        app.add_middleware(ClientLimitMiddleware, max_requests=s.client_max_requests,
+                           by_key=bool(s.api_key_list), retry_after_s=s.retry_after_s,
+                           metrics=metrics)  # fmt: skip
     app.add_middleware(AccessMiddleware, max_body_bytes=s.max_body_bytes, metrics=metrics)
     keys = s.api_key_list
     if keys:  # outermost: an unauthenticated request is answered before anything reads it

@@ -1,10 +1,11 @@
 """Cluster-wide metrics, read from Redis at scrape time.
 
 Workers report their state in their heartbeats (KV blocks in use and pinned, requests,
-KV transfer totals); queue depths are the lengths of the Celery queues in Redis, for the
-queues :mod:`tasks.queues` shows (as Flower's broker page and ``conveyor queues`` do). The
-``/metrics`` handler takes one snapshot per scrape (``refresh``) and this collector turns it
-into Prometheus families, so any API replica exports the same cluster view.
+KV transfer totals, the KVBM tiers' occupancy and counters); queue depths are the lengths
+of the Celery queues in Redis, for the queues :mod:`tasks.queues` shows (as Flower's
+broker page and ``conveyor queues`` do). The ``/metrics`` handler takes one snapshot per
+scrape (``refresh``) and this collector turns it into Prometheus families, so any API
+replica exports the same cluster view.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import redis.asyncio as aioredis
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from kvbm.protocol import PoolQueues, load_key
 from tasks.modes import Mode
@@ -64,12 +70,7 @@ class ClusterCollector:
                                         "Requests running or waiting in the engine",
                                         labels=["pool", "worker"]),
         }  # fmt: skip
-        t_bytes = CounterMetricFamily("conveyor_kv_transfer_bytes", "KV bytes pulled",
-                                      labels=["backend", "worker"])  # fmt: skip
-        t_secs = CounterMetricFamily("conveyor_kv_transfer_seconds", "Seconds spent pulling KV",
-                                     labels=["backend", "worker"])  # fmt: skip
-        t_count = CounterMetricFamily("conveyor_kv_transfers", "KV pulls",
-                                      labels=["backend", "worker"])  # fmt: skip
+        kv_moved = _transfer_families("kv_transfer", "KV")
         frames = CounterMetricFamily(
             "conveyor_worker_frames_published",
             "Token frames a worker published",
@@ -84,14 +85,10 @@ class ClusterCollector:
             frame_errors.add_metric(key, w.get("frame_publish_errors", 0))
             for field, fam in fams.items():
                 fam.add_metric(key, float(w.get(field, 0)))
-            kt = w.get("kv_transfer")
-            if kt:
-                lab = [kt["backend"], w.get("worker_id", "?")]
-                t_bytes.add_metric(lab, kt["bytes"])
-                t_secs.add_metric(lab, kt["seconds"])
-                t_count.add_metric(lab, kt["count"])
+            _add_transfer(kv_moved, w, "kv_transfer")
         yield from fams.values()
-        yield from (frames, frame_errors, t_bytes, t_secs, t_count)
+        yield from (frames, frame_errors, *kv_moved.values())
+        yield from self._kvbm()
         yield from self._routing()
         yield from self._images()
 
@@ -127,29 +124,96 @@ class ClusterCollector:
             **{k: GaugeMetricFamily(n, d, labels=["pool", "worker"])
                for k, (n, d) in gauges.items()},
         }  # fmt: skip
-        moved = {
-            "bytes": CounterMetricFamily("conveyor_embedding_transfer_bytes",
-                                         "Image embedding bytes pulled",
-                                         labels=["backend", "worker"]),
-            "seconds": CounterMetricFamily("conveyor_embedding_transfer_seconds",
-                                           "Seconds spent pulling image embeddings",
-                                           labels=["backend", "worker"]),
-            "count": CounterMetricFamily("conveyor_embedding_transfers",
-                                         "Image embeddings pulled",
-                                         labels=["backend", "worker"]),
-        }  # fmt: skip
+        moved = _transfer_families("embedding_transfer", "image embedding")
         for w in self._workers:
-            wid = w.get("worker_id", "?")
             st = w.get("images")
             if st:
                 for k, fam in fams.items():
-                    fam.add_metric([w.get("pool", "?"), wid], float(st.get(k, 0)))  # type: ignore[attr-defined]
-            et = w.get("embedding_transfer")
-            if et:
-                for k, fam in moved.items():
-                    fam.add_metric([et["backend"], wid], et.get(k, 0))
+                    key = [w.get("pool", "?"), w.get("worker_id", "?")]
+                    fam.add_metric(key, float(st.get(k, 0)))  # type: ignore[attr-defined]
+            _add_transfer(moved, w, "embedding_transfer")
         yield from fams.values()
         yield from moved.values()
+
+    def _kvbm(self) -> Iterator[Metric]:
+        """The KVBM tiers of each worker (its heartbeat's ``kvbm`` report), under the names
+        Dynamo's KVBM exports (``kvbm_*``), prefixed like every Conveyor metric."""
+        lab = ["pool", "worker"]
+        matched = CounterMetricFamily("conveyor_kvbm_matched_tokens",
+                                      "Prompt tokens found cached, by the tier they came from",
+                                      labels=[*lab, "tier"])  # fmt: skip
+        moves = {
+            ("offload", "d2h"): "KV blocks offloaded from the engine pool to host memory",
+            ("offload", "h2d"): "KV blocks offloaded from host memory to disk",
+            ("offload", "d2d"): "KV blocks offloaded from the engine pool to disk",
+            ("onboard", "h2d"): "KV blocks onboarded from host memory into the engine pool",
+            ("onboard", "d2d"): "KV blocks onboarded from disk into the engine pool",
+        }
+        blocks = {k: CounterMetricFamily(f"conveyor_kvbm_{k[0]}_blocks_{k[1]}", doc, labels=lab)
+                  for k, doc in moves.items()}  # fmt: skip
+        nbytes = {
+            d: CounterMetricFamily(f"conveyor_kvbm_{d}_bytes", f"KV bytes {d}ed, by direction",
+                                   labels=[*lab, "direction"])
+            for d in ("offload", "onboard")
+        }  # fmt: skip
+        host_hit = GaugeMetricFamily(
+            "conveyor_kvbm_host_cache_hit_rate",
+            "Prompt blocks missed in the engine pool and found in host memory / those "
+            "looked for there",
+            labels=lab,
+        )
+        disk_hit = GaugeMetricFamily(
+            "conveyor_kvbm_disk_cache_hit_rate",
+            "Prompt blocks missed in the engine pool and host memory and found on disk / "
+            "those looked for there",
+            labels=lab,
+        )
+        failures = CounterMetricFamily("conveyor_kvbm_onboard_failures",
+                                       "Disk blocks that did not read back intact (recomputed)",
+                                       labels=lab)  # fmt: skip
+        write_errors = CounterMetricFamily(
+            "conveyor_kvbm_disk_write_errors", "Disk blocks that could not be written", labels=lab
+        )
+        latency = HistogramMetricFamily("conveyor_kvbm_onboard_latency_seconds",
+                                        "A request's wait for its blocks from host memory or "
+                                        "disk", labels=lab)  # fmt: skip
+        occupancy = GaugeMetricFamily("conveyor_kvbm_blocks", "KV blocks held, per tier",
+                                      labels=[*lab, "tier"])  # fmt: skip
+        capacity = GaugeMetricFamily("conveyor_kvbm_capacity_blocks", "KV blocks a tier holds "
+                                     "at most", labels=[*lab, "tier"])  # fmt: skip
+        for w in self._workers:
+            key = [w.get("pool", "?"), w.get("worker_id", "?")]
+            occupancy.add_metric([*key, "g1"], float(w.get("blocks_cached", 0)))
+            capacity.add_metric([*key, "g1"], float(w.get("blocks_total", 0)))
+            kv = w.get("kvbm") or {}
+            if not kv:
+                continue
+            for tier, name in (("g2", "host"), ("g3", "disk")):
+                if kv.get(f"{name}_blocks_total"):
+                    occupancy.add_metric([*key, tier], kv.get(f"{name}_blocks_used", 0))
+                    capacity.add_metric([*key, tier], kv[f"{name}_blocks_total"])
+            for tier, n in (kv.get("matched_tokens") or {}).items():
+                matched.add_metric([*key, tier], n)
+            for (kind, d), fam in blocks.items():
+                fam.add_metric(key, (kv.get(f"{kind}_blocks") or {}).get(d, 0))
+            for kind, fam in nbytes.items():
+                for d, n in (kv.get(f"{kind}_bytes") or {}).items():
+                    fam.add_metric([*key, d], n)
+            if kv.get("host_blocks_total") and kv.get("lookup_blocks"):
+                host_hit.add_metric(key, kv["host_hit_blocks"] / kv["lookup_blocks"])
+            if kv.get("disk_blocks_total") and kv.get("disk_lookup_blocks"):
+                disk_hit.add_metric(key, kv["disk_hit_blocks"] / kv["disk_lookup_blocks"])
+            failures.add_metric(key, kv.get("onboard_failures", 0))
+            write_errors.add_metric(key, kv.get("disk_write_errors", 0))
+            bounds, counts = kv.get("onboard_latency_buckets"), kv.get("onboard_latency_counts")
+            if bounds and counts and len(counts) == len(bounds) + 1:
+                cum, buckets = 0, []
+                for b, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+                    cum += n
+                    buckets.append((b, cum))
+                latency.add_metric(key, buckets, kv.get("onboard_latency_sum", 0.0))
+        yield from (matched, *blocks.values(), *nbytes.values(), host_hit, disk_hit, failures,
+                    write_errors, latency, occupancy, capacity)  # fmt: skip
 
     def _queue_depths(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily("conveyor_queue_depth", "Tasks waiting in a Celery queue",
@@ -231,3 +295,22 @@ class ClusterCollector:
             for pool, st in sorted(self._router.items()):
                 cfam.add_metric([pool], st[key])
             yield cfam
+
+
+def _transfer_families(name: str, what: str) -> dict[str, CounterMetricFamily]:
+    """One kind of transfer's totals by backend and worker: bytes, seconds and pulls."""
+    lab = ["backend", "worker"]
+    return {
+        "bytes": CounterMetricFamily(f"conveyor_{name}_bytes", f"{what} bytes pulled", labels=lab),
+        "seconds": CounterMetricFamily(f"conveyor_{name}_seconds", f"Seconds pulling {what}",
+                                       labels=lab),
+        "count": CounterMetricFamily(f"conveyor_{name}s", f"{what} pulls", labels=lab),
+    }  # fmt: skip
+
+
+def _add_transfer(fams: dict[str, CounterMetricFamily], worker: dict, field: str) -> None:
+    """A worker's heartbeat totals of one transfer kind (``worker[field]``), if it has any."""
+    t = worker.get(field)
+    if t:
+        for k, fam in fams.items():
+            fam.add_metric([t["backend"], worker.get("worker_id", "?")], t.get(k, 0))

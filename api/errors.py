@@ -2,7 +2,9 @@
 
 Only the API turns errors into HTTP. Invalid bodies answer **400** (as OpenAI and vLLM do,
 not FastAPI's default 422); unknown model 404; body too large 413; no live worker, or a
-broker that refuses the request, 503; a worker that never answers 504.
+broker that refuses the request, 503; a worker that never answers 504; admission
+(:mod:`api.admission`): every worker at its cap 503, a client over its own 429, both with
+``Retry-After``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class OpenAIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -28,6 +31,7 @@ class OpenAIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on 429 and 503
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -49,7 +53,7 @@ def _loc_to_param(loc: tuple) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -47,6 +47,13 @@ class ApiMetrics:
             "Requests sent again because their worker died before answering",
             registry=r,
         )
+        self.migrations = Counter(
+            "conveyor_migrations",
+            "Streams whose worker died mid-generation: moved on to another worker of the "
+            "pool (outcome=moved), or ended for want of one (outcome=no_worker)",
+            ["pool", "outcome"],
+            registry=r,
+        )
         self.disagg_fallbacks = Counter(
             "conveyor_disagg_fallbacks",
             "disagg requests run aggregated on a decode worker, by reason",
@@ -108,6 +115,25 @@ class ApiMetrics:
             "conveyor_image_refusals",
             "Images the media guard refused, by reason (the error's code)",
             ["reason"],
+            registry=r,
+        )
+
+        # admission (api/admission.py)
+        self.refused = Counter(
+            "conveyor_requests_refused",
+            "Requests refused before any work was queued, by reason (workers_busy: 503, "
+            "every worker at its request cap past the admission wait; client_limit: 429)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "conveyor_admission_waiting", "Requests waiting for a worker under its cap",
+            registry=r,
+        )  # fmt: skip
+        self.admission_wait = Histogram(
+            "conveyor_admission_wait_seconds",
+            "Time requests that found every worker at its cap waited (admitted or refused)",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
         )
 

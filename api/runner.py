@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import redis.asyncio as aioredis
@@ -20,6 +20,7 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from api.admission import Admission
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.resp import RespConnection
@@ -27,6 +28,7 @@ from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, Worke
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     ImageRef,
+    Resume,
     Sampling,
     StagePayload,
     TokenFrame,
@@ -39,7 +41,7 @@ from kvbm.protocol import (
 )
 from tasks.app import declare_queues
 from tasks.broker import deferred_publishes
-from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan
+from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan, plan_continuation
 from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tasks.settings import Settings
 
@@ -57,7 +59,7 @@ HUB_READY_TIMEOUT_S = 5.0  # a request waits up to this for the token streams' s
 
 @dataclass
 class RunningRequest:
-    request_id: str
+    request_id: str  # of its stream (the client's id, or an attempt's: <id>.r1, <id>.m1)
     subscription: Subscription
     plan: Plan
     started: float
@@ -67,6 +69,14 @@ class RunningRequest:
     usage: Usage | None = None
     prefilled_task: asyncio.Task[None] | None = None  # moves its load prefill -> decode
     alive: Callable[[], Awaitable[bool]] | None = None  # are its workers alive (Runner)
+    # what a migration needs: the request, and what the client was sent of it so far
+    payload: StagePayload | None = None
+    output_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    next_seq: int = 0
+    migrations: int = 0
+    prefill_pending: bool = True  # its route still counts its prompt as prefill load
+    migrated: bool = False  # a lost attempt: ended by a migration, not by the client
 
 
 class Runner:
@@ -85,8 +95,14 @@ class Runner:
         # Off: redis-py's asyncio client, and Celery sends from a thread.
         self._fast = RespConnection(settings.effective_redis_url) \
             if settings.broker_fastpath else None  # fmt: skip
-        self.router = Router(client, RouterConfig.from_settings(settings), fast=self._fast,
-                             on_decision=metrics.observe_decision)  # fmt: skip
+        # admission: the router's commit holds each worker to its cap (cluster-wide); the
+        # bounded wait for a slot is here (api.admission)
+        self.admission = Admission(settings.admission_wait_s, settings.retry_after_s, metrics)
+        config = replace(RouterConfig.from_settings(settings),
+                         max_requests=settings.effective_worker_max_requests)  # fmt: skip
+        self.router = Router(client, config, fast=self._fast,
+                             on_decision=metrics.observe_decision,
+                             on_release=self.admission.notify)  # fmt: skip
         self._client = client
         # the same hash function and namespace as the workers' block pools
         self._namespace = model_namespace(settings.model_name)
@@ -165,7 +181,7 @@ class Runner:
         route_req: RouteRequest, images: list[ImageRef] | None = None,
     ) -> RunningRequest:  # fmt: skip
         try:
-            p = await plan(self.router, self.s, route_req)
+            p = await self.admission.admit(partial(plan, self.router, self.s, route_req))
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
@@ -204,17 +220,17 @@ class Runner:
                     route.best_overlap_blocks
                 )
         sub = await self.hub.subscribe(tokens_channel(stream_id))
-        run = RunningRequest(stream_id, sub, p, started)
+        payload = StagePayload(
+            request_id=stream_id,
+            model=self.s.model_name,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            created=time.time(),
+            images=images or [],
+        )
+        run = RunningRequest(stream_id, sub, p, started, payload=payload)
         run.alive = partial(self._alive, run)
         try:
-            payload = StagePayload(
-                request_id=stream_id,
-                model=self.s.model_name,
-                prompt_token_ids=prompt_ids,
-                sampling=sampling,
-                created=time.time(),
-                images=images or [],
-            )
             await self._send(p, payload)
         except BaseException:
             self.finish(run)
@@ -251,7 +267,7 @@ class Runner:
                 sig.apply_async(retry_policy=SEND_RETRY_POLICY, declare=[])
             # Celery's broker is ``effective_redis_url`` too (tasks.app.configure), so the
             # writes go to the same Redis as the pick. Empty when the broker's transport
-            # sent the message itself (only a redis:// broker defers, see tasks.broker).
+            # sent the message itself (a broker neither redis:// nor rediss://: tasks.broker).
             if writes:
                 async with asyncio.timeout(SEND_TIMEOUT_S):  # inline, unlike wait_for
                     await self._send_writes(self._fast, writes)
@@ -284,11 +300,10 @@ class Runner:
         subscription (no generator per layer: this runs once per token per stream)."""
         assert run.first_frame is not None, "batches() before start() returned"
         frame = run.first_frame
-        sub = run.subscription
         while True:
             batch = [frame]
             while not frame.done:
-                more = sub.poll()
+                more = run.subscription.poll()
                 if more is None:
                     break
                 self._observe(run, more)
@@ -297,7 +312,57 @@ class Runner:
             yield batch
             if frame.done:
                 return
-            frame = await self._next(run)
+            while True:
+                try:
+                    frame = await self._next(run)
+                    break
+                except WorkerLost as e:
+                    await self._migrate(run, e)  # raises when it cannot
+
+    async def _migrate(self, run: RunningRequest, lost: WorkerLost) -> None:
+        """The worker streaming ``run`` died mid-generation: carry the stream on from
+        prompt + the tokens the client has, on another live worker of its pool, on a new
+        stream id (a late frame of the lost attempt can never reach the client), up to
+        ``migration_limit`` times. Raises ``lost`` when it cannot."""
+        assert run.payload is not None
+        dead = run.plan.routes[-1]
+        if run.migrations >= self.s.migration_limit or not run.output_ids:
+            raise lost
+        t0 = time.perf_counter()
+        old = replace(run, migrated=True)  # the lost attempt: cancelled and released
+        self.finish(old)
+        run.migrations += 1
+        base = run.payload.request_id.split(".", 1)[0]  # the client's id
+        stream_id = f"{base}.m{run.migrations}"
+        prompt = run.payload.prompt_token_ids
+        route_req = self.route_request(prompt + run.output_ids, run.payload.images)
+        route_req.exclude = {dead.worker_id}
+        route_req.admitted = True  # accepted already: the worker cap does not refuse it
+        try:
+            p = await plan_continuation(self.router, dead.pool, route_req)
+        except NoLiveWorker:
+            self.metrics.migrations.labels(dead.pool, "no_worker").inc()
+            raise WorkerLost(f"{lost}; no other live {dead.pool} worker to move to") from None
+        resume = Resume(output_token_ids=run.output_ids, emitted_chars=run.emitted_chars,
+                        next_seq=run.next_seq, migration=run.migrations)  # fmt: skip
+        payload = run.payload.model_copy(update={"request_id": stream_id, "resume": resume})
+        try:
+            sub = await self.hub.subscribe(tokens_channel(stream_id), start_seq=run.next_seq)
+        except BaseException:
+            await self.router.release(*p.routes)
+            raise
+        run.request_id, run.subscription, run.plan = stream_id, sub, p
+        run.prefill_pending, run.prefilled_task = True, None
+        try:
+            await self._send(p, payload)
+        except BaseException:
+            self.finish(replace(run, migrated=True))
+            raise
+        self.metrics.migrations.labels(dead.pool, "moved").inc()
+        log.warning("[%s] %s after %d tokens: moved to %s as %s (migration %d/%d, %.0f ms)",
+                    base, lost, len(run.output_ids), p.routes[0].worker_id, stream_id,
+                    run.migrations, self.s.migration_limit,
+                    (time.perf_counter() - t0) * 1000)  # fmt: skip
 
     def finish(self, run: RunningRequest) -> None:
         """Release everything the request holds; cancel it on the worker if unfinished.
@@ -327,10 +392,15 @@ class Runner:
 
     def _observe(self, run: RunningRequest, frame: TokenFrame) -> None:
         now = time.perf_counter()
+        run.next_seq = frame.seq + 1
         if frame.token_ids:
+            run.output_ids += frame.token_ids
+            run.emitted_chars += len(frame.text)
+            if run.prefill_pending:
+                run.prefill_pending = False
+                self._forget_prefill(run)
             if run.last_frame_at is None:
                 self.metrics.ttft.observe(now - run.started)
-                self._forget_prefill(run)
             else:
                 self.metrics.itl.observe(now - run.last_frame_at)
             run.last_frame_at = now
@@ -361,8 +431,9 @@ class Runner:
                 ("SET", cancelled_key(run.request_id), 1, "EX", CANCELLED_TTL_S)
             ]
             if not run.finished:
-                self.metrics.cancelled.inc()
-                log.info("[%s] not finished: cancelling on the worker", run.request_id)
+                if not run.migrated:
+                    self.metrics.cancelled.inc()
+                    log.info("[%s] not finished: cancelling on the worker", run.request_id)
                 commands.append(("PUBLISH", CANCEL_CHANNEL, run.request_id))
             # one write: each write to Redis on a shared core lets Redis (and whatever it
             # wakes) run before the loop goes on (docs/performance.md, "API: clean-up in

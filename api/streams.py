@@ -56,12 +56,12 @@ class Subscription:
 
     __slots__ = ("hub", "channel", "_raw", "_waiter", "_expected")
 
-    def __init__(self, hub: StreamHub, channel: str) -> None:
+    def __init__(self, hub: StreamHub, channel: str, start_seq: int = 0) -> None:
         self.hub = hub
         self.channel = channel
         self._raw: deque[bytes] = deque()  # arrived, not read yet
         self._waiter: asyncio.Future[None] | None = None
-        self._expected = 0  # seq of the next frame
+        self._expected = start_seq  # seq of the next frame (a migrated stream's goes on)
 
     @property
     def pending(self) -> int:
@@ -198,8 +198,9 @@ class StreamHub:
         """Whether the hub's pattern subscription already delivers ``channel``."""
         return channel.startswith(TOKENS_PREFIX) and f"-{self.tag}" in channel
 
-    async def subscribe(self, channel: str, timeout: float = 5.0) -> Subscription:
-        sub = Subscription(self, channel)
+    async def subscribe(self, channel: str, timeout: float = 5.0,
+                        start_seq: int = 0) -> Subscription:  # fmt: skip
+        sub = Subscription(self, channel, start_seq)
         if self.covers(channel):
             self._subs[channel] = sub
             return sub

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import httpx
@@ -43,13 +44,18 @@ def free_ports(n: int) -> list[int]:
 @contextmanager
 def conveyor_serve(
     args: list[str], log_path: Path, want: dict[str, int], env: dict[str, str] | None = None,
-    timeout_s: float = 300.0, conveyor: str = CONVEYOR,
+    timeout_s: float = 300.0, conveyor: str = CONVEYOR, redis_url: str | None = None,
 ) -> Iterator[tuple[str, str]]:  # fmt: skip
     """``conveyor serve ARGS`` on free ports (no Flower) with its embedded Redis, under a
     password of our own; yields (API url, Redis url) once ``/health`` shows ``want`` live
-    workers per pool, and stops the whole process group at the end."""
+    workers per pool, and stops the whole process group at the end. ``redis_url`` (one
+    this function yielded before): the embedded Redis on that port and password again, so
+    a client kept from the last server finds the next one."""
     port, flower_port, redis_port = free_ports(3)
     password = secrets.token_hex(16)
+    if redis_url is not None:
+        u = urlsplit(redis_url)
+        redis_port, password = u.port or redis_port, u.password or password
     child = {k: v for k, v in os.environ.items() if k != "CONVEYOR_REDIS_URL"}
     child.update(env or {})
     child.update(CONVEYOR_REDIS_PORT=str(redis_port), CONVEYOR_REDIS_PASSWORD=password)

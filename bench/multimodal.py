@@ -209,17 +209,21 @@ def part_modes(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
 
 def part_batch(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
     from api.media import image_hash  # the API's content hash of the decoded pixels
-    from kvbm.protocol import ImageRef, Sampling, StagePayload, media_key
+    from kvbm.protocol import ImageRef, Sampling, StagePayload, embedding_key, media_key
     from tasks.app import configure as configure_app
     from tasks.app import declare_queues, queue, route_to
     from tasks.pipeline import TASKS
     from tasks.settings import configure
 
     rows = []
-    for max_batch in (1, 16):
+    rurl = None  # both servers on one Redis port and password: the Celery app's pooled
+    for max_batch in (1, 16):  # connections find the second as they found the first
         env = {"CONVEYOR_ENCODER_MAX_BATCH": str(max_batch)}
-        with conveyor_serve(serve_args("e-pd", args), log_dir / f"batch-{max_batch}.log",
-                            {"encode": 1, "generate": 1}, env) as (url, rurl):  # fmt: skip
+        log = log_dir / f"batch-{max_batch}.log"
+        want = {"encode": 1, "generate": 1}
+        with conveyor_serve(serve_args("e-pd", args), log, want, env, redis_url=rurl) as (
+            _, rurl,
+        ):  # fmt: skip
             r = redis.Redis.from_url(rurl)
             sink = "bench.sink"
             configure_app(configure(redis_url=rurl, mode="e-pd"), extra_queues=[sink])
@@ -250,7 +254,7 @@ def part_batch(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
                     time.sleep(0.002)
                 if rnd:
                     times.append(time.perf_counter() - t0)
-                r.delete(sink, *(k for k in r.scan_iter("conveyor:emb:*")))
+                r.delete(sink, *(k for k in r.scan_iter(embedding_key("*", "*"))))
             ips = [args.batch_images / t for t in times]
             rows.append((max_batch, statistics.median(ips), min(ips), max(ips)))
             out.setdefault("batch", {})[max_batch] = ips

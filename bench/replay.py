@@ -334,13 +334,15 @@ async def run_mode(
 
 # --- A fresh server per mode ----------------------------------------------------------
 @contextmanager
-def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path) -> Iterator[tuple]:
-    """``conveyor serve`` with router mode ``mode``, and ``--api-replicas - 1`` more API
-    processes on its Redis; yields (comma-separated API urls, redis url)."""
+def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path,
+                    label: str | None = None) -> Iterator[tuple]:  # fmt: skip
+    """``conveyor serve`` with router mode ``mode`` (its log named after ``label``, default
+    the mode), and ``--api-replicas - 1`` more API processes on its Redis; yields
+    (comma-separated API urls, redis url)."""
     serve_args = ["--engine", args.engine, "--workers", str(args.workers), "--router-mode",
                   mode, *shlex.split(args.serve_args)]  # fmt: skip
     want = {POOL: args.workers}
-    log_path = log_dir / f"serve-{mode}.log"
+    log_path = log_dir / f"serve-{label or mode}.log"
     with conveyor_serve(serve_args, log_path, want, args.server_env, args.server_timeout,
                         args.conveyor) as (url, redis_url):  # fmt: skip
         replicas: list[subprocess.Popen] = []
@@ -349,7 +351,7 @@ def conveyor_server(mode: str, args: argparse.Namespace, log_dir: Path) -> Itera
             for i, rport in enumerate(free_ports(args.api_replicas - 1), start=1):
                 renv = {**os.environ, **args.server_env, "CONVEYOR_REDIS_URL": redis_url,
                         "CONVEYOR_ROUTER_MODE": mode}  # fmt: skip
-                with open(log_dir / f"api{i}-{mode}.log", "wb") as rlog:
+                with open(log_dir / f"api{i}-{label or mode}.log", "wb") as rlog:
                     replicas.append(subprocess.Popen(
                         [args.conveyor, "api", "--port", str(rport)], env=renv, stdout=rlog,
                         stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))  # fmt: skip

@@ -5,6 +5,9 @@ KV-block index through the same script the workers' publishers use, then times
 ``Router.pick`` (block hashing included) for a prompt of T tokens in three scenarios:
 
     all-hold   every worker holds the whole prompt (the longest possible overlap walk)
+    tiered     (--tiered) every worker holds it too, split across its KVBM tiers (G1 engine
+               pool, G2 host memory, G3 disk) at points of its own: the router's two tier
+               bisections run for every worker (their worst case)
     some-hold  1 in 8 workers holds it, the others a shared system-prompt prefix
     cold       nobody holds any block
 
@@ -102,6 +105,13 @@ def setup(url: str, workers: int, prompt: list[int], scenario: str, bs: int, ns:
     full = block_hashes(prompt, bs, ns)
     system = full[: len(full) // 4]
     for i, wid in enumerate(ids):
+        if scenario == "tiered":
+            k1 = (i * 37) % (len(full) + 1)
+            k2 = k1 + (i * 53) % (len(full) - k1 + 1)
+            idx.apply(wid, 0, [("cleared", []), ("stored", full[:k1]),
+                               ("stored", full[k1:k2], 2), ("stored", full[k2:], 3)])  # fmt: skip
+            r.hset(load_key(POOL), mapping={f"{wid}:blocks": 50 + i % 7, f"{wid}:reqs": 3})
+            continue
         if scenario == "all-hold":
             held = full
         elif scenario == "some-hold":
@@ -244,6 +254,8 @@ def main() -> None:
                     "requests/s run (instead of the decision costs)")  # fmt: skip
     ap.add_argument("--processes", type=int, default=2, help="router processes (--throughput)")
     ap.add_argument("--redis-url", help="use this Redis (its database is flushed!)")
+    ap.add_argument("--tiered", action="store_true",
+                    help="also the tiered scenario (trees with KVBM tiers only)")  # fmt: skip
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     proc = None
@@ -261,7 +273,7 @@ def main() -> None:
                 results.append({"workers": w, **res})
         else:
             for w in counts:
-                for scenario in ("all-hold", "some-hold", "cold"):
+                for scenario in ("all-hold", "some-hold", "cold", *["tiered"][: args.tiered]):
                     setup(url, w, prompt, scenario, args.block_size, ns)
                     m = asyncio.run(measure(url, prompt, args.iters, args.block_size, ns))
                     results.append({"workers": w, "scenario": scenario,

@@ -8,7 +8,12 @@ Public part:
                         content hash, evicted least recently used first
     KVCacheManager    — block tables per sequence on top of a pool, with prefix caching
     Allocation        — what the engine gets back: the sequence's block ids
-    KVEvent           — stored / removed notices for the router's index
+    PrefixMatch       — a new sequence's cached prefix in G1 and its prompt's block hashes
+    KVEvent           — stored / removed notices (per tier) for the router's index
+
+The lower tiers (G2 host memory, G3 disk) live in :mod:`kvbm.tiers` and
+:mod:`kvbm.offload`; a block being copied out of this pool is pinned here (``pin``), so
+it is not reused while the copy reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvbm.protocol import ROOT_PARENT, ExtraKeys, block_hashes
+from kvbm.protocol import G1, ROOT_PARENT, ExtraKeys, block_hashes
 
 
 @dataclass(slots=True)
@@ -27,11 +32,20 @@ class Allocation:
 
 
 @dataclass(slots=True)
+class PrefixMatch:
+    """What :meth:`KVCacheManager.match_prefix` found for a new sequence."""
+
+    tokens: int  # prompt tokens covered by its cached blocks in this pool (G1)
+    hashes: list[int]  # every full block of its tokens, chained (for the lower tiers)
+
+
+@dataclass(slots=True)
 class KVEvent:
-    """A change to the set of cached blocks, for the KV-aware router's index."""
+    """A change to the set of cached blocks of one tier, for the KV-aware router's index."""
 
     kind: str  # "stored" | "removed" | "cleared"
     block_hashes: list[int]
+    tier: int = G1  # kvbm.protocol.G1 / G2 / G3 ("cleared" covers every tier)
 
 
 class BlockPool:
@@ -59,15 +73,25 @@ class BlockPool:
         self._record = record_events
         self._events: list[KVEvent] = []
         self.num_evicted = 0
+        # blocks a copy reads (offload to a lower tier): never reused while pinned, even
+        # when free; pins do not move a block in the eviction order
+        self._pins: dict[int, int] = {}
+        self._free_pinned = 0  # free blocks that are pinned (not allocatable now)
 
     # ----------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take now (free and not pinned)."""
+        return len(self._free) - self._free_pinned
 
     @property
     def num_used(self) -> int:
+        """Blocks some sequence holds (free blocks pinned by a copy are not counted)."""
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
 
     @property
     def records_events(self) -> bool:
@@ -82,15 +106,23 @@ class BlockPool:
         ``None`` if fewer than ``n`` are free (nothing is taken then)."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
+        if n > len(self._free) - self._free_pinned:
             return None
-        out = []
-        for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+        if self._free_pinned:  # few: skip them in eviction order
+            out = []
+            for b in self._free:
+                if b not in self._pins:
+                    out.append(b)
+                    if len(out) == n:
+                        break
+            for b in out:
+                del self._free[b]
+        else:
+            out = [self._free.popitem(last=False)[0] for _ in range(n)]
+        for b in out:
             assert self._ref_cnt[b] == 0, f"block {b} on the free list has refs"
             self._evict(b)
             self._ref_cnt[b] = 1
-            out.append(b)
         return out
 
     def incref(self, block_ids: list[int]) -> None:
@@ -98,6 +130,8 @@ class BlockPool:
         for b in block_ids:
             if self._ref_cnt[b] == 0:
                 del self._free[b]
+                if b in self._pins:
+                    self._free_pinned -= 1
             self._ref_cnt[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
@@ -108,9 +142,29 @@ class BlockPool:
             self._ref_cnt[b] -= 1
             if self._ref_cnt[b] == 0:
                 self._free[b] = None
+                if b in self._pins:
+                    self._free_pinned += 1
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Keep ``block_ids`` (held, full) from being reused until :meth:`unpin`: a copy
+        to a lower tier reads them. Their place in the eviction order is kept."""
+        for b in block_ids:
+            assert self._ref_cnt[b] > 0 or b in self._pins, f"pinning free block {b}"
+            n = self._pins.get(b, 0)
+            self._pins[b] = n + 1
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            n = self._pins[b] - 1
+            if n:
+                self._pins[b] = n
+                continue
+            del self._pins[b]
+            if self._ref_cnt[b] == 0:
+                self._free_pinned -= 1
 
     # ----------------------------------------------------------------------------------
     def lookup(self, hashes: list[int]) -> list[int]:
@@ -154,6 +208,10 @@ class BlockPool:
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events
+
+    def hash_of(self, block_id: int) -> int | None:
+        """The name of the content ``block_id`` holds (``None``: unnamed)."""
+        return self._hash[block_id]
 
     def _evict(self, b: int) -> None:
         """Block ``b`` is about to be reused: its content goes."""
@@ -244,20 +302,26 @@ class KVCacheManager:
         to compute, since the step that computes it also yields the next token.
         ``extra_keys``: per block, what else its content depends on (an image's hash);
         they name the sequence's blocks from now on."""
+        return self.match_prefix(seq_id, token_ids, extra_keys).tokens
+
+    def match_prefix(
+        self, seq_id: str, token_ids: list[int], extra_keys: list[ExtraKeys] | None = None
+    ) -> PrefixMatch:
+        """:meth:`find_prefix`, also returning the hashes of every full block of
+        ``token_ids`` (where a lower tier may continue the match)."""
         assert seq_id not in self._tables, f"{seq_id} already has blocks"
         if not self.caching:
-            return 0
+            return PrefixMatch(0, [])
         hashes = block_hashes(token_ids, self.block_size, self.namespace, extra_keys)
         hits = self.pool.lookup(hashes)
         if hits and len(hits) * self.block_size >= len(token_ids):
             hits = hits[:-1]
         if not hits:
-            if extra_keys:
-                self._tables[seq_id] = _Table(extra_keys=extra_keys)
-            return 0
+            self._tables[seq_id] = _Table(extra_keys=extra_keys)
+            return PrefixMatch(0, hashes)
         self.pool.incref(hits)
         self._tables[seq_id] = _Table(list(hits), hashes[: len(hits)], extra_keys)
-        return len(hits) * self.block_size
+        return PrefixMatch(len(hits) * self.block_size, hashes)
 
     def allocate_slots(
         self, seq_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
@@ -278,15 +342,16 @@ class KVCacheManager:
             table.block_ids.extend(new)
         return Allocation(block_ids=table.block_ids)
 
-    def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Name (hash) every block of ``seq_id`` that is full of computed tokens."""
+    def cache_blocks(self, seq_id: str, token_ids: list[int], num_computed: int) -> int:
+        """Name (hash) every block of ``seq_id`` that is full of computed tokens; returns
+        how many of its blocks are named now."""
         if not self.caching:
-            return
+            return 0
         table = self._tables[seq_id]
         full = min(num_computed // self.block_size, len(table.block_ids))
         done = len(table.hashes)
         if full <= done:
-            return
+            return done
         parent = table.hashes[-1] if table.hashes else ROOT_PARENT
         new = block_hashes(token_ids[: full * self.block_size], self.block_size,
                            self.namespace, table.extra_keys, start=done,
@@ -295,9 +360,17 @@ class KVCacheManager:
             self.pool.cache(table.block_ids[i], h, parent)
             parent = h
         table.hashes.extend(new)
+        return full
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id].block_ids
+
+    def block_hashes(self, seq_id: str) -> list[int]:
+        """The hashes of ``seq_id``'s named blocks, its first ones (read-only)."""
+        return self._tables[seq_id].hashes
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._tables
 
     def free(self, seq_id: str) -> int:
         """Release every block of ``seq_id``; returns how many it held (0 if unknown).

@@ -11,6 +11,8 @@ works no round trip waited on: a publisher thread of its own would take CPU and 
 from the engine loop, where this costs the loop an encoding and a write per step
 (docs/performance.md, "KV events on the frames' connection").
 
+* Events name their tier (G1 the engine pool, G2 host memory, G3 disk); ``cleared`` covers
+  every tier.
 * The first batch starts with ``cleared`` (this worker's old entries, if its id was used
   before, go).
 * A batch that does not apply (lost with its connection, refused by Redis, or answered
@@ -33,7 +35,8 @@ from typing import Protocol
 import redis
 
 from kvbm.block_pool import KVEvent
-from kvbm.index import apply_command
+from kvbm.index import Batch, apply_command
+from kvbm.protocol import G1
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +58,11 @@ class KVEventPublisher:
         writer: CommandWriter,
         pool: str,
         worker_id: str,
-        snapshot: Callable[[], list[int]],
+        snapshot: Callable[[], list[int] | dict[int, list[int]]],
         interval_s: float = 0.01,
     ) -> None:
-        """``snapshot``: every block hash the pool has cached, called on the thread that
-        calls :meth:`publish` (the engine loop's)."""
+        """``snapshot``: every block hash the engine has cached, per tier (a list: G1's
+        alone), called on the thread that calls :meth:`publish` (the engine loop's)."""
         self._writer = writer
         self.pool = pool
         self.worker_id = worker_id
@@ -129,7 +132,10 @@ class KVEventPublisher:
             self._resync = False
             self.resyncs += 1
             # what is cached now, whatever the lost events said; later ones follow it
-            batch = [("cleared", []), ("stored", list(self._snapshot()))]
+            snap = self._snapshot()
+            tiers = snap if isinstance(snap, dict) else {G1: snap}
+            batch = [("cleared", [], G1)]
+            batch += [("stored", list(hs), t) for t, hs in sorted(tiers.items()) if hs]
         if batch[0][0] == "cleared":
             self._resync_from = seq
         self._seq += 1
@@ -156,13 +162,14 @@ class KVEventPublisher:
         self._resync = True
 
 
-def _fold(events: list[KVEvent]) -> list[tuple[str, list[int]]]:
-    """Merge runs of same-kind events (order kept: a removed-then-stored block must end
-    up stored)."""
-    out: list[tuple[str, list[int]]] = []
+def _fold(events: list[KVEvent]) -> Batch:
+    """Merge runs of events of one kind and tier (order kept: a removed-then-stored block
+    must end up stored)."""
+    out: Batch = []
     for ev in events:
-        if out and out[-1][0] == ev.kind and ev.kind != "cleared":
-            out[-1][1].extend(ev.block_hashes)
+        last = out[-1] if out else None
+        if last and last[0] == ev.kind and last[2] == ev.tier and ev.kind != "cleared":
+            last[1].extend(ev.block_hashes)
         else:
-            out.append((ev.kind, list(ev.block_hashes)))
+            out.append((ev.kind, list(ev.block_hashes), ev.tier))
     return out

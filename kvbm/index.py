@@ -1,10 +1,11 @@
 """The KV-block index: which worker holds which cached block, as each router sees it.
 
 Redis keeps only what routers must share (:func:`kvbm.protocol.index_keys`): per worker,
-the set of block hashes it holds and the number of its last applied event batch; per pool,
-a stream of event batches. Each router (one per API process) keeps a :class:`LocalIndex`
-per pool, block hash -> holding workers, fed by that stream (:class:`IndexFollower`), and
-computes a request's overlap in-process: no index read in Redis per routing decision.
+the set of block hashes it holds in each tier (G1 engine pool, G2 host memory, G3 disk)
+and the number of its last applied event batch; per pool, a stream of event batches. Each
+router (one per API process) keeps a :class:`LocalIndex` per pool, block hash -> holding
+workers (and tiers), fed by that stream (:class:`IndexFollower`), and computes a request's
+overlap in-process: no index read in Redis per routing decision.
 
 Writing (a worker's publisher, :mod:`kvbm.events`): :data:`APPLY_LUA` applies one numbered
 batch to the worker's set and appends it to the pool's stream, atomically:
@@ -26,8 +27,13 @@ same stream with a TTL; every router applies them with an expiry, and one that s
 replays the last TTL's worth.
 
 Block pools evict a sequence's descendants before its ancestors (blocks are freed tail
-first; a hit refreshes the whole prefix), so a worker that holds block k holds blocks
-1..k and its overlap with a request is found by bisection. Block hashes travel as
+first; a hit refreshes the whole prefix), and each lower tier takes a block only after
+its parent and evicts only leaves (:mod:`kvbm.tiers`): every tier of a worker holds a set
+closed under "parent of", and so does any union of them. A worker that holds block k in
+G1 (or in G1 or G2, or anywhere) holds blocks 1..k there too, so its overlap with a
+request is found by bisection, once for the union of its tiers and, where lower tiers
+hold blocks, once for G1 and once for G1 + G2 (:meth:`LocalIndex.tier_overlaps`): the
+router weighs each block by the tier it would come from. Block hashes travel as
 lowercase hex (a 64-bit hash is not exact in a Lua number).
 """
 
@@ -44,6 +50,9 @@ import redis
 import redis.asyncio as aioredis
 
 from kvbm.protocol import (
+    G1,
+    G2,
+    G3,
     LIVE_LUA,
     NOW_LUA,
     alive_key,
@@ -57,25 +66,38 @@ from kvbm.protocol import (
 log = logging.getLogger(__name__)
 
 EVENTS_MAXLEN = 50_000  # entries a pool's stream keeps (approximately): minutes of events
+TIER_BIT = {G1: 1, G2: 2, G3: 4}  # a worker's tiers holding a block, as a bit mask
+
+# a batch of events: (kind, hashes) for G1, or (kind, hashes, tier)
+Batch = list[tuple[str, list[int], int]]
 
 
 def hex_hashes(hashes: list[int]) -> list[str]:
     return [format(h, "x") for h in hashes]
 
 
-def encode_batch(events: list[tuple[str, list[int]]]) -> str:
-    """``[(kind, hashes), ...]`` -> the JSON the scripts and followers read; kinds are
-    ``stored`` / ``removed`` / ``cleared``."""
-    return json.dumps([[kind[0], hex_hashes(hs)] for kind, hs in events])
+def encode_batch(events: list[tuple[str, list[int]]] | Batch) -> str:
+    """``[(kind, hashes[, tier]), ...]`` -> the JSON the scripts and followers read; kinds
+    are ``stored`` / ``removed`` / ``cleared``; the tier (``kvbm.protocol.G1`` ... ``G3``)
+    is written only when it is not G1, so a G1 batch reads as it always has."""
+    out = []
+    for ev in events:
+        item: list = [ev[0][0], hex_hashes(ev[1])]
+        if len(ev) > 2 and ev[2] != G1:  # type: ignore[misc]
+            item.append(ev[2])  # type: ignore[misc]
+        out.append(item)
+    return json.dumps(out)
 
 
 # ======================================================================================
 # Scripts
 # ======================================================================================
-# ARGV: worker-blocks key, seq key, stream key, worker id, seq, batch JSON, stream maxlen
+# ARGV: G1 worker-blocks key, seq key, stream key, worker id, seq, batch JSON, stream
+# maxlen, G2 worker-blocks key, G3 worker-blocks key
 # returns {status, last}: status 1 applied, 0 duplicate, -1 resync needed
 APPLY_LUA = """
-local wkey, skey, stream, wid = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local skey, stream, wid = ARGV[2], ARGV[3], ARGV[4]
+local tkeys = {ARGV[1], ARGV[8], ARGV[9]}
 local seq = tonumber(ARGV[5])
 local batch = cjson.decode(ARGV[6])
 local last = tonumber(redis.call('GET', skey) or '-1')
@@ -84,22 +106,24 @@ if not fresh then
   if seq <= last then return {0, last} end
   if seq ~= last + 1 then return {-1, last} end
 end
-local function each(cmd, hs)
-  for i = 1, #hs, 1000 do redis.call(cmd, wkey, unpack(hs, i, math.min(i + 999, #hs))) end
+local function each(cmd, key, hs)
+  for i = 1, #hs, 1000 do redis.call(cmd, key, unpack(hs, i, math.min(i + 999, #hs))) end
 end
 for _, ev in ipairs(batch) do
   local kind, hs = ev[1], ev[2]
-  if kind == 's' and #hs > 0 then each('SADD', hs)
-  elseif kind == 'r' and #hs > 0 then each('SREM', hs)
-  elseif kind == 'c' then redis.call('DEL', wkey) end
+  local key = tkeys[ev[3] or 1]
+  if kind == 's' and #hs > 0 then each('SADD', key, hs)
+  elseif kind == 'r' and #hs > 0 then each('SREM', key, hs)
+  elseif kind == 'c' then redis.call('DEL', unpack(tkeys)) end
 end
 redis.call('SET', skey, seq)
 redis.call('XADD', stream, 'MAXLEN', '~', ARGV[7], '*', 'w', wid, 's', seq, 'b', ARGV[6])
 return {1, seq}
 """
 
-# ARGV: alive key, worker-blocks prefix, seq prefix, stream key, one worker id ('' = every
-# live worker) -> {stream position, id1, seq1, {hex...}, id2, ...}, read atomically
+# ARGV: alive key, G1 worker-blocks prefix, seq prefix, stream key, one worker id ('' =
+# every live worker), G2 and G3 worker-blocks prefixes -> {stream position, id1, seq1,
+# {G1 hex...}, {G2 hex...}, {G3 hex...}, id2, ...}, read atomically
 SNAPSHOT_LUA = (
     NOW_LUA
     + LIVE_LUA
@@ -111,6 +135,8 @@ for _, id in ipairs(ids) do
   out[#out + 1] = id
   out[#out + 1] = tonumber(redis.call('GET', ARGV[3] .. id) or '-1')
   out[#out + 1] = redis.call('SMEMBERS', ARGV[2] .. id)
+  out[#out + 1] = redis.call('SMEMBERS', ARGV[6] .. id)
+  out[#out + 1] = redis.call('SMEMBERS', ARGV[7] .. id)
 end
 return out
 """
@@ -121,15 +147,15 @@ return out
 # to its pool's queue, where any live worker of the pool takes them (oldest first, behind
 # what the pool queue holds). Kombu keeps a queue's messages in a list named after it, and
 # those of priorities 3/6/9 in lists suffixed "\x06\x16" + the priority.
-# ARGV: alive, worker-blocks prefix, seq prefix, pool queue, worker queue prefix, load
-# hash, load totals -> the forgotten ids
+# ARGV: alive, G1 worker-blocks prefix, seq prefix, pool queue, worker queue prefix, load
+# hash, load totals, G2 and G3 worker-blocks prefixes -> the forgotten ids
 PRUNE_LUA = (
     NOW_LUA
     + """
-local alive, wblocks, seqk, pqueue, wqueue, lkey, tkey = unpack(ARGV, 1, 7)
+local alive, wblocks, seqk, pqueue, wqueue, lkey, tkey, w2, w3 = unpack(ARGV, 1, 9)
 local gone = redis.call('ZRANGE', alive, '-inf', now, 'BYSCORE')
 for _, wid in ipairs(gone) do
-  redis.call('DEL', wblocks .. wid, seqk .. wid)
+  redis.call('DEL', wblocks .. wid, seqk .. wid, w2 .. wid, w3 .. wid)
   redis.call('ZREM', alive, wid)
   for _, sfx in ipairs({'', '\\6\\0223', '\\6\\0226', '\\6\\0229'}) do
     while redis.call('LMOVE', wqueue .. wid .. sfx, pqueue .. sfx, 'RIGHT', 'LEFT') do end
@@ -146,14 +172,16 @@ return gone
 
 
 def apply_argv(pool: str, worker_id: str, seq: int,
-               events: list[tuple[str, list[int]]]) -> list[str | int]:  # fmt: skip
+               events: list[tuple[str, list[int]]] | Batch) -> list[str | int]:  # fmt: skip
     """ARGV of :data:`APPLY_LUA` for one batch of ``worker_id``'s events."""
     k = index_keys(pool)
     return [k.worker_blocks + worker_id, k.seq + worker_id, k.events, worker_id, seq,
-            encode_batch(events), EVENTS_MAXLEN]  # fmt: skip
+            encode_batch(events), EVENTS_MAXLEN, k.host_blocks + worker_id,
+            k.disk_blocks + worker_id]  # fmt: skip
 
 
-def apply_command(pool: str, worker_id: str, seq: int, events: list[tuple[str, list[int]]],
+def apply_command(pool: str, worker_id: str, seq: int,
+                  events: list[tuple[str, list[int]]] | Batch,
                   load: bool = False) -> tuple[str | int, ...]:  # fmt: skip
     """The whole command that applies one batch, for a connection of one's own:
     ``EVALSHA`` (``EVAL``, which also loads the script, with ``load``)."""
@@ -163,13 +191,14 @@ def apply_command(pool: str, worker_id: str, seq: int, events: list[tuple[str, l
 
 def snapshot_argv(pool: str, worker_id: str = "") -> list[str]:
     k = index_keys(pool)
-    return [alive_key(pool), k.worker_blocks, k.seq, k.events, worker_id]
+    return [alive_key(pool), k.worker_blocks, k.seq, k.events, worker_id, k.host_blocks,
+            k.disk_blocks]  # fmt: skip
 
 
 def prune_argv(pool: str) -> list[str]:
     k = index_keys(pool)
     return [alive_key(pool), k.worker_blocks, k.seq, pool_queue(pool), worker_queue(pool, ""),
-            load_key(pool), load_totals_key(pool)]  # fmt: skip
+            load_key(pool), load_totals_key(pool), k.host_blocks, k.disk_blocks]  # fmt: skip
 
 
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
@@ -179,15 +208,16 @@ APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
 # The local index
 # ======================================================================================
 class LocalIndex:
-    """One pool's index in a router's memory: block hash -> workers holding it, from the
-    workers' event batches (numbered per worker) and, in approximate mode, from routers'
-    decisions (each with an expiry)."""
+    """One pool's index in a router's memory: block hash -> workers holding it (and in
+    which tiers), from the workers' event batches (numbered per worker) and, in
+    approximate mode, from routers' decisions (each with an expiry)."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[str]] = {}
-        self._blocks: dict[str, set[int]] = {}
+        self._holders: dict[int, dict[str, int]] = {}  # hash -> worker -> TIER_BIT mask
+        self._blocks: dict[str, dict[int, int]] = {}  # worker -> hash -> mask
         self._seq: dict[str, int] = {}
         self._approx: dict[int, dict[str, float]] = {}  # hash -> worker -> expiry (mono)
+        self._lower = 0  # (worker, block) pairs held in G2 or G3: tier bisections needed
 
     @property
     def num_blocks(self) -> int:
@@ -210,27 +240,36 @@ class LocalIndex:
                 return True  # already applied (a snapshot covered it)
             if seq != last + 1:
                 return False
-        for kind, hs in batch:
+        for ev in batch:
+            kind, hs = ev[0], ev[1]
+            bit = TIER_BIT[ev[2] if len(ev) > 2 else G1]
             if kind == "s":
-                self._store(worker_id, [int(h, 16) for h in hs])
+                self._store(worker_id, [int(h, 16) for h in hs], bit)
             elif kind == "r":
-                self._remove(worker_id, [int(h, 16) for h in hs])
+                self._remove(worker_id, [int(h, 16) for h in hs], bit)
             elif kind == "c":
                 self.drop(worker_id)
         self._seq[worker_id] = seq
         return True
 
-    def load(self, worker_id: str, seq: int, hashes: list[int]) -> None:
-        """Replace what this index knows of a worker with a snapshot."""
+    def load(self, worker_id: str, seq: int, hashes: list[int], host: list[int] = (),  # type: ignore[assignment]
+             disk: list[int] = ()) -> None:  # type: ignore[assignment]  # fmt: skip
+        """Replace what this index knows of a worker with a snapshot (its blocks in G1,
+        and in G2 and G3)."""
         self.drop(worker_id)
-        self._store(worker_id, hashes)
+        self._blocks[worker_id] = {}
+        self._store(worker_id, hashes, TIER_BIT[G1])
+        self._store(worker_id, list(host), TIER_BIT[G2])
+        self._store(worker_id, list(disk), TIER_BIT[G3])
         self._seq[worker_id] = seq
 
     def drop(self, worker_id: str) -> None:
-        for h in self._blocks.pop(worker_id, ()):
+        for h, mask in self._blocks.pop(worker_id, {}).items():
+            if mask & ~1:
+                self._lower -= 1
             holders = self._holders.get(h)
             if holders is not None:
-                holders.discard(worker_id)
+                holders.pop(worker_id, None)
                 if not holders:
                     del self._holders[h]
         self._seq.pop(worker_id, None)
@@ -242,8 +281,74 @@ class LocalIndex:
             self._approx.setdefault(h, {})[worker_id] = expiry
 
     def holders(self, block_hash: int, approx: bool = False, now: float = 0.0) -> set[str]:
+        return set(self._held(block_hash, approx, now))
+
+    def tiers_of(self, worker_id: str, block_hash: int) -> set[int]:
+        """The tiers in which ``worker_id`` holds ``block_hash``."""
+        mask = self._blocks.get(worker_id, {}).get(block_hash, 0)
+        return {t for t, bit in TIER_BIT.items() if mask & bit}
+
+    def worker_blocks(self, worker_id: str, tier: int | None = None) -> set[int]:
+        """Blocks ``worker_id`` holds in ``tier`` (``None``: in any tier)."""
+        mine = self._blocks.get(worker_id, {})
+        if tier is None:
+            return set(mine)
+        bit = TIER_BIT[tier]
+        return {h for h, m in mine.items() if m & bit}
+
+    def overlaps(self, ids: list[str], hashes: list[int], approx: bool = False) -> dict[str, int]:
+        """Each of ``ids``' number of leading blocks of ``hashes`` held, in any tier. By
+        bisection, all workers at once: a group known to hold block lo asks who holds
+        block mid, and splits (about log2(blocks) set reads per distinct overlap)."""
+        out = dict.fromkeys(ids, 0)
+        n = len(hashes)
+        if not n or not ids:
+            return out
+        now = time.monotonic()
+        first = self._held(hashes[0], approx, now)
+        todo = [(1, n, [w for w in ids if w in first])]
+        while todo:
+            lo, hi, group = todo.pop()
+            if not group:
+                continue
+            if lo == hi:
+                for w in group:
+                    out[w] = lo
+                continue
+            mid = (lo + hi + 1) // 2
+            held = self._held(hashes[mid - 1], approx, now)
+            todo.append((mid, hi, [w for w in group if w in held]))
+            todo.append((lo, mid - 1, [w for w in group if w not in held]))
+        return out
+
+    def tier_overlaps(self, ids: list[str], hashes: list[int]) -> dict[str, tuple[int, int, int]]:
+        """Per worker, its leading blocks of ``hashes`` held in G1, in G1 or G2, and in any
+        tier (each a prefix, as every tier keeps ancestors). Beyond the bisection of
+        :meth:`overlaps`, a worker whose deepest block held is in G1 costs nothing more;
+        only one whose overlap spans tiers is searched again (docs/performance.md, "KVBM
+        tiers in the router's decision")."""
+        any_tier = self.overlaps(ids, hashes)
+        if not self._lower:
+            return {w: (n, n, n) for w, n in any_tier.items()}
+        out = {}
+        col: list[dict[str, int]] = []  # who holds each block, in what tiers (as needed)
+        for w, n in any_tier.items():
+            if n:
+                last = self._holders[hashes[n - 1]].get(w, 0)
+                if not last & 1:  # else its deepest block is in G1, and so are all before
+                    if len(col) < n:
+                        col += [self._holders.get(h, {}) for h in hashes[len(col) : n]]
+                    n12 = n if last & 2 else _held_up_to(col, w, 3, n)
+                    out[w] = (_held_up_to(col, w, 1, n12), n12, n)
+                    continue
+            out[w] = (n, n, n)
+        return out
+
+    # ----------------------------------------------------------------------------------
+    def _held(self, block_hash: int, approx: bool, now: float) -> dict[str, int] | set[str]:
+        """Who holds ``block_hash`` (a worker -> tier mask map; a set in approximate mode)."""
         if not approx:
-            return self._holders.get(block_hash, set())
+            return self._holders.get(block_hash, {})
         held = self._approx.get(block_hash)
         if not held:
             return set()
@@ -255,58 +360,76 @@ class LocalIndex:
                 del self._approx[block_hash]
         return live
 
-    def worker_blocks(self, worker_id: str) -> set[int]:
-        return set(self._blocks.get(worker_id, ()))
-
-    def overlaps(self, ids: list[str], hashes: list[int], approx: bool = False) -> dict[str, int]:
-        """Each of ``ids``' number of leading blocks of ``hashes`` held. By bisection, all
-        workers at once: a group known to hold block lo asks who holds block mid, and
-        splits (about log2(blocks) set reads per distinct overlap)."""
-        out = dict.fromkeys(ids, 0)
-        n = len(hashes)
-        if not n or not ids:
-            return out
-        now = time.monotonic()
-        first = self.holders(hashes[0], approx, now)
-        todo = [(1, n, [w for w in ids if w in first])]
-        while todo:
-            lo, hi, group = todo.pop()
-            if not group:
-                continue
-            if lo == hi:
-                for w in group:
-                    out[w] = lo
-                continue
-            mid = (lo + hi + 1) // 2
-            held = self.holders(hashes[mid - 1], approx, now)
-            todo.append((mid, hi, [w for w in group if w in held]))
-            todo.append((lo, mid - 1, [w for w in group if w not in held]))
-        return out
-
-    # ----------------------------------------------------------------------------------
-    def _store(self, worker_id: str, hashes: list[int]) -> None:
-        mine = self._blocks.setdefault(worker_id, set())
+    def _store(self, worker_id: str, hashes: list[int], bit: int) -> None:
+        mine = self._blocks.setdefault(worker_id, {})
         for h in hashes:
-            mine.add(h)
-            self._holders.setdefault(h, set()).add(worker_id)
+            old = mine.get(h, 0)
+            new = old | bit
+            if new != old:
+                mine[h] = new
+                self._holders.setdefault(h, {})[worker_id] = new
+                if new & ~1 and not old & ~1:
+                    self._lower += 1
 
-    def _remove(self, worker_id: str, hashes: list[int]) -> None:
-        mine = self._blocks.get(worker_id, set())
+    def _remove(self, worker_id: str, hashes: list[int], bit: int) -> None:
+        mine = self._blocks.get(worker_id)
+        if mine is None:
+            return
         for h in hashes:
-            mine.discard(h)
-            holders = self._holders.get(h)
-            if holders is not None:
-                holders.discard(worker_id)
+            old = mine.get(h, 0)
+            if not old & bit:
+                continue
+            new = old & ~bit
+            if old & ~1 and not new & ~1:
+                self._lower -= 1
+            holders = self._holders[h]
+            if new:
+                mine[h] = new
+                holders[worker_id] = new
+            else:
+                del mine[h]
+                del holders[worker_id]
                 if not holders:
                     del self._holders[h]
 
 
-def parse_snapshot(flat: list) -> tuple[str, list[tuple[str, int, list[int]]]]:
-    """:data:`SNAPSHOT_LUA`'s reply -> (stream position, [(worker, seq, hashes)])."""
+@dataclass(slots=True)
+class WorkerSnapshot:
+    worker_id: str
+    seq: int
+    hashes: list[int]  # held in G1
+    host: list[int]  # held in G2
+    disk: list[int]  # held in G3
+
+    def load_into(self, index: LocalIndex) -> None:
+        index.load(self.worker_id, self.seq, self.hashes, self.host, self.disk)
+
+
+def _held_up_to(col: list[dict[str, int]], worker_id: str, mask: int, hi: int) -> int:
+    """How many leading blocks (at most ``hi``) ``worker_id`` holds in the tiers of
+    ``mask``, ``col[i]`` holding block i's holders: a binary search, the tiers keeping
+    ancestors. One worker at a time: where tiers split prefixes, the points rarely agree."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if col[mid - 1].get(worker_id, 0) & mask:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def parse_snapshot(flat: list) -> tuple[str, list[WorkerSnapshot]]:
+    """:data:`SNAPSHOT_LUA`'s reply -> (stream position, [per worker snapshot])."""
     pos = _str(flat[0])
     out = []
-    for i in range(1, len(flat), 3):
-        out.append((_str(flat[i]), int(flat[i + 1]), [int(_str(h), 16) for h in flat[i + 2]]))
+
+    def hx(items: list) -> list[int]:
+        return [int(_str(h), 16) for h in items]
+
+    for i in range(1, len(flat), 5):
+        out.append(WorkerSnapshot(_str(flat[i]), int(flat[i + 1]), hx(flat[i + 2]),
+                                  hx(flat[i + 3]), hx(flat[i + 4])))  # fmt: skip
     return pos, out
 
 
@@ -359,8 +482,8 @@ class IndexFollower:
         approximate mode, the decisions of the last TTL replayed."""
         pos, workers = parse_snapshot(await self._snapshot(args=snapshot_argv(self.pool)))
         index = LocalIndex()
-        for wid, seq, hashes in workers:
-            index.load(wid, seq, hashes)
+        for w in workers:
+            w.load_into(index)
         if self._approx_ttl_s > 0:
             since = int((time.time() - self._approx_ttl_s) * 1000)
             for entry_id, fields in await self._r.xrange(self._key, f"{since}-0", pos):
@@ -371,11 +494,11 @@ class IndexFollower:
 
     async def reload(self, worker_id: str) -> None:
         _, workers = parse_snapshot(await self._snapshot(args=snapshot_argv(self.pool, worker_id)))
-        for wid, seq, hashes in workers:
-            if seq < 0 and not hashes:
-                self.index.drop(wid)  # gone from Redis: pruned, or cleared on leaving
+        for w in workers:
+            if w.seq < 0 and not (w.hashes or w.host or w.disk):
+                self.index.drop(w.worker_id)  # gone from Redis: pruned, or cleared on leaving
             else:
-                self.index.load(wid, seq, hashes)
+                w.load_into(self.index)
         self.stats.worker_reloads += 1
 
     async def poll(self) -> int:
@@ -448,7 +571,8 @@ class KVIndex:
         self._snapshot = client.register_script(SNAPSHOT_LUA)
         self._prune = client.register_script(PRUNE_LUA)
 
-    def apply(self, worker_id: str, seq: int, events: list[tuple[str, list[int]]]) -> ApplyResult:
+    def apply(self, worker_id: str, seq: int,
+              events: list[tuple[str, list[int]]] | Batch) -> ApplyResult:  # fmt: skip
         status, last = self._apply(args=apply_argv(self.pool, worker_id, seq, events))
         return ApplyResult(int(status), int(last))
 
@@ -460,8 +584,8 @@ class KVIndex:
         self.prune()
         _, workers = parse_snapshot(self._snapshot(args=snapshot_argv(self.pool)))
         index = LocalIndex()
-        for wid, seq, hashes in workers:
-            index.load(wid, seq, hashes)
+        for w in workers:
+            w.load_into(index)
         return index
 
     def overlaps(self, hashes: list[int]) -> dict[str, int]:
@@ -469,11 +593,17 @@ class KVIndex:
         index = self.local()
         return index.overlaps(sorted(index.workers), hashes)
 
+    def tier_overlaps(self, hashes: list[int]) -> dict[str, tuple[int, int, int]]:
+        """Each live worker's leading blocks of ``hashes`` held in G1, G1 + G2, any tier."""
+        index = self.local()
+        return index.tier_overlaps(sorted(index.workers), hashes)
+
     def holders(self, block_hash: int) -> set[str]:
         return self.local().holders(block_hash)
 
-    def worker_blocks(self, worker_id: str) -> set[int]:
-        key = index_keys(self.pool).worker_blocks + worker_id
+    def worker_blocks(self, worker_id: str, tier: int = G1) -> set[int]:
+        """The blocks Redis says ``worker_id`` holds in ``tier``."""
+        key = index_keys(self.pool).tier_blocks(tier) + worker_id
         return {int(_str(h), 16) for h in self._r.smembers(key)}
 
 

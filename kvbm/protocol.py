@@ -16,6 +16,8 @@ Public part:
                         model_namespace, extra_keys_for_spans; images: image_extra_key,
                         image_spans, request_extra_keys
     media               media_key: an image's bytes in Redis, named by its content hash
+    KV tiers            G1 / G2 / G3: what KV events and the index call the engine pool,
+                        host memory and local disk
     TokenFrame          one frame of a token stream: built by a worker, parsed by the API
     Sampling            the sampling parameters a request carries to the engine
     ImageRef            one image of a prompt: its content hash and placeholder tokens
@@ -103,19 +105,34 @@ def load_totals_key(pool: str) -> str:
     return f"{KEY_PREFIX}loadsum:{pool}"
 
 
+# KV cache tiers (the KVBM's G1 / G2 / G3), as KV events and the index name them
+G1 = 1  # the engine's own pool (GPU memory, or the CPU pool of the reference engine)
+G2 = 2  # host memory
+G3 = 3  # local disk
+TIERS = (G1, G2, G3)
+TIER_NAMES = {G1: "g1", G2: "g2", G3: "g3"}
+
+
 @dataclass(frozen=True, slots=True)
 class IndexKeys:
     """One pool's KV-block index in Redis (see :mod:`kvbm.index`)."""
 
     events: str  # STREAM of event batches (workers') and decisions (approximate routers')
-    worker_blocks: str  # + worker id: SET of hex hashes the worker holds (its snapshot)
+    worker_blocks: str  # + worker id: SET of hex hashes the worker holds in G1 (snapshot)
     seq: str  # + worker id: the number of its last applied event batch
+    host_blocks: str  # + worker id: SET of hex hashes the worker holds in G2
+    disk_blocks: str  # + worker id: SET of hex hashes the worker holds in G3
+
+    def tier_blocks(self, tier: int) -> str:
+        """The prefix (+ worker id) of the SET of blocks a worker holds in ``tier``."""
+        return {G1: self.worker_blocks, G2: self.host_blocks, G3: self.disk_blocks}[tier]
 
 
 def index_keys(pool: str) -> IndexKeys:
     return IndexKeys(
-        f"{KEY_PREFIX}kvev:{pool}", f"{KEY_PREFIX}kvw:{pool}:", f"{KEY_PREFIX}kvseq:{pool}:"
-    )
+        f"{KEY_PREFIX}kvev:{pool}", f"{KEY_PREFIX}kvw:{pool}:", f"{KEY_PREFIX}kvseq:{pool}:",
+        f"{KEY_PREFIX}kvw2:{pool}:", f"{KEY_PREFIX}kvw3:{pool}:",
+    )  # fmt: skip
 
 
 def kv_release_channel(worker_id: str) -> str:
@@ -440,6 +457,20 @@ class ImageRef(BaseModel):
     num_tokens: int = Field(ge=1)
 
 
+class Resume(BaseModel):
+    """A stream continued on another worker after its worker died mid-stream (migration):
+    the output tokens the client already has, how many characters of their text it was
+    sent, and the ``seq`` of the next frame. The new worker recomputes prompt + these
+    tokens, then samples on from output index ``len(output_token_ids)`` (a seeded request
+    keeps its per-index seeds); its frames carry on at ``next_seq`` and its usage counts
+    the original prompt and every output token once."""
+
+    output_token_ids: list[int] = Field(min_length=1)
+    emitted_chars: int = Field(ge=0)
+    next_seq: int = Field(ge=1)
+    migration: int = Field(ge=1)  # 1 for the first move, 2 for the next...
+
+
 class StagePayload(BaseModel):
     """Everything a stage task needs to run one request (the same payload for every stage;
     a decode task gets the prefill task's handle in front of it)."""
@@ -452,6 +483,7 @@ class StagePayload(BaseModel):
     attempt: int = 0  # disagg: how many times the prefill was redone after a failed pull
     forced_first_token: int | None = None  # a redo keeps the first token already streamed
     images: list[ImageRef] = Field(default_factory=list)  # in prompt order
+    resume: Resume | None = None  # a migrated stream: what the client already has
 
 
 class EmbeddingRef(BaseModel):
@@ -485,6 +517,7 @@ class PrefillHandle(BaseModel):
     first_token: int | None = None
     emitted_chars: int = 0  # characters of text the prefill worker already streamed
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of them, found cached (any KVBM tier) by the prefill worker
     transfer: dict | None = None
     embeddings: list[EmbeddingRef] = Field(default_factory=list)  # the prompt's images
 

@@ -8,6 +8,8 @@ tokens travel over Redis pub/sub, not through a result backend.
 
 from __future__ import annotations
 
+import ssl
+
 from celery import Celery
 from kombu import Exchange, Queue
 
@@ -41,17 +43,31 @@ def declare_queues(names: list[str], retry_policy: dict | None = None) -> None:
             queue(name)(channel).declare()
 
 
+def broker_tls(url: str) -> dict | None:
+    """TLS options for a ``rediss://`` broker whose URL names none: verify the server's
+    certificate (against the system's CAs), as redis-py does. Kombu would connect without
+    any check there (``CERT_NONE``), and our transport, not named by the scheme, without
+    TLS at all. ``ssl_*`` options in the URL (``?ssl_ca_certs=/path/ca.pem``) are kombu's
+    to read and win."""
+    if not url.startswith("rediss://") or "ssl_" in url.partition("?")[2]:
+        return None
+    return {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+
+
 def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
     s = settings or get_settings()
     names = [*(pool_queue(p) for p in s.pools), *extra_queues]
     # the fast path: kombu's Redis transport, minus its per-message costs (tasks.broker),
     # and Celery's consumer sending task events in batches (tasks.celery_ext); off: stock
     fast = s.broker_fastpath
+    url = s.effective_redis_url
+    scheme = url.partition("://")[0]
     app.conf.update(
-        broker_url=s.effective_redis_url,
+        broker_url=url,
         broker_transport="tasks.broker:Transport"
-        if fast and s.effective_redis_url.startswith("redis://")
-        else None,
+        if fast and scheme in ("redis", "rediss")
+        else None,  # fmt: skip
+        broker_use_ssl=broker_tls(url),
         broker_connection_retry_on_startup=True,
         broker_transport_options={"visibility_timeout": 3600},
         result_backend=None,

@@ -34,9 +34,10 @@ A worker's consumer waits with ``BLMPOP`` (Redis >= 7) instead of kombu's ``BRPO
 round trip takes every message waiting in a queue, up to the prefetch credit
 (:meth:`Channel._brpop_start`; docs/performance.md, "Broker: BLMPOP").
 
-Used for ``redis://`` brokers (``tasks.app.configure``); other schemes (``rediss://``,
-whose TLS set-up kombu keys on the scheme, and ``sentinel://``) keep kombu's own transport,
-which ignores :func:`deferred_publishes` and sends at once.
+Used for ``redis://`` and ``rediss://`` brokers (``tasks.app.configure``: for TLS kombu
+reads the ``ssl_*`` options of the URL, or ``broker_use_ssl``, and its channel connects
+with redis-py's ``SSLConnection``); other schemes (``sentinel://``) keep kombu's own
+transport, which ignores :func:`deferred_publishes` and sends at once.
 """
 
 from __future__ import annotations

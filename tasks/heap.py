@@ -13,6 +13,7 @@ this: its steps allocate few objects the collector tracks.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 
@@ -27,3 +28,22 @@ def freeze_startup_heap(who: str) -> int:
     frozen = gc.get_freeze_count()
     log.info("%s: %d startup objects frozen out of the garbage collector's scans", who, frozen)
     return frozen
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``); False where
+    there is no glibc. Python frees its own small-object arenas when they empty, but the C
+    allocator keeps what it freed (socket buffers, parser state, large strings) mapped."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    _malloc_trim(0)
+    return True
+
+
+_malloc_trim = None

@@ -109,6 +109,16 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
     return Plan(steps, fallbacks)
 
 
+async def plan_continuation(router: Router, pool: str, req: RouteRequest) -> Plan:
+    """Where a stream whose worker died goes on (migration): one ``generate`` task on a
+    live worker of that worker's pool, which recomputes the prompt and the tokens so far
+    and decodes from there (a decode pool's workers run ``generate`` too: MERGED)."""
+    route = await router.pick(pool, req)
+    if route is None:
+        raise NoLiveWorker(pool)
+    return Plan([("generate", route)], [])
+
+
 def build_chain(p: Plan, payload: StagePayload) -> Signature:
     """The Celery canvas for one request."""
     body = payload.model_dump()

@@ -17,6 +17,10 @@ Modes (``CONVEYOR_ROUTER_MODE``):
     cost(w) = overlap_weight x (prompt blocks w would still compute + blocks of prompt
     tokens already queued for prefill on w) + active decode blocks on w. The first term
     is the work ahead of this request's first token, the second the decode load it joins.
+    A cached block counts by the tier it would come from (``tier_weights``, default 1.0
+    in G1, 0.75 in G2 host memory, 0.25 on G3 disk): a block on disk saves less work than
+    one in the engine's pool, and a worker holding the prefix in G1 beats one holding it
+    on disk, which beats one holding nothing.
     Lowest cost wins (ties broken at random), or with a temperature > 0 a softmax over
     the normalised costs. A load guard first drops workers whose load (decode blocks +
     queued prefill blocks) exceeds ``guard_ratio`` x the mean and ``guard_min_blocks``
@@ -29,6 +33,14 @@ Modes (``CONVEYOR_ROUTER_MODE``):
     Cache-blind baselines (the rotation is per router process).
 
 A request may pin a worker id; it then goes to that worker if it is alive in the pool.
+
+Admission: with ``max_requests`` > 0 (the API's, ``CONVEYOR_WORKER_MAX_REQUESTS``) the
+commit also refuses a worker that already counts that many requests (running and queued,
+routed by any API replica), so the cap holds cluster-wide; when every live worker of the
+pool is at it, :meth:`Router.pick` raises :class:`WorkersBusy` and the API decides whether
+to wait (:mod:`api.admission`). Accepted work moving on is never refused: routers that
+re-route it (a worker redoing a prefill) keep no cap, and a migrated stream's pick says
+``RouteRequest.admitted``.
 
 Load, per worker, lives in :func:`kvbm.protocol.load_key` (fields
 ``<worker>:reqs|prefill|blocks``) and the pool's totals in
@@ -82,39 +94,44 @@ log = logging.getLogger(__name__)
 LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
 MAX_CONFLICTS = 3  # candidates refused by the commit before the least loaded is taken
+FULL, DEAD, GUARDED, COUNTED = -2, -1, 0, 1  # the commit's answers (COMMIT_LUA)
 
 # Count a request against one worker. KEYS: load hash, load totals, alive zset. ARGV:
 # worker, prompt tokens to queue, guard (0/1), guard ratio, guard min blocks, live workers,
-# least load (blocks, as the caller sees it), block size, ttl ms, then in approximate mode
-# the pool's stream, the decision's TTL (ms) and the hex hashes (JSON).
-# Returns {1, blocks, prefill} counted; {0, blocks, prefill} over the guard; {-1} dead.
+# least load (blocks, as the caller sees it), block size, ttl ms, the most requests a
+# worker may hold (0: no cap), then in approximate mode the pool's stream, the decision's
+# TTL (ms) and the hex hashes (JSON).
+# Returns {1, blocks, prefill, reqs} counted; {0, blocks, prefill, reqs} over the guard;
+# {-1} dead; {-2, blocks, prefill, reqs} at the request cap.
 COMMIT_LUA = (
     NOW_LUA
     + LIVE_LUA
     + """
 local wid = ARGV[1]
 if not is_live(KEYS[3], wid, now) then return {-1} end
-local b = tonumber(redis.call('HGET', KEYS[1], wid .. ':blocks') or '0')
-local q = tonumber(redis.call('HGET', KEYS[1], wid .. ':prefill') or '0')
+local v = redis.call('HMGET', KEYS[1], wid .. ':blocks', wid .. ':prefill', wid .. ':reqs')
+local b, q, n = tonumber(v[1] or '0'), tonumber(v[2] or '0'), tonumber(v[3] or '0')
+local cap = tonumber(ARGV[10])
+if cap > 0 and n >= cap then return {-2, b, q, n} end
 local bs = tonumber(ARGV[8])
 if ARGV[3] == '1' then
   local tb = tonumber(redis.call('HGET', KEYS[2], 'blocks') or '0')
   local tq = tonumber(redis.call('HGET', KEYS[2], 'prefill') or '0')
   local mean = (tb + math.ceil(tq / bs)) / tonumber(ARGV[6])
   local limit = math.max(tonumber(ARGV[4]) * mean, tonumber(ARGV[7]) + tonumber(ARGV[5]))
-  if b + math.ceil(q / bs) > limit then return {0, b, q} end
+  if b + math.ceil(q / bs) > limit then return {0, b, q, n} end
 end
 local add = tonumber(ARGV[2])
-redis.call('HINCRBY', KEYS[1], wid .. ':reqs', 1)
+n = redis.call('HINCRBY', KEYS[1], wid .. ':reqs', 1)
 q = redis.call('HINCRBY', KEYS[1], wid .. ':prefill', add)
 redis.call('HINCRBY', KEYS[2], 'prefill', add)
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('PEXPIRE', KEYS[2], ARGV[9])
-if #ARGV > 9 then
-  redis.call('XADD', ARGV[10], 'MAXLEN', '~', ARGV[13], '*', 'w', wid, 'a', ARGV[11],
-             'b', ARGV[12])
+if #ARGV > 10 then
+  redis.call('XADD', ARGV[11], 'MAXLEN', '~', ARGV[14], '*', 'w', wid, 'a', ARGV[12],
+             'b', ARGV[13])
 end
-return {1, b, q}
+return {1, b, q, n}
 """
 )
 
@@ -140,7 +157,7 @@ return 1
 """
 
 # A pool's live workers and their counted load. ARGV: alive zset, load hash, load totals
-# -> {total blocks, total prefill, id1, blocks1, prefill1, id2, ...}
+# -> {total blocks, total prefill, id1, blocks1, prefill1, reqs1, id2, ...}
 VIEW_LUA = (
     NOW_LUA
     + LIVE_LUA
@@ -148,10 +165,11 @@ VIEW_LUA = (
 local out = {tonumber(redis.call('HGET', ARGV[3], 'blocks') or '0'),
              tonumber(redis.call('HGET', ARGV[3], 'prefill') or '0')}
 for _, id in ipairs(live_ids(ARGV[1], now)) do
-  local v = redis.call('HMGET', ARGV[2], id .. ':blocks', id .. ':prefill')
+  local v = redis.call('HMGET', ARGV[2], id .. ':blocks', id .. ':prefill', id .. ':reqs')
   out[#out + 1] = id
   out[#out + 1] = tonumber(v[1] or '0')
   out[#out + 1] = tonumber(v[2] or '0')
+  out[#out + 1] = tonumber(v[3] or '0')
 end
 return out
 """
@@ -167,6 +185,8 @@ class RouteRequest:
     pin: str | None = None  # a worker id the request must run on
     exclude: set[str] = field(default_factory=set)  # worker ids it must not run on
     images: int = 0  # images in the prompt (an encode stage runs only for those)
+    # accepted work moving on (a migrated stream): no request cap applies to it
+    admitted: bool = False
 
 
 @dataclass(slots=True)
@@ -179,8 +199,10 @@ class RouterConfig:
     guard_ratio: float = 1.5
     guard_min_blocks: int = 256
     block_size: int = 16
+    tier_weights: tuple[float, float, float] = (1.0, 0.75, 0.25)  # a cached block in G1/G2/G3
     refresh_s: float = 0.1  # how often a router re-reads the pools' live workers and load
     prune_s: float = 1.0  # how often it forgets workers whose heartbeat lapsed
+    max_requests: int = 0  # requests (running + queued) one worker may hold; 0: no cap
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -197,6 +219,7 @@ class RouterConfig:
             guard_ratio=s.router_guard_ratio,
             guard_min_blocks=s.router_guard_min_blocks,
             block_size=s.block_size,
+            tier_weights=(s.router_g1_weight, s.router_g2_weight, s.router_g3_weight),
             prune_s=min(1.0, s.heartbeat_s),
         )
 
@@ -223,6 +246,16 @@ class PinnedWorkerMissing(Exception):
         self.worker_id = worker_id
 
 
+class WorkersBusy(Exception):
+    """Every live worker of ``pool`` (or the pinned one) holds ``max_requests`` already."""
+
+    def __init__(self, pool: str, cap: int, workers: int) -> None:
+        super().__init__(f"all {workers} live workers of pool {pool!r} hold {cap} requests")
+        self.pool = pool
+        self.cap = cap
+        self.workers = workers
+
+
 @dataclass
 class PoolView:
     """What one router knows of one pool: its live workers, their counted load, and the
@@ -234,6 +267,7 @@ class PoolView:
     # prefill tokens of this router's picks whose commit is on its way: the picks made
     # meanwhile (requests arriving together) see them, rather than all taking one worker
     pending: dict[str, int] = field(default_factory=dict)
+    reqs: dict[str, int] = field(default_factory=dict)  # worker -> requests counted on it
     totals: list[int] = field(default_factory=lambda: [0, 0])
     refreshed: float = -math.inf
     pruned: float = -math.inf
@@ -252,7 +286,8 @@ class Router:
     yields (docs/performance.md, "API: commands leave before the first await").
     ``follow=False``: no local index and no background refresh (a worker redoing a
     prefill): overlaps count as 0 and the view is read when it is older than
-    ``refresh_s``. ``on_decision(pool, seconds)`` hears how long each pick took."""
+    ``refresh_s``. ``on_decision(pool, seconds)`` hears how long each pick took;
+    ``on_release()`` that this router gave a request's load back (a slot may be free)."""
 
     def __init__(
         self,
@@ -261,8 +296,10 @@ class Router:
         fast: Any = None,
         follow: bool = True,
         on_decision: Callable[[str, float], None] | None = None,
+        on_release: Callable[[], None] | None = None,
     ) -> None:
         self._r = client
+        self._on_release = on_release
         self.config = config or RouterConfig()
         self._fast = fast
         self._follow = follow
@@ -295,7 +332,8 @@ class Router:
     async def pick(self, pool: str, req: RouteRequest | None = None) -> Route | None:
         """The best live worker of ``pool`` for ``req``, already counted; ``None`` if no
         worker lives. Raises :class:`PinnedWorkerMissing` when the pinned worker is not a
-        live member of ``pool``."""
+        live member of ``pool``, :class:`WorkersBusy` when every candidate is at the
+        request cap."""
         t0 = time.perf_counter()
         req = req or RouteRequest([], 1)
         v = await self.view(pool)
@@ -316,7 +354,9 @@ class Router:
         if req.pin not in v.live:
             raise PinnedWorkerMissing(req.pin)
         ov = self._overlaps(v, [req.pin], req.block_hashes).get(req.pin, 0)
-        route = await self._try(v, req.pin, req, guard=False, overlap=ov, least=0)
+        route, status = await self._try(v, req.pin, req, guard=False, overlap=ov, least=0)
+        if status == FULL:
+            raise WorkersBusy(v.pool, self.config.max_requests, 1)
         if route is None:
             raise PinnedWorkerMissing(req.pin)
         route.reason = "pinned"
@@ -330,6 +370,12 @@ class Router:
             ids = [w for w in v.live if w not in req.exclude]
             if not ids:
                 return None
+        cap = 0 if req.admitted else c.max_requests
+        if cap:  # as far as this router knows; the commit has the last word
+            room = [w for w in ids if v.reqs.get(w, 0) < cap]
+            if not room:
+                raise WorkersBusy(v.pool, cap, len(ids))
+            ids = room
         load = {w: self._load(v, w) for w in v.live}  # once per pick: O(workers)
         least = min(load.values(), default=0)
         limit = max(c.guard_ratio * sum(load.values()) / max(len(load), 1),
@@ -341,17 +387,22 @@ class Router:
         elif c.mode == "random":
             order, ov, guard, best = random.sample(ids, len(ids)), {}, False, 0
         else:
-            ov = self._overlaps(v, ids, req.block_hashes)
-            order = self._rank(v, ids, ov, req, load, limit)
+            tov = self._tier_overlaps(v, ids, req.block_hashes)
+            ov = {w: t[2] for w, t in tov.items()}
+            order = self._rank(v, ids, tov, req, load, limit)
             best, guard = max(ov.values()), True
         for w in order[:MAX_CONFLICTS]:
-            route = await self._try(v, w, req, guard, ov.get(w, 0), least)
+            route, _ = await self._try(v, w, req, guard, ov.get(w, 0), least)
             if route is not None:
                 break
         else:  # refused again and again: the least loaded takes it, guard or not
-            alive = [w for w in ids if w in v.live] or ids
-            w = min(alive, key=lambda w: self._load(v, w))
-            route = await self._try(v, w, req, False, ov.get(w, 0), least)
+            alive = [w for w in ids if w in v.live and not self._full(v, w, cap)]
+            if not alive and cap and any(self._full(v, w, cap) for w in ids):
+                raise WorkersBusy(v.pool, cap, len(ids))
+            w = min(alive or ids, key=lambda w: self._load(v, w))
+            route, status = await self._try(v, w, req, False, ov.get(w, 0), least)
+            if status == FULL:
+                raise WorkersBusy(v.pool, cap, len(ids))
             if route is None:
                 await self._refresh(v)
                 return None
@@ -365,11 +416,12 @@ class Router:
             route.reason = "kv_guarded"
         return route
 
-    def _rank(self, v: PoolView, ids: list[str], ov: dict[str, int], req: RouteRequest,
-              load: dict[str, int], limit: float) -> list[str]:  # fmt: skip
+    def _rank(self, v: PoolView, ids: list[str], tov: dict[str, tuple[int, int, int]],
+              req: RouteRequest, load: dict[str, int], limit: float) -> list[str]:  # fmt: skip
         """Candidates in the order to try them: within the load guard, by cost (or drawn by
         the softmax over costs with a temperature); the guarded ones last."""
         c, bs = self.config, self.config.block_size
+        w1, w2, w3 = c.tier_weights
         nblocks = -(-max(req.prompt_len, 1) // bs)
         costs = {}
         inside: list[str] = []
@@ -377,7 +429,9 @@ class Router:
         for w in ids:
             b, q = v.loads.get(w, (0, 0))
             q += v.pending.get(w, 0)
-            costs[w] = c.overlap_weight * (nblocks - ov[w] + -(-q // bs)) + b
+            n1, n12, n = tov[w]
+            saved = w1 * n1 + w2 * (n12 - n1) + w3 * (n - n12)  # cached blocks, by tier
+            costs[w] = c.overlap_weight * (nblocks - saved + -(-q // bs)) + b
             (inside if load.get(w, 0) <= limit else outside).append(w)
         outside.sort(key=lambda w: load.get(w, 0))
         if c.temperature <= 0:
@@ -395,6 +449,9 @@ class Router:
             inside = drawn
         return inside + outside
 
+    def _full(self, v: PoolView, w: str, cap: int) -> bool:
+        return bool(cap) and v.reqs.get(w, 0) >= cap
+
     def _load(self, v: PoolView, w: str) -> int:
         b, q = v.loads.get(w, (0, 0))
         return b + -(-(q + v.pending.get(w, 0)) // self.config.block_size)
@@ -404,15 +461,26 @@ class Router:
             return dict.fromkeys(ids, 0)
         return v.follower.index.overlaps(ids, hashes, approx=not self.config.kv_events)
 
+    def _tier_overlaps(self, v: PoolView, ids: list[str],
+                       hashes: list[int]) -> dict[str, tuple[int, int, int]]:  # fmt: skip
+        """Per worker, its prefix blocks held in G1, in G1 or G2, in any tier."""
+        if v.follower is None or not hashes:
+            return dict.fromkeys(ids, (0, 0, 0))
+        if not self.config.kv_events:  # approximate: the router's decisions stand for G1
+            return {w: (n, n, n) for w, n in self._overlaps(v, ids, hashes).items()}
+        return v.follower.index.tier_overlaps(ids, hashes)
+
     async def _try(self, v: PoolView, w: str, req: RouteRequest, guard: bool,
-                   overlap: int, least: int) -> Route | None:  # fmt: skip
+                   overlap: int, least: int) -> tuple[Route | None, int]:  # fmt: skip
         """Commit the request to ``w`` (``least``: the least load this router sees, for the
-        guard); ``None`` if the commit refused it."""
+        guard): the route and the commit's status, or ``None`` and why it refused
+        (DEAD, GUARDED, FULL)."""
         c, bs = self.config, self.config.block_size
         nblocks = -(-max(req.prompt_len, 1) // bs)
         add_prefill = max(req.prompt_len - overlap * bs, 1)
         args: list = [w, add_prefill, int(guard), c.guard_ratio, c.guard_min_blocks,
-                      max(len(v.live), 1), least, bs, LOAD_TTL_S * 1000]  # fmt: skip
+                      max(len(v.live), 1), least, bs, LOAD_TTL_S * 1000,
+                      0 if req.admitted else c.max_requests]  # fmt: skip
         approx = c.mode == "kv" and not c.kv_events and bool(req.block_hashes)
         if approx:
             ttl_ms = int(c.approx_ttl_s * 1000)
@@ -420,8 +488,12 @@ class Router:
                      EVENTS_MAXLEN]  # fmt: skip
         keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool))
         v.pending[w] = v.pending.get(w, 0) + add_prefill
+        v.reqs[w] = v.reqs.get(w, 0) + 1  # the picks made meanwhile see it
         try:
             res = await self._run(self._commit, args, keys)
+        except BaseException:
+            v.reqs[w] = max(v.reqs.get(w, 1) - 1, 0)
+            raise
         finally:
             left = v.pending[w] - add_prefill
             if left:
@@ -429,20 +501,22 @@ class Router:
             else:
                 del v.pending[w]
         status = int(res[0])
-        if status < 0:
+        if status == DEAD:
             v.conflicts += 1
+            v.reqs.pop(w, None)
             if w in v.live:
                 v.live.remove(w)  # dead: the next refresh confirms it
-            return None
+            return None, status
         v.loads[w] = [int(res[1]), int(res[2])]
-        if status == 0:
-            v.conflicts += 1
-            return None
+        v.reqs[w] = int(res[3])
+        if status != COUNTED:
+            v.conflicts += status == GUARDED  # at the cap is admission, not a conflict
+            return None, status
         v.totals[1] += add_prefill
         if approx and v.follower is not None:
             v.follower.index.remember(w, req.block_hashes, time.monotonic() + c.approx_ttl_s)
         return Route(v.pool, w, overlap_blocks=overlap, blocks=nblocks + 1,
-                     prefill_tokens=add_prefill)  # fmt: skip
+                     prefill_tokens=add_prefill), status  # fmt: skip
 
     # ----------------------------------------------------------------------------------
     async def view(self, pool: str) -> PoolView:
@@ -494,12 +568,13 @@ class Router:
             args=[alive_key(v.pool), load_key(v.pool), load_totals_key(v.pool)]
         )
         v.totals = [int(flat[0]), int(flat[1])]
-        live, loads = [], {}
-        for i in range(2, len(flat), 3):
+        live, loads, reqs = [], {}, {}
+        for i in range(2, len(flat), 4):
             wid = _str(flat[i])
             live.append(wid)
             loads[wid] = [int(flat[i + 1]), int(flat[i + 2])]
-        v.live, v.loads, v.refreshed = live, loads, now
+            reqs[wid] = int(flat[i + 3])
+        v.live, v.loads, v.reqs, v.refreshed = live, loads, reqs, now
         if v.follower is not None:  # the dead leave the local index
             for w in v.follower.index.workers - set(live):
                 v.follower.index.drop(w)
@@ -562,19 +637,25 @@ class Router:
                 [f"{w}:reqs", 1, "", f"{w}:blocks", blocks, "blocks",
                  f"{w}:prefill", route.prefill_tokens, "prefill", LOAD_TTL_S * 1000],
             ))  # fmt: skip
-        await self._run_all(self._give_back, calls, before)
+        try:
+            await self._run_all(self._give_back, calls, before)
+        finally:
+            if self._on_release is not None and routes:
+                self._on_release()
         for route in routes:
             self._count(route.pool, route.worker_id, -(route.blocks if route.decoding else 0),
-                        -route.prefill_tokens)  # fmt: skip
+                        -route.prefill_tokens, -1)  # fmt: skip
             route.prefill_tokens = 0
             route.decoding = False
 
-    def _count(self, pool: str, w: str, blocks: int, prefill: int) -> None:
+    def _count(self, pool: str, w: str, blocks: int, prefill: int, reqs: int = 0) -> None:
         """This router's own change to a worker's load, seen before the next refresh."""
         v = self._views.get(pool)
         if v is not None and w in v.loads:
             b, q = v.loads[w]
             v.loads[w] = [max(b + blocks, 0), max(q + prefill, 0)]
+            if w in v.reqs:
+                v.reqs[w] = max(v.reqs[w] + reqs, 0)
 
     # ----------------------------------------------------------------------------------
     async def load(self, pool: str, worker_id: str) -> dict[str, int]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -18,6 +18,8 @@ from tasks.modes import MODE_NAMES, Mode, get_mode
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 DEFAULT_SERVE_DIR = Path.home() / ".cache" / "conveyor" / "serve"
+DEFAULT_KVBM_DIR = Path.home() / ".cache" / "conveyor" / "kvbm"
+GB = 1 << 30  # the KVBM sizes' "GB", as Dynamo's KVBM reads them
 
 
 class MockTimingSettings(BaseModel):
@@ -30,6 +32,12 @@ class MockTimingSettings(BaseModel):
     decode_step_ms: float = Field(5.0, ge=0, description="ms of a step with one sequence.")
     decode_ms_per_seq: float = Field(0.05, ge=0, description="ms per further sequence.")
     speedup: float = Field(1.0, gt=0, description="Divides every simulated time.")
+    host_copy_us_per_block: float = Field(
+        80.0, ge=0, description="µs to copy one KV block between G1 and host memory (G2)."
+    )
+    disk_us_per_block: float = Field(
+        400.0, ge=0, description="µs to write or read one KV block on disk (G3)."
+    )
 
 
 class Settings(BaseSettings):
@@ -77,6 +85,38 @@ class Settings(BaseSettings):
     )
     dispatch_attempts: int = Field(
         3, ge=1, description="Tries to start a request when its worker dies before answering."
+    )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        description="Times a stream whose worker dies mid-generation moves on to another "
+        "worker of the pool (which recomputes prompt + tokens so far and carries on); 0: "
+        "the stream ends with worker_lost.",
+    )
+
+    # --- admission (api/admission.py; the cap is checked in the router's commit) -------
+    worker_max_requests: int | None = Field(
+        None,
+        ge=0,
+        description="Requests one worker may hold, running and queued, counted by every API "
+        "replica at the router's commit; beyond it a request waits (admission_wait_s), then "
+        "gets 503. Unset: 2 x max_num_seqs (a full batch running, one more waiting); 0: no "
+        "cap.",
+    )
+    admission_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long a request waits for a worker under its cap before the API "
+        "answers 503 server_overloaded (0: at once).",
+    )
+    client_max_requests: int = Field(
+        0,
+        ge=0,
+        description="Requests one client (its API key when keys are set, else its address) "
+        "may have in flight on one API process; beyond it 429. 0: no limit.",
+    )
+    retry_after_s: int = Field(
+        1, ge=0, description="Retry-After (seconds) of the 503 and 429 admission answers."
     )
 
     # --- media (image parts: the API's media guard, api/media.py) ----------------------
@@ -197,6 +237,40 @@ class Settings(BaseSettings):
     router_guard_min_blocks: int = Field(
         256, ge=0, description="Load guard: imbalance in blocks tolerated regardless of ratio."
     )
+    router_g1_weight: float = Field(
+        1.0, ge=0, description="Prefill a cached block saves when it is in the engine pool (G1)."
+    )
+    router_g2_weight: float = Field(
+        0.75, ge=0, description="... when it is in the worker's host memory (G2: onboarded)."
+    )
+    router_g3_weight: float = Field(
+        0.25, ge=0, description="... when it is on the worker's disk (G3: read back)."
+    )
+
+    # --- KVBM tiers (per worker; Dynamo KVBM's names) ----------------------------------
+    kvbm_cpu_cache_gb: float = Field(
+        0.0, ge=0, description="G2: host memory for KV blocks offloaded from the engine pool, "
+        "in GB (2^30 bytes); 0: off."
+    )  # fmt: skip
+    kvbm_cpu_cache_blocks: int | None = Field(
+        None, ge=0, description="G2 size in blocks (overrides kvbm_cpu_cache_gb)."
+    )
+    kvbm_disk_cache_gb: float = Field(
+        0.0, ge=0, description="G3: local disk for KV blocks, in GB (2^30 bytes); 0: off."
+    )
+    kvbm_disk_cache_blocks: int | None = Field(
+        None, ge=0, description="G3 size in blocks (overrides kvbm_disk_cache_gb)."
+    )
+    kvbm_disk_dir: Path = Field(
+        DEFAULT_KVBM_DIR,
+        description="G3's files: <dir>/<model namespace>/slot-<k>/, one slot per live worker; "
+        "a worker restarted on the same host takes over a slot's blocks.",
+    )
+    kvbm_disk_offload_filter: bool = Field(
+        True,
+        description="G3 admits a block once it was stored and hit twice (Dynamo's frequency "
+        "filter); false: every block offloaded to G2 is written to G3 too.",
+    )
 
     # --- worker / engine -----------------------------------------------------------------
     worker_id: str | None = Field(None, description="Worker id; default: generated.")
@@ -302,7 +376,8 @@ class Settings(BaseSettings):
     heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
     worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")
 
-    @field_validator("model", "serve_state_dir", "media_ca_bundle", mode="before")
+    @field_validator("model", "serve_state_dir", "media_ca_bundle", "kvbm_disk_dir",
+                     mode="before")  # fmt: skip
     @classmethod
     def _expand(cls, v: object) -> object:
         return Path(v).expanduser() if isinstance(v, str) else v
@@ -325,6 +400,22 @@ class Settings(BaseSettings):
             password = self.redis_password_file.read_text().strip()
         auth = f":{quote(password, safe='')}@" if password else ""
         return f"redis://{auth}127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def redis_url_for_logs(self) -> str:
+        """``effective_redis_url`` with its password masked (for logs and messages)."""
+        u = urlsplit(self.effective_redis_url)
+        if u.password is None:
+            return u.geturl()
+        host = u.netloc.rpartition("@")[2]
+        return u._replace(netloc=f"{u.username or ''}:***@{host}").geturl()
+
+    @property
+    def effective_worker_max_requests(self) -> int:
+        """``worker_max_requests``, else two full batches (``max_num_seqs``) per worker."""
+        if self.worker_max_requests is None:
+            return 2 * self.max_num_seqs
+        return self.worker_max_requests
 
     @property
     def api_key_list(self) -> list[str]:
@@ -363,6 +454,19 @@ class Settings(BaseSettings):
     @property
     def pools(self) -> tuple[str, ...]:
         return self.serving_mode.pools
+
+    def kvbm_tier_blocks(self, block_bytes: int) -> tuple[int, int]:
+        """(G2 blocks, G3 blocks) for blocks of ``block_bytes``: the block counts where
+        given, else the GB sizes; 0 = tier off."""
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        host = self.kvbm_cpu_cache_blocks
+        disk = self.kvbm_disk_cache_blocks
+        if host is None:
+            host = int(self.kvbm_cpu_cache_gb * GB // block_bytes)
+        if disk is None:
+            disk = int(self.kvbm_disk_cache_gb * GB // block_bytes)
+        return host, disk
 
     def workers_in(self, pool: str) -> int:
         """How many workers ``conveyor serve`` starts for ``pool``."""

@@ -49,9 +49,15 @@ def generate(self: Task, *args: dict) -> dict:
     req, mm, failed = stage_args(args)
     if failed:
         return _ended(req)
-    sampling, forced = req.sampling.model_dump(), req.forced_first_token
-    return _guarded(req, lambda rt: rt.generate(req.request_id, req.prompt_token_ids,
-                                                sampling, forced, mm)).model_dump()  # fmt: skip
+    args = (
+        req.request_id,
+        req.prompt_token_ids,
+        req.sampling.model_dump(),
+        req.forced_first_token,
+        mm,
+        req.resume.model_dump() if req.resume else None,
+    )
+    return _guarded(req, lambda rt: rt.generate(*args)).model_dump()
 
 
 @app.task(name="conveyor.prefill", bind=True, acks_late=True, ignore_result=True,
@@ -190,5 +196,6 @@ def _guarded(req: StagePayload, run: Callable):  # type: ignore[no-untyped-def, 
         raise  # EngineDied: the worker exits and the API sees its heartbeat stop
     except Exception as e:  # the stream must still end with a terminal frame
         log.exception("[%s] stage failed", req.request_id)
-        rt.fail(req.request_id, f"generation failed: {e}", "task_failed")
+        seq = req.resume.next_seq if req.resume is not None else 0  # after what is out
+        rt.fail(req.request_id, f"generation failed: {e}", "task_failed", seq)
         raise

@@ -232,6 +232,10 @@ class Supervisor:
                            "--redis-port / CONVEYOR_REDIS_PORT"))  # fmt: skip
         for host, port, what, setting in wanted:
             with socket.socket() as sock:
+                # as the servers bind (Redis and uvicorn set it too): a port some process
+                # listens on is refused, one whose last connections linger in TIME_WAIT
+                # (a server stopped a moment ago) is not
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     sock.bind((host, port))
                 except OSError:
@@ -329,7 +333,7 @@ class Supervisor:
             except redis.RedisError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"redis at {self.s.effective_redis_url} unreachable"
+                        f"redis at {self.s.redis_url_for_logs} unreachable"
                     ) from None
                 time.sleep(0.1)
 

@@ -170,7 +170,10 @@ def serve_encoder(spec: EngineProcSpec, conn: Connection, send: Callable[[tuple]
     while True:
         try:
             kind, payload = conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the worker process died under us: say so now
+            from workers.engine_proc import declare_worker_dead
+
+            declare_worker_dead(client, spec)
             break
         if kind == "stop":
             break

@@ -26,6 +26,7 @@ from workers import paged_kernel
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.engine_api import EngineConfig, EngineRequest, MMInput, RequestOutput
 from workers.engine_core import EngineCore, token_seed
+from workers.kv_copier import TorchBlockCopier
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
 from workers.output_processor import failed
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
@@ -51,6 +52,9 @@ class Engine(EngineCore):
                                str(model.device))  # fmt: skip
         self.decode_kernel = _decode_kernel(config.decode_attention, model)
         log.info("decode attention: %s", self.decode_attention)
+        if config.host_cache_blocks or config.disk_cache_blocks:  # KVBM tiers: real bytes
+            copier = TorchBlockCopier(self.kv, config.host_cache_blocks)
+            self._attach_tiers(copier, copier.layout)
 
     def kv_memory(self) -> PagedKVCache:
         """The paged KV cache: what a KV transfer backend moves blocks of."""

@@ -5,11 +5,14 @@ An engine runs requests in steps (continuous batching): ``add_request`` queues o
 ``step`` computes one step for every running request and returns their outputs. A request
 runs whole (aggregated), or stops after its first token holding its prompt's KV for a
 decode worker to pull (``prefill_only``), or starts decoding on KV imported into blocks it
-reserved (``imported``). Implementations: :class:`workers.engine.Engine` (the torch
-reference) and :class:`workers.mock_engine.MockEngine` (simulated time), both built on
-:class:`workers.engine_core.EngineCore`, and :class:`workers.vllm_engine.VllmEngine`
-(vLLM's async engine, which computes in processes of its own: its ``step`` blocks until
-outputs come, ``wake`` returns it early, ``set_waker`` lets it rouse an idle loop).
+reserved (``imported``), or waits in a "loading KV" state while its KV comes in (blocks of
+its prefix onboarded from the lower KVBM tiers, or a disaggregated prefill's KV pulled by a
+:class:`KVSource`) as the others keep running. Implementations:
+:class:`workers.engine.Engine` (the torch reference) and
+:class:`workers.mock_engine.MockEngine` (simulated time), both built on
+:class:`workers.engine_core.EngineCore`, and
+:class:`workers.vllm_engine.VllmEngine` (vLLM's async engine, which computes in processes
+of its own: its ``step`` blocks until outputs come, ``wake`` returns it early).
 
 Nothing outside an engine touches its block pool or its tensors: the engine process asks
 for :meth:`Engine.kv_memory` (what a KV transfer backend moves) and :meth:`Engine.stats`.
@@ -17,7 +20,8 @@ for :meth:`Engine.kv_memory` (what a KV transfer backend moves) and :meth:`Engin
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kvbm.block_pool import KVEvent
@@ -25,13 +29,40 @@ from kvbm.protocol import ExtraKeys
 from workers.sampling import SamplingParams
 
 
+class KVSource(Protocol):
+    """Where an imported request's prompt KV comes from (a disaggregated prefill's pull).
+    The engine allocates the prompt's blocks when it has room, then runs :meth:`load` on
+    a loader thread while the request waits in the loading state."""
+
+    deadline: float  # time.monotonic(): still waiting for blocks then fails the import
+
+    def load(self, block_ids: list[int]) -> None:
+        """Fill ``block_ids`` (the prompt's blocks, in order) with its KV; raise on failure."""
+
+    def failed(self, why: str) -> None:
+        """The import will not happen (engine thread); the request is dropped silently."""
+
+
 @dataclass(slots=True)
 class ImportedPrefill:
-    """Decode side of disaggregation: the prompt's KV is already in the request's reserved
-    blocks and its first token was sampled (and streamed) by the prefill worker."""
+    """Decode side of disaggregation: the prompt's first token was sampled (and streamed)
+    by the prefill worker, and its KV is either in the request's reserved blocks already
+    (``source`` None) or comes from ``source`` once the engine has blocks for it."""
 
     first_token: int
     emitted_chars: int  # characters of text the prefill worker already released
+    source: KVSource | None = None
+    cached_tokens: int = 0  # prompt tokens the prefill worker found cached (for usage)
+
+
+@dataclass(slots=True)
+class ResumedOutput:
+    """A request continued here after the worker streaming it died (migration): these
+    output tokens are out already (their KV is recomputed with the prompt's), and
+    ``emitted_chars`` characters of their text were sent."""
+
+    output_token_ids: list[int]
+    emitted_chars: int
 
 
 @dataclass(slots=True)
@@ -60,6 +91,7 @@ class EngineRequest:
     # images' embeddings at their placeholder positions; the caller names each image in the
     # blocks it covers (block_extra_keys: kvbm.protocol.image_extra_key of its hash)
     mm_inputs: list[MMInput] | None = None
+    resumed: ResumedOutput | None = None
     # vLLM's KV connector (P/D), on a decode request: the prefill output's
     # ``kv_transfer_params`` ({"vllm": vLLM's own, "seed": the sampling seed both use})
     kv_transfer_params: dict | None = None
@@ -105,6 +137,11 @@ class EngineConfig:
     # decode attention: "kernel" (the C kernel that reads KV blocks in place; float32 on
     # CPU), "torch" (gather the blocks, then SDPA) or "auto" (the kernel where it builds)
     decode_attention: str = "auto"
+    # KVBM tiers below the engine pool (kvbm.offload): 0 blocks = tier off
+    host_cache_blocks: int = 0  # G2, host memory
+    disk_cache_blocks: int = 0  # G3, files under disk_dir
+    disk_dir: str | None = None
+    disk_offload_filter: bool = True  # G3 admits a block once stored and hit twice
 
 
 @dataclass(slots=True)
@@ -122,8 +159,15 @@ class EngineStats:
     pins_expired: int = 0
     preemptions: int = 0
     steps: int = 0
+    loading: int = 0  # requests waiting for their KV (onboarding, a disagg pull)
+    # KVBM tiers: occupancy, and kvbm.offload.OffloadManager.report() (empty: tiers off)
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
+    disk_blocks_used: int = 0
+    disk_blocks_total: int = 0
+    kvbm: dict = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -188,6 +232,13 @@ class Engine(Protocol):
         """Stored / removed block events since the last call."""
 
     def cached_block_hashes(self) -> list[int]:
-        """Every block hash cached now (a snapshot to resync the router's index)."""
+        """Every block hash cached now in G1."""
+
+    def cached_blocks_by_tier(self) -> dict[int, list[int]]:
+        """Every block hash cached now, per tier (a snapshot to resync the router's index)."""
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """``waker`` is called from another thread when KV arrived or a copy ended: the
+        engine loop should step (the engine never waits for a copy itself)."""
 
     def stats(self) -> EngineStats: ...

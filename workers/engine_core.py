@@ -6,18 +6,24 @@ implements the whole engine protocol; what a step computes is a subclass's busin
 :class:`workers.engine.Engine` runs the Llama forward pass and samples;
 :class:`workers.mock_engine.MockEngine` sleeps as long as a GPU would and emits
 placeholder tokens. Both therefore share one scheduler, one block pool and one stream of
-KV events. This module does not import torch.
+KV events, and the KVBM tiers below the pool (:meth:`EngineCore._attach_tiers`: each
+brings its own copier, real bytes or simulated time). This module does not import torch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from kvbm.block_pool import KVEvent
-from kvbm.protocol import ExtraKeys
+from kvbm.disk import BlockLayout, BlockStore, FileBlockStore, claim_dir
+from kvbm.offload import BlockCopier, OffloadManager
+from kvbm.protocol import ExtraKeys, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats, RequestOutput
 from workers.output_processor import OutputProcessor, failed, finished
@@ -47,6 +53,7 @@ class EngineCore:
         self.outputs = OutputProcessor(eos_token_ids, max_model_len)
         self.num_steps = 0
         self._stalled = False
+        self._disk_lock: int | None = None  # held while this engine uses its disk dir
 
     # --- what a subclass provides ---------------------------------------------------------
     def _make_generator(self, params: SamplingParams) -> object | None:
@@ -61,6 +68,34 @@ class EngineCore:
 
     def kv_memory(self) -> object | None:
         return None
+
+    def _attach_tiers(self, copier: BlockCopier, layout: BlockLayout,
+                      disk: BlockStore | None = None) -> None:  # fmt: skip
+        """Set up the KVBM tiers the config asks for (none: nothing to do). ``disk``: the
+        G3 store to use; by default files in a slot of ``config.disk_dir`` this process
+        holds (:func:`kvbm.disk.claim_dir`), whose valid blocks it takes over."""
+        c = self.config
+        if not c.enable_prefix_caching or not (c.host_cache_blocks or c.disk_cache_blocks):
+            return
+        if c.disk_cache_blocks and disk is None:
+            if not c.disk_dir:
+                raise ValueError("disk_cache_blocks > 0 needs a disk_dir")
+            d, self._disk_lock = claim_dir(Path(c.disk_dir), model_namespace(c.namespace))
+            disk = FileBlockStore(d, layout)
+            log.info("KV disk tier: %d blocks in %s", c.disk_cache_blocks, d)
+        off = OffloadManager(self.scheduler.kv.pool, copier, c.block_size, layout.block_bytes,
+                             host_blocks=c.host_cache_blocks, disk=disk,
+                             disk_blocks=c.disk_cache_blocks,
+                             disk_filter=c.disk_offload_filter,
+                             record_events=self.records_kv_events)  # fmt: skip
+        self.scheduler.attach_offload(off)
+
+    def close(self) -> None:
+        """Stop the tiers' copy threads and let go of the disk dir."""
+        self.scheduler.close()
+        if self._disk_lock is not None:
+            os.close(self._disk_lock)
+            self._disk_lock = None
 
     # --- the engine protocol --------------------------------------------------------------
     @property
@@ -96,13 +131,27 @@ class EngineCore:
         )
         seq = Seq(req, detok, self._make_generator(req.params), list(req.prompt_token_ids), n)
         if req.imported is not None:
-            if not self.scheduler.take_reservation(rid):  # cancelled while pulling
-                return finished(seq, [], "", "abort")
+            if req.imported.source is None:
+                if not self.scheduler.take_reservation(rid):  # cancelled while pulling
+                    return finished(seq, [], "", "abort")
+                seq.num_computed = n  # the prompt's KV is in the reserved blocks
+                seq.matched = True
             first = req.imported.first_token
+            seq.num_cached = req.imported.cached_tokens
             seq.token_ids.append(first)
             seq.output_ids.append(first)
-            seq.num_computed = n  # the prompt's KV is in the reserved blocks
             detok.prime([first], req.imported.emitted_chars)
+        elif req.resumed is not None:
+            # the tokens out so far join the prompt's in the first forward (as a preempted
+            # request's do), and count as output: max_tokens, min_tokens, per-index seeds
+            # and usage go on from there
+            out = list(req.resumed.output_token_ids)
+            if n + len(out) >= self.max_model_len or len(out) >= req.params.max_tokens:
+                return failed(rid, n, f"cannot resume after {len(out)} output tokens: the "
+                                      "request was already complete")  # fmt: skip
+            seq.token_ids.extend(out)
+            seq.output_ids.extend(out)
+            detok.prime(out, req.resumed.emitted_chars)
         self.scheduler.add(seq)
         return None
 
@@ -116,9 +165,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Schedule, compute one step, and report per-request outputs."""
         scheduled = self.scheduler.schedule()
+        # requests aborted while their KV was loading end once the copy has ended
+        dropped = [finished(seq, [], "", "abort") for seq in self.scheduler.take_dropped()]
         self._stalled = not scheduled and self.has_unfinished
         if not scheduled:
-            return []
+            return dropped
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
@@ -128,7 +179,8 @@ class EngineCore:
             self.scheduler.last_prefill_s = time.monotonic() - t0
         for seq, _, end in batch:
             self.scheduler.computed(seq, end)
-        outputs: list[RequestOutput] = []
+        self.scheduler.flush()  # the blocks this step named go down, in one copy
+        outputs: list[RequestOutput] = dropped
         for seq, tok in zip(sampled, tokens, strict=True):
             forced = seq.req.forced_first_token
             if forced is not None and not seq.output_ids:
@@ -171,6 +223,12 @@ class EngineCore:
 
     def cached_block_hashes(self) -> list[int]:
         return self.scheduler.kv.pool.cached_hashes()
+
+    def cached_blocks_by_tier(self) -> dict[int, list[int]]:
+        return self.scheduler.cached_by_tier()
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        self.scheduler.set_waker(waker)
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats(self.num_steps)

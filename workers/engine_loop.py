@@ -2,8 +2,10 @@
 
 Other threads (the engine process's command reader, transfer threads) submit and abort
 through it; every step's outputs go to a sink callback, and the engine's KV events to an
-event sink (called after every step, with or without events). Works with any
-:class:`workers.engine_api.Engine`; torch-free.
+event sink (called after every step, with or without events). The engine wakes the loop
+when a copy it started on another thread has ended (KV onboarded or pulled, an offload
+done), so a request waiting for its KV resumes at once and nothing waits on a timer.
+Works with any :class:`workers.engine_api.Engine`; torch-free.
 """
 
 from __future__ import annotations
@@ -41,11 +43,10 @@ class EngineLoop:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds_total = 0.0
+        engine.set_waker(self._wake)
         # an engine that computes elsewhere (vLLM) blocks in step() until outputs come:
-        # it is woken when commands arrive, and rouses this loop when it has news
+        # commands posted to the loop return it from that step at once
         self._engine_wake = getattr(engine, "wake", None)
-        if hasattr(engine, "set_waker"):
-            engine.set_waker(self._notify)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -85,9 +86,9 @@ class EngineLoop:
         if self._engine_wake is not None:
             self._engine_wake()
 
-    def _notify(self) -> None:
-        with self._cv:
-            self._cv.notify()
+    def _wake(self) -> None:
+        """A copy ended, or KV events came (another thread): step soon, to collect it."""
+        self._post(("wake", None))
 
     def _drain(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -102,6 +103,8 @@ class EngineLoop:
                 except Exception as e:  # noqa: BLE001 - hand it to the caller
                     fut.set_exception(e)
                 out = None
+            elif kind == "wake":
+                out = None  # the step below collects what ended
             else:
                 out = self.engine.abort(arg)  # type: ignore[arg-type]
             if out is not None:

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 from kvbm.protocol import EncodeHandle, PrefillHandle, kv_release_channel
 
 if TYPE_CHECKING:
+    import redis
+
     from workers.engine_api import Engine
 
 log = logging.getLogger(__name__)
@@ -184,10 +186,13 @@ class EngineClient:
     def submit(
         self, request_id: str, prompt_ids: list[int], params: dict,
         forced_first_token: int | None = None, mm: dict | None = None,
+        resume: dict | None = None,
     ) -> _Waiter:  # fmt: skip
         """Run a whole request (aggregated). ``mm``: its images, ``{"images": [ImageRef
-        dicts], "refs": [EmbeddingRef dicts]}`` (refs: embeddings another worker made)."""
-        return self._submit("submit", request_id, (prompt_ids, params, forced_first_token, mm))
+        dicts], "refs": [EmbeddingRef dicts]}`` (refs: embeddings another worker made).
+        ``resume``: a migrated stream's :class:`kvbm.protocol.Resume` (as a dict)."""
+        return self._submit("submit", request_id,
+                            (prompt_ids, params, forced_first_token, mm, resume))  # fmt: skip
 
     def prefill(
         self, request_id: str, prompt_ids: list[int], params: dict,
@@ -354,7 +359,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     if engine.records_kv_events:
         # on the frames' connection, from the engine loop's thread: no thread of its own
         events = KVEventPublisher(publisher, spec.pool, spec.worker_id,
-                                  engine.cached_block_hashes).start()  # fmt: skip
+                                  engine.cached_blocks_by_tier).start()  # fmt: skip
+        # what the engine holds from the start (a disk tier's blocks from a previous run)
+        events.publish(engine.take_kv_events(), idle=True)
     loop = EngineLoop(engine, publisher.publish_outputs,
                       event_sink=events.publish if events else None).start()  # fmt: skip
     server.attach(loop, publisher, events)
@@ -365,13 +372,36 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
         try:
             kind, payload = conn.recv()
         except (EOFError, OSError):
-            break  # the worker process is gone: nothing left to serve
+            # the worker process is gone (killed: it would have said "stop"). Say so in
+            # Redis now, so its streams move on at once instead of after its heartbeat TTL.
+            declare_worker_dead(client, spec)
+            break
         if kind == "stop":
             break
         server.handle(kind, payload)
     t0 = time.monotonic()
     server.close()
     log.info("engine process stopped in %.2fs", time.monotonic() - t0)
+
+
+def declare_worker_dead(client: redis.Redis, spec: EngineProcSpec) -> None:
+    """The engine (or encoder) process's last word when its worker process died under it."""
+    import redis
+
+    from workers.registry import declare_dead
+
+    try:
+        declare_dead(client, spec.pool, spec.worker_id)
+        log.warning("worker %s died under its engine process: declared dead", spec.worker_id)
+    except redis.RedisError as e:
+        log.warning("worker %s died; could not say so in Redis (%s)", spec.worker_id, e)
+
+
+def _resumed(resume: dict):  # type: ignore[no-untyped-def]
+    """The engine's view of a migrated stream's :class:`kvbm.protocol.Resume`."""
+    from workers.engine_api import ResumedOutput
+
+    return ResumedOutput(list(resume["output_token_ids"]), int(resume["emitted_chars"]))
 
 
 def _is_multimodal(model_dir: str) -> bool:
@@ -403,6 +433,33 @@ def _make_engine(spec: EngineProcSpec) -> Engine:
         return VllmEngine(spec.model_dir, config, spec.vllm_args, tag=spec.worker_id,
                           kv_role=role if spec.kv_transfer else None)  # fmt: skip
     return Engine.from_model_dir(Path(spec.model_dir), config)
+
+
+class _KVPull:
+    """A disaggregated decode's :class:`workers.engine_api.KVSource`: the prefill worker's
+    KV, pulled through the transfer backend into the blocks the engine allocated."""
+
+    def __init__(self, server: _EngineServer, rid: str, handle: PrefillHandle) -> None:
+        self.server = server
+        self.rid = rid
+        self.handle = handle
+        self.deadline = time.monotonic() + server.spec.transfer_timeout_s
+
+    def load(self, block_ids: list[int]) -> None:
+        from workers.transfer import TransferError
+
+        srv, h = self.server, self.handle
+        if srv.transfer is None:
+            raise TransferError("this worker has no KV transfer backend")
+        try:
+            srv.transfer.pull(h.transfer or {}, block_ids, srv.spec.transfer_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any failure: the decode task retries
+            raise TransferError(f"KV pull from {h.prefill_worker} failed: {e}") from e
+        srv.redis.publish(kv_release_channel(h.prefill_worker), self.rid)
+        srv.publisher.start_at(self.rid, 1)  # the prefill worker streamed frame 0
+
+    def failed(self, why: str) -> None:
+        self.server._transfer_failed(self.rid, why)
 
 
 class _EngineServer:
@@ -477,18 +534,24 @@ class _EngineServer:
                                          code="invalid_sampling_params")  # fmt: skip
             return
         mm = rest[1] if len(rest) > 1 else None
+        resumed = _resumed(rest[2]) if len(rest) > 2 and rest[2] else None
+        if resumed is not None:  # the stream carries on where the lost worker left it
+            self.publisher.start_at(rid, rest[2]["next_seq"])
         if mm and mm.get("images") and self.images is not None:
-            self.mm_pool.submit(self._with_images, kind, rid, list(prompt_ids), sp, rest[0], mm)
+            self.mm_pool.submit(self._with_images, kind, rid, list(prompt_ids), sp, rest[0], mm,
+                                resumed)  # fmt: skip
         elif kind in ("submit", "prefill"):
             self.loop.submit(EngineRequest(rid, list(prompt_ids), sp,
                                            prefill_only=kind == "prefill",
-                                           forced_first_token=rest[0]))  # fmt: skip
+                                           forced_first_token=rest[0],
+                                           resumed=resumed))  # fmt: skip
         elif kind == "decode" and self.spec.engine == "vllm":
             self._vllm_decode(rid, list(prompt_ids), sp, rest[0])
         elif kind == "decode":
             self.pool.submit(self._pull_and_decode, rid, list(prompt_ids), sp, rest[0])
 
-    def _with_images(self, kind: str, rid: str, prompt_ids: list[int], sp, arg, mm: dict) -> None:  # type: ignore[no-untyped-def]
+    def _with_images(self, kind: str, rid: str, prompt_ids: list[int], sp, arg, mm: dict,  # type: ignore[no-untyped-def]
+                     resumed=None) -> None:  # fmt: skip
         """Get the request's image embeddings (pulled or encoded here), then run it."""
         from kvbm.protocol import EmbeddingRef, ImageRef, request_extra_keys
         from workers.engine_api import EngineRequest
@@ -515,7 +578,7 @@ class _EngineServer:
             self.mm_used[rid] = (images, [m.embeds for m in inputs])
         self.loop.submit(EngineRequest(rid, prompt_ids, sp, prefill_only=kind == "prefill",
                                        forced_first_token=arg, mm_inputs=inputs,
-                                       block_extra_keys=extra))  # fmt: skip
+                                       block_extra_keys=extra, resumed=resumed))  # fmt: skip
 
     def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
         """Frames are out: report finished requests; export prefilled ones' KV."""
@@ -564,6 +627,7 @@ class _EngineServer:
             first_token=out.token_ids[0],
             emitted_chars=len(out.text),
             prompt_tokens=out.num_prompt_tokens,
+            cached_tokens=out.num_cached_tokens,
             transfer=meta,
             embeddings=embeddings,
         )
@@ -571,31 +635,15 @@ class _EngineServer:
 
     def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle,
                          mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+        """The decode request joins the engine at once and waits there, in the loading
+        state, for blocks and then for its pull (a loader thread runs ``_KVPull.load``)
+        while the others keep decoding."""
         from workers.engine_api import EngineRequest, ImportedPrefill
-        from workers.transfer import TransferError
 
-        timeout = self.spec.transfer_timeout_s
-        deadline = time.monotonic() + timeout
-        blocks = None
-        while blocks is None:
-            blocks = self.loop.call(lambda e: e.reserve(rid, len(prompt_ids), extra)).result()
-            if blocks is None:
-                if time.monotonic() > deadline:
-                    self._transfer_failed(rid, "no free KV blocks to receive the prefill")
-                    return
-                time.sleep(0.01)  # full pool: wait for running sequences to finish
-        try:
-            if self.transfer is None:
-                raise TransferError("this worker has no KV transfer backend")
-            self.transfer.pull(handle.transfer or {}, blocks, timeout)
-        except Exception as e:  # noqa: BLE001 - any failure: give the blocks back, retry
-            self.loop.call(lambda e_: e_.cancel_reservation(rid))
-            self._transfer_failed(rid, f"KV pull from {handle.prefill_worker} failed: {e}")
-            return
-        self.redis.publish(kv_release_channel(handle.prefill_worker), rid)
-        self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
         assert handle.first_token is not None, "a handle to pull from names its first token"
-        imported = ImportedPrefill(handle.first_token, handle.emitted_chars)
+        source = _KVPull(self, rid, handle)
+        imported = ImportedPrefill(handle.first_token, handle.emitted_chars, source,
+                                   handle.cached_tokens)  # fmt: skip
         self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported,
                                        mm_inputs=mm_inputs, block_extra_keys=extra))  # fmt: skip
 
@@ -645,9 +693,9 @@ class _EngineServer:
     def close(self) -> None:
         self._stop.set()
         self.loop.stop()
-        close = getattr(self.engine, "close", None)  # vLLM: its own processes
+        close = getattr(self.engine, "close", None)
         if close is not None:
-            close()
+            close()  # the KVBM tiers' threads, the disk dir; vLLM's own processes
         if self.events is not None:
             self.events.close()  # on the publisher's connection: before it closes
         self.publisher.stop()

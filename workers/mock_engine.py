@@ -16,6 +16,13 @@ Step time (ms), divided by ``speedup``::
 
 A prefix-cache hit shows up exactly as it would on a GPU: the cached tokens are never
 scheduled, so the step that admits the request is shorter and its first token comes sooner.
+
+KVBM tiers work as on the reference engine (the same bookkeeping, events and loading
+state) with no bytes: a block copied between G1 and host memory takes
+``host_copy_us_per_block``, one written to or read from disk ``disk_us_per_block``
+(:class:`SimulatedCopier`, :class:`kvbm.disk.SimulatedBlockStore`), off the step as real
+copies are. Defaults: a block of a Llama-8B-size model (2 MiB) at ~25 GB/s host <-> GPU and
+~5 GB/s NVMe.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from kvbm.disk import BlockLayout, SimulatedBlockStore
 from workers.checkpoint import TextModelConfig
 from workers.engine_api import EngineConfig
 from workers.engine_core import EngineCore
@@ -41,12 +49,15 @@ class MockTiming:
     decode_step_ms: float = 5.0
     decode_ms_per_seq: float = 0.05
     speedup: float = 1.0
+    host_copy_us_per_block: float = 80.0  # one block G1 <-> G2 (KVBM tiers)
+    disk_us_per_block: float = 400.0  # one block to or from G3
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError(f"mock speedup must be > 0, got {self.speedup}")
         for name in ("prefill_us_per_token", "prefill_quadratic_us", "decode_step_ms",
-                     "decode_ms_per_seq"):  # fmt: skip
+                     "decode_ms_per_seq", "host_copy_us_per_block",
+                     "disk_us_per_block"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"mock {name} must be >= 0, got {getattr(self, name)}")
 
@@ -62,13 +73,37 @@ class MockTiming:
         return ms / 1000 / self.speedup
 
 
+class SimulatedCopier:
+    """Copies between G1 and host memory that only take time (no KV is kept)."""
+
+    def __init__(self, timing: MockTiming) -> None:
+        self.block_s = timing.host_copy_us_per_block / 1e6 / timing.speedup
+
+    def g1_to_host(self, pairs: list[tuple[int, int]]) -> None:
+        time.sleep(self.block_s * len(pairs))
+
+    def host_to_g1(self, pairs: list[tuple[int, int]]) -> None:
+        time.sleep(self.block_s * len(pairs))
+
+    def read(self, tier: int, index: int) -> None:
+        return None
+
+    def write_g1(self, block_id: int, data: bytearray | None) -> None:
+        pass
+
+
 class MockEngine(EngineCore):
     def __init__(
         self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
-        eos_token_ids: list[int], timing: MockTiming,
+        eos_token_ids: list[int], timing: MockTiming, layout: BlockLayout | None = None,
     ) -> None:  # fmt: skip
         super().__init__(tokenizer, config, max_model_len, eos_token_ids)
         self.timing = timing
+        if config.host_cache_blocks or config.disk_cache_blocks:
+            disk_us = timing.disk_us_per_block / timing.speedup
+            self._attach_tiers(SimulatedCopier(timing),
+                               layout or BlockLayout(1, 1, 1, config.block_size, "float32"),
+                               SimulatedBlockStore(disk_us, disk_us))  # fmt: skip
         ids = [i for i in tokenizer.encode(PLACEHOLDER_TEXT).ids if i not in self.outputs.eos_ids]
         if not ids:
             raise ValueError("the tokenizer encodes the placeholder text to nothing")
@@ -85,7 +120,9 @@ class MockEngine(EngineCore):
         cfg = TextModelConfig.from_dir(d)
         tok = Tokenizer.from_file(str(d / "tokenizer.json"))
         max_len = config.max_model_len or cfg.max_position_embeddings
-        return cls(tok, config, max_len, list(cfg.eos_token_ids), timing)
+        layout = BlockLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+                             config.dtype)  # fmt: skip
+        return cls(tok, config, max_len, list(cfg.eos_token_ids), timing, layout)
 
     def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
         chunks = [(end - start, end) for seq, start, end in batch if end - start > 1

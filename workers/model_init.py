@@ -14,7 +14,8 @@ Conveyor's engine and vision encoder load through the same code as a real checkp
 
 ``PRESETS`` names other sizes (``conveyor model init --preset NAME``): ``llava-1.5-like``
 has LLaVA-1.5's image proportions (336-px images, 14-px patches, 576 image tokens) with a
-tower small enough to encode an image in tens of milliseconds on a CPU.
+tower small enough to encode an image in tens of milliseconds on a CPU; ``kvbm-bench`` a
+text model whose 2k-token prefill takes seconds (bench/kvbm_tiers.py).
 
 Deterministic: the same arguments give byte-identical files (weights are drawn by this
 module, in sorted parameter order, from one seeded generator — not by ``transformers``).
@@ -127,6 +128,17 @@ PRESETS: dict[str, TinyModelSpec] = {
         image_size=336,
         patch_size=14,
     ),
+    # bench/kvbm_tiers.py: large enough that a 2k-token prefill takes seconds on one CPU
+    # core; grouped-query attention, 4k context
+    "kvbm-bench": TinyModelSpec(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+        seed=2222,
+    ),  # fmt: skip
     # the default's text model alone, as a plain Llama checkpoint
     "llama": TinyModelSpec(vision=False),
 }

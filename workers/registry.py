@@ -163,6 +163,17 @@ class Heartbeat:
                 log.warning("heartbeat failed: %s", e)
 
 
+def declare_dead(client: redis.Redis, pool: str, worker_id: str) -> None:
+    """Mark ``worker_id`` dead now, as if its heartbeat had lapsed (its report gone, its
+    expiry in the past: routers stop picking it, the API moves its streams on, and its
+    own queue's messages go back to the pool queue), rather than after ``worker_ttl_s``.
+    Said by an engine process whose worker process died under it."""
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(worker_key(pool, worker_id))
+    pipe.zadd(alive_key(pool), {worker_id: 1}, xx=True)
+    pipe.execute()
+
+
 def queue_depths_args(pools: tuple[str, ...] | list[str]) -> list[str]:
     """The ARGV of :data:`QUEUE_DEPTHS_LUA` for ``pools``."""
     suffixes = queue_lists("")

@@ -143,9 +143,11 @@ class WorkerRuntime:
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: dict,
         forced_first_token: int | None = None, mm: dict | None = None,
+        resume: dict | None = None,
     ) -> StageSummary:  # fmt: skip
         """Run one request to completion; frames are published as it goes. ``mm``: its
-        images and the embeddings an encode worker made (see EngineClient.submit)."""
+        images and the embeddings an encode worker made; ``resume``: where a migrated
+        stream carries on (see EngineClient.submit)."""
         t0 = time.perf_counter()
         # A request not begun on receipt (a redelivered task, among others) is skipped if
         # the API is done with it. The API sets the cancelled key before it publishes a
@@ -156,7 +158,7 @@ class WorkerRuntime:
             if self._abandoned(request_id):
                 return StageSummary(request_id=request_id, finish_reason="abort")
             waiter = self.engine.submit(request_id, list(prompt_token_ids), params,
-                                        forced_first_token, mm)  # fmt: skip
+                                        forced_first_token, mm, resume)  # fmt: skip
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
@@ -174,6 +176,7 @@ class WorkerRuntime:
     def begin(
         self, stage: str, request_id: str, prompt_token_ids: list[int], params: dict,
         forced_first_token: int | None = None, mm: dict | None = None,
+        resume: dict | None = None,
     ) -> None:  # fmt: skip
         """Start a ``generate`` or ``prefill`` request in the engine now, ahead of its stage
         task, which then waits for this run (:meth:`generate`, :meth:`prefill`).
@@ -184,11 +187,11 @@ class WorkerRuntime:
         hand-over on a worker whose Celery side runs niced on a busy core
         (docs/performance.md, "Celery: requests begin on receipt"). Every request begun must
         reach its task or :meth:`forget`."""
-        submit = {"generate": self.engine.submit, "prefill": self.engine.prefill}[stage]
         with self._begun_lock:  # held while submitting: the task cannot miss the waiter
             if request_id not in self._begun:
-                self._begun[request_id] = submit(request_id, list(prompt_token_ids), params,
-                                                 forced_first_token, mm)  # fmt: skip
+                args = (request_id, list(prompt_token_ids), params, forced_first_token, mm)
+                self._begun[request_id] = self.engine.prefill(*args) if stage == "prefill" \
+                    else self.engine.submit(*args, resume)  # fmt: skip
 
     def forget(self, request_id: str) -> None:
         """A request begun whose task will not run (revoked, or refused by Celery): abort

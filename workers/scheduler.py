@@ -10,6 +10,15 @@ preempted sequence starts on the cached blocks of its longest cached prefix.
 For disaggregation the scheduler also keeps a prefilled request's blocks pinned until a
 decode worker has pulled them (or a timeout), and, on the decode side, blocks reserved
 for KV being pulled.
+
+**Loading KV.** A request whose KV comes from elsewhere waits, holding its blocks, in a
+loading state while the others keep running: blocks of its prefix found in the KVBM's
+lower tiers (G2 host memory, G3 disk; :mod:`kvbm.offload`) are onboarded into fresh G1
+blocks, and a disaggregated decode's prompt KV is pulled by its
+:class:`workers.engine_api.KVSource`. The copies run on loader threads; each step first
+collects those that ended (and the offload copies that ended) and puts their requests
+back at the head of the queue, to continue from the tokens that arrived. Nothing on the
+step's path waits for a copy.
 """
 
 from __future__ import annotations
@@ -17,12 +26,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvbm.block_pool import KVCacheManager, KVEvent
-from kvbm.protocol import ExtraKeys, model_namespace
+from kvbm.offload import OffloadManager, OnboardJob
+from kvbm.protocol import G1, ExtraKeys, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine_api import EngineConfig, EngineRequest, EngineStats
+from workers.engine_api import EngineConfig, EngineRequest, EngineStats, KVSource
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +53,18 @@ class Seq:
     num_preemptions: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
     arrival: float = field(default_factory=time.monotonic)
+    matched: bool = False  # its cached prefix was looked up (again after a preemption)
+    counted: bool = False  # its prompt entered the prefix-cache statistics
+    offered: int = 0  # blocks of its chain known to be in G2 (where the next offer starts)
+    # its last prefix lookup, counted (statistics, disk admission) once it is admitted:
+    # (hashes, blocks hit in G1, blocks looked for, tiers of the blocks found below G1)
+    lookup: tuple[list[int], int, int, list[int]] | None = None
+
+    @property
+    def importing(self) -> bool:
+        """A disaggregated decode whose prompt KV is still to be pulled."""
+        imp = self.req.imported
+        return imp is not None and imp.source is not None and self.num_preemptions == 0
 
     @property
     def id(self) -> str:
@@ -49,6 +73,20 @@ class Seq:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class _Load:
+    """A request in the loading state: KV on its way into blocks it holds."""
+
+    seq: Seq
+    job: OnboardJob | None = None  # blocks onboarded from G2 / G3
+    source: KVSource | None = None  # or a disaggregated prefill's KV
+    block_ids: list[int] = field(default_factory=list)
+    base: int = 0  # tokens computed before the load (its G1 prefix hit)
+    aborted: bool = False  # dropped meanwhile: its blocks are freed when the copy ends
+    report: bool = True  # when aborted: end it with an "abort" output then
+    result: int | BaseException | None = None  # blocks loaded, or what the copy raised
 
 
 class Scheduler:
@@ -66,6 +104,12 @@ class Scheduler:
         self.pinned: dict[str, float] = {}  # prefilled request -> deadline (monotonic)
         self.reserved: set[str] = set()  # decode side: blocks taken, KV being pulled
         self.reserved_aborted: set[str] = set()  # aborted mid-pull: freed once it ends
+        self.loads: dict[str, _Load] = {}  # requests in the loading state
+        self.dropped: list[Seq] = []  # aborted while loading, to end with an abort output
+        self._loads_done: deque[_Load] = deque()  # appended by loader threads
+        self._loader: ThreadPoolExecutor | None = None
+        self._waker: Callable[[], None] | None = None
+        self.offload: OffloadManager | None = None  # the KVBM tiers below G1, if any
         self.prompt_tokens_seen = 0
         self.prompt_tokens_cached = 0
         self.num_pin_expired = 0
@@ -74,17 +118,37 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------
     def has(self, request_id: str) -> bool:
-        return any(s.id == request_id for s in (*self.running, *self.waiting))
+        return request_id in self.loads or any(
+            s.id == request_id for s in (*self.running, *self.waiting)
+        )
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loads)
+
+    def attach_offload(self, offload: OffloadManager) -> None:
+        """Use the KVBM tiers below G1 (offload on naming, onboarding on a prefix hit)."""
+        self.offload = offload if offload.enabled else None
+        if self.offload is not None:
+            self.offload.set_waker(self._waker)
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        self._waker = waker
+        if self.offload is not None:
+            self.offload.set_waker(waker)
+
+    def close(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+        if self._loader is not None:
+            self._loader.shutdown(wait=False)
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
 
     def schedule(self) -> list[tuple[Seq, int]]:
         """This step's work: ``(sequence, tokens to compute)`` pairs, blocks allocated."""
+        self.poll()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Seq, int]] = []
         preempted = False
@@ -108,30 +172,47 @@ class Scheduler:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = 0
-            if seq.num_computed == 0:  # new or preempted: start on its cached prefix
-                hit = self.kv.find_prefix(seq.id, seq.token_ids, seq.req.block_extra_keys)
-                seq.num_computed = hit
+            if seq.importing and not seq.matched:
+                if not self._start_import(seq):
+                    break
+                continue
+            if not seq.matched:  # new or preempted: start on its cached prefix
+                started = self._match(seq)
+                if started is None:
+                    break  # no room for the blocks to onboard into
+                if started:
+                    continue  # loading its prefix's KV from G2 / G3
             n = min(seq.num_tokens - seq.num_computed, budget)
             if self.kv.allocate_slots(seq.id, seq.num_computed + n) is None:
-                if hit:  # give the cached blocks back until there is room
+                if self.kv.has(seq.id):  # give the cached blocks back until there is room
                     self.kv.free(seq.id)
                     seq.num_computed = 0
+                    seq.matched = False
+                    seq.offered = 0
                 break
-            if seq.num_preemptions == 0 and seq.req.imported is None:
-                seq.num_cached = hit
+            self._commit_lookup(seq)
+            if seq.num_preemptions == 0 and seq.req.imported is None and not seq.counted:
+                seq.counted = True
+                # onboarded tokens included; a resumed request counts its prompt's only
+                seq.num_cached = min(seq.num_computed, seq.num_prompt)
                 self.prompt_tokens_seen += seq.num_prompt
-                self.prompt_tokens_cached += hit
+                self.prompt_tokens_cached += seq.num_cached
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+        if self._imports_waiting:
+            self._expire_imports()
         return scheduled
 
     def computed(self, seq: Seq, end: int) -> None:
-        """``seq``'s tokens up to ``end`` are computed: name its full blocks."""
+        """``seq``'s tokens up to ``end`` are computed: name its full blocks (and write
+        them through to the tiers below)."""
         seq.num_computed = end
-        self.kv.cache_blocks(seq.id, seq.token_ids, end)
+        named = self.kv.cache_blocks(seq.id, seq.token_ids, end)
+        if self.offload is not None and named > seq.offered:
+            seq.offered = self.offload.offer(self.kv.block_table(seq.id),
+                                             self.kv.block_hashes(seq.id), seq.offered)  # fmt: skip
 
     def finish(self, seq: Seq) -> None:
         """``seq`` is done: it leaves the batch and its blocks are freed."""
@@ -146,7 +227,12 @@ class Scheduler:
         return list(self.kv.block_table(seq.id))
 
     def remove(self, request_id: str) -> Seq | None:
-        """Take a request out of the queues and free its blocks; ``None`` if not there."""
+        """Take a request out of the queues and free its blocks; ``None`` if not there. A
+        request loading KV gives its blocks back once the copy into them has ended."""
+        load = self.loads.get(request_id)
+        if load is not None:  # ends with an abort output once the copy has ended
+            load.aborted = True
+            return None
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.id == request_id:
@@ -161,7 +247,17 @@ class Scheduler:
             self.kv.free(seq.id)
         self.running.clear()
         self.waiting.clear()
+        for load in self.loads.values():
+            if not load.aborted or load.report:
+                seqs.append(load.seq)
+            load.aborted, load.report = True, False
+        self.dropped.clear()
         return seqs
+
+    def take_dropped(self) -> list[Seq]:
+        """Requests aborted while loading KV whose copies have ended: to end now."""
+        out, self.dropped = self.dropped, []
+        return out
 
     def block_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)
@@ -215,12 +311,155 @@ class Scheduler:
                         self.config.kv_pin_timeout_s)  # fmt: skip
         return gone
 
+    # --- loading KV (onboarding from the tiers below G1, disagg imports) --------------------
+    def poll(self) -> None:
+        """Collect the copies that ended: offload copies, and loads (their requests go back
+        to the head of the queue, or are dropped)."""
+        if self.offload is not None:
+            self.offload.poll()
+        while self._loads_done:
+            self._finish_load(self._loads_done.popleft())
+        self.flush()
+
+    def flush(self) -> None:
+        """Send the step's offload copies (one job per tier for the whole step)."""
+        if self.offload is not None:
+            self.offload.flush()
+
+    def _match(self, seq: Seq) -> bool | None:
+        """Start ``seq`` on its cached prefix: G1's blocks, then those found in G2 / G3,
+        which it waits for in the loading state (True). ``None``: no room to onboard."""
+        m = self.kv.match_prefix(seq.id, seq.token_ids, seq.req.block_extra_keys)
+        seq.matched = True
+        seq.num_computed = m.tokens
+        off = self.offload
+        if off is None or not m.hashes:
+            return False
+        bs = self.config.block_size
+        g1 = m.tokens // bs
+        limit = min(len(m.hashes), (seq.num_tokens - 1) // bs)  # a token left to compute
+        tiers = off.match(m.hashes, g1, limit)
+        seq.lookup = (m.hashes, g1, limit, tiers)
+        if not tiers:
+            return False
+        alloc = self.kv.allocate_slots(seq.id, (g1 + len(tiers)) * bs)
+        if alloc is None:
+            if self.kv.has(seq.id):
+                self.kv.free(seq.id)
+            seq.matched = False
+            seq.num_computed = 0
+            return None
+        table = alloc.block_ids
+        self._commit_lookup(seq)
+        job = off.start_onboard(seq.id, m.hashes, g1, tiers, table[g1 : g1 + len(tiers)])
+        self._start_load(_Load(seq, job=job, base=m.tokens))
+        return True
+
+    def _commit_lookup(self, seq: Seq) -> None:
+        """``seq`` is admitted (to run, or to load): its prefix lookup counts now, for the
+        statistics (first admission only) and the tiers' recency and disk admission."""
+        if seq.lookup is None or self.offload is None:
+            return
+        hashes, g1, limit, tiers = seq.lookup
+        seq.lookup = None
+        if not seq.counted:
+            self.offload.count_lookup(g1, limit, tiers)
+        self.offload.on_hit(hashes[: g1 + len(tiers)], self.kv.block_table(seq.id)[:g1])
+
+    def _start_import(self, seq: Seq) -> bool:
+        """A disaggregated decode: blocks for its prompt, filled by its KV source while it
+        waits in the loading state. False: no room yet."""
+        alloc = self.kv.allocate_slots(seq.id, seq.num_prompt, seq.req.block_extra_keys)
+        if alloc is None:
+            return False
+        seq.matched = True
+        source = seq.req.imported.source  # type: ignore[union-attr]
+        self._start_load(_Load(seq, source=source, block_ids=list(alloc.block_ids)))
+        return True
+
+    @property
+    def _imports_waiting(self) -> bool:
+        return any(s.importing and not s.matched for s in self.waiting)
+
+    def _expire_imports(self) -> None:
+        """Imports still waiting for blocks past their deadline fail (the decode task
+        prefills again elsewhere)."""
+        now = time.monotonic()
+        for seq in [s for s in self.waiting if s.importing and not s.matched]:
+            source = seq.req.imported.source  # type: ignore[union-attr]
+            if now > source.deadline:
+                self.waiting.remove(seq)
+                self.kv.free(seq.id)
+                source.failed("no free KV blocks to receive the prefill")
+
+    def _start_load(self, load: _Load) -> None:
+        seq = load.seq
+        self.waiting.remove(seq)
+        self.loads[seq.id] = load
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(2, thread_name_prefix="kv-load")
+        self._loader.submit(self._run_load, load)
+
+    def _run_load(self, load: _Load) -> None:
+        """A loader thread: the copy itself."""
+        try:
+            if load.job is not None:
+                load.result = load.job.run()
+            else:
+                assert load.source is not None
+                load.source.load(load.block_ids)
+                load.result = len(load.block_ids)
+        except BaseException as e:  # noqa: BLE001 - handed to the engine thread
+            load.result = e
+        self._loads_done.append(load)
+        if self._waker is not None:
+            self._waker()
+
+    def _finish_load(self, load: _Load) -> None:
+        seq = load.seq
+        del self.loads[seq.id]
+        res = load.result
+        if isinstance(res, BaseException) and load.job is not None:
+            log.error("[%s] onboarding KV failed: %r; recomputing", seq.id, res)
+            load.job.loaded = 0
+        if load.job is not None:
+            assert self.offload is not None
+            loaded = self.offload.finish_onboard(load.job)
+        else:
+            loaded = 0 if isinstance(res, BaseException) else int(res or 0)
+        if load.aborted:
+            self.kv.free(seq.id)
+            if load.report:
+                self.dropped.append(seq)
+            return
+        if load.source is not None:
+            if isinstance(res, BaseException):
+                self.kv.free(seq.id)
+                load.source.failed(str(res) or type(res).__name__)
+                return
+            seq.num_computed = seq.num_prompt  # the prompt's KV is in its blocks
+        else:
+            seq.num_computed = load.base + loaded * self.config.block_size
+            self.computed(seq, seq.num_computed)  # name the onboarded blocks in G1
+        self.waiting.appendleft(seq)
+
     # --- the router's index and metrics ---------------------------------------------------
     def take_events(self) -> list[KVEvent]:
-        return self.kv.pool.take_events()
+        events = self.kv.pool.take_events()
+        if self.offload is not None:
+            events += self.offload.take_events()
+        return events
+
+    def cached_by_tier(self) -> dict[int, list[int]]:
+        out = {G1: self.kv.pool.cached_hashes()}
+        if self.offload is not None:
+            out.update(self.offload.cached_by_tier())
+        return out
 
     def stats(self, steps: int) -> EngineStats:
         pool = self.kv.pool
+        off = self.offload
+        occ = off.occupancy() if off is not None else {}
         return EngineStats(
             running=len(self.running),
             waiting=len(self.waiting),
@@ -233,6 +472,12 @@ class Scheduler:
             pins_expired=self.num_pin_expired,
             preemptions=self.num_preemptions,
             steps=steps,
+            loading=len(self.loads),
+            host_blocks_used=occ.get("host_blocks_used", 0),
+            host_blocks_total=occ.get("host_blocks_total", 0),
+            disk_blocks_used=occ.get("disk_blocks_used", 0),
+            disk_blocks_total=occ.get("disk_blocks_total", 0),
+            kvbm=off.report() if off is not None else {},
         )
 
     # ----------------------------------------------------------------------------------
@@ -247,6 +492,8 @@ class Scheduler:
     def _preempt(self, seq: Seq) -> None:
         self.kv.free(seq.id)
         seq.num_computed = 0
+        seq.matched = False
+        seq.offered = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbm.block_pool import KVEvent
-from kvbm.protocol import ExtraKeys, model_namespace
+from kvbm.protocol import G1, ExtraKeys, model_namespace
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats, RequestOutput
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
 
@@ -126,6 +126,7 @@ class _Req:
     skip_tokens: int = 0
     skip_chars: int = 0
     first_token: int | None = None
+    resumed: int = 0  # output tokens sent before a migration (they join vLLM's prompt)
 
 
 class VllmEngine:
@@ -278,6 +279,15 @@ class VllmEngine:
                 )
             st.skip_tokens, st.skip_chars = 1, req.imported.emitted_chars
             st.first_token = req.imported.first_token
+        elif req.resumed is not None:
+            # migration: the tokens out so far join the prompt (vLLM recomputes their KV)
+            # and count as output; max_tokens and min_tokens go on from there
+            done = list(req.resumed.output_token_ids)
+            if n + len(done) >= self.max_model_len or len(done) >= req.params.max_tokens:
+                return _failed(rid, n, f"cannot resume after {len(done)} output tokens: the "
+                                       "request was already complete")  # fmt: skip
+            st.resumed = len(done)
+            st.output_tokens = len(done)
         try:
             sp = self._sampling(req, st)
             prompt = self._prompt(req)
@@ -376,6 +386,10 @@ class VllmEngine:
         with self._ev_lock:
             return self._translator.cached_hashes()
 
+    def cached_blocks_by_tier(self) -> dict[int, list[int]]:
+        # vLLM's own offload tiers are not Conveyor's index (workers.vllm_events)
+        return {G1: self.cached_block_hashes()}
+
     def stats(self) -> EngineStats:
         st = self._counts
         sched = self._sched
@@ -440,7 +454,7 @@ class VllmEngine:
 
         p = req.params
         extra = {}
-        max_tokens, seed = p.max_tokens, p.seed
+        max_tokens, seed = p.max_tokens - st.resumed, p.seed
         if st.prefill_only:  # the decode worker's vLLM pulls the KV this one keeps
             max_tokens = 1
             extra["kv_transfer_params"] = {"do_remote_decode": True}
@@ -460,14 +474,17 @@ class VllmEngine:
             stop=list(p.stop) or None,
             stop_token_ids=list(p.stop_token_ids) or None,
             ignore_eos=p.ignore_eos,
-            min_tokens=min(p.min_tokens, max_tokens),
+            min_tokens=min(max(p.min_tokens - st.resumed, 0), max_tokens),
             skip_special_tokens=p.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra or None,
         )
 
     def _prompt(self, req: EngineRequest) -> dict:
-        prompt: dict = {"prompt_token_ids": list(req.prompt_token_ids)}
+        ids = list(req.prompt_token_ids)
+        if req.resumed is not None:
+            ids += req.resumed.output_token_ids
+        prompt: dict = {"prompt_token_ids": ids}
         if req.mm_inputs:
             data, uuids = [], []
             for m in sorted(req.mm_inputs, key=lambda m: m.offset):

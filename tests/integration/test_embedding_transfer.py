@@ -116,3 +116,47 @@ def test_auto_picks_a_backend(redis_url: str) -> None:
         t.close()
     with pytest.raises(ValueError):
         make_embedding_transfer("carrier-pigeon", redis.Redis.from_url(redis_url), "w")
+
+
+_CHOOSE = """
+import logging, sys
+from types import SimpleNamespace
+if sys.argv[2] == "hide":  # this process cannot import NIXL, as where its wheel is missing
+    sys.modules["nixl"] = sys.modules["nixl._api"] = None
+import redis, torch
+from workers.llama import PagedKVCache
+from workers.transfer import make_transfer
+from workers.transfer.embeddings import make_embedding_transfer
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+client = redis.Redis.from_url(sys.argv[1])
+kv = PagedKVCache(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8), 4, 4,
+                  torch.float32, "cpu")
+made = [make_transfer("auto", kv, client, "w1"), make_transfer("auto", kv, client, "w2"),
+        make_embedding_transfer("auto", client, "w3")]
+print("CHOSE", " ".join(t.name for t in made))
+for t in made:
+    t.close()
+"""
+
+
+@pytest.mark.parametrize("nixl", ["hide", "load"])
+def test_auto_says_once_which_backend_and_why(redis_url: str, nixl: str) -> None:
+    """CONVEYOR_KV_TRANSFER=auto: NIXL where it loads, else Redis; the log says once per
+    process, for KV and for embeddings, which one and why (with the import's error and how
+    to install it when NIXL does not load)."""
+    import subprocess
+    import sys
+
+    if nixl == "load" and not nixl_available():
+        pytest.skip("nixl is not installed here")
+    out = subprocess.run([sys.executable, "-c", _CHOOSE, redis_db(redis_url, 12), nixl],
+                         capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    lines = [ln for ln in out.splitlines() if " transfer: " in ln]
+    want = "redis" if nixl == "hide" else "nixl"
+    assert f"CHOSE {want} {want} {want}" in out, out
+    assert len(lines) == 2, lines  # once for KV (two transfers made), once for embeddings
+    assert lines[0].startswith(f"INFO KV transfer: {want} (CONVEYOR_KV_TRANSFER=auto: "), lines
+    assert lines[1].startswith(f"INFO embedding transfer: {want} (CONVEYOR_KV_TRANSFER=auto"), lines
+    if nixl == "hide":
+        assert "NIXL does not load (ModuleNotFoundError" in lines[0], lines
+        assert "pip install 'conveyor[nixl]'" in lines[0], lines

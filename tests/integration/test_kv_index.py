@@ -23,6 +23,9 @@ from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
 from kvbm.index import KVIndex
 from kvbm.protocol import (
+    G1,
+    G2,
+    G3,
     alive_key,
     block_hashes,
     index_keys,
@@ -295,6 +298,55 @@ def test_kv_mode_picks_the_prefix_holder_when_loads_are_equal(db: str, fast: boo
         assert pick(db, req, fast=fast) == [wid]
         # released right away, so loads stay equal: still the holder
         asyncio.run(_release_all(db))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_kv_mode_prefers_g1_over_g2_over_g3_over_nothing(db: str, fast: bool) -> None:
+    """All else equal (loads, overlap length), a cached block weighs by the tier it would
+    come from: the engine pool, then host memory, then disk, then nothing."""
+    register(db, "g1", "g2", "g3", "none")
+    idx = index(db)
+    hs = block_hashes(prompt(7, 512), BS)
+    assert idx.apply("g1", 0, [("stored", hs)]).status == 1
+    assert idx.apply("g2", 0, [("stored", hs[:4]), ("stored", hs, G2)]).status == 1
+    assert idx.apply("g3", 0, [("stored", hs, G3)]).status == 1
+    assert idx.tier_overlaps(hs) == {
+        "g1": (32, 32, 32), "g2": (4, 32, 32), "g3": (0, 0, 32), "none": (0, 0, 0),
+    }  # fmt: skip
+    req = RouteRequest(hs, 520)
+    order = []
+    for _ in range(4):
+        req.exclude = set(order)
+        order += pick(db, req, fast=fast)
+        asyncio.run(_release_all(db))
+    assert order == ["g1", "g2", "g3", "none"]
+    # the weights are settings: with G3 worth as much as G1, the disk holder ties the G1
+    # one and a pick falls on either
+    picks = set()
+    for _ in range(12):
+        picks.update(pick(db, RouteRequest(hs, 520, exclude={"g2"}), fast=fast,
+                          tier_weights=(1.0, 0.75, 1.0)))  # fmt: skip
+        asyncio.run(_release_all(db))
+    assert picks == {"g1", "g3"}
+
+
+def test_tier_events_and_snapshots_in_redis(db: str) -> None:
+    register(db, "w")
+    idx = index(db)
+    assert idx.apply("w", 0, [("cleared", []), ("stored", [1, 2]), ("stored", [2, 3], G2),
+                              ("stored", [3, 4], G3)]).status == 1  # fmt: skip
+    assert (idx.worker_blocks("w"), idx.worker_blocks("w", G2), idx.worker_blocks("w", G3)) == (
+        {1, 2}, {2, 3}, {3, 4})  # fmt: skip
+    local = idx.local()
+    assert local.tiers_of("w", 2) == {G1, G2} and local.tiers_of("w", 4) == {G3}
+    assert idx.apply("w", 1, [("removed", [3], G3)]).status == 1
+    assert idx.worker_blocks("w", G3) == {4}
+    assert idx.apply("w", 2, [("cleared", [])]).status == 1  # cleared covers every tier
+    assert not (idx.worker_blocks("w") | idx.worker_blocks("w", G2) | idx.worker_blocks("w", G3))
+    # a dead worker's tiers go with it
+    idx.apply("w", 3, [("stored", [5], G2)])
+    kill(db, "w")
+    assert idx.prune() == ["w"] and idx.worker_blocks("w", G2) == set()
 
 
 async def _release_all(url: str) -> None:
@@ -605,3 +657,78 @@ def test_one_release_gives_back_every_route_of_a_request(db: str, fast: bool) ->
     during_p, during_d, after_p, after_d = asyncio.run(go())
     assert during_p["reqs"] == during_d["reqs"] == 1
     assert after_p == after_d == {"reqs": 0, "blocks": 0, "prefill": 0}
+
+
+# ---------------------------------------------------------------------------------------
+# The request cap (admission): checked in the commit, so it holds across API replicas
+# ---------------------------------------------------------------------------------------
+_CAPPED_PICKER = """
+import asyncio, sys
+import redis.asyncio as aioredis
+from tasks.router import Router, RouterConfig, RouteRequest, WorkersBusy
+async def main():
+    client = aioredis.Redis.from_url(sys.argv[1])
+    router = Router(client, RouterConfig(block_size=16, max_requests=int(sys.argv[2])))
+    picked = busy = 0
+    for i in range(int(sys.argv[3])):
+        try:
+            await router.pick("generate", RouteRequest([], 16 + i % 50))
+            picked += 1
+        except WorkersBusy:
+            busy += 1
+    print(picked, busy)
+    await router.aclose()
+    await client.aclose()
+asyncio.run(main())
+"""
+
+
+def test_two_router_processes_never_count_a_worker_past_its_cap(db: str) -> None:
+    """Two API processes (their own stale views) routing 60 requests each at 3 workers
+    capped at 10: the commit refuses a worker at its cap, so exactly 30 are counted, 10 per
+    worker, and every other pick raises WorkersBusy (nothing is lost between the two)."""
+    register(db, "a", "b", "c")
+    procs = [subprocess.Popen([sys.executable, "-c", _CAPPED_PICKER, db, "10", "60"],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    picked, busy = (sum(int(o.split()[i]) for o in outs) for i in (0, 1))
+    assert (picked, busy) == (30, 90), outs
+    r = redis.Redis.from_url(db)
+    assert [int(r.hget(load_key(POOL), f"{w}:reqs") or 0) for w in "abc"] == [10, 10, 10]
+
+
+def test_a_capped_worker_takes_requests_again_once_one_is_released(db: str) -> None:
+    """At the cap a pick (a pinned one too) raises WorkersBusy without counting anything;
+    a release frees one slot for one pick; a router with no cap (a worker re-routing an
+    accepted request) is never refused, nor is a migrated stream (``admitted``)."""
+    from tasks.router import WorkersBusy
+
+    register(db, "a")
+
+    async def go() -> None:
+        client = aioredis.Redis.from_url(db)
+        released = []
+        router = Router(client, RouterConfig(block_size=BS, max_requests=2),
+                        on_release=lambda: released.append(1))  # fmt: skip
+        routes = [await router.pick(POOL, RouteRequest([], 20)) for _ in range(2)]
+        for req in (RouteRequest([], 20), RouteRequest([], 20, pin="a")):
+            with pytest.raises(WorkersBusy):
+                await router.pick(POOL, req)
+        assert await router.load(POOL, "a") == {"reqs": 2, "blocks": 0, "prefill": 40}
+        await router.release(routes[0])  # type: ignore[arg-type]
+        assert released == [1]
+        assert (await router.pick(POOL, RouteRequest([], 20))) is not None
+        with pytest.raises(WorkersBusy):
+            await router.pick(POOL, RouteRequest([], 20))
+        uncapped = Router(client, RouterConfig(block_size=BS), follow=False)
+        assert (await uncapped.pick(POOL, RouteRequest([], 20))) is not None
+        assert (await router.load(POOL, "a"))["reqs"] == 3
+        # an accepted stream moving on (migration) is not refused by the capped router
+        moving = RouteRequest([], 20, admitted=True)
+        assert (await router.pick(POOL, moving)) is not None
+        assert (await router.load(POOL, "a"))["reqs"] == 4
+        await router.aclose()
+        await client.aclose()
+
+    asyncio.run(go())

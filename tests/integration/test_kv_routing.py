@@ -114,12 +114,16 @@ def test_pinning_by_header_and_unknown_worker(mock_cluster: Cluster) -> None:
 def test_routing_metrics_are_exported(mock_cluster: Cluster) -> None:
     c = mock_cluster
     complete(c, prompt(8, 48))
+    # the per-worker hit rate comes from a heartbeat after the request: wait for one
+    hit_rate = 'conveyor_worker_prefix_cache_hit_rate{pool="generate",worker='
+    wait_for(lambda: hit_rate in httpx.get(f"{c.url}/metrics", timeout=5).text, 10,
+             "a heartbeat with the worker's prefix cache counters")  # fmt: skip
     text = httpx.get(f"{c.url}/metrics", timeout=5).text
     assert 'conveyor_routing_decisions_total{pool="generate",reason="kv"}' in text
     assert "conveyor_routing_overlap_ratio_bucket" in text
     assert 'conveyor_router_active_blocks{pool="generate",worker="mock-w0"}' in text
     assert "conveyor_prompt_tokens_cached_total" in text
-    assert 'conveyor_worker_prefix_cache_hit_rate{pool="generate",worker=' in text
+    assert hit_rate in text
 
 
 def test_a_killed_worker_leaves_the_index_and_its_prefix_is_served_elsewhere(

@@ -28,7 +28,7 @@ import pytest
 import redis
 import transformers
 
-from kvbm.protocol import media_key, worker_key
+from kvbm.protocol import embedding_key, media_key, worker_key
 from tasks.modes import get_mode
 from tests.integration.conftest import (
     Proc,
@@ -45,6 +45,7 @@ from workers.transfer.nixl_kv import nixl_available
 pytestmark = pytest.mark.integration
 
 CHAT = [(parts, n) for parts, n, chat in REQUESTS if chat]
+STAGED = embedding_key("*", "*")  # every image embedding staged in Redis for a pull
 DEPLOYMENTS = [("agg", "redis"), ("e-pd", "redis"), ("e-p-d", "redis"), ("ep-d", "redis")]
 DEPLOYMENTS += [(m, "nixl") for m in ("e-pd", "e-p-d", "ep-d")] if nixl_available() else []
 
@@ -90,8 +91,10 @@ def deployment(
         api, api_url = start_api(f"{mode}-{backend}-api", env, logdir)
     procs = [*workers, api]
     try:
-        wait_for(lambda: httpx.get(f"{api_url}/health", timeout=1).status_code == 200, 120,
-                 f"{mode} healthy", procs)  # fmt: skip
+        # every pool's worker registered (an optional stage's absence is no error for
+        # /health, but the test wants every stage to run where the mode puts it)
+        wait_for(lambda: all(httpx.get(f"{api_url}/health", timeout=1).json()["workers"][p]
+                             >= 1 for p in pools), 120, f"{mode} healthy", procs)  # fmt: skip
         yield api_url, procs, url
     finally:
         for p in procs:
@@ -122,6 +125,12 @@ def _reports(url: str) -> dict[str, dict]:
             info = json.loads(raw)
             out[info["worker_id"]] = info
     return out
+
+
+def _idle(url: str) -> bool:
+    """No worker holds a KV block or a request (as their last heartbeats report)."""
+    return all(w.get("blocks_used", 0) == 0 and w.get("active", 0) == 0
+               for w in _reports(url).values())  # fmt: skip
 
 
 @pytest.mark.parametrize(("mode", "backend"), DEPLOYMENTS, ids=lambda x: x)
@@ -161,7 +170,7 @@ def test_every_mode_and_backend_gives_hf_tokens(
         wait_for(lambda: all(w.get("blocks_used", 0) == 0 for w in _reports(rurl).values()),
                  15, "blocks freed", procs)  # fmt: skip
         r = redis.Redis.from_url(rurl)
-        wait_for(lambda: not list(r.scan_iter("conveyor:emb:*")), 15, "embeddings freed", procs)
+        wait_for(lambda: not list(r.scan_iter(STAGED)), 15, "embeddings freed", procs)
         imgs = {w: rep.get("images", {}) for w, rep in _reports(rurl).items()}
         assert encoders() == want_encoders, imgs
         # ... and /metrics says so: images through the tower, embeddings pulled across
@@ -229,6 +238,9 @@ def test_a_failed_encode_ends_the_request_with_an_error(
         assert e.value.body["code"] == "image_unavailable", e.value.body  # type: ignore[index]
         text, _ = asyncio.run(_chat(url, tiny_model_dir.name, ["@png", "and this?"], 4))
         assert text  # the next image request is served
+        # the failure left nothing held: KV blocks, staged embeddings
+        wait_for(lambda: _idle(rurl), 15, "blocks freed", procs)
+        wait_for(lambda: not list(r.scan_iter(STAGED)), 15, "embeddings freed", procs)
 
 
 def test_no_live_encode_worker_the_pd_worker_encodes(
@@ -316,10 +328,6 @@ def test_cancelled_image_requests_free_their_kv_and_embeddings(
                                     if x.startswith("conveyor_requests_cancelled_total"))) >= 6,
                  15, "six cancellations", procs)  # fmt: skip
 
-        def idle() -> bool:
-            return all(w.get("blocks_used", 0) == 0 and w.get("active", 0) == 0
-                       for w in _reports(rurl).values())  # fmt: skip
-
-        wait_for(idle, 20, "blocks freed", procs)
+        wait_for(lambda: _idle(rurl), 20, "blocks freed", procs)
         r = redis.Redis.from_url(rurl)
-        wait_for(lambda: not list(r.scan_iter("conveyor:emb:*")), 15, "embeddings freed", procs)
+        wait_for(lambda: not list(r.scan_iter(STAGED)), 15, "embeddings freed", procs)

@@ -8,7 +8,7 @@ import redis
 
 from workers.llama import PagedKVCache
 from workers.transfer.base import KVLayout, KVTransfer, TransferError
-from workers.transfer.nixl_kv import NixlKVTransfer, nixl_available
+from workers.transfer.nixl_kv import NIXL_HINT, NixlKVTransfer, nixl_missing, tell_backend
 from workers.transfer.redis_kv import RedisKVTransfer
 
 log = logging.getLogger(__name__)
@@ -25,16 +25,24 @@ def make_transfer(
     ``threads``: NIXL pulls a large transfer's blocks from this many threads at once."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown KV transfer backend {kind!r}; choose from {BACKENDS}")
-    if kind in ("auto", "nixl"):
-        if nixl_available():
+    if kind == "redis":
+        tell_backend("KV", kind, "redis", "as configured")
+    else:
+        missing = nixl_missing()
+        if missing is None:
             try:
-                return NixlKVTransfer(kv, client, worker_id, threads)
+                transfer = NixlKVTransfer(kv, client, worker_id, threads)
             except Exception as e:  # noqa: BLE001
                 if kind == "nixl":
                     raise
-                log.warning("NIXL unavailable (%s): falling back to Redis KV transfer", e)
+                tell_backend("KV", kind, "redis", f"NIXL loaded but its agent failed: {e}",
+                             warn=True)  # fmt: skip
+            else:
+                tell_backend("KV", kind, "nixl", "NIXL loaded")
+                return transfer
         elif kind == "nixl":
-            raise RuntimeError("CONVEYOR_KV_TRANSFER=nixl but the nixl package is not installed")
+            raise RuntimeError(f"CONVEYOR_KV_TRANSFER=nixl but NIXL does not load ({missing}); "
+                               f"{NIXL_HINT}")  # fmt: skip
         else:
-            log.info("nixl not installed: KV transfer goes through Redis")
+            tell_backend("KV", kind, "redis", f"NIXL does not load ({missing}); {NIXL_HINT}")
     return RedisKVTransfer(kv, client)

@@ -24,7 +24,7 @@ import torch
 
 from kvbm.protocol import embedding_key, embedding_release_channel, nixl_agent_key
 from workers.transfer.base import TransferError
-from workers.transfer.nixl_kv import nixl_available
+from workers.transfer.nixl_kv import NIXL_HINT, nixl_missing, tell_backend
 
 log = logging.getLogger(__name__)
 
@@ -301,14 +301,25 @@ def make_embedding_transfer(
     ``hold_s``: how long an embedding nobody pulls is kept (the KV pin timeout)."""
     if kind not in ("auto", "nixl", "redis"):
         raise ValueError(f"unknown transfer backend {kind!r}; choose from auto, nixl, redis")
-    if kind in ("auto", "nixl"):
-        if nixl_available():
+    if kind == "redis":
+        tell_backend("embedding", kind, "redis", "as configured")
+    else:
+        missing = nixl_missing()
+        if missing is None:
             try:
-                return NixlEmbeddingTransfer(client, worker_id, arena_mb, hold_s)
+                transfer = NixlEmbeddingTransfer(client, worker_id, arena_mb, hold_s)
             except Exception as e:  # noqa: BLE001
                 if kind == "nixl":
                     raise
-                log.warning("NIXL unavailable (%s): embeddings go through Redis", e)
+                tell_backend("embedding", kind, "redis",
+                             f"NIXL loaded but its agent failed: {e}", warn=True)  # fmt: skip
+            else:
+                tell_backend("embedding", kind, "nixl", "NIXL loaded")
+                return transfer
         elif kind == "nixl":
-            raise RuntimeError("CONVEYOR_KV_TRANSFER=nixl but the nixl package is not installed")
+            raise RuntimeError(f"CONVEYOR_KV_TRANSFER=nixl but NIXL does not load ({missing}); "
+                               f"{NIXL_HINT}")  # fmt: skip
+        else:
+            tell_backend("embedding", kind, "redis",
+                         f"NIXL does not load ({missing}); {NIXL_HINT}")  # fmt: skip
     return RedisEmbeddingTransfer(client, hold_s)

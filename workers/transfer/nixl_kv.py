@@ -46,11 +46,30 @@ def split_pull(
 
 
 def nixl_available() -> bool:
+    return nixl_missing() is None
+
+
+def nixl_missing() -> str | None:
+    """Why NIXL cannot load in this process (the import's error), or None if it can."""
     try:
         from nixl._api import nixl_agent  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not here"
-        return False
-    return True
+    except Exception as e:  # noqa: BLE001 - any import failure means "not here"
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+NIXL_HINT = "pip install 'conveyor[nixl]' after CPU torch (make install does)"
+_told: set[str] = set()
+
+
+def tell_backend(what: str, kind: str, chosen: str, why: str, warn: bool = False) -> None:
+    """Log once per process (per ``what``: KV, embeddings) which transfer backend was
+    chosen for ``CONVEYOR_KV_TRANSFER=kind`` and why."""
+    if what in _told:
+        return
+    _told.add(what)
+    level = logging.WARNING if warn else logging.INFO
+    log.log(level, "%s transfer: %s (CONVEYOR_KV_TRANSFER=%s: %s)", what, chosen, kind, why)
 
 
 class NixlKVTransfer(KVTransfer):

@@ -75,14 +75,18 @@ def test_cached_blocks_always_include_their_ancestors_and_events_replay_exactly(
     assert n_evicted > 100  # the workload did exercise eviction
 
 
-def test_fold_merges_runs_and_keeps_order() -> None:
+def test_fold_merges_runs_of_one_kind_and_tier_and_keeps_order() -> None:
     from kvbm.block_pool import KVEvent
+    from kvbm.protocol import G1, G2, G3
 
     events = [
         KVEvent("stored", [1, 2]), KVEvent("stored", [3]), KVEvent("removed", [1]),
         KVEvent("cleared", []), KVEvent("cleared", []), KVEvent("stored", [1]),
+        KVEvent("stored", [1], G2), KVEvent("stored", [2], G2), KVEvent("stored", [5]),
+        KVEvent("removed", [1], G3),
     ]  # fmt: skip
     assert _fold(events) == [
-        ("stored", [1, 2, 3]), ("removed", [1]), ("cleared", []), ("cleared", []),
-        ("stored", [1]),
+        ("stored", [1, 2, 3], G1), ("removed", [1], G1), ("cleared", [], G1),
+        ("cleared", [], G1), ("stored", [1], G1), ("stored", [1, 2], G2),
+        ("stored", [5], G1), ("removed", [1], G3),
     ]  # fmt: skip

@@ -93,7 +93,7 @@ def test_the_request_starts_before_celery_handles_the_message(monkeypatch, rt) -
     on_message(msg, None, None, None, [])
     assert seen == [msg] and started_first == [1]
     sampling = Sampling(temperature=0).model_dump()  # the payload's, defaults filled in
-    assert rt.engine.calls == [("submit", "cmpl-x", [5, 6, 7], sampling, None, None)]
+    assert rt.engine.calls == [("submit", "cmpl-x", [5, 6, 7], sampling, None, None, None)]
     # the task then waits for that run: no second submit
     out = rt.generate("cmpl-x", [5, 6, 7], {"temperature": 0})
     assert out.completion_tokens == 2 and len(rt.engine.calls) == 1

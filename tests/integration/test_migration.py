@@ -1,0 +1,179 @@
+"""Migration (real redis-server, real worker processes, real HTTP, the official openai
+client): 16 streams run on two workers of a pool; one worker is SIGKILLed mid-stream (its
+Celery process, whose engine process then says it died; or only its engine process, after
+which the worker exits). Every stream completes, token for token the output it gives
+uninterrupted (greedy, and seeded sampling), with exact usage; the streams the dead worker
+held moved on to the other worker (counted), whose blocks are all free afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from kvbm.protocol import worker_key
+from tests.integration.conftest import (
+    Proc,
+    base_env,
+    redis_db,
+    start_api,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 160
+PROMPTS = [f"Stream {i}: " + " ".join(["tell", "me", "a", "story", "about"][: 1 + i % 5]) +
+           f" number {i * 37 % 101}" for i in range(16)]  # fmt: skip
+
+
+def _sampling(i: int) -> dict:
+    """Greedy for most; two seeded samplers (their per-index seeds must carry over)."""
+    if i in (3, 11):
+        return {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
+    return {"temperature": 0}
+
+
+async def _stream(url: str, model: str, i: int, progress: list[int]) -> tuple[str, dict, str]:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            **_sampling(i),
+        )  # fmt: skip
+        text, usage, reason = [], None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                reason = chunk.choices[0].finish_reason or reason
+                progress[i] += 1
+            usage = chunk.usage or usage
+        assert usage is not None
+        return "".join(text), usage.model_dump(), reason or ""
+    finally:
+        await client.close()
+
+
+def _once(url: str, model: str, i: int) -> tuple[str, dict]:
+    out = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(
+        model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True},
+        **_sampling(i),
+    )  # fmt: skip
+    return out.choices[0].text, out.usage.model_dump()
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize(("mode", "kill"), [("agg", "worker"), ("agg", "engine"),
+                                            ("ep-d", "worker")])  # fmt: skip
+def test_streams_of_a_killed_worker_finish_on_the_other_one(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path, mode: str, kill: str
+) -> None:
+    url_db = redis_db(redis_url, 12)
+    r = redis.Redis.from_url(url_db)
+    r.flushdb()
+    env = base_env(url_db, tiny_model_dir, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER="redis",
+                   CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
+    pool = "generate" if mode == "agg" else "decode"
+    workers = [start_worker(f"mig-{pool}{i}", pool, f"mig-{pool}{i}", env, tmp_path)
+               for i in range(2)]  # fmt: skip
+    if mode != "agg":
+        workers.append(start_worker("mig-prefill", "prefill", "mig-prefill", env, tmp_path))
+    procs: list[Proc] = list(workers)
+    model = tiny_model_dir.name
+    try:
+        with stop_on_error(*workers):
+            api, url = start_api(f"mig-api-{mode}-{kill}", env, tmp_path)
+        procs.append(api)
+        wait_for(lambda: httpx.get(f"{url}/health").json()["workers"][pool] == 2, 90,
+                 "two workers", procs)  # fmt: skip
+        want = [_once(url, model, i) for i in range(len(PROMPTS))]  # uninterrupted
+        victim = workers[0]
+        report = json.loads(r.get(worker_key(pool, "mig-" + pool + "0")))
+        target = report["engine_pid"] if kill == "engine" else victim.popen.pid
+        progress = [0] * len(PROMPTS)
+
+        async def run() -> list[tuple[str, dict, str]]:
+            tasks = [asyncio.create_task(_stream(url, model, i, progress))
+                     for i in range(len(PROMPTS))]  # fmt: skip
+            deadline = time.monotonic() + 60
+            while min(progress) < 3:  # every stream under way, none near its end
+                assert time.monotonic() < deadline, progress
+                await asyncio.sleep(0.01)
+            os.kill(int(target), signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        got = asyncio.run(run())
+        victim.popen.wait(30)  # the worker is gone (an engine killed alone takes it along)
+        for i, ((text, usage, reason), (want_text, want_usage)) in enumerate(
+            zip(got, want, strict=True)
+        ):
+            assert text == want_text, (i, text, want_text)
+            assert reason == "length"
+            assert usage["completion_tokens"] == MAX_TOKENS == want_usage["completion_tokens"]
+            assert usage["prompt_tokens"] == want_usage["prompt_tokens"], (i, usage, want_usage)
+        moved = _metric(url, f'conveyor_migrations_total{{outcome="moved",pool="{pool}"}}')
+        assert 1 <= moved <= len(PROMPTS), moved
+        assert _metric(url, "conveyor_requests_cancelled_total") == 0  # no client left
+        survivor = "mig-" + pool + "1"
+        alive = [p for p in procs if p is not victim]
+        wait_for(lambda: json.loads(r.get(worker_key(pool, survivor)))["blocks_used"] == 0,
+                 15, "the survivor's blocks freed", alive)  # fmt: skip
+        log = api.log.read_text()
+        assert "moved to " + survivor in log, log[-3000:]
+    finally:
+        for p in procs:
+            p.stop()
+        r.flushdb()
+
+
+def test_no_worker_left_ends_the_stream_with_worker_lost(
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With the pool's only worker dead there is nowhere to move: the stream ends with a
+    worker_lost error event after the text it had (never a hang)."""
+    url_db = redis_db(redis_url, 13)
+    r = redis.Redis.from_url(url_db)
+    r.flushdb()
+    env = base_env(url_db, tiny_model_dir)
+    worker = start_worker("mig-lone", "generate", "mig-lone", env, tmp_path)
+    procs = [worker]
+    try:
+        with stop_on_error(worker):
+            api, url = start_api("mig-api-lone", env, tmp_path)
+        procs.append(api)
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 90, "worker", procs)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(model=tiny_model_dir.name, prompt="hello",
+                                           max_tokens=2000, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        n = 0
+        with pytest.raises(openai.APIError) as e:
+            for _ in stream:
+                n += 1
+                if n == 3:
+                    os.kill(worker.popen.pid, signal.SIGKILL)
+        assert "worker" in str(e.value) and n < 2000, (n, e.value)
+        no_worker = 'conveyor_migrations_total{outcome="no_worker",pool="generate"}'
+        assert _metric(url, no_worker) == 1
+    finally:
+        for p in procs:
+            p.stop()
+        r.flushdb()
