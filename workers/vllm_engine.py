@@ -547,8 +547,8 @@ class VllmEngine:
         if st.prefill_only and finished and co.finish_reason == "length":
             # prefill done: vLLM holds the prompt's KV for the decode worker's connector
             out.prefilled = True
-            out.kv_transfer_params = {"vllm": item.kv_transfer_params,  # type: ignore[attr-defined]
-                                      "seed": st.seed}  # fmt: skip
+            out.kv_transfer_params = {"backend": "vllm-connector", "seed": st.seed,
+                                      "vllm": item.kv_transfer_params}  # type: ignore[attr-defined]  # fmt: skip
             return out
         if finished:
             out.finished = True
