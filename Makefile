@@ -80,7 +80,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm redis
-	$(VLLM_PY) -m pytest -q tests/vllm $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest -q -rs tests/vllm $(PYTEST_ARGS)
 
 lint: install-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
