@@ -367,7 +367,10 @@ def _wait(pred, timeout: float, what: str, procs: list) -> None:
 @contextmanager
 def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str = "agg",
                  kv_transfer: str = "auto", engine_cpus: str | None = None,
-                 engine: str = "reference", vllm_options: str = "{}"):  # fmt: skip
+                 engine: str = "reference", vllm_options: str = "{}",
+                 vllm_cpus: tuple[int, ...] | None = None):  # fmt: skip
+    """``vllm_cpus`` (engine vllm): vLLM's engine core and worker, under the engine
+    process, are moved there once the server is up, as in :func:`vllm_server`."""
     conveyor = str(Path(sys.executable).parent / "conveyor")
     rport, aport = free_ports(2)
     env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
@@ -412,6 +415,8 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str =
         engine = _engine_pid(pids["worker"])
         if engine is not None:  # the worker runs its engine in a child process
             pids["engine"] = engine
+            if vllm_cpus:
+                _pin_tree(engine, vllm_cpus)
         yield url, pids
     finally:
         for _, p in reversed(procs):  # api, then worker (deregisters in redis), then redis
@@ -424,11 +429,41 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str =
                 p.wait()
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _pin_tree(pid: int, cpus: tuple[int, ...]) -> None:
+    """Every thread of every process below ``pid`` (not ``pid`` itself) onto ``cpus``."""
+    for child in _descendants(pid):
+        for task in Path(f"/proc/{child}/task").glob("*"):
+            try:  # every thread: vLLM's worker may have bound its own already
+                os.sched_setaffinity(int(task.name), cpus)
+            except OSError:
+                pass
+
+
 @contextmanager
-def vllm_server(model_dir: Path, log_dir: Path, options: dict):
+def vllm_server(model_dir: Path, log_dir: Path, options: dict,
+                engine_cpus: tuple[int, ...] | None = None):  # fmt: skip
     """vLLM's own OpenAI server on ``model_dir`` with ``options`` (``vllm serve`` flags
     without dashes), through its module (the ``vllm`` script is not on every install's
-    PATH); yields its URL and pid."""
+    PATH); yields its URL and pid. ``engine_cpus``: its engine core and worker processes
+    are moved there once it is up (its API process stays where it started), as Conveyor's
+    engine process and vLLM's processes under it are (CONVEYOR_ENGINE_CPUS)."""
     (port,) = free_ports(1)
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
             str(model_dir), "--served-model-name", model_dir.name, "--host", "127.0.0.1",
@@ -446,6 +481,8 @@ def vllm_server(model_dir: Path, log_dir: Path, options: dict):
     try:
         _wait(lambda: httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200,
               300, "vllm serve /health", procs)  # fmt: skip
+        if engine_cpus:
+            _pin_tree(p.pid, engine_cpus)
         yield url, p.pid
     finally:
         if p.poll() is None:
@@ -707,10 +744,12 @@ def main() -> int:
     engine_cpu, others = (ncpu - 1,), tuple(range(ncpu - 1))
     pin = args.pin_engine and ncpu >= 2
     if vllm and pin:
-        # vLLM computes in a worker process of its own whose OpenMP threads it binds to
-        # cores itself: on both sides they get the last core; every other process (API,
-        # vLLM's engine core and Conveyor's engine process, Redis, Celery, this client)
-        # starts on the others, as this process is pinned there before starting them
+        # vLLM computes in processes of its own (engine core, worker: its OpenMP threads it
+        # binds to cores itself): on both sides they get the last core; the process that
+        # holds vLLM's AsyncLLM (vLLM's API process, Conveyor's engine process), the rest
+        # of each front end and this client get the others. Left where they start, vLLM's
+        # engine core polls its worker on the front end's core and starves it
+        # (docs/performance.md, "vLLM engine: install and serving")
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, engine_cpu))
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     res["pinned"] = pin
@@ -772,12 +811,18 @@ def main() -> int:
             if vllm:
                 print("  starting vllm serve", file=sys.stderr)
                 vurl, vpid = stack.enter_context(
-                    vllm_server(model_dir, log_dir, json.loads(args.vllm_options))
+                    vllm_server(
+                        model_dir,
+                        log_dir,
+                        json.loads(args.vllm_options),
+                        engine_cpu if pin else None,
+                    )
                 )
                 vllm_ref.update(url=vurl, pids={"vllm serve": vpid, "client": os.getpid()})
             url, pids = stack.enter_context(local_server(
                 model_dir, log_dir, args.torch_threads, args.mode, args.kv_transfer,
                 engine_cpus=",".join(map(str, engine_cpu)) if pin and not vllm else None,
+                vllm_cpus=engine_cpu if pin and vllm else None,
                 engine=args.engine, vllm_options=args.vllm_options))  # fmt: skip
             res["url"] = url
             pids["client"] = os.getpid()
