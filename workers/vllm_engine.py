@@ -36,7 +36,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +47,8 @@ from workers.engine_api import EngineConfig, EngineRequest, EngineStats, Request
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
 
 log = logging.getLogger(__name__)
+
+IMAGE_NAMES = 4096
 
 # Conveyor's finish reasons; vLLM's others ("repetition") stop the sequence like a stop
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
@@ -145,7 +147,9 @@ class VllmEngine:
         self._wake_loop: Callable[[], None] = lambda: None
         self._events: list[KVEvent] = []
         self._ev_lock = threading.Lock()
-        self._image_tokens: dict[str, int] = {}
+        # image content hash -> its placeholder count, for the KV events' image keys; the
+        # most recent IMAGE_NAMES only (an image older than that has left vLLM's cache)
+        self._image_tokens: OrderedDict[str, int] = OrderedDict()
         self._sched = None  # the last SchedulerStats vLLM reported
         self._counts = EngineStats()
         # KV pulled by vLLM's connector (decode side), as the heartbeat's kv_transfer
@@ -493,6 +497,9 @@ class VllmEngine:
                     uuids.append(m.image_hash)
                     if m.num_tokens:
                         self._image_tokens[m.image_hash] = m.num_tokens
+                        self._image_tokens.move_to_end(m.image_hash)
+                        while len(self._image_tokens) > IMAGE_NAMES:
+                            self._image_tokens.popitem(last=False)
             prompt["multi_modal_data"] = {"image": data}
             if len(uuids) == len(data):
                 prompt["multi_modal_uuids"] = {"image": uuids}
