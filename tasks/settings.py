@@ -8,7 +8,7 @@ Every knob is read here, once, from the environment (prefix ``CONVEYOR_``, neste
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, Field, field_validator
@@ -363,10 +363,18 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="Reuse cached KV blocks of shared prompt prefixes (by block hash)."
     )
-    engine: Literal["reference", "mock"] = Field(
+    engine: Literal["reference", "mock", "vllm"] = Field(
         "reference",
         description="reference: the torch engine; mock: real scheduler and KV blocks, "
-        "simulated step times and placeholder tokens (routing studies; agg mode).",
+        "simulated step times and placeholder tokens (routing studies; agg mode); vllm: "
+        "vLLM's async engine in the engine process (its own install: README, 'vLLM').",
+    )
+    vllm: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM engine options (engine=vllm), as `vllm serve` flags without their "
+        "dashes: CONVEYOR_VLLM__MAX_NUM_SEQS=8, CONVEYOR_VLLM__ENFORCE_EAGER=true, "
+        "CONVEYOR_VLLM__KV_TRANSFER_CONFIG='{\"kv_connector\": ...}'; --vllm-arg KEY=VALUE "
+        "on the command line.",
     )
     mock: MockTimingSettings = Field(
         default_factory=MockTimingSettings,

@@ -10,7 +10,9 @@ its prefix onboarded from the lower KVBM tiers, or a disaggregated prefill's KV 
 :class:`KVSource`) as the others keep running. Implementations:
 :class:`workers.engine.Engine` (the torch reference) and
 :class:`workers.mock_engine.MockEngine` (simulated time), both built on
-:class:`workers.engine_core.EngineCore`; a vLLM engine implements the same protocol.
+:class:`workers.engine_core.EngineCore`, and
+:class:`workers.vllm_engine.VllmEngine` (vLLM's async engine, which computes in processes
+of its own: its ``step`` blocks until outputs come, ``wake`` returns it early).
 
 Nothing outside an engine touches its block pool or its tensors: the engine process asks
 for :meth:`Engine.kv_memory` (what a KV transfer backend moves) and :meth:`Engine.stats`.
@@ -70,6 +72,11 @@ class MMInput:
 
     offset: int  # index in the prompt of the image's first placeholder token
     embeds: object  # a torch.Tensor [num_tokens, hidden] (this module stays torch-free)
+    # an engine with a vision tower of its own (vLLM) may take the image itself instead
+    # (``embeds`` None), and names it by its content hash (its uuid in vLLM's KV events)
+    image: object = None  # a PIL image
+    image_hash: str | None = None
+    num_tokens: int = 0  # its placeholder tokens
 
 
 @dataclass(slots=True)
@@ -85,6 +92,9 @@ class EngineRequest:
     # blocks it covers (block_extra_keys: kvbm.protocol.image_extra_key of its hash)
     mm_inputs: list[MMInput] | None = None
     resumed: ResumedOutput | None = None
+    # vLLM's KV connector (P/D), on a decode request: the prefill output's
+    # ``kv_transfer_params`` ({"vllm": vLLM's own, "seed": the sampling seed both use})
+    kv_transfer_params: dict | None = None
 
 
 @dataclass(slots=True)
@@ -104,6 +114,7 @@ class RequestOutput:
     error_code: str | None = None
     prefilled: bool = False  # prefill-only request done; its blocks are pinned
     kv_block_ids: list[int] | None = None
+    kv_transfer_params: dict | None = None  # vLLM prefill: where its connector keeps the KV
 
 
 @dataclass(slots=True)

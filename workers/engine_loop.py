@@ -44,6 +44,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds_total = 0.0
         engine.set_waker(self._wake)
+        # an engine that computes elsewhere (vLLM) blocks in step() until outputs come:
+        # commands posted to the loop return it from that step at once
+        self._engine_wake = getattr(engine, "wake", None)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -53,6 +56,8 @@ class EngineLoop:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+        if self._engine_wake is not None:
+            self._engine_wake()
         self._thread.join(timeout)
 
     def submit(self, req: EngineRequest) -> None:
@@ -78,9 +83,11 @@ class EngineLoop:
         with self._cv:
             self._inbox.append(item)
             self._cv.notify()
+        if self._engine_wake is not None:
+            self._engine_wake()
 
     def _wake(self) -> None:
-        """A copy ended (another thread): step soon, to collect it."""
+        """A copy ended, or KV events came (another thread): step soon, to collect it."""
         self._post(("wake", None))
 
     def _drain(self) -> list[RequestOutput]:

