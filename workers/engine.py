@@ -24,11 +24,10 @@ from tokenizers import Tokenizer
 
 from workers import paged_kernel
 from workers.checkpoint import TextModelConfig, load_text_weights
-from workers.engine_api import EngineConfig, EngineRequest, MMInput, RequestOutput
+from workers.engine_api import EngineConfig, EngineRequest, MMInput, RequestOutput, failed
 from workers.engine_core import EngineCore, token_seed
 from workers.kv_copier import TorchBlockCopier
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
-from workers.output_processor import failed
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
 from workers.sampling import SamplingParams, make_generator, sample
 from workers.scheduler import Seq

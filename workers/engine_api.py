@@ -117,6 +117,23 @@ class RequestOutput:
     kv_transfer_params: dict | None = None  # vLLM prefill: where its connector keeps the KV
 
 
+def failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
+    """The output of a request that can never run."""
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
+                         num_prompt_tokens=num_prompt_tokens, error=message)  # fmt: skip
+
+
+def refuse_prompt(request_id: str, n: int, max_model_len: int) -> RequestOutput | None:
+    """Every engine's first check of a prompt of ``n`` tokens: the failed output of an
+    empty one or one that leaves no room to generate; ``None`` if it may run."""
+    if n == 0:
+        return failed(request_id, n, "prompt is empty")
+    if n >= max_model_len:
+        return failed(request_id, n, f"prompt has {n} tokens; the context window is "
+                                     f"{max_model_len}")  # fmt: skip
+    return None
+
+
 @dataclass(slots=True)
 class EngineConfig:
     block_size: int = 16

@@ -25,8 +25,15 @@ from kvbm.disk import BlockLayout, BlockStore, FileBlockStore, claim_dir
 from kvbm.offload import BlockCopier, OffloadManager
 from kvbm.protocol import ExtraKeys, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine_api import EngineConfig, EngineRequest, EngineStats, RequestOutput
-from workers.output_processor import OutputProcessor, failed, finished
+from workers.engine_api import (
+    EngineConfig,
+    EngineRequest,
+    EngineStats,
+    RequestOutput,
+    failed,
+    refuse_prompt,
+)
+from workers.output_processor import OutputProcessor, finished
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler, Seq
 
@@ -121,11 +128,8 @@ class EngineCore:
             log.warning("[%s] is already running: the second copy is dropped", rid)
             return None
         n = len(req.prompt_token_ids)
-        if n == 0:
-            return failed(rid, n, "prompt is empty")
-        if n >= self.max_model_len:
-            return failed(rid, n, f"prompt has {n} tokens; the context window is "
-                                  f"{self.max_model_len}")  # fmt: skip
+        if (refused := refuse_prompt(rid, n, self.max_model_len)) is not None:
+            return refused
         detok = IncrementalDetokenizer(
             self.tokenizer, req.params.stop, req.params.skip_special_tokens
         )

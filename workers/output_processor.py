@@ -74,9 +74,3 @@ def finished(
         num_output_tokens=len(seq.output_ids),
         num_cached_tokens=seq.num_cached,
     )
-
-
-def failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
-    """The output of a request that can never run."""
-    return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                         num_prompt_tokens=num_prompt_tokens, error=message)  # fmt: skip

@@ -43,7 +43,14 @@ from pathlib import Path
 
 from kvbm.block_pool import KVEvent
 from kvbm.protocol import G1, ExtraKeys, model_namespace
-from workers.engine_api import EngineConfig, EngineRequest, EngineStats, RequestOutput
+from workers.engine_api import (
+    EngineConfig,
+    EngineRequest,
+    EngineStats,
+    RequestOutput,
+    failed,
+    refuse_prompt,
+)
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
 
 log = logging.getLogger(__name__)
@@ -267,15 +274,12 @@ class VllmEngine:
             log.warning("[%s] is already running: the second copy is dropped", rid)
             return None
         n = len(req.prompt_token_ids)
-        if n == 0:
-            return _failed(rid, n, "prompt is empty")
-        if n >= self.max_model_len:
-            return _failed(rid, n, f"prompt has {n} tokens; the context window is "
-                                   f"{self.max_model_len}")  # fmt: skip
+        if (refused := refuse_prompt(rid, n, self.max_model_len)) is not None:
+            return refused
         st = _Req(n, req.prefill_only and req.params.max_tokens > 1)
         if req.imported is not None:
             if not req.kv_transfer_params or "vllm" not in req.kv_transfer_params:
-                return _failed(
+                return failed(
                     rid,
                     n,
                     "the vLLM engine takes prefilled KV through its KV "
@@ -288,7 +292,7 @@ class VllmEngine:
             # and count as output; max_tokens and min_tokens go on from there
             done = list(req.resumed.output_token_ids)
             if n + len(done) >= self.max_model_len or len(done) >= req.params.max_tokens:
-                return _failed(rid, n, f"cannot resume after {len(done)} output tokens: the "
+                return failed(rid, n, f"cannot resume after {len(done)} output tokens: the "
                                        "request was already complete")  # fmt: skip
             st.resumed = len(done)
             st.output_tokens = len(done)
@@ -296,7 +300,7 @@ class VllmEngine:
             sp = self._sampling(req, st)
             prompt = self._prompt(req)
         except (TypeError, ValueError) as e:
-            return _failed(rid, n, f"vLLM refused the request: {e}")
+            return failed(rid, n, f"vLLM refused the request: {e}")
         self._reqs[rid] = st
         st.future = self._call(self._run(rid, prompt, sp))
         return None
@@ -531,7 +535,7 @@ class VllmEngine:
 
     def _convert(self, rid: str, st: _Req, item: object) -> RequestOutput:
         if isinstance(item, BaseException):
-            out = _failed(rid, st.prompt_tokens, f"vLLM: {type(item).__name__}: {item}")
+            out = failed(rid, st.prompt_tokens, f"vLLM: {type(item).__name__}: {item}")
             out.num_output_tokens, out.num_cached_tokens = st.output_tokens, st.cached_tokens
             return out
         st.started = True
@@ -580,8 +584,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _failed(rid: str, n: int, message: str) -> RequestOutput:
-    return RequestOutput(rid, [], "", finished=True, finish_reason="error",
-                         num_prompt_tokens=n, error=message)  # fmt: skip
