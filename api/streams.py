@@ -11,7 +11,9 @@ frames (docs/performance.md, "API: one pattern subscription per process"). A cha
 pattern does not cover is subscribed to on its own, and ``subscribe`` returns only once
 Redis has confirmed it. ``Subscription.next_frame`` and ``poll`` hand out frames in ``seq``
 order, drop duplicates, and raise on a gap (pub/sub lost a frame) and on silence past a
-timeout.
+timeout. The hub also listens on ``WORKER_DEATHS_CHANNEL``: a worker declared dead wakes
+every waiting reader to check its workers' liveness at once (a migration starts within
+milliseconds of the death, not at the next once-a-second poll).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from api.resp import PubSubConnection, RedisPyPubSub
-from kvbm.protocol import TOKENS_PREFIX, TokenFrame
+from kvbm.protocol import TOKENS_PREFIX, WORKER_DEATHS_CHANNEL, TokenFrame
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,12 @@ class Subscription:
     def push(self, raw: bytes) -> None:
         """A frame arrived (the hub, from its connection's parser)."""
         self._raw.append(raw)
+        if self._waiter is not None:
+            _wake(self._waiter)
+
+    def check_alive(self) -> None:
+        """A worker was declared dead somewhere: a reader waiting for a frame asks its
+        ``alive()`` now, as its timer would have done later."""
         if self._waiter is not None:
             _wake(self._waiter)
 
@@ -163,6 +171,7 @@ class StreamHub:
         self._keeper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # the keeper: the connection dropped
         self.reconnects = 0
+        self.deaths_heard = 0  # worker deaths announced (WORKER_DEATHS_CHANNEL)
 
     async def start(self, timeout: float = 10.0) -> None:
         await self._conn.connect()
@@ -231,9 +240,15 @@ class StreamHub:
             if sub is not None:
                 sub.push(push[3])
         elif kind == b"message":
-            sub = self._subs.get(push[1].decode())
-            if sub is not None:
-                sub.push(push[2])
+            channel = push[1].decode()
+            if channel == WORKER_DEATHS_CHANNEL:
+                self.deaths_heard += 1
+                for s in list(self._subs.values()):
+                    s.check_alive()
+            else:
+                sub = self._subs.get(channel)
+                if sub is not None:
+                    sub.push(push[2])
         elif kind == b"psubscribe":
             self._pattern_ready.set()
         elif kind == b"subscribe":
@@ -250,7 +265,7 @@ class StreamHub:
     def _resubscribe(self) -> None:
         """On a fresh connection: the pattern, and every foreign channel still wanted."""
         self._last_heard = time.monotonic()
-        foreign = [ch for ch in self._subs if not self.covers(ch)]
+        foreign = [WORKER_DEATHS_CHANNEL, *(ch for ch in self._subs if not self.covers(ch))]
         self._conn.write(("PSUBSCRIBE", self._pattern),
                          *(("SUBSCRIBE", ch) for ch in foreign))  # fmt: skip
 

@@ -43,6 +43,9 @@ from pydantic import BaseModel, Field
 KEY_PREFIX = "conveyor:"
 TOKENS_PREFIX = "tokens:"
 CANCEL_CHANNEL = KEY_PREFIX + "cancel"  # PUBLISH request id: abort it wherever it runs
+# PUBLISH worker id: a worker was declared dead (its engine process saw it die), so every
+# API checks its waiting streams' workers now rather than at its next liveness poll
+WORKER_DEATHS_CHANNEL = KEY_PREFIX + "deaths"
 
 
 def tokens_channel(request_id: str) -> str:

@@ -29,6 +29,7 @@ from kvbm.protocol import (
     LIVE_LUA,
     LIVE_WORKERS_LUA,
     NOW_LUA,
+    WORKER_DEATHS_CHANNEL,
     PoolQueues,
     WorkerQueue,
     alive_key,
@@ -171,6 +172,7 @@ def declare_dead(client: redis.Redis, pool: str, worker_id: str) -> None:
     pipe = client.pipeline(transaction=True)
     pipe.delete(worker_key(pool, worker_id))
     pipe.zadd(alive_key(pool), {worker_id: 1}, xx=True)
+    pipe.publish(WORKER_DEATHS_CHANNEL, worker_id)  # the APIs' streams move on at once
     pipe.execute()
 
 

@@ -88,6 +88,50 @@ def test_a_foreign_channel_is_subscribed_and_confirmed(redis_url: str) -> None:
     _run(redis_url, body)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_declared_death_makes_waiting_streams_check_their_workers_at_once(
+    redis_url: str, fast: bool
+) -> None:
+    """declare_dead publishes the worker's id; the hub wakes every reader waiting for a
+    frame to ask its alive() now: the dead worker's stream raises WorkerLost within
+    moments though its poll is 30 s apart, the live worker's stream keeps waiting."""
+    import redis as sync_redis
+
+    from api.streams import WorkerLost
+    from workers.registry import Heartbeat, declare_dead, live_workers
+
+    async def body(client: aioredis.Redis, hub: StreamHub) -> None:
+        url = redis_db(redis_url, 10)
+        r = sync_redis.Redis.from_url(url)
+        for wid in ("w-dead", "w-live"):
+            Heartbeat(r, "generate", wid, dict, ttl_s=60.0).beat()
+        checks: dict[str, int] = {"w-dead": 0, "w-live": 0}
+
+        def alive_of(wid: str):  # type: ignore[no-untyped-def]
+            async def alive() -> bool:
+                checks[wid] += 1
+                return wid in {w.worker_id for w in live_workers(r, "generate")}
+
+            return alive
+
+        subs = {w: await hub.subscribe(tokens_channel(hub.new_request_id(w))) for w in checks}
+        waits = {w: asyncio.ensure_future(subs[w].next_frame(60.0, alive_of(w), check_every=30.0))
+                 for w in checks}  # fmt: skip
+        await asyncio.sleep(0.2)
+        assert checks == {"w-dead": 0, "w-live": 0} and not any(t.done() for t in waits.values())
+        t0 = time.monotonic()
+        await asyncio.to_thread(declare_dead, r, "generate", "w-dead")
+        with pytest.raises(WorkerLost):
+            await asyncio.wait_for(waits["w-dead"], 5.0)
+        assert time.monotonic() - t0 < 1.0, "the death notice did not wake the stream"
+        await _until(lambda: checks["w-live"] >= 1)
+        assert hub.deaths_heard == 1 and not waits["w-live"].done()
+        waits["w-live"].cancel()
+        r.close()
+
+    _run(redis_url, body, fast=fast)
+
+
 def test_poll_takes_what_arrived_in_order_and_drops_duplicates(redis_url: str) -> None:
     async def body(client: aioredis.Redis, hub: StreamHub) -> None:
         channel = tokens_channel(hub.new_request_id("cmpl"))
