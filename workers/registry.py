@@ -143,11 +143,15 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop beating and leave the pool at once (graceful shutdown)."""
+    def halt(self) -> None:
+        """Stop beating (the report stays until it expires or someone declares us dead)."""
         self._stop.set()
         if self._thread.ident is not None:  # started (stop may come before the first beat)
             self._thread.join(self._period + 1)
+
+    def stop(self) -> None:
+        """Stop beating and leave the pool at once (graceful shutdown)."""
+        self.halt()
         try:
             pipe = self._r.pipeline(transaction=False)
             pipe.delete(self._keys[0])

@@ -27,7 +27,7 @@ from kvbm.protocol import (
 )
 from workers.engine_api import EngineConfig
 from workers.engine_proc import Completion, EngineClient, EngineDied, EngineProcSpec, _Waiter
-from workers.registry import Heartbeat
+from workers.registry import Heartbeat, declare_dead
 from workers.stream import publish_error_frame
 
 log = logging.getLogger(__name__)
@@ -286,13 +286,17 @@ class WorkerRuntime:
         return out
 
     def _engine_died(self) -> None:
-        """Fail fast: stop heartbeating so routers stop sending here, then exit; the API
-        re-dispatches or ends the affected streams, and the broker keeps unacked tasks."""
+        """Fail fast: stop heartbeating and declare this worker dead (routers stop sending
+        here, every API moves its streams on at once, its own queue goes back to the
+        pool's), then exit; the broker keeps unacked tasks."""
         if self._stopping.is_set():
             return
         log.critical("worker %s: engine process died; exiting", self.worker_id)
         try:
-            self.heartbeat.stop()
+            self.heartbeat.halt()
+            declare_dead(self.redis, self.pool, self.worker_id)
+        except redis.RedisError as e:
+            log.warning("worker %s: could not declare itself dead (%s)", self.worker_id, e)
         finally:
             os._exit(70)
 
