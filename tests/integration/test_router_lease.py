@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -69,11 +70,13 @@ except BaseException:
 
 
 @pytest.fixture
-def db(redis_url: str) -> str:
+def db(redis_url: str) -> Iterator[str]:
     url = redis_db(redis_url, 9)
-    redis.Redis.from_url(url).flushdb()
-    Heartbeat(redis.Redis.from_url(url), POOL, "a", dict, ttl_s=120).beat()
-    return url
+    r = redis.Redis.from_url(url)
+    r.flushdb()
+    Heartbeat(r, POOL, "a", dict, ttl_s=120).beat()
+    yield url
+    r.flushdb()  # worker "a" must not outlive the test: a later test on db 9 would route to it
 
 
 class Picker:

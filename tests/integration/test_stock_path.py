@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from tests.integration.conftest import (
     Cluster,
@@ -46,6 +47,7 @@ def cluster(
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("stock-logs")
     url = redis_db(redis_url, 9)
+    redis.Redis.from_url(url).flushdb()  # no worker another test registered here
     env = base_env(url, tiny_model_dir, CONVEYOR_BROKER_FASTPATH="false")
     workers = [start_worker(f"stock{i}", "generate", f"itest-w{i}", env, logdir) for i in range(2)]
     with stop_on_error(*workers):
