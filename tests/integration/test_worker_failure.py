@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +42,7 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
-from workers.registry import Heartbeat
+from workers.registry import Heartbeat, declare_dead
 
 pytestmark = pytest.mark.integration
 
@@ -76,9 +77,17 @@ def _long_stream(url: str, model: str, max_tokens: int, stream_options: dict | N
     )
 
 
+@pytest.mark.parametrize("death", ["heartbeat_lapses", "declared"])
 def test_request_redispatched_when_worker_dies_before_answering(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    redis_url: str, tiny_model_dir: Path, tmp_path: Path, death: str
 ) -> None:
+    """A worker that registered and then froze: the real one looks busy, so the router
+    picks the frozen one. "declared": its death is announced (as its engine process does
+    when its worker process dies) and the API re-sends the request at once.
+    "heartbeat_lapses": nobody says so; 3 s later its heartbeat lapses and whichever comes
+    first recovers the request: the API's liveness check (it re-sends the request) or a
+    router's prune (it moves the stranded message to the pool's queue, where the live
+    worker runs it). Either way it runs once and completes."""
     url7 = redis_db(redis_url, 7)
     r = redis.Redis.from_url(url7)
     env = base_env(url7, tiny_model_dir)
@@ -87,12 +96,20 @@ def test_request_redispatched_when_worker_dies_before_answering(
         api, url = start_api("api-failover", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
-        # A worker that registered and then froze: the real one looks busy, so the router
-        # picks the frozen one; its heartbeat expires 3 s later and the API must move the
-        # request on (3 s: on a loaded machine the pick itself may come a second late).
-        Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=3.0).beat()
+        # 3 s: on a loaded machine the pick itself may come a second late
+        ttl = 3.0 if death == "heartbeat_lapses" else 60.0
+        Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=ttl).beat()
         r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
         time.sleep(0.5)  # the API's router reads workers and load every 100 ms
+        stranded = worker_queue("generate", "aaa-hung")
+        if death == "declared":
+
+            def declare() -> None:  # once the request waits in the frozen worker's queue
+                wait_for(lambda: r.llen(stranded) == 1, 10, "the request at the frozen worker")
+                declare_dead(r, "generate", "aaa-hung")
+
+            declarer = threading.Thread(target=declare)
+            declarer.start()
         t0 = time.monotonic()
         out = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
             model=tiny_model_dir.name,
@@ -100,21 +117,30 @@ def test_request_redispatched_when_worker_dies_before_answering(
             max_tokens=5,
             extra_body={"ignore_eos": True},
         )
+        took = time.monotonic() - t0
         assert out.usage.completion_tokens == 5
-        assert time.monotonic() - t0 < 10
-        assert _metric(url, "conveyor_requests_redispatched_total") == 1
-        # the lost attempt does not stay stranded: the router prunes the dead worker, its
-        # message moves to the pool's queue, and the live worker skips it (abandoned)
-        stranded = worker_queue("generate", "aaa-hung")
-        wait_for(lambda: r.llen(stranded) == 0 and r.llen(pool_queue("generate")) == 0, 10,
-                 "the stranded attempt moved")  # fmt: skip
-        skipped = (
-            f"[{out.id}] cancelled before it started",
-            f"[{out.id}] abandoned before it started",
-        )  # begun on receipt, or not
-        wait_for(lambda: any(s in worker.log.read_text() for s in skipped), 10,
-                 "the moved attempt skipped", [worker])  # fmt: skip
+        assert took < (10 if death == "heartbeat_lapses" else 3), took
+        redispatched = _metric(url, "conveyor_requests_redispatched_total")
+        if death == "declared" or redispatched:
+            assert redispatched == 1
+            # the lost attempt does not stay stranded: the router prunes the dead worker,
+            # its message moves to the pool's queue, and the live worker skips it
+            wait_for(lambda: r.llen(stranded) == 0 and r.llen(pool_queue("generate")) == 0,
+                     10, "the stranded attempt moved")  # fmt: skip
+            skipped = (
+                f"[{out.id}] cancelled before it started",
+                f"[{out.id}] abandoned before it started",
+            )  # begun on receipt, or not
+            wait_for(lambda: any(s in worker.log.read_text() for s in skipped), 10,
+                     "the moved attempt skipped", [worker])  # fmt: skip
+            ran = f"[{out.id}.r1] length: "
+        else:  # a prune moved the message first: the original ran on the live worker
+            assert r.llen(stranded) == 0
+            ran = f"[{out.id}] length: "
+        wait_for(lambda: worker.log.read_text().count(ran) == 1, 10, "the one run", [worker])
     finally:
+        if death == "declared":
+            declarer.join(15)
         api.stop()
         worker.stop()
         r.flushdb()
