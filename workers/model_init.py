@@ -110,8 +110,9 @@ class TinyModelSpec:
 
 # Named sizes for ``conveyor model init --preset``. "llava-1.5-like": LLaVA-1.5's image
 # proportions (336-px images, 14-px patches: 576 image tokens per image, CLIP's second-last
-# layer) with a tower of 4 x 256-wide layers (about 40 ms an image on one core of the
-# development machine) and a text model twice the default's width.
+# layer) with a tower of 4 x 256-wide layers, small enough for a CPU to encode an image
+# in tens of milliseconds (docs/performance.md, "Multimodal: the four modes, encode
+# batching, the embedding cache"), and a text model twice the default's width.
 PRESETS: dict[str, TinyModelSpec] = {
     "default": TinyModelSpec(),
     "llava-1.5-like": TinyModelSpec(
