@@ -157,3 +157,16 @@ def error_text(body: bytes) -> str:
         return str(err.get("message", err))[:300]
     except (ValueError, KeyError, TypeError, AttributeError):
         return body[:300].decode(errors="replace")
+
+
+def run_parts(parts: dict, args, log_dir: Path) -> int:  # type: ignore[no-untyped-def]
+    """Run the ``--parts`` a bench names (each ``part(args, log_dir, out)`` adds its figures
+    to ``out``), on servers of their own (no inherited ``CONVEYOR_REDIS_URL``); write
+    ``out`` with the arguments to ``--json`` if given."""
+    os.environ.pop("CONVEYOR_REDIS_URL", None)
+    out: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+    for name in args.parts.split(","):
+        parts[name](args, log_dir, out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0

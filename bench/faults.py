@@ -51,7 +51,7 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 import redis  # noqa: E402
-from common import conveyor_serve, event_error  # noqa: E402
+from common import conveyor_serve, event_error, run_parts  # noqa: E402
 
 from kvbm.protocol import alive_key, worker_key  # noqa: E402
 from tasks.serve_state import ServeState  # noqa: E402
@@ -420,13 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="conveyor-faults-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {log_dir}", file=sys.stderr)
-    os.environ.pop("CONVEYOR_REDIS_URL", None)
-    out: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
-    for name in args.parts.split(","):
-        PARTS[name](args, log_dir, out)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
-    return 0
+    return run_parts(PARTS, args, log_dir)
 
 
 if __name__ == "__main__":

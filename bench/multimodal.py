@@ -34,8 +34,6 @@ import argparse
 import asyncio
 import base64
 import io
-import json
-import os
 import random
 import statistics
 import subprocess
@@ -49,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
 import redis  # noqa: E402
-from common import CONVEYOR, conveyor_serve, session, stream_chunks  # noqa: E402
+from common import CONVEYOR, conveyor_serve, run_parts, session, stream_chunks  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from tasks.modes import get_mode  # noqa: E402
@@ -334,14 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="conveyor-mm-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"model {args.model}; logs in {log_dir}", file=sys.stderr)
-    os.environ.pop("CONVEYOR_REDIS_URL", None)
-    out: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     parts = {"modes": part_modes, "batch": part_batch, "cache": part_cache}
-    for name in args.parts.split(","):
-        parts[name](args, log_dir, out)
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
-    return 0
+    return run_parts(parts, args, log_dir)
 
 
 if __name__ == "__main__":
