@@ -448,7 +448,7 @@ class Router:
             ids = [w for w in v.live if w not in req.exclude]
             if not ids:
                 return None
-        cap = 0 if req.admitted else c.max_requests
+        cap = self._cap(req)
         if cap:  # as far as this router knows; the commit has the last word
             room = [w for w in ids if v.reqs.get(w, 0) < cap]
             if not room:
@@ -527,6 +527,10 @@ class Router:
             inside = drawn
         return inside + outside
 
+    def _cap(self, req: RouteRequest) -> int:
+        """The requests a worker may hold for ``req``'s pick; 0: no cap (accepted work)."""
+        return 0 if req.admitted else self.config.max_requests
+
     def _full(self, v: PoolView, w: str, cap: int) -> bool:
         return bool(cap) and v.reqs.get(w, 0) >= cap
 
@@ -558,7 +562,7 @@ class Router:
         add_prefill = max(req.prompt_len - overlap * bs, 1)
         args: list = [w, add_prefill, int(guard), c.guard_ratio, c.guard_min_blocks,
                       max(len(v.live), 1), least, bs, LOAD_TTL_S * 1000,
-                      0 if req.admitted else c.max_requests]  # fmt: skip
+                      self._cap(req)]  # fmt: skip
         approx = c.mode == "kv" and not c.kv_events and bool(req.block_hashes)
         if approx:
             ttl_ms = int(c.approx_ttl_s * 1000)
