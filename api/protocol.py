@@ -1,8 +1,8 @@
-"""OpenAI request bodies (the subset Conveyor serves, plus vLLM's common extensions).
+"""OpenAI request bodies, with vLLM's extensions (same names and meanings).
 
-Unknown fields are ignored, as vLLM does. Fields Conveyor does not support yet (``n > 1``,
-``logprobs``, penalties, tools, ...) are accepted by the schema and rejected with a clear 400
-by :func:`unsupported`, so the client learns what is missing instead of getting silence.
+Unknown fields are ignored, as vLLM does. A field Conveyor does not serve is accepted by
+the schema and refused with a clear 400 naming it (:func:`unsupported`), so the client
+learns what is missing instead of getting silence.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.errors import bad_request
+from kvbm.protocol import MAX_LOGPROBS
 
 PIN_HEADER = "x-conveyor-worker-id"  # or the body's worker_id: run on exactly this worker
+MAX_N = 128  # choices per request (vLLM has no cap; each one holds a sequence slot)
 
 
 class _Body(BaseModel):
@@ -37,24 +39,44 @@ class ChatMessage(_Body):
 
 
 class _SamplingFields(_Body):
+    """Fields chat and completions share: OpenAI's, then vLLM's extensions (same names,
+    same meanings). :func:`api.params.sampling_of` resolves them into the engine's
+    :class:`kvbm.protocol.Sampling`."""
+
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_tokens: int = Field(0, ge=0)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=-1)
+    # structured outputs: vLLM's object, or its older guided_* fields (one kind at most)
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
     # Conveyor extension: pin the request to one worker (its id, as /metrics and the
     # worker's log name it); 400 when no live worker has that id
     worker_id: str | None = Field(None, min_length=1, max_length=200)
@@ -83,15 +105,20 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict] | None = None
-    tool_choice: Any = None
-    response_format: dict | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    # vLLM's: the rendered prompt
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    echo: bool = False
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -100,29 +127,17 @@ class CompletionRequest(_SamplingFields):
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Raise a 400 naming the first requested feature Conveyor does not serve yet."""
     checks: list[tuple[bool, str, str]] = [
-        (req.n != 1, "n", "n > 1 is not supported yet; send n=1"),
-        (bool(req.presence_penalty), "presence_penalty", "presence_penalty is not supported"),
-        (bool(req.frequency_penalty), "frequency_penalty", "frequency_penalty is not supported"),
-        (
-            req.repetition_penalty not in (None, 1.0),
-            "repetition_penalty",
-            "repetition_penalty is not supported",
-        ),
-        (bool(req.logit_bias), "logit_bias", "logit_bias is not supported"),
         (req.stream_options is not None and not req.stream, "stream_options",
          "stream_options is only allowed when stream is true"),
     ]  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
-        rf = (req.response_format or {}).get("type", "text")
         checks += [
-            (bool(req.logprobs) or req.top_logprobs is not None, "logprobs",
-             "logprobs are not supported yet"),
-            (bool(req.tools), "tools", "tool calling is not supported yet"),
-            (rf != "text", "response_format", f"response_format {rf!r} is not supported"),
+            (bool(req.tools) and req.tool_choice != "none", "tools",
+             "tool calling is not supported yet"),
+            (req.echo, "echo", "echo is not supported in chat completions"),
         ]  # fmt: skip
     else:
         checks += [
-            (req.logprobs is not None, "logprobs", "logprobs are not supported yet"),
             (req.echo, "echo", "echo is not supported yet"),
             (req.suffix is not None, "suffix", "suffix is not supported"),
             (req.best_of not in (None, 1), "best_of", "best_of > 1 is not supported"),

@@ -19,12 +19,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.errors import OpenAIError, bad_request
+from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
 from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state
 from api.tokenization import Prompt
-from kvbm.protocol import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +79,6 @@ def _check_model(st: ApiState, name: str) -> None:
                           "invalid_request_error", "model", "model_not_found")  # fmt: skip
 
 
-def sampling_of(req: ChatCompletionRequest | CompletionRequest, max_tokens: int) -> Sampling:
-    """The request's sampling parameters with OpenAI's defaults filled in."""
-    return Sampling(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
-        seed=req.seed,
-        stop=req.stop_list(),
-        stop_token_ids=req.stop_token_ids or [],
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-    )
-
-
 async def _serve(
     st: ApiState,
     req: ChatCompletionRequest | CompletionRequest,
@@ -111,6 +96,7 @@ async def _serve(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
         )
+    sampling = sampling_of(req, max_tokens, st.builder)
     images = []
     if prompt.images:  # fetched and checked only once the rest of the request is valid
         loaded = await st.media.load(prompt.images)
@@ -121,8 +107,7 @@ async def _serve(
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        run = await st.runner.start(rid, prompt_ids, sampling_of(req, max_tokens), started, pin,
-                                    images)  # fmt: skip
+        run = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
     except BaseException:
         st.metrics.in_flight.dec()
         raise

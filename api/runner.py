@@ -27,6 +27,7 @@ from api.resp import RespConnection
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
 from kvbm.protocol import (
     CANCEL_CHANNEL,
+    REQUEST_ERROR_CODES,
     ImageRef,
     Resume,
     Sampling,
@@ -444,17 +445,19 @@ class Runner:
 
 
 # The status of an error a worker reports before the first token (the response has not
-# started): a request the engine refuses is the caller's to fix; an image whose bytes are
-# gone from Redis (it waited past their TTL) may be sent again; anything else is ours.
-FRAME_ERROR_STATUS = {"invalid_sampling_params": 400, "image_unavailable": 503}
+# started): a request the engine refuses is the caller's to fix (400, REQUEST_ERROR_CODES);
+# an image whose bytes are gone from Redis (it waited past their TTL) may be sent again;
+# anything else is ours.
+FRAME_ERROR_STATUS = {"image_unavailable": 503}
 
 
 def frame_error(frame: TokenFrame) -> OpenAIError:
     """The error a worker's error frame reports, as the client gets it."""
     err = frame.error
     assert err is not None, "frame_error of a frame without an error"
-    return OpenAIError(FRAME_ERROR_STATUS.get(err.code or "", 500), err.message, err.type,
-                       None, err.code)  # fmt: skip
+    code = err.code or ""
+    status = 400 if code in REQUEST_ERROR_CODES else FRAME_ERROR_STATUS.get(code, 500)
+    return OpenAIError(status, err.message, err.type, err.param, err.code)
 
 
 def stream_error(e: BaseException) -> OpenAIError:

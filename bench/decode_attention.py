@@ -30,12 +30,12 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
 from serve_latency import make_prompts, output_lengths  # noqa: E402
 
+from kvbm.protocol import Sampling  # noqa: E402
 from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
 from workers import paged_kernel  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.engine_api import EngineConfig, EngineRequest  # noqa: E402
 from workers.llama import AttentionMetadata  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
 
 PATHS = ("torch", "kernel")
 
@@ -79,7 +79,7 @@ def engine_run(engine: Engine, steps: int, seed: int) -> tuple[float, float, lis
     def submit() -> None:
         i = len(tokens)
         tokens[str(i)] = []
-        params = SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
+        params = Sampling(temperature=0.0, max_tokens=lengths[i], ignore_eos=True)
         engine.add_request(EngineRequest(str(i), prompts[i], params))
 
     for _ in range(16):

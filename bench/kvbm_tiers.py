@@ -92,12 +92,12 @@ class Timed:
                 self._done.put(o)
 
     def ttft(self, prompt: list[int], max_tokens: int = 1) -> tuple[float, int]:
+        from kvbm.protocol import Sampling
         from workers.engine_api import EngineRequest
-        from workers.sampling import SamplingParams
 
         rid = uuid.uuid4().hex
         t0 = time.perf_counter()
-        self.loop.submit(EngineRequest(rid, prompt, SamplingParams(
+        self.loop.submit(EngineRequest(rid, prompt, Sampling(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))  # fmt: skip
         out = self._done.get(timeout=600)
         assert out.request_id == rid and out.finish_reason == "length", out
@@ -211,9 +211,9 @@ def part_ttft(args: argparse.Namespace) -> dict:
 def part_decode(args: argparse.Namespace) -> dict:
     import torch
 
+    from kvbm.protocol import Sampling
     from workers.engine import Engine
     from workers.engine_api import EngineConfig, EngineRequest
-    from workers.sampling import SamplingParams
 
     torch.set_num_threads(1)
     model = ensure_model(args.model)
@@ -240,7 +240,7 @@ def part_decode(args: argparse.Namespace) -> dict:
             while todo or e.has_unfinished:
                 while todo and active < conc:
                     e.add_request(EngineRequest(uuid.uuid4().hex, todo.pop(),
-                                                SamplingParams(max_tokens=out_len,
+                                                Sampling(max_tokens=out_len,
                                                                temperature=0.0,
                                                                ignore_eos=True)))  # fmt: skip
                     active += 1

@@ -270,10 +270,10 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
                       stagger_ms: float) -> dict:  # fmt: skip
     import torch
 
+    from kvbm.protocol import Sampling
     from workers.engine import Engine
     from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
     from workers.engine_loop import EngineLoop
-    from workers.sampling import SamplingParams
 
     torch.set_num_threads(args.torch_threads)
     # the server's scheduling and attention settings, so both sides run the same engine
@@ -307,7 +307,7 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
                 events[rid] = []
                 starts[rid] = time.perf_counter()
                 prompt, asked[rid] = pending.pop(0)
-            params = SamplingParams(max_tokens=asked[rid], temperature=0.0, ignore_eos=True)
+            params = Sampling(max_tokens=asked[rid], temperature=0.0, ignore_eos=True)
             loop.submit(EngineRequest(rid, prompt, params))
 
         t = time.perf_counter()

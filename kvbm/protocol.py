@@ -19,7 +19,8 @@ Public part:
     KV tiers            G1 / G2 / G3: what KV events and the index call the engine pool,
                         host memory and local disk
     TokenFrame          one frame of a token stream: built by a worker, parsed by the API
-    Sampling            the sampling parameters a request carries to the engine
+    Sampling            the sampling parameters a request carries to the engine (and
+                        StructuredOutput, the grammar its output must follow)
     ImageRef            one image of a prompt: its content hash and placeholder tokens
     StagePayload        what every stage task receives
     EncodeHandle        what an encode task hands the task that prefills (embeddings)
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import orjson
 import xxhash
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 # ======================================================================================
 # Redis keys and channels, Celery queues
@@ -372,7 +373,13 @@ def request_extra_keys(
 # ======================================================================================
 # One frame per engine step per request, JSON on ``tokens:{request_id}``. ``seq`` counts
 # from 0 per request with no gaps; the frame with ``done`` is always the last: it carries
-# the finish reason and usage, or an error.
+# the finish reason and usage, or an error. A request that asked for logprobs gets one
+# Logprob per token id of the frame; one that asked for prompt logprobs gets them on its
+# first frame (None for the prompt's first token, which nothing predicts).
+
+# [the token's logprob, its rank among the vocabulary (1: the most likely), the top
+# logprobs asked for as [token id, logprob] pairs, most likely first]
+Logprob = list
 
 
 @dataclass(slots=True)
@@ -382,11 +389,18 @@ class Usage:
     cached_tokens: int = 0
 
 
+# Error codes of a request the engine refuses as it stands (the caller's to fix): their
+# frames say ``invalid_request_error`` and the API answers 400, naming ``param``
+REQUEST_ERROR_CODES = frozenset({"invalid_sampling_params", "unsupported_parameter",
+                                 "invalid_structured_output"})  # fmt: skip
+
+
 @dataclass(slots=True)
 class FrameError:
     message: str
     code: str
     type: str = "server_error"
+    param: str | None = None  # the request field at fault (a refused request's)
 
 
 @dataclass(slots=True)
@@ -399,19 +413,32 @@ class TokenFrame:
     stop_reason: str | int | None = None  # the stop string or token id that matched
     usage: Usage | None = None
     error: FrameError | None = None
+    logprobs: list[Logprob] | None = None  # one per token id
+    prompt_logprobs: list[Logprob | None] | None = None  # first frame: one per prompt token
 
     @classmethod
-    def failure(cls, seq: int, message: str, code: str, usage: Usage | None = None) -> TokenFrame:
-        """A terminal error frame."""
-        return cls(seq, [], "", done=True, usage=usage, error=FrameError(message, code))
+    def failure(
+        cls, seq: int, message: str, code: str, usage: Usage | None = None,
+        param: str | None = None,
+    ) -> TokenFrame:  # fmt: skip
+        """A terminal error frame (a request error's, by its code, or a server error's)."""
+        type_ = "invalid_request_error" if code in REQUEST_ERROR_CODES else "server_error"
+        return cls(seq, [], "", done=True, usage=usage,
+                   error=FrameError(message, code, type_, param))  # fmt: skip
 
     def encode(self) -> bytes:
         d: dict = {"seq": self.seq, "token_ids": self.token_ids, "text": self.text}
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = self.prompt_logprobs
         if self.done:
             d["done"] = True
             if self.error is not None:
                 e = self.error
                 d["error"] = {"message": e.message, "type": e.type, "code": e.code}
+                if e.param is not None:
+                    d["error"]["param"] = e.param
             else:
                 d["finish_reason"] = self.finish_reason
                 d["stop_reason"] = self.stop_reason
@@ -429,7 +456,9 @@ class TokenFrame:
         if not isinstance(d, dict) or not isinstance(d.get("seq"), int):
             raise ValueError(f"not a token frame: {raw[:80]!r}")
         frame = cls(d["seq"], d.get("token_ids") or [], d.get("text") or "",
-                    bool(d.get("done")), d.get("finish_reason"), d.get("stop_reason"))  # fmt: skip
+                    bool(d.get("done")), d.get("finish_reason"), d.get("stop_reason"),
+                    logprobs=d.get("logprobs"),
+                    prompt_logprobs=d.get("prompt_logprobs"))  # fmt: skip
         u = d.get("usage")
         if u:
             frame.usage = Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
@@ -438,7 +467,7 @@ class TokenFrame:
         if e:
             frame.error = FrameError(e.get("message") or "generation failed",
                                      e.get("code") or "engine_error",
-                                     e.get("type") or "server_error")  # fmt: skip
+                                     e.get("type") or "server_error", e.get("param"))  # fmt: skip
         return frame
 
 
@@ -447,18 +476,116 @@ class TokenFrame:
 # ======================================================================================
 
 
-class Sampling(BaseModel):
-    """Sampling parameters as the API resolved them (the engine validates them again)."""
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
+
+class StructuredOutput(BaseModel):
+    """A constraint on a request's output (structured outputs, vLLM's
+    ``StructuredOutputsParams``): exactly one of ``json`` (a JSON Schema, as JSON text),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings),
+    ``grammar`` (EBNF, as xgrammar reads it) or ``structural_tag`` (xgrammar's structural
+    tag, as JSON text: tool calls). The engine compiles it (cached by :meth:`key`) and
+    masks every step's logits to what the grammar allows next."""
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    # JSON without free whitespace between tokens (vLLM's ``disable_any_whitespace``): a
+    # bounded schema then always finishes, even on a model with random weights
+    any_whitespace: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutput:
+        given = [n for n in STRUCTURED_KINDS if getattr(self, n) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of {', '.join(STRUCTURED_KINDS)} must be set, "
+                             f"got {', '.join(given) or 'none'}")  # fmt: skip
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice must list at least one string")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in STRUCTURED_KINDS if getattr(self, n) not in (None, False))
+
+    def key(self) -> str:
+        """What names the compiled grammar (equal specs compile once)."""
+        return orjson.dumps(self.model_dump(), option=orjson.OPT_SORT_KEYS).decode()
+
+
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default cap)
+
+
+class Sampling(BaseModel):
+    """A request's sampling parameters, with vLLM's names and meanings: resolved and
+    validated by the API (OpenAI's defaults filled in, words tokenized), carried in the
+    stage payload, and taken by the engine as they are (validated again on the way in).
+
+    Penalties: ``presence_penalty`` / ``frequency_penalty`` act on the output tokens so
+    far (OpenAI's definition), ``repetition_penalty`` on the prompt's and the output's
+    (Hugging Face's). ``logit_bias`` adds to a token's logit; ``allowed_token_ids`` keeps
+    only those; ``bad_words`` bans each token sequence's last token after its others.
+    ``logprobs``: the sampled token's log-probability and this many of the most likely
+    tokens', per output token; ``prompt_logprobs`` the same per prompt token: both the
+    model's raw log-softmax (before penalties and temperature), as vLLM returns them.
+    ``n``: choices, sharing one prefill. ``structured``: the output's grammar."""
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[list[int]] = Field(default_factory=list)  # token id sequences
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    n: int = Field(1, ge=1)
+    structured: StructuredOutput | None = None
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Sampling:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")  # fmt: skip
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)  # fmt: skip
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything besides temperature, top-k/p and min-p shapes the logits."""
+        return bool(self.penalized or self.logit_bias or self.allowed_token_ids is not None
+                    or self.bad_words or self.structured is not None)  # fmt: skip
+
+
+def choice_stream_id(request_id: str, index: int) -> str:
+    """The stream of choice ``index`` of a request with ``n > 1`` (each choice streams,
+    finishes, is cancelled and migrates on its own id; ``n == 1`` keeps the request's)."""
+    return f"{request_id}.c{index}"
 
 
 class ImageRef(BaseModel):

@@ -109,13 +109,10 @@ def _begin(stage: str, message: Any) -> str | None:
             return None
         from tasks.stages import stage_args
 
-        req, mm, failed = stage_args(tuple(loads(message.body)[0]))
+        req, refs, failed = stage_args(tuple(loads(message.body)[0]))
         if failed:
             return None  # its encode task failed: the task says so, nothing to run
-        resume = req.resume.model_dump() if req.resume is not None else None
-        get_runtime().begin(stage, req.request_id, req.prompt_token_ids,
-                            req.sampling.model_dump(), req.forced_first_token, mm,
-                            resume)  # fmt: skip
+        get_runtime().begin(stage, req, refs)
     except Exception as e:  # noqa: BLE001 - the task meets the same problem and reports it
         log.debug("message %s left to its task: %s", headers.get("id"), e)
         return None

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from celery import Task, chain
 
 from kvbm.protocol import (
+    EmbeddingRef,
     EncodeHandle,
     PrefillHandle,
     StagePayload,
@@ -37,8 +38,7 @@ def encode(self: Task, payload: dict) -> dict:
     """Encode stage: the request's images through the vision tower; the handle (which
     Celery hands to the chain's next task) says where their embeddings are."""
     req = StagePayload.model_validate(payload)
-    images = [im.model_dump() for im in req.images]
-    return _guarded(req, lambda rt: rt.encode(req.request_id, images)).model_dump()
+    return _guarded(req, lambda rt: rt.encode(req)).model_dump()
 
 
 @app.task(name="conveyor.generate", bind=True, acks_late=True, ignore_result=True,
@@ -46,18 +46,10 @@ def encode(self: Task, payload: dict) -> dict:
 def generate(self: Task, *args: dict) -> dict:
     """Aggregated stage: prefill and decode the request on this worker, streaming tokens
     (``args``: the payload, after an encode task's handle in the e-pd mode)."""
-    req, mm, failed = stage_args(args)
+    req, refs, failed = stage_args(args)
     if failed:
         return _ended(req)
-    args = (
-        req.request_id,
-        req.prompt_token_ids,
-        req.sampling.model_dump(),
-        req.forced_first_token,
-        mm,
-        req.resume.model_dump() if req.resume else None,
-    )
-    return _guarded(req, lambda rt: rt.generate(*args)).model_dump()
+    return _guarded(req, lambda rt: rt.generate(req, refs)).model_dump()
 
 
 @app.task(name="conveyor.prefill", bind=True, acks_late=True, ignore_result=True,
@@ -65,35 +57,26 @@ def generate(self: Task, *args: dict) -> dict:
 def prefill(self: Task, *args: dict) -> dict:
     """Prefill stage: stream the first token, pin the KV, return the handle (which Celery
     hands to the chain's decode task)."""
-    req, mm, failed = stage_args(args)
+    req, refs, failed = stage_args(args)
     if failed:
         h = PrefillHandle(request_id=req.request_id, prefill_worker="", finished=True,
                           finish_reason="error", error="encoding failed")  # fmt: skip
         return h.model_dump()
-    sampling, forced = req.sampling.model_dump(), req.forced_first_token
-    return _guarded(req, lambda rt: rt.prefill(req.request_id, req.prompt_token_ids,
-                                               sampling, forced, mm)).model_dump()  # fmt: skip
+    return _guarded(req, lambda rt: rt.prefill(req, refs)).model_dump()
 
 
-def stage_args(args: tuple[dict, ...]) -> tuple[StagePayload, dict | None, bool]:
+def stage_args(args: tuple[dict, ...]) -> tuple[StagePayload, list[EmbeddingRef], bool]:
     """A generate or prefill task's arguments (the payload alone, or an encode task's handle
-    then the payload) as the payload, its images (``{"images", "refs"}``, see
-    workers.engine_proc.EngineClient.submit; ``None`` for a text request) and whether an
-    encode task failed (it has ended the stream then: nothing is left to run)."""
+    then the payload) as the payload, the embeddings the encode task made of its images
+    (none for a text request) and whether that encode task failed (it has ended the stream
+    then: nothing is left to run)."""
     req = StagePayload.model_validate(args[-1])
-    refs: list[dict] = []
     if len(args) == 2:
         enc = EncodeHandle.model_validate(args[0])
         if enc.error is not None:
-            return req, None, True
-        refs = [r.model_dump() for r in enc.embeddings]
-    return req, _images(req, refs), False
-
-
-def _images(req: StagePayload, refs: list[dict] | None = None) -> dict | None:
-    if not req.images:
-        return None
-    return {"images": [im.model_dump() for im in req.images], "refs": refs or []}
+            return req, [], True
+        return req, enc.embeddings, False
+    return req, [], False
 
 
 def _ended(req: StagePayload) -> dict:
@@ -117,11 +100,8 @@ def decode(self: Task, handle: dict, payload: dict) -> dict:
     h = PrefillHandle.model_validate(handle)
     if h.finished:
         return handle  # the request ended on its first token; the stream is complete
-    mm = _images(req)
     try:
-        return _guarded(req, lambda rt: rt.decode(req.request_id, req.prompt_token_ids,
-                                                  req.sampling.model_dump(), h,
-                                                  mm)).model_dump()  # fmt: skip
+        return _guarded(req, lambda rt: rt.decode(req, h)).model_dump()
     except KVPullFailed as e:
         return _redo_prefill(get_runtime(), req, h, str(e)).model_dump()
 
@@ -139,9 +119,7 @@ def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> Sta
     target = _pick_prefill(req, exclude=handle.prefill_worker)
     if target is None:
         log.warning("[%s] %s; no other prefill worker: running it here", req.request_id, why)
-        mm = _images(req)
-        return rt.generate(req.request_id, req.prompt_token_ids, req.sampling.model_dump(),
-                           redo.forced_first_token, mm)  # fmt: skip
+        return rt.generate(redo)
     log.warning("[%s] %s; prefilling again on %s (attempt %d/%d)", req.request_id, why,
                 target, redo.attempt, s.prefill_retries)  # fmt: skip
     chain(

@@ -33,7 +33,7 @@ from workers.transfer.embeddings import make_embedding_transfer
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from workers.engine_proc import EngineProcSpec
+    from workers.engine_proc import EngineCommand, EngineProcSpec
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,11 @@ class EncodeServer:
         threading.Thread(target=self._report, name="stats", daemon=True).start()
 
     def handle(self, kind: str, payload: object) -> None:
-        if kind == "encode":
-            rid, images = payload  # type: ignore[misc]
+        if kind == "run":
+            cmd: EngineCommand = payload  # type: ignore[assignment]
+            assert cmd.kind == "encode", f"an encode worker runs encode commands, not {cmd.kind}"
             with self._cv:
-                self._queue.append((rid, [ImageRef.model_validate(d) for d in images]))
+                self._queue.append((cmd.request_id, list(cmd.payload.images)))
                 self._cv.notify()
         elif kind == "abort":  # a request still waiting is dropped; one in the tower ends
             with self._cv:  # (the next stage skips it: the API has marked it cancelled)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from kvbm.protocol import Sampling
 from workers import paged_kernel
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.engine_api import EngineConfig, EngineRequest, MMInput, RequestOutput, failed
@@ -29,7 +30,7 @@ from workers.engine_core import EngineCore, token_seed
 from workers.kv_copier import TorchBlockCopier
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
-from workers.sampling import SamplingParams, make_generator, sample
+from workers.sampling import make_generator, sample
 from workers.scheduler import Seq
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Engine(EngineCore):
+    name = "reference"
+
     def __init__(
         self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
         image_token_id: int | None = None,  # a vision-language model's placeholder token
@@ -90,7 +93,7 @@ class Engine(EngineCore):
             req = dataclasses.replace(req, mm_inputs=mm)
         return super().add_request(req)
 
-    def _make_generator(self, params: SamplingParams) -> torch.Generator | None:
+    def _make_generator(self, params: Sampling) -> torch.Generator | None:
         return None if params.greedy else make_generator(params.seed)
 
     def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:

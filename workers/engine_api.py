@@ -25,8 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kvbm.block_pool import KVEvent
-from kvbm.protocol import ExtraKeys
-from workers.sampling import SamplingParams
+from kvbm.protocol import ExtraKeys, Sampling
 
 
 class KVSource(Protocol):
@@ -83,7 +82,7 @@ class MMInput:
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Sampling
     prefill_only: bool = False  # stop after the first token and pin the prompt's blocks
     forced_first_token: int | None = None  # re-prefill: keep the token already streamed
     imported: ImportedPrefill | None = None
@@ -112,15 +111,58 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None
+    error_param: str | None = None  # the request field a refusal names
+    # one kvbm.protocol.Logprob per token id, when the request asked for logprobs; the
+    # prompt's (first output only), when it asked for prompt logprobs
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
     prefilled: bool = False  # prefill-only request done; its blocks are pinned
     kv_block_ids: list[int] | None = None
     kv_transfer_params: dict | None = None  # vLLM prefill: where its connector keeps the KV
 
 
-def failed(request_id: str, num_prompt_tokens: int, message: str) -> RequestOutput:
-    """The output of a request that can never run."""
+def failed(
+    request_id: str, num_prompt_tokens: int, message: str, code: str | None = None,
+    param: str | None = None,
+) -> RequestOutput:  # fmt: skip
+    """The output of a request that can never run (``code``: why, when it is the request's
+    fault: kvbm.protocol.REQUEST_ERROR_CODES; ``param``: the field at fault)."""
     return RequestOutput(request_id, [], "", finished=True, finish_reason="error",
-                         num_prompt_tokens=num_prompt_tokens, error=message)  # fmt: skip
+                         num_prompt_tokens=num_prompt_tokens, error=message,
+                         error_code=code, error_param=param)  # fmt: skip
+
+
+# The sampling features an engine may or may not serve: the request field that asks for
+# one (as the API names it) -> whether a request's parameters use it. An engine lists those
+# it serves (``supports``); a request using another is refused, naming the field.
+FEATURES: dict[str, Callable[[Sampling], bool]] = {
+    "n": lambda p: p.n > 1,
+    "logprobs": lambda p: p.logprobs is not None,
+    "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
+    "presence_penalty": lambda p: p.presence_penalty != 0.0,
+    "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
+    "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "min_p": lambda p: p.min_p > 0.0,
+    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+    "bad_words": lambda p: bool(p.bad_words),
+    "include_stop_str_in_output": lambda p: p.include_stop_str_in_output,
+    "structured_outputs": lambda p: p.structured is not None,
+}
+
+
+def refuse_unsupported(
+    request_id: str, num_prompt_tokens: int, params: Sampling, engine: str,
+    supports: frozenset[str],
+) -> RequestOutput | None:  # fmt: skip
+    """The failed output naming the first feature ``params`` use that this engine does not
+    serve (``supports``: the names of FEATURES it does); ``None`` if it serves them all."""
+    for name, used in FEATURES.items():
+        if name not in supports and used(params):
+            return failed(request_id, num_prompt_tokens,
+                          f"the {engine} engine does not support {name}",
+                          "unsupported_parameter", name)  # fmt: skip
+    return None
 
 
 def refuse_prompt(request_id: str, n: int, max_model_len: int) -> RequestOutput | None:
@@ -192,6 +234,9 @@ class EngineStats:
 class Engine(Protocol):
     """What the engine loop and the engine process need of an engine. Every method runs on
     the engine loop's thread (:class:`workers.engine_loop.EngineLoop`)."""
+
+    name: str  # what refusals call it: reference | mock | vllm
+    supports: frozenset[str]  # the optional sampling features (FEATURES) it serves
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> RequestOutput | None:

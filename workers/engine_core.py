@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from kvbm.block_pool import KVEvent
 from kvbm.disk import BlockLayout, BlockStore, FileBlockStore, claim_dir
 from kvbm.offload import BlockCopier, OffloadManager
-from kvbm.protocol import ExtraKeys, model_namespace
+from kvbm.protocol import ExtraKeys, Sampling, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import (
     EngineConfig,
@@ -32,9 +32,9 @@ from workers.engine_api import (
     RequestOutput,
     failed,
     refuse_prompt,
+    refuse_unsupported,
 )
 from workers.output_processor import OutputProcessor, finished
-from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler, Seq
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 class EngineCore:
     """Scheduler + output processing; subclasses compute the steps (``_forward``)."""
+
+    name = "core"  # what refusals call this engine
+    # the optional sampling features (workers.engine_api.FEATURES) this engine serves
+    supports: frozenset[str] = frozenset()
 
     def __init__(
         self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
@@ -63,7 +67,7 @@ class EngineCore:
         self._disk_lock: int | None = None  # held while this engine uses its disk dir
 
     # --- what a subclass provides ---------------------------------------------------------
-    def _make_generator(self, params: SamplingParams) -> object | None:
+    def _make_generator(self, params: Sampling) -> object | None:
         """The request's random source (``None``: greedy, or the engine needs none)."""
         return None
 
@@ -129,6 +133,9 @@ class EngineCore:
             return None
         n = len(req.prompt_token_ids)
         if (refused := refuse_prompt(rid, n, self.max_model_len)) is not None:
+            return refused
+        if (refused := refuse_unsupported(rid, n, req.params, self.name,
+                                          self.supports)) is not None:  # fmt: skip
             return refused
         detok = IncrementalDetokenizer(
             self.tokenizer, req.params.stop, req.params.skip_special_tokens

@@ -7,7 +7,7 @@ EngineCore, the engine runs in a child process that owns the model, the KV pool 
 frame publisher; the Celery process only forwards commands and waits for completions.
 
     Celery process (EngineClient)            engine process (_serve)
-      submit(rid, prompt, params)  ─pipe─>     EngineLoop.submit
+      run(EngineCommand)           ─pipe─>     EngineLoop.submit(EngineRequest)
       abort(rid)                   ─pipe─>     EngineLoop.abort
       waiter woken             <─pipe─  done   FramePublisher -> Redis  tokens:{rid}
       stats() (for heartbeats) <─pipe─  stats  every stats_period_s
@@ -30,12 +30,18 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbm.protocol import EncodeHandle, PrefillHandle, kv_release_channel
+from kvbm.protocol import (
+    EmbeddingRef,
+    EncodeHandle,
+    PrefillHandle,
+    StagePayload,
+    kv_release_channel,
+)
 
 if TYPE_CHECKING:
     import redis
 
-    from workers.engine_api import Engine
+    from workers.engine_api import Engine, EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +84,30 @@ class Completion:
     handle: PrefillHandle | EncodeHandle | None = None  # what the next stage pulls from
     transfer_failed: bool = False  # decode: the KV could not be pulled
     engine_died: bool = False  # the engine process is gone; the request is lost with it
+
+
+@dataclass(slots=True)
+class EngineCommand:
+    """One request for the engine process, as it crosses the pipe (pickled whole): the
+    stage payload as the task received it, and what the stage before handed over."""
+
+    kind: str  # submit (aggregated) | prefill | decode | encode
+    payload: StagePayload
+    refs: list[EmbeddingRef] = field(default_factory=list)  # embeddings an encode worker made
+    handle: PrefillHandle | None = None  # decode: where the prefill's KV is
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMMAND_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(COMMAND_KINDS)}, not {self.kind!r}")
+        assert (self.kind == "decode") == (self.handle is not None), \
+            "a decode command, and only it, carries the prefill's handle"  # fmt: skip
+
+    @property
+    def request_id(self) -> str:
+        return self.payload.request_id
+
+
+COMMAND_KINDS = ("submit", "prefill", "decode", "encode")
 
 
 @dataclass(slots=True)
@@ -183,43 +213,20 @@ class EngineClient:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def submit(
-        self, request_id: str, prompt_ids: list[int], params: dict,
-        forced_first_token: int | None = None, mm: dict | None = None,
-        resume: dict | None = None,
-    ) -> _Waiter:  # fmt: skip
-        """Run a whole request (aggregated). ``mm``: its images, ``{"images": [ImageRef
-        dicts], "refs": [EmbeddingRef dicts]}`` (refs: embeddings another worker made).
-        ``resume``: a migrated stream's :class:`kvbm.protocol.Resume` (as a dict)."""
-        return self._submit("submit", request_id,
-                            (prompt_ids, params, forced_first_token, mm, resume))  # fmt: skip
-
-    def prefill(
-        self, request_id: str, prompt_ids: list[int], params: dict,
-        forced_first_token: int | None = None, mm: dict | None = None,
-    ) -> _Waiter:  # fmt: skip
-        """Prefill only; the waiter's result carries the handle for the decode side."""
-        return self._submit("prefill", request_id, (prompt_ids, params, forced_first_token, mm))
-
-    def decode(
-        self, request_id: str, prompt_ids: list[int], params: dict, handle: PrefillHandle,
-        mm: dict | None = None,
-    ) -> _Waiter:  # fmt: skip
-        """Pull the prefilled KV described by ``handle``, then decode from the 2nd token."""
-        return self._submit("decode", request_id, (prompt_ids, params, handle, mm))
-
-    def encode(self, request_id: str, images: list[dict]) -> _Waiter:
-        """Encode pool: run the images through the vision tower; the waiter's result
-        carries the :class:`EncodeHandle` (where the embeddings are)."""
-        return self._submit("encode", request_id, (images,))
+    def run(self, cmd: EngineCommand) -> _Waiter:
+        """Start ``cmd`` in the engine process; its waiter is woken when the request ends
+        (a prefill's result carries the handle for the decode side, an encode's where the
+        embeddings are)."""
+        return self._submit(cmd)
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    def _submit(self, kind: str, request_id: str, args: tuple) -> _Waiter:
+    def _submit(self, cmd: EngineCommand) -> _Waiter:
         """A request already running here (the broker redelivered its task: acks are late,
         so a consumer that lost its connection puts its unacked tasks back) is not run
         twice: the new task waits for the run in progress, and both end together."""
+        request_id = cmd.request_id
         waiter = _Waiter()
         with self._lock:
             if self._dead:
@@ -229,9 +236,9 @@ class EngineClient:
                 self._waiters[request_id] = waiter
         if running is not None:
             log.warning("[%s] delivered again while it runs here (%s); waiting for that run",
-                        request_id, kind)  # fmt: skip
+                        request_id, cmd.kind)  # fmt: skip
             return running
-        self._send((kind, (request_id, *args)))
+        self._send(("run", cmd))
         return waiter
 
     def is_pending(self, request_id: str) -> bool:
@@ -397,11 +404,19 @@ def declare_worker_dead(client: redis.Redis, spec: EngineProcSpec) -> None:
         log.warning("worker %s died; could not say so in Redis (%s)", spec.worker_id, e)
 
 
-def _resumed(resume: dict):  # type: ignore[no-untyped-def]
-    """The engine's view of a migrated stream's :class:`kvbm.protocol.Resume`."""
-    from workers.engine_api import ResumedOutput
+def engine_request(cmd: EngineCommand, **extra: object) -> EngineRequest:
+    """The engine's request for ``cmd`` (``extra``: what this process added: the images'
+    embeddings, an imported prefill's KV source, ...)."""
+    from workers.engine_api import EngineRequest, ResumedOutput
 
-    return ResumedOutput(list(resume["output_token_ids"]), int(resume["emitted_chars"]))
+    p = cmd.payload
+    resumed = None
+    if p.resume is not None:  # a migrated stream: what the client already has
+        resumed = ResumedOutput(list(p.resume.output_token_ids), p.resume.emitted_chars)
+    return EngineRequest(p.request_id, p.prompt_token_ids, p.sampling,
+                         prefill_only=cmd.kind == "prefill",
+                         forced_first_token=p.forced_first_token, resumed=resumed,
+                         **extra)  # type: ignore[arg-type]  # fmt: skip
 
 
 def _is_multimodal(model_dir: str) -> bool:
@@ -519,66 +534,49 @@ class _EngineServer:
         return st
 
     # ----------------------------------------------------------------------------------
-    def handle(self, kind: str, payload: tuple) -> None:
-        from workers.engine_api import EngineRequest
-        from workers.sampling import SamplingParams
-
+    def handle(self, kind: str, payload: object) -> None:
         if kind == "abort":
             self.loop.abort(payload)
             return
-        rid, prompt_ids, params, *rest = payload
-        try:
-            sp = SamplingParams.from_dict(params)
-        except (TypeError, ValueError) as e:
-            self.publisher.publish_error(rid, f"invalid sampling parameters: {e}",
-                                         code="invalid_sampling_params")  # fmt: skip
-            return
-        mm = rest[1] if len(rest) > 1 else None
-        resumed = _resumed(rest[2]) if len(rest) > 2 and rest[2] else None
-        if resumed is not None:  # the stream carries on where the lost worker left it
-            self.publisher.start_at(rid, rest[2]["next_seq"])
-        if mm and mm.get("images") and self.images is not None:
-            self.mm_pool.submit(self._with_images, kind, rid, list(prompt_ids), sp, rest[0], mm,
-                                resumed)  # fmt: skip
-        elif kind in ("submit", "prefill"):
-            self.loop.submit(EngineRequest(rid, list(prompt_ids), sp,
-                                           prefill_only=kind == "prefill",
-                                           forced_first_token=rest[0],
-                                           resumed=resumed))  # fmt: skip
-        elif kind == "decode" and self.spec.engine == "vllm":
-            self._vllm_decode(rid, list(prompt_ids), sp, rest[0])
-        elif kind == "decode":
-            self.pool.submit(self._pull_and_decode, rid, list(prompt_ids), sp, rest[0])
+        assert kind == "run" and isinstance(payload, EngineCommand), f"unknown command {kind!r}"
+        cmd, p = payload, payload.payload
+        if p.resume is not None:  # the stream carries on where the lost worker left it
+            self.publisher.start_at(p.request_id, p.resume.next_seq)
+        if p.images and self.images is not None:
+            self.mm_pool.submit(self._with_images, cmd)
+        elif cmd.kind == "decode" and self.spec.engine == "vllm":
+            self._vllm_decode(cmd)
+        elif cmd.kind == "decode":
+            self.pool.submit(self._pull_and_decode, cmd)
+        else:
+            self.loop.submit(engine_request(cmd))
 
-    def _with_images(self, kind: str, rid: str, prompt_ids: list[int], sp, arg, mm: dict,  # type: ignore[no-untyped-def]
-                     resumed=None) -> None:  # fmt: skip
+    def _with_images(self, cmd: EngineCommand) -> None:
         """Get the request's image embeddings (pulled or encoded here), then run it."""
-        from kvbm.protocol import EmbeddingRef, ImageRef, request_extra_keys
-        from workers.engine_api import EngineRequest
+        from kvbm.protocol import request_extra_keys
         from workers.images import ImageUnavailable, prepare
 
-        images = [ImageRef.model_validate(d) for d in mm["images"]]
-        refs = [EmbeddingRef.model_validate(d) for d in mm.get("refs") or ()]
-        if kind == "decode":
-            refs += arg.embeddings  # what the prefill worker used
+        p, rid = cmd.payload, cmd.request_id
+        refs = list(cmd.refs)
+        if cmd.handle is not None:
+            refs += cmd.handle.embeddings  # what the prefill worker used
         try:
-            inputs = prepare(images, refs, self.images, self.emb_transfer,
+            inputs = prepare(p.images, refs, self.images, self.emb_transfer,
                              self.spec.transfer_timeout_s)  # fmt: skip
         except ImageUnavailable as e:
             log.warning("[%s] %s", rid, e)
-            if kind == "decode":
+            if cmd.kind == "decode":
                 self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
             self.publisher.publish_error(rid, str(e), code="image_unavailable")
             return
-        extra = request_extra_keys(images, len(prompt_ids), self.engine.config.block_size)
-        if kind == "decode":
-            self._pull_and_decode(rid, prompt_ids, sp, arg, inputs, extra)
+        extra = request_extra_keys(p.images, len(p.prompt_token_ids),
+                                   self.engine.config.block_size)  # fmt: skip
+        if cmd.kind == "decode":
+            self._pull_and_decode(cmd, inputs, extra)
             return
-        if kind == "prefill":
-            self.mm_used[rid] = (images, [m.embeds for m in inputs])
-        self.loop.submit(EngineRequest(rid, prompt_ids, sp, prefill_only=kind == "prefill",
-                                       forced_first_token=arg, mm_inputs=inputs,
-                                       block_extra_keys=extra, resumed=resumed))  # fmt: skip
+        if cmd.kind == "prefill":
+            self.mm_used[rid] = (p.images, [m.embeds for m in inputs])
+        self.loop.submit(engine_request(cmd, mm_inputs=inputs, block_extra_keys=extra))
 
     def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
         """Frames are out: report finished requests; export prefilled ones' KV."""
@@ -633,32 +631,34 @@ class _EngineServer:
         )
         self.send(("done", [Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
 
-    def _pull_and_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle,
-                         mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    def _pull_and_decode(self, cmd: EngineCommand, mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]
         """The decode request joins the engine at once and waits there, in the loading
         state, for blocks and then for its pull (a loader thread runs ``_KVPull.load``)
         while the others keep decoding."""
-        from workers.engine_api import EngineRequest, ImportedPrefill
+        from workers.engine_api import ImportedPrefill
 
-        assert handle.first_token is not None, "a handle to pull from names its first token"
-        source = _KVPull(self, rid, handle)
+        handle = cmd.handle
+        assert handle is not None and handle.first_token is not None, \
+            "a handle to pull from names its first token"  # fmt: skip
+        source = _KVPull(self, cmd.request_id, handle)
         imported = ImportedPrefill(handle.first_token, handle.emitted_chars, source,
                                    handle.cached_tokens)  # fmt: skip
-        self.loop.submit(EngineRequest(rid, prompt_ids, sp, imported=imported,
-                                       mm_inputs=mm_inputs, block_extra_keys=extra))  # fmt: skip
+        self.loop.submit(engine_request(cmd, imported=imported, mm_inputs=mm_inputs,
+                                        block_extra_keys=extra))  # fmt: skip
 
-    def _vllm_decode(self, rid: str, prompt_ids: list[int], sp, handle: PrefillHandle) -> None:  # type: ignore[no-untyped-def]
+    def _vllm_decode(self, cmd: EngineCommand) -> None:
         """Decode on vLLM: its connector pulls the KV the handle names (a failed pull is
         recomputed inside vLLM); the first token, which the prefill worker streamed, is
         not streamed again."""
-        from workers.engine_api import EngineRequest, ImportedPrefill
+        from workers.engine_api import ImportedPrefill
 
-        assert handle.first_token is not None, "a handle to decode from names its first token"
-        self.publisher.start_at(rid, 1)
-        self.loop.submit(EngineRequest(rid, prompt_ids, sp,
-                                       imported=ImportedPrefill(handle.first_token,
-                                                                handle.emitted_chars),
-                                       kv_transfer_params=handle.transfer))  # fmt: skip
+        handle = cmd.handle
+        assert handle is not None and handle.first_token is not None, \
+            "a handle to decode from names its first token"  # fmt: skip
+        self.publisher.start_at(cmd.request_id, 1)
+        self.loop.submit(engine_request(cmd, imported=ImportedPrefill(handle.first_token,
+                                                                      handle.emitted_chars),
+                                        kv_transfer_params=handle.transfer))  # fmt: skip
 
     def _transfer_failed(self, rid: str, why: str) -> None:
         log.warning("[%s] %s", rid, why)

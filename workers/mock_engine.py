@@ -93,6 +93,8 @@ class SimulatedCopier:
 
 
 class MockEngine(EngineCore):
+    name = "mock"
+
     def __init__(
         self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
         eos_token_ids: list[int], timing: MockTiming, layout: BlockLayout | None = None,

@@ -20,13 +20,22 @@ import redis
 
 from kvbm.protocol import (
     CANCEL_CHANNEL,
+    EmbeddingRef,
     EncodeHandle,
     PrefillHandle,
+    StagePayload,
     StageSummary,
     cancelled_key,
 )
 from workers.engine_api import EngineConfig
-from workers.engine_proc import Completion, EngineClient, EngineDied, EngineProcSpec, _Waiter
+from workers.engine_proc import (
+    Completion,
+    EngineClient,
+    EngineCommand,
+    EngineDied,
+    EngineProcSpec,
+    _Waiter,
+)
 from workers.registry import Heartbeat, declare_dead
 from workers.stream import publish_error_frame
 
@@ -140,15 +149,12 @@ class WorkerRuntime:
             "engine_pid": self.engine.pid,
         }
 
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: dict,
-        forced_first_token: int | None = None, mm: dict | None = None,
-        resume: dict | None = None,
-    ) -> StageSummary:  # fmt: skip
-        """Run one request to completion; frames are published as it goes. ``mm``: its
-        images and the embeddings an encode worker made; ``resume``: where a migrated
-        stream carries on (see EngineClient.submit)."""
+    def generate(self, payload: StagePayload, refs: list[EmbeddingRef] | None = None
+                 ) -> StageSummary:  # fmt: skip
+        """Run one request to completion; frames are published as it goes. ``refs``: the
+        embeddings an encode worker made of its images."""
         t0 = time.perf_counter()
+        request_id = payload.request_id
         # A request not begun on receipt (a redelivered task, among others) is skipped if
         # the API is done with it. The API sets the cancelled key before it publishes a
         # cancel, so checking it after submitting too (in _wait) closes the window where a
@@ -157,8 +163,7 @@ class WorkerRuntime:
         if begun is None:
             if self._abandoned(request_id):
                 return StageSummary(request_id=request_id, finish_reason="abort")
-            waiter = self.engine.submit(request_id, list(prompt_token_ids), params,
-                                        forced_first_token, mm, resume)  # fmt: skip
+            waiter = self.engine.run(EngineCommand("submit", payload, refs or []))
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
@@ -173,11 +178,8 @@ class WorkerRuntime:
         )
         return _summary(request_id, out)
 
-    def begin(
-        self, stage: str, request_id: str, prompt_token_ids: list[int], params: dict,
-        forced_first_token: int | None = None, mm: dict | None = None,
-        resume: dict | None = None,
-    ) -> None:  # fmt: skip
+    def begin(self, stage: str, payload: StagePayload,
+              refs: list[EmbeddingRef] | None = None) -> None:  # fmt: skip
         """Start a ``generate`` or ``prefill`` request in the engine now, ahead of its stage
         task, which then waits for this run (:meth:`generate`, :meth:`prefill`).
 
@@ -187,11 +189,11 @@ class WorkerRuntime:
         hand-over on a worker whose Celery side runs niced on a busy core
         (docs/performance.md, "Celery: requests begin on receipt"). Every request begun must
         reach its task or :meth:`forget`."""
+        kind = "prefill" if stage == "prefill" else "submit"
         with self._begun_lock:  # held while submitting: the task cannot miss the waiter
-            if request_id not in self._begun:
-                args = (request_id, list(prompt_token_ids), params, forced_first_token, mm)
-                self._begun[request_id] = self.engine.prefill(*args) if stage == "prefill" \
-                    else self.engine.submit(*args, resume)  # fmt: skip
+            if payload.request_id not in self._begun:
+                cmd = EngineCommand(kind, payload, refs or [])
+                self._begun[payload.request_id] = self.engine.run(cmd)
 
     def forget(self, request_id: str) -> None:
         """A request begun whose task will not run (revoked, or refused by Celery): abort
@@ -209,40 +211,36 @@ class WorkerRuntime:
         1: only the prefill worker's first token was)."""
         publish_error_frame(self.redis, request_id, message, code, seq)
 
-    def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: dict,
-        forced_first_token: int | None = None, mm: dict | None = None,
-    ) -> PrefillHandle:  # fmt: skip
+    def prefill(self, payload: StagePayload, refs: list[EmbeddingRef] | None = None
+                ) -> PrefillHandle:  # fmt: skip
         """Prefill stage: run the prompt, stream the first token, pin the KV; returns the
         handle the decode stage pulls it with."""
+        request_id = payload.request_id
         waiter = self._take_begun(request_id)
         if waiter is None:  # not begun on receipt: skipped if abandoned, as in generate
             if self._abandoned(request_id):
                 return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
                                      finished=True, finish_reason="abort")  # fmt: skip
-            waiter = self.engine.prefill(request_id, list(prompt_token_ids), params,
-                                         forced_first_token, mm)  # fmt: skip
+            waiter = self.engine.run(EngineCommand("prefill", payload, refs or []))
         out = self._wait(request_id, waiter)
         if out.handle is not None:
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
                      out.prompt_tokens, out.handle.backend)  # fmt: skip
-            return out.handle
+            return out.handle  # type: ignore[return-value]
         # finished on its first token (or failed): the stream is complete already
         return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
                              finished=True, finish_reason=out.finish_reason,
                              error=out.error)  # fmt: skip
 
-    def decode(
-        self, request_id: str, prompt_token_ids: list[int], params: dict, handle: PrefillHandle,
-        mm: dict | None = None,
-    ) -> StageSummary:  # fmt: skip
+    def decode(self, payload: StagePayload, handle: PrefillHandle) -> StageSummary:
         """Decode stage: pull the prefilled KV, then generate from the second token on.
         Raises :class:`KVPullFailed` when the KV could not be pulled (nothing streamed)."""
         t0 = time.perf_counter()
+        request_id = payload.request_id
         if self._abandoned(request_id):
             return StageSummary(request_id=request_id, finish_reason="abort")
-        waiter = self.engine.decode(request_id, list(prompt_token_ids), params, handle, mm)
-        out = self._wait(request_id, waiter)
+        out = self._wait(request_id, self.engine.run(EngineCommand("decode", payload,
+                                                                   handle=handle)))  # fmt: skip
         if out.transfer_failed:
             raise KVPullFailed(out.error or "KV pull failed")
         log.info("[%s] %s: decoded %d tokens after a %s pull in %.3fs", request_id,
@@ -250,18 +248,19 @@ class WorkerRuntime:
                  time.perf_counter() - t0)  # fmt: skip
         return _summary(request_id, out)
 
-    def encode(self, request_id: str, images: list[dict]) -> EncodeHandle:
+    def encode(self, payload: StagePayload) -> EncodeHandle:
         """Encode stage: the images through the vision tower; the handle says where their
         embeddings are (or that encoding failed: the stream has ended then)."""
         t0 = time.perf_counter()
+        request_id = payload.request_id
         if self._abandoned(request_id):
             return EncodeHandle(request_id=request_id, encode_worker=self.worker_id,
                                 error="abandoned")  # fmt: skip
-        out = self._wait(request_id, self.engine.encode(request_id, images))
+        out = self._wait(request_id, self.engine.run(EngineCommand("encode", payload)))
         if not isinstance(out.handle, EncodeHandle):
             why = out.error or f"not encoded ({out.finish_reason})"
             return EncodeHandle(request_id=request_id, encode_worker=self.worker_id, error=why)
-        log.info("[%s] %d image(s) encoded in %.3fs%s", request_id, len(images),
+        log.info("[%s] %d image(s) encoded in %.3fs%s", request_id, len(payload.images),
                  time.perf_counter() - t0,
                  f": {out.handle.error}" if out.handle.error else "")  # fmt: skip
         return out.handle

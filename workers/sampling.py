@@ -1,4 +1,4 @@
-"""Sampling parameters and the per-step sampler.
+"""The per-step sampler (the parameters are :class:`kvbm.protocol.Sampling`).
 
 Greedy when ``temperature == 0``; otherwise temperature, then top-k, then top-p (nucleus),
 drawn from the request's own ``torch.Generator`` — seeded from ``seed`` when given, so the
@@ -8,51 +8,12 @@ same request gives the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where sampling runs; the parameters stay torch-free
+if TYPE_CHECKING:  # torch is imported where sampling runs
     import torch
 
-
-@dataclass(slots=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SamplingParams:
-        names = cls.__dataclass_fields__.keys()  # type: ignore[attr-defined]
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}  # type: ignore[attr-defined]
+    from kvbm.protocol import Sampling
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
@@ -65,7 +26,7 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 
 def sample(
     logits: torch.Tensor,  # [S, V] float32
-    params: list[SamplingParams],
+    params: list[Sampling],
     generators: list[torch.Generator],
     banned: list[list[int]],  # ids masked out per row (eos before min_tokens)
 ) -> list[int]:

@@ -33,15 +33,18 @@ log = logging.getLogger(__name__)
 def output_frame(out: RequestOutput, seq: int) -> TokenFrame:
     """The frame numbered ``seq`` that carries one step's output for one request."""
     if not out.finished:
-        return TokenFrame(seq, out.token_ids, out.text)
+        return TokenFrame(seq, out.token_ids, out.text, logprobs=out.logprobs,
+                          prompt_logprobs=out.prompt_logprobs)  # fmt: skip
     usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
     if out.finish_reason == "error":
         frame = TokenFrame.failure(seq, out.error or "generation failed",
-                                   out.error_code or "engine_error", usage)  # fmt: skip
+                                   out.error_code or "engine_error", usage,
+                                   out.error_param)  # fmt: skip
         frame.token_ids, frame.text = out.token_ids, out.text
         return frame
     return TokenFrame(seq, out.token_ids, out.text, True, out.finish_reason, out.stop_reason,
-                      usage)  # fmt: skip
+                      usage, logprobs=out.logprobs,
+                      prompt_logprobs=out.prompt_logprobs)  # fmt: skip
 
 
 def publish_error_frame(

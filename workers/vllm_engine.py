@@ -50,6 +50,7 @@ from workers.engine_api import (
     RequestOutput,
     failed,
     refuse_prompt,
+    refuse_unsupported,
 )
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
 
@@ -140,6 +141,10 @@ class _Req:
 
 class VllmEngine:
     """The engine protocol (:class:`workers.engine_api.Engine`) over vLLM's ``AsyncLLM``."""
+
+    name = "vllm"
+    # the optional sampling features (workers.engine_api.FEATURES) passed on to vLLM
+    supports: frozenset[str] = frozenset()
 
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, vllm_args: Sequence[str] = (),
@@ -275,6 +280,9 @@ class VllmEngine:
             return None
         n = len(req.prompt_token_ids)
         if (refused := refuse_prompt(rid, n, self.max_model_len)) is not None:
+            return refused
+        if (refused := refuse_unsupported(rid, n, req.params, self.name,
+                                          self.supports)) is not None:  # fmt: skip
             return refused
         st = _Req(n, req.prefill_only and req.params.max_tokens > 1)
         if req.imported is not None:

@@ -207,8 +207,10 @@ def test_the_same_image_hits_both_caches_and_another_image_hits_neither(
         assert u1["prompt_tokens_details"]["cached_tokens"] == 0
         assert u2["prompt_tokens_details"]["cached_tokens"] > 0  # the same image: KV reused
         assert ub["prompt_tokens_details"]["cached_tokens"] == 0  # another image: none
-        wait_for(lambda: _reports(rurl)["encode-w"]["images"]["cache_hits"] >= 1, 10,
-                 "an embedding cache hit", procs)  # fmt: skip
+        # (a heartbeat may report the hit before the second image's encode: wait for both)
+        wait_for(lambda: _reports(rurl)["encode-w"]["images"]["images_encoded"] >= 2
+                 and _reports(rurl)["encode-w"]["images"]["cache_hits"] >= 1, 10,
+                 "an embedding cache hit and a second image encoded", procs)  # fmt: skip
         assert _reports(rurl)["encode-w"]["images"]["images_encoded"] == 2  # png, png2
 
 

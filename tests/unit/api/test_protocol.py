@@ -15,13 +15,14 @@ from api.tokenization import PromptBuilder
 def test_unsupported_parameters_are_named() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for patch, param in [
-        ({"n": 3}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ]:
         with pytest.raises(OpenAIError) as e:
             unsupported(ChatCompletionRequest(**base, **patch))
+        assert e.value.status == 400 and e.value.param == param
+    for patch, param in [({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of")]:
+        with pytest.raises(OpenAIError) as e:
+            unsupported(CompletionRequest(model="m", prompt="x", **patch))
         assert e.value.status == 400 and e.value.param == param
     unsupported(ChatCompletionRequest(**base))  # plain request passes
 

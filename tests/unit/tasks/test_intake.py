@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 import tasks.celery_ext as intake
-from kvbm.protocol import Sampling, cancelled_key
+from kvbm.protocol import Sampling, StagePayload, cancelled_key
 from workers import runtime as runtime_mod
-from workers.engine_proc import Completion, _Waiter
+from workers.engine_proc import Completion, EngineCommand, _Waiter
 from workers.runtime import WorkerRuntime
 
 PAYLOAD = {"request_id": "cmpl-x", "model": "m", "prompt_token_ids": [5, 6, 7],
@@ -25,21 +25,15 @@ PAYLOAD = {"request_id": "cmpl-x", "model": "m", "prompt_token_ids": [5, 6, 7],
 
 class FakeEngine:
     def __init__(self) -> None:
-        self.calls: list[tuple] = []
+        self.calls: list[EngineCommand] = []
         self.aborted: list[str] = []
 
-    def _run(self, kind: str, rid: str, *args: object) -> _Waiter:
-        self.calls.append((kind, rid, *args))
+    def run(self, cmd: EngineCommand) -> _Waiter:
+        self.calls.append(cmd)
         w = _Waiter()
-        w.result = Completion(rid, "length", prompt_tokens=3, completion_tokens=2)
+        w.result = Completion(cmd.request_id, "length", prompt_tokens=3, completion_tokens=2)
         w.event.set()
         return w
-
-    def submit(self, rid: str, *args: object) -> _Waiter:
-        return self._run("submit", rid, *args)
-
-    def prefill(self, rid: str, *args: object) -> _Waiter:
-        return self._run("prefill", rid, *args)
 
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
@@ -92,10 +86,11 @@ def test_the_request_starts_before_celery_handles_the_message(monkeypatch, rt) -
     msg = message()
     on_message(msg, None, None, None, [])
     assert seen == [msg] and started_first == [1]
-    sampling = Sampling(temperature=0).model_dump()  # the payload's, defaults filled in
-    assert rt.engine.calls == [("submit", "cmpl-x", [5, 6, 7], sampling, None, None, None)]
+    # the payload whole, as the task would have it (defaults filled in), on the pipe
+    assert rt.engine.calls == [EngineCommand("submit", StagePayload.model_validate(PAYLOAD))]
+    assert rt.engine.calls[0].payload.sampling == Sampling(temperature=0)
     # the task then waits for that run: no second submit
-    out = rt.generate("cmpl-x", [5, 6, 7], {"temperature": 0})
+    out = rt.generate(StagePayload.model_validate(PAYLOAD))
     assert out.completion_tokens == 2 and len(rt.engine.calls) == 1
     assert rt._begun == {}
 
@@ -103,7 +98,7 @@ def test_the_request_starts_before_celery_handles_the_message(monkeypatch, rt) -
 def test_a_prefill_message_starts_a_prefill(monkeypatch, rt) -> None:  # type: ignore[no-untyped-def]
     on_message, _ = strategy(monkeypatch, name="conveyor.prefill")
     on_message(message(), None, None, None, [])
-    assert [c[0] for c in rt.engine.calls] == ["prefill"]
+    assert [c.kind for c in rt.engine.calls] == ["prefill"]
 
 
 def test_a_message_delivered_twice_starts_one_run(monkeypatch, rt) -> None:  # type: ignore[no-untyped-def]
@@ -135,10 +130,11 @@ def test_messages_left_to_celery_alone(monkeypatch, rt, msg) -> None:  # type: i
 @pytest.mark.parametrize("stage", ["generate", "prefill"])
 def test_a_task_not_begun_for_an_abandoned_request_never_reaches_the_engine(rt, stage) -> None:  # type: ignore[no-untyped-def]
     rt.redis = SimpleNamespace(exists=lambda key: int(key == cancelled_key("cmpl-x")))
-    out = getattr(rt, stage)("cmpl-x", [5, 6, 7], {"temperature": 0})
+    out = getattr(rt, stage)(StagePayload.model_validate(PAYLOAD))
     assert out.finish_reason == "abort" and rt.engine.calls == [] and rt.engine.aborted == []
-    rt.generate("cmpl-y", [5, 6, 7], {"temperature": 0})  # one the API still waits for
-    assert [c[:2] for c in rt.engine.calls] == [("submit", "cmpl-y")]
+    # one the API still waits for
+    rt.generate(StagePayload.model_validate({**PAYLOAD, "request_id": "cmpl-y"}))
+    assert [(c.kind, c.request_id) for c in rt.engine.calls] == [("submit", "cmpl-y")]
 
 
 def test_a_rate_limited_task_keeps_celerys_strategy(monkeypatch, rt) -> None:  # type: ignore[no-untyped-def]
@@ -169,7 +165,7 @@ def test_an_engine_that_refuses_leaves_the_request_to_its_task(monkeypatch, rt) 
     def dead(*a: object) -> None:
         raise OSError("engine process unreachable")
 
-    rt.engine.submit = dead
+    rt.engine.run = dead
     on_message, seen = strategy(monkeypatch)
     on_message(message(), None, None, None, [])
     assert len(seen) == 1 and rt._begun == {}

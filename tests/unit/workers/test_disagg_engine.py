@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvbm.protocol import Sampling
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill
-from workers.sampling import SamplingParams
 
 CFG = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=512)
 
@@ -64,7 +64,7 @@ def _disagg(prefill: Engine, decode: Engine, reqs: list[EngineRequest]) -> dict:
     return out
 
 
-def _requests(params: list[SamplingParams], seed: int) -> list[EngineRequest]:
+def _requests(params: list[Sampling], seed: int) -> list[EngineRequest]:
     rng = random.Random(seed)
     lengths = [1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 100, 200, 300]
     lengths += [rng.randrange(1, 400) for _ in range(len(params) - len(lengths))]
@@ -80,7 +80,7 @@ def _clone(reqs: list[EngineRequest]) -> list[EngineRequest]:
 
 def test_disagg_equals_agg_greedy(engines: tuple[Engine, Engine, Engine]) -> None:
     agg, pre, dec = engines
-    params = [SamplingParams(max_tokens=1 + i % 37, temperature=0, ignore_eos=True)
+    params = [Sampling(max_tokens=1 + i % 37, temperature=0, ignore_eos=True)
               for i in range(34)]  # fmt: skip
     reqs = _requests(params, 1)
     want = _run_all(agg, _clone(reqs))
@@ -94,8 +94,8 @@ def test_disagg_equals_agg_greedy(engines: tuple[Engine, Engine, Engine]) -> Non
 def test_disagg_equals_agg_seeded_stops_and_eos(engines: tuple[Engine, Engine, Engine]) -> None:
     agg, pre, dec = engines
     params = [
-        SamplingParams(max_tokens=40, temperature=0.9, top_p=0.9, seed=i, stop=["ab", "9"])
-        if i % 2 else SamplingParams(max_tokens=40, temperature=0, min_tokens=i % 5)
+        Sampling(max_tokens=40, temperature=0.9, top_p=0.9, seed=i, stop=["ab", "9"])
+        if i % 2 else Sampling(max_tokens=40, temperature=0, min_tokens=i % 5)
         for i in range(30)
     ]  # fmt: skip
     reqs = _requests(params, 2)
@@ -113,7 +113,7 @@ def test_forced_first_token_replays_what_was_streamed(
     """A re-prefill keeps the first token the client already saw, even if sampling would
     now draw another (unseeded)."""
     _, pre, _ = engines
-    p = SamplingParams(max_tokens=5, temperature=1.0)
+    p = Sampling(max_tokens=5, temperature=1.0)
     pre.add_request(EngineRequest("f", [1, 300, 301], p, prefill_only=True, forced_first_token=42))
     outs = []
     while pre.has_unfinished:
@@ -124,7 +124,7 @@ def test_forced_first_token_replays_what_was_streamed(
 
 def test_pinned_blocks_expire_when_never_pulled(tiny_model_dir: Path) -> None:
     e = Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG, kv_pin_timeout_s=5.0))
-    e.add_request(EngineRequest("p", [1] + [300] * 40, SamplingParams(max_tokens=9, temperature=0),
+    e.add_request(EngineRequest("p", [1] + [300] * 40, Sampling(max_tokens=9, temperature=0),
                                 prefill_only=True))  # fmt: skip
     while e.has_unfinished:
         e.step()
@@ -139,7 +139,7 @@ def test_abort_during_pull_frees_only_after_the_pull(tiny_model_dir: Path) -> No
     assert e.reserve("d", 40) is not None and e.stats().blocks_used == 3
     e.abort("d")  # the transfer may still be writing into the 3 blocks: keep them
     assert e.stats().blocks_used == 3
-    out = e.add_request(EngineRequest("d", [1] * 40, SamplingParams(max_tokens=4),
+    out = e.add_request(EngineRequest("d", [1] * 40, Sampling(max_tokens=4),
                                       imported=ImportedPrefill(7, 0)))  # fmt: skip
     assert out is not None and out.finish_reason == "abort"
     assert e.stats().blocks_used == 0

@@ -7,8 +7,9 @@ import threading
 from collections import deque
 from types import SimpleNamespace
 
-from kvbm.protocol import ImageRef
+from kvbm.protocol import ImageRef, Sampling, StagePayload
 from workers.encode_server import EncodeServer
+from workers.engine_proc import EngineCommand
 
 
 def _server(max_batch: int) -> tuple[EncodeServer, list]:
@@ -21,14 +22,18 @@ def _server(max_batch: int) -> tuple[EncodeServer, list]:
     return srv, sent
 
 
-def _refs(n: int) -> list[dict]:
-    return [ImageRef(hash=f"{i:064x}", offset=i, num_tokens=4).model_dump() for i in range(n)]
+def _encode(rid: str, n: int) -> EngineCommand:
+    """An encode command for a request with ``n`` images."""
+    images = [ImageRef(hash=f"{i:064x}", offset=i, num_tokens=4) for i in range(n)]
+    payload = StagePayload(request_id=rid, model="m", prompt_token_ids=list(range(4 * n + 1)),
+                           sampling=Sampling(), created=0.0, images=images)  # fmt: skip
+    return EngineCommand("encode", payload)
 
 
 def test_a_batch_takes_waiting_requests_in_order_up_to_the_image_limit() -> None:
     srv, _ = _server(max_batch=4)
     for rid, n in (("a", 1), ("b", 2), ("c", 2), ("d", 1)):
-        srv.handle("encode", (rid, _refs(n)))
+        srv.handle("run", _encode(rid, n))
     with srv._cv:
         first = srv._take(4)
         second = srv._take(4)
@@ -39,8 +44,8 @@ def test_a_batch_takes_waiting_requests_in_order_up_to_the_image_limit() -> None
 
 def test_a_request_with_more_images_than_the_limit_still_goes_alone() -> None:
     srv, _ = _server(max_batch=2)
-    srv.handle("encode", ("big", _refs(3)))
-    srv.handle("encode", ("small", _refs(1)))
+    srv.handle("run", _encode("big", 3))
+    srv.handle("run", _encode("small", 1))
     with srv._cv:
         assert [rid for rid, _ in srv._take(2)] == ["big"]
         assert [rid for rid, _ in srv._take(2)] == ["small"]
@@ -49,15 +54,15 @@ def test_a_request_with_more_images_than_the_limit_still_goes_alone() -> None:
 def test_no_batching_is_one_request_at_a_time() -> None:
     srv, _ = _server(max_batch=1)
     for rid in "xyz":
-        srv.handle("encode", (rid, _refs(1)))
+        srv.handle("run", _encode(rid, 1))
     with srv._cv:
         assert [[rid for rid, _ in srv._take(1)] for _ in range(3)] == [["x"], ["y"], ["z"]]
 
 
 def test_an_abort_drops_a_waiting_request_and_says_it_ended() -> None:
     srv, sent = _server(max_batch=8)
-    srv.handle("encode", ("keep", _refs(1)))
-    srv.handle("encode", ("drop", _refs(1)))
+    srv.handle("run", _encode("keep", 1))
+    srv.handle("run", _encode("drop", 1))
     srv.handle("abort", "drop")
     srv.handle("abort", "never-seen")  # nothing waiting under that id: nothing happens
     assert [rid for rid, _ in srv._queue] == ["keep"]

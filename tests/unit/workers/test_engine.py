@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from kvbm.protocol import Sampling
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 from workers.engine_loop import EngineLoop
 from workers.llama import LlamaModel
 from workers.model_init import EOS
-from workers.sampling import SamplingParams
 
 # Greedy continuation of this prompt on the tiny model emits EOS as its 16th token.
 EOS_PROMPT = [1, 78, 183, 256, 279, 154, 50, 268, 428, 158, 111, 366]
@@ -63,19 +63,19 @@ def _text(outs: list[RequestOutput]) -> str:
     return "".join(o.text for o in outs)
 
 
-def _add(engine: Engine, rid: str, prompt: list[int], params: SamplingParams) -> Engine:
+def _add(engine: Engine, rid: str, prompt: list[int], params: Sampling) -> Engine:
     assert engine.add_request(EngineRequest(rid, prompt, params)) is None
     return engine
 
 
-def _one(engine: Engine, prompt: list[int], params: SamplingParams) -> list[RequestOutput]:
+def _one(engine: Engine, prompt: list[int], params: Sampling) -> list[RequestOutput]:
     outs = _run(_add(engine, "r", prompt, params))["r"]
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     return outs
 
 
 def _greedy_ref(make_engine, prompt: list[int] = EOS_PROMPT, n: int = 24) -> list[int]:
-    p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    p = Sampling(temperature=0, max_tokens=n, ignore_eos=True)
     return _toks(_one(make_engine(), prompt, p))
 
 
@@ -84,7 +84,7 @@ def _greedy_ref(make_engine, prompt: list[int] = EOS_PROMPT, n: int = 24) -> lis
 
 def test_max_tokens_gives_length(make_engine, model_and_tok) -> None:
     tok = model_and_tok[1]
-    outs = _one(make_engine(), _prompt(20), SamplingParams(temperature=0, max_tokens=7))
+    outs = _one(make_engine(), _prompt(20), Sampling(temperature=0, max_tokens=7))
     last = outs[-1]
     assert len(_toks(outs)) == 7
     assert (last.finish_reason, last.stop_reason) == ("length", None)
@@ -96,14 +96,14 @@ def test_max_tokens_gives_length(make_engine, model_and_tok) -> None:
 def test_eos_stops_generation(make_engine) -> None:
     ref = _greedy_ref(make_engine)
     assert ref[EOS_AT] == EOS and EOS not in ref[:EOS_AT]
-    outs = _one(make_engine(), EOS_PROMPT, SamplingParams(temperature=0, max_tokens=24))
+    outs = _one(make_engine(), EOS_PROMPT, Sampling(temperature=0, max_tokens=24))
     assert _toks(outs) == ref[: EOS_AT + 1]
     assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", None)
     assert "</s>" not in _text(outs)
 
 
 def test_ignore_eos_runs_past_eos(make_engine) -> None:
-    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    p = Sampling(temperature=0, max_tokens=24, ignore_eos=True)
     outs = _one(make_engine(), EOS_PROMPT, p)
     toks = _toks(outs)
     assert len(toks) == 24 and toks[EOS_AT] == EOS
@@ -112,7 +112,7 @@ def test_ignore_eos_runs_past_eos(make_engine) -> None:
 
 def test_min_tokens_bans_eos_until_reached(make_engine) -> None:
     ref = _greedy_ref(make_engine)
-    p = SamplingParams(temperature=0, max_tokens=24, min_tokens=EOS_AT + 3)
+    p = Sampling(temperature=0, max_tokens=24, min_tokens=EOS_AT + 3)
     toks = _toks(_one(make_engine(), EOS_PROMPT, p))
     assert toks[:EOS_AT] == ref[:EOS_AT]
     assert EOS not in toks[: EOS_AT + 3]
@@ -123,7 +123,7 @@ def test_stop_token_ids(make_engine) -> None:
     ref = _greedy_ref(make_engine)
     k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i] and ref[i] != EOS)
     stop_id = ref[k]
-    p = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
+    p = Sampling(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
     outs = _one(make_engine(), EOS_PROMPT, p)
     assert _toks(outs) == ref[: k + 1]
     assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", stop_id)
@@ -132,7 +132,7 @@ def test_stop_token_ids(make_engine) -> None:
 def test_stop_token_ids_banned_before_min_tokens(make_engine) -> None:
     ref = _greedy_ref(make_engine)
     stop_id = ref[0]
-    p = SamplingParams(
+    p = Sampling(
         temperature=0, max_tokens=10, min_tokens=3, stop_token_ids=[stop_id], ignore_eos=True
     )
     toks = _toks(_one(make_engine(), EOS_PROMPT, p))
@@ -142,7 +142,7 @@ def test_stop_token_ids_banned_before_min_tokens(make_engine) -> None:
 
 def test_stop_string(make_engine) -> None:
     prompt = _prompt(9, seed=1)
-    ref_p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref_p = Sampling(temperature=0, max_tokens=20, ignore_eos=True)
     ref_outs = _one(make_engine(), prompt, ref_p)
     cum = [_text(ref_outs[: j + 1]) for j in range(len(ref_outs))]  # streamed text so far
     full = cum[-1]
@@ -152,7 +152,7 @@ def test_stop_string(make_engine) -> None:
         if full.find(full[i : i + 3]) == i and "\ufffd" not in full[i : i + 3]
     )
     stop = full[k : k + 3]
-    p = SamplingParams(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True)
+    p = Sampling(temperature=0, max_tokens=20, stop=[stop], ignore_eos=True)
     outs = _one(make_engine(), prompt, p)
     assert (outs[-1].finish_reason, outs[-1].stop_reason) == ("stop", stop)
     assert _text(outs) == full[:k]
@@ -168,11 +168,11 @@ def test_stop_string(make_engine) -> None:
 def test_prompt_at_or_over_max_model_len_is_an_error(make_engine) -> None:
     engine = make_engine(max_model_len=64, num_kv_blocks=8)
     for n in (64, 65, 200):
-        out = engine.add_request(EngineRequest(f"r{n}", _prompt(n), SamplingParams()))
+        out = engine.add_request(EngineRequest(f"r{n}", _prompt(n), Sampling()))
         assert out is not None and out.finished
         assert out.finish_reason == "error" and out.error and "64" in out.error
         assert out.num_prompt_tokens == n and out.token_ids == []
-    empty = engine.add_request(EngineRequest("e", [], SamplingParams()))
+    empty = engine.add_request(EngineRequest("e", [], Sampling()))
     assert empty is not None and empty.finish_reason == "error"
     assert not engine.has_unfinished
     assert engine.step() == []
@@ -180,7 +180,7 @@ def test_prompt_at_or_over_max_model_len_is_an_error(make_engine) -> None:
 
 def test_context_window_caps_generation(make_engine) -> None:
     engine = make_engine(max_model_len=64, num_kv_blocks=8)
-    outs = _one(engine, _prompt(60), SamplingParams(temperature=0, max_tokens=20))
+    outs = _one(engine, _prompt(60), Sampling(temperature=0, max_tokens=20))
     assert len(_toks(outs)) == 4
     assert outs[-1].finish_reason == "length"
 
@@ -195,7 +195,7 @@ def test_kv_pool_must_hold_one_sequence(model_and_tok) -> None:
 
 def test_abort_frees_blocks_immediately(make_engine) -> None:
     engine = make_engine()
-    p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    p = Sampling(temperature=0, max_tokens=50, ignore_eos=True)
     engine.add_request(EngineRequest("a", _prompt(70, 1), p))
     engine.add_request(EngineRequest("b", _prompt(20, 2), p))
     early = [o for _ in range(3) for o in engine.step()]
@@ -221,7 +221,7 @@ def test_abort_frees_blocks_immediately(make_engine) -> None:
 
 def test_abort_waiting_request(make_engine) -> None:
     engine = make_engine(max_num_seqs=1)
-    p = SamplingParams(temperature=0, max_tokens=5)
+    p = Sampling(temperature=0, max_tokens=5)
     engine.add_request(EngineRequest("a", _prompt(10), p))
     engine.add_request(EngineRequest("b", _prompt(10), p))
     engine.step()
@@ -239,7 +239,7 @@ def test_a_request_added_twice_runs_once(make_engine) -> None:
     the first one's blocks nor fails the step for every other request."""
     ref = _greedy_ref(make_engine, _prompt(20), 12)
     engine = make_engine(max_num_seqs=1)
-    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    p = Sampling(temperature=0, max_tokens=12, ignore_eos=True)
     _add(engine, "a", _prompt(20), p)
     _add(engine, "b", _prompt(30, 1), p)
     first = engine.step()  # a runs (its first token), b waits
@@ -256,7 +256,7 @@ def test_a_request_added_twice_runs_once(make_engine) -> None:
 
 def test_seeded_sampling_reproducible(make_engine) -> None:
     def draw(seed: int) -> list[int]:
-        p = SamplingParams(temperature=1.0, max_tokens=20, seed=seed, ignore_eos=True)
+        p = Sampling(temperature=1.0, max_tokens=20, seed=seed, ignore_eos=True)
         return _toks(_one(make_engine(), _prompt(12), p))
 
     a, b, c = draw(5), draw(5), draw(6)
@@ -266,23 +266,23 @@ def test_seeded_sampling_reproducible(make_engine) -> None:
 
 
 def test_seeded_result_independent_of_batch(make_engine) -> None:
-    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=20, seed=11, ignore_eos=True)
+    p = Sampling(temperature=1.0, top_p=0.9, max_tokens=20, seed=11, ignore_eos=True)
     alone = _toks(_one(make_engine(), _prompt(30), p))
 
     engine = make_engine(max_num_batched_tokens=48)
     for j, n in enumerate((5, 60, 17)):
-        q = SamplingParams(temperature=0.8, max_tokens=8 + j, seed=j)
+        q = Sampling(temperature=0.8, max_tokens=8 + j, seed=j)
         engine.add_request(EngineRequest(f"o{j}", _prompt(n, j + 7), q))
     engine.step()
     engine.add_request(EngineRequest("r", _prompt(30), p))
-    engine.add_request(EngineRequest("late", _prompt(40, 9), SamplingParams(temperature=1.0)))
+    engine.add_request(EngineRequest("late", _prompt(40, 9), Sampling(temperature=1.0)))
     outs = _run(engine)
     assert _toks(outs["r"]) == alone
 
 
 def test_top_k_one_equals_greedy(make_engine) -> None:
     ref = _greedy_ref(make_engine, _prompt(25), n=20)
-    p = SamplingParams(temperature=1.0, top_k=1, max_tokens=20, ignore_eos=True)
+    p = Sampling(temperature=1.0, top_k=1, max_tokens=20, ignore_eos=True)
     assert _toks(_one(make_engine(), _prompt(25), p)) == ref
 
 
@@ -312,13 +312,13 @@ def test_engine_loop_threads(make_engine) -> None:
         def submit(ids: list[str]) -> None:
             for rid in ids:
                 i = int(rid[1:])
-                p = SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True)
+                p = Sampling(temperature=0, max_tokens=6 + i, ignore_eos=True)
                 loop.submit(EngineRequest(rid, prompts[rid], p))
 
         threads = [threading.Thread(target=submit, args=(list(prompts)[k::4],)) for k in range(4)]
-        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        long = Sampling(temperature=0, max_tokens=200, ignore_eos=True)
         loop.submit(EngineRequest("long", _prompt(5), long))
-        loop.submit(EngineRequest("bad", _prompt(300), SamplingParams()))
+        loop.submit(EngineRequest("bad", _prompt(300), Sampling()))
         for t in threads:
             t.start()
         for t in threads:
@@ -341,11 +341,11 @@ def test_engine_loop_threads(make_engine) -> None:
 def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """A request whose prompt prefix is cached computes only the rest, and generates
     exactly what a cold run generates (greedy and seeded)."""
+    from kvbm.protocol import Sampling
     from workers.engine import Engine
     from workers.engine_api import EngineConfig, EngineRequest
-    from workers.sampling import SamplingParams
 
-    def run(e: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> tuple[list, int]:
+    def run(e: Engine, rid: str, prompt: list[int], sp: Sampling) -> tuple[list, int]:
         e.add_request(EngineRequest(rid, prompt, sp))
         toks, cached = [], -1
         while e.has_unfinished:
@@ -356,8 +356,8 @@ def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:
         return toks, cached
 
     prompt = [1] + [(7 * i) % 500 + 5 for i in range(70)]  # 71 tokens: 4 full blocks
-    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    seeded = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    greedy = Sampling(max_tokens=20, temperature=0, ignore_eos=True)
+    seeded = Sampling(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
     for sp in (greedy, seeded):
         cold = Engine.from_model_dir(tiny_model_dir, EngineConfig(enable_prefix_caching=False))
         want, c0 = run(cold, "cold", prompt, sp)
@@ -376,7 +376,7 @@ def test_scheduler_delay_holds_prompts_while_others_decode(make_engine) -> None:
     """scheduler_delay_factor: a prompt arriving while another sequence decodes waits
     (factor x the last prefill step) and then runs to the same greedy tokens; with nothing
     decoding it starts at once."""
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = Sampling(max_tokens=12, temperature=0.0, ignore_eos=True)
     ref = _run(_add(make_engine(), "b", _prompt(20, seed=2), params))["b"]
 
     engine = make_engine(scheduler_delay_factor=1e6)  # the wait never passes by itself

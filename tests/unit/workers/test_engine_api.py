@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from kvbm.protocol import Sampling
 from workers.engine import Engine
 from workers.engine_api import Engine as EngineProtocol
 from workers.engine_api import EngineConfig, EngineRequest
 from workers.mock_engine import MockEngine, MockTiming
-from workers.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[3]
 RUNNERS = ["workers/engine_loop.py", "workers/engine_proc.py", "workers/runtime.py",
@@ -23,7 +23,7 @@ def test_both_engines_implement_the_protocol(tiny_model_dir: Path) -> None:
     mock = MockEngine.from_model_dir(tiny_model_dir, config, MockTiming(speedup=100))
     for engine in (Engine.from_model_dir(tiny_model_dir, config), mock):
         assert isinstance(engine, EngineProtocol)
-        params = SamplingParams(max_tokens=2, temperature=0)
+        params = Sampling(max_tokens=2, temperature=0)
         assert engine.add_request(EngineRequest("r", [1, 5, 6], params)) is None
         outs = []
         while engine.has_unfinished:
@@ -46,3 +46,25 @@ def test_what_runs_engines_never_reaches_into_them() -> None:
            for n, line in enumerate((ROOT / f).read_text().splitlines(), 1)
            if inside.search(line)]  # fmt: skip
     assert not bad, bad
+
+
+def test_a_feature_an_engine_does_not_serve_is_refused_naming_its_field(
+    tiny_model_dir: Path,
+) -> None:
+    from kvbm.protocol import REQUEST_ERROR_CODES
+    from workers.engine_api import FEATURES
+    from workers.stream import output_frame
+
+    config = EngineConfig(num_kv_blocks=256)
+    engine = MockEngine.from_model_dir(tiny_model_dir, config, MockTiming(speedup=100))
+    engine.supports = frozenset(FEATURES) - {"presence_penalty"}
+    out = engine.add_request(EngineRequest("r", [1, 5, 6], Sampling(presence_penalty=0.5)))
+    assert out is not None and out.finished and out.finish_reason == "error"
+    assert out.error_code == "unsupported_parameter" in REQUEST_ERROR_CODES
+    assert out.error_param == "presence_penalty" and "mock" in (out.error or "")
+    frame = output_frame(out, 0)  # what the API turns into a 400 naming the field
+    assert frame.error is not None and frame.error.type == "invalid_request_error"
+    assert frame.error.param == "presence_penalty"
+    assert not engine.has_unfinished
+    # a request that uses none of what the engine lacks runs
+    assert engine.add_request(EngineRequest("s", [1, 5, 6], Sampling(max_tokens=1))) is None

@@ -26,7 +26,7 @@ import torch
 import transformers
 from PIL import Image
 
-from kvbm.protocol import extra_keys_for_spans, image_extra_key
+from kvbm.protocol import Sampling, extra_keys_for_spans, image_extra_key
 from workers import paged_kernel
 from workers.engine import Engine
 from workers.engine_api import (
@@ -38,7 +38,6 @@ from workers.engine_api import (
 )
 from workers.mock_engine import MockEngine, MockTiming
 from workers.model_init import IMAGE, PRESETS, init_model
-from workers.sampling import SamplingParams
 from workers.vision import VisionEncoder
 
 BLOCK = 16
@@ -119,7 +118,7 @@ class MMCase:
     hf: list[int]  # HF's greedy continuation, max_tokens long
 
     def request(self, rid: str, with_keys: bool = True) -> EngineRequest:
-        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
+        params = Sampling(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
         return EngineRequest(
             rid,
             list(self.prompt),

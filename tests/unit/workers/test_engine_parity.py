@@ -21,11 +21,11 @@ import pytest
 import torch
 import transformers
 
+from kvbm.protocol import Sampling
 from workers import paged_kernel
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 from workers.model_init import EOS
-from workers.sampling import SamplingParams
 
 # A prompt on which the tiny LLaVA's greedy continuation emits EOS as its 16th token; in
 # the parity set it checks that ignore_eos on the engine == eos disabled in HF.
@@ -157,7 +157,7 @@ def _drive(
     while pending:
         n = waves.pop(0) if waves else len(pending)
         for i in pending[:n]:
-            params = SamplingParams(temperature=0.0, max_tokens=case.max_tokens[i], ignore_eos=True)
+            params = Sampling(temperature=0.0, max_tokens=case.max_tokens[i], ignore_eos=True)
             assert engine.add_request(EngineRequest(str(i), case.prompts[i], params)) is None
         pending = pending[n:]
         for _ in range(steps_between):
@@ -292,13 +292,9 @@ def test_eos_and_min_tokens_match_hf(llava_case: Case) -> None:
     engine = Engine.from_model_dir(
         llava_case.model_dir, EngineConfig(num_kv_blocks=8, max_model_len=128)
     )
+    engine.add_request(EngineRequest("stop", EOS_PROMPT, Sampling(temperature=0, max_tokens=30)))
     engine.add_request(
-        EngineRequest("stop", EOS_PROMPT, SamplingParams(temperature=0, max_tokens=30))
-    )
-    engine.add_request(
-        EngineRequest(
-            "min", EOS_PROMPT, SamplingParams(temperature=0, max_tokens=30, min_tokens=30)
-        )
+        EngineRequest("min", EOS_PROMPT, Sampling(temperature=0, max_tokens=30, min_tokens=30))
     )
     toks: dict[str, list[int]] = {"stop": [], "min": []}
     last: dict[str, RequestOutput] = {}

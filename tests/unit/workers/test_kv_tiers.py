@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from kvbm.disk import HEADER_BYTES
-from kvbm.protocol import G3
+from kvbm.protocol import G3, Sampling
 from tests.unit.workers.test_engine_parity import _write_gqa_llama
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
-from workers.sampling import SamplingParams
 
 BASE = dict(num_kv_blocks=40, block_size=16, max_model_len=256, max_num_batched_tokens=96)
 rng = random.Random(22)
@@ -31,8 +30,8 @@ FLOOD = [[1] + [rng.randrange(5, 500) for _ in range(180)] for _ in range(5)]
 OUT = [12, 7, 15, 9]
 
 
-def params(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+def params(n: int) -> Sampling:
+    return Sampling(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def run(engine, reqs: list[EngineRequest], timeout: float = 60.0) -> dict[str, RequestOutput]:  # type: ignore[no-untyped-def]

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbm.protocol import block_hashes, model_namespace
+from kvbm.protocol import Sampling, block_hashes, model_namespace
 from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
-from workers.sampling import SamplingParams
 
 FAST = MockTiming(prefill_us_per_token=100, decode_step_ms=2, decode_ms_per_seq=0.5,
                   speedup=1000)  # fmt: skip
@@ -37,7 +36,7 @@ def run(engine: MockEngine, *reqs: EngineRequest) -> dict[str, list[RequestOutpu
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 8, **kw: object) -> EngineRequest:
-    return EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **kw))  # type: ignore[arg-type]
+    return EngineRequest(rid, prompt, Sampling(max_tokens=max_tokens, temperature=0, **kw))  # type: ignore[arg-type]
 
 
 PROMPT = [(i * 37) % 400 + 50 for i in range(100)]

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvbm.protocol import Sampling
 from workers import paged_kernel
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest
 from workers.llama import AttentionMetadata, PagedKVCache
 from workers.paged_kernel import KernelUnavailable
-from workers.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def test_no_compiler_falls_back_or_refuses(
     paged_kernel.load.cache_clear()
     auto = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=64, max_model_len=512))
     assert auto.decode_attention == "torch" and auto.decode_kernel is None
-    auto.add_request(EngineRequest("a", [1, 5, 6, 7], SamplingParams(temperature=0, max_tokens=4)))
+    auto.add_request(EngineRequest("a", [1, 5, 6, 7], Sampling(temperature=0, max_tokens=4)))
     while auto.has_unfinished:
         auto.step()
     paged_kernel.load.cache_clear()

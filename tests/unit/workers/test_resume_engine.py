@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvbm.protocol import Sampling
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, RequestOutput, ResumedOutput
-from workers.sampling import SamplingParams
 
 CFG = dict(block_size=16, num_kv_blocks=512, max_num_batched_tokens=128, max_model_len=512)
 
@@ -33,7 +33,7 @@ def _run(engine: Engine, reqs: list[EngineRequest]) -> dict[str, list[RequestOut
     return out
 
 
-def _requests(params: list[SamplingParams], seed: int) -> list[EngineRequest]:
+def _requests(params: list[Sampling], seed: int) -> list[EngineRequest]:
     rng = random.Random(seed)
     prompts = [[1] + [rng.randrange(5, 512) for _ in range(rng.randrange(1, 200))]
                for _ in params]  # fmt: skip
@@ -51,9 +51,9 @@ def test_a_resumed_request_ends_as_the_uninterrupted_one(
 ) -> None:
     first, second = engines
     params = [
-        SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=i, stop=["ab", "9"])
+        Sampling(max_tokens=30, temperature=0.9, top_p=0.9, seed=i, stop=["ab", "9"])
         if i % 3 == 1 else
-        SamplingParams(max_tokens=30, temperature=0, min_tokens=(i % 4) * 8, ignore_eos=i % 2 == 0)
+        Sampling(max_tokens=30, temperature=0, min_tokens=(i % 4) * 8, ignore_eos=i % 2 == 0)
         for i in range(18)
     ]  # fmt: skip
     reqs = _requests(params, cut)
@@ -84,7 +84,7 @@ def test_a_resumed_request_ends_as_the_uninterrupted_one(
 
 def test_resuming_a_request_already_complete_is_an_error(engines: tuple[Engine, Engine]) -> None:
     _, second = engines
-    p = SamplingParams(max_tokens=3, temperature=0)
+    p = Sampling(max_tokens=3, temperature=0)
     out = second.add_request(EngineRequest("done", [1, 5, 6], p,
                                            resumed=ResumedOutput([7, 8, 9], 3)))  # fmt: skip
     assert out is not None and out.finish_reason == "error" and "complete" in (out.error or "")

@@ -1,0 +1,126 @@
+"""api.params: a request's sampling fields resolved into the engine's Sampling, with
+OpenAI's defaults, vLLM's names and a 400 naming the field for what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from api.errors import OpenAIError
+from api.params import sampling_of, structured_of
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.tokenization import PromptBuilder
+from kvbm.protocol import Sampling, StructuredOutput
+
+
+@pytest.fixture(scope="module")
+def builder(tiny_model_dir: Path) -> PromptBuilder:
+    return PromptBuilder(tiny_model_dir)
+
+
+def chat(**kw: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **kw)
+
+
+def refused(param: str, req: ChatCompletionRequest | CompletionRequest,
+            builder: PromptBuilder) -> OpenAIError:  # fmt: skip
+    with pytest.raises(OpenAIError) as e:
+        sampling_of(req, 16, builder)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    return e.value
+
+
+def test_defaults_are_openais(builder: PromptBuilder) -> None:
+    s = sampling_of(chat(), 16, builder)
+    assert s == Sampling(max_tokens=16)
+    assert s.temperature == 1.0 and s.top_p == 1.0 and s.logprobs is None and s.n == 1
+    assert not s.processed and s.structured is None
+
+
+def test_every_field_reaches_the_sampling(builder: PromptBuilder) -> None:
+    req = chat(temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, seed=3, stop=["a"],
+               stop_token_ids=[2], include_stop_str_in_output=True, ignore_eos=True,
+               min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
+               repetition_penalty=1.2, logit_bias={"5": 150, "7": -3}, allowed_token_ids=[9, 4, 9],
+               logprobs=True, top_logprobs=3, prompt_logprobs=2, n=4,
+               skip_special_tokens=False)  # fmt: skip
+    s = sampling_of(req, 16, builder)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 0.9, 7, 0.1, 3)
+    assert s.stop == ["a"] and s.stop_token_ids == [2] and s.include_stop_str_in_output
+    assert s.ignore_eos and s.min_tokens == 2 and not s.skip_special_tokens
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert s.logit_bias == {5: 100.0, 7: -3.0}  # clamped to OpenAI's range
+    assert s.allowed_token_ids == [4, 9]
+    assert (s.logprobs, s.prompt_logprobs, s.n) == (3, 2, 4)
+    assert s.penalized and s.processed
+
+
+def test_logprobs_chat_and_completions(builder: PromptBuilder) -> None:
+    assert sampling_of(chat(logprobs=True), 16, builder).logprobs == 0
+    assert sampling_of(chat(logprobs=False, top_logprobs=0), 16, builder).logprobs is None
+    refused("top_logprobs", chat(top_logprobs=2), builder)
+    done = sampling_of(CompletionRequest(model="m", prompt="x", logprobs=2), 16, builder)
+    assert (done.logprobs, done.prompt_logprobs) == (2, None)
+    # echo with logprobs: the echoed prompt comes with its logprobs too
+    echo = sampling_of(CompletionRequest(model="m", prompt="x", logprobs=3, echo=True), 16,
+                       builder)  # fmt: skip
+    assert (echo.logprobs, echo.prompt_logprobs) == (3, 3)
+
+
+def test_token_ids_are_checked_against_the_vocabulary(builder: PromptBuilder) -> None:
+    v = builder.vocab_size
+    refused("logit_bias", chat(logit_bias={str(v): 1.0}), builder)
+    refused("logit_bias", chat(logit_bias={"abc": 1.0}), builder)
+    refused("allowed_token_ids", chat(allowed_token_ids=[v]), builder)
+    refused("allowed_token_ids", chat(allowed_token_ids=[]), builder)
+    refused("stop_token_ids", chat(stop_token_ids=[-1]), builder)
+    refused("prompt_logprobs", chat(prompt_logprobs=-1), builder)
+
+
+def test_bad_words_are_token_sequences_with_and_without_a_leading_space(
+    builder: PromptBuilder,
+) -> None:
+    s = sampling_of(chat(bad_words=["hello"]), 16, builder)
+    bare = builder.tokenizer.encode("hello", add_special_tokens=False).ids
+    spaced = builder.tokenizer.encode(" hello", add_special_tokens=False).ids
+    assert s.bad_words[0] == bare
+    assert (spaced in s.bad_words) == (spaced[0] != bare[0] and len(spaced) == len(bare))
+    refused("bad_words", chat(bad_words=[" "]), builder)
+
+
+def test_structured_outputs_from_every_spelling() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert structured_of(chat(response_format=rf)) == StructuredOutput(
+        json_schema=json.dumps(schema)
+    )
+    assert structured_of(chat(response_format={"type": "json_object"})).kind == "json_object"
+    assert structured_of(chat(response_format={"type": "text"})) is None
+    assert structured_of(chat(guided_json=schema)).json_schema == json.dumps(schema)
+    assert structured_of(chat(guided_regex="[a-z]+")).regex == "[a-z]+"
+    assert structured_of(chat(guided_choice=["yes", "no"])).choice == ["yes", "no"]
+    assert structured_of(chat(guided_grammar='root ::= "a"')).grammar == 'root ::= "a"'
+    so = structured_of(chat(structured_outputs={"json": schema, "disable_any_whitespace": False}))
+    assert so.json_schema == json.dumps(schema) and so.any_whitespace
+    assert structured_of(chat(structured_outputs={"choice": ["a"]})).choice == ["a"]
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_whitespace_pattern": r"\s"}, "guided_whitespace_pattern"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ],
+)
+def test_structured_outputs_refused_with_the_field(kw: dict, param: str) -> None:
+    with pytest.raises(OpenAIError) as e:
+        structured_of(chat(**kw))
+    assert e.value.status == 400 and e.value.param == param
