@@ -44,11 +44,11 @@ from pathlib import Path
 from kvbm.block_pool import KVEvent
 from kvbm.protocol import G1, ExtraKeys, StructuredOutput, model_namespace
 from workers.engine_api import (
+    FEATURES,
     EngineConfig,
     EngineRequest,
     EngineStats,
     RequestOutput,
-    FEATURES,
     failed,
     refuse_prompt,
     refuse_unsupported,
