@@ -56,23 +56,34 @@ def same_in_pieces(make, text: str) -> tuple[str, list[tuple[str, str]]]:  # typ
 
 
 HERMES = [
-    ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-     '"note": "a } and \\" inside"}}\n</tool_call>\n<tool_call>{"name":"now","arguments":{}}'
-     "</tool_call>",
-     ("Let me look. ", [("get_weather", '{"city": "Paris", "note": "a } and \\" inside"}'),
-                        ("now", "{}")])),
-    ("plain text with < and <tool and </tool_call>", ("plain text with < and <tool and "
-                                                      "</tool_call>", [])),
+    (
+        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"note": "a } and \\" inside"}}\n</tool_call>\n<tool_call>{"name":"now","arguments":{}}'
+        "</tool_call>",
+        (
+            "Let me look. ",
+            [("get_weather", '{"city": "Paris", "note": "a } and \\" inside"}'), ("now", "{}")],
+        ),
+    ),
+    (
+        "plain text with < and <tool and </tool_call>",
+        ("plain text with < and <tool and </tool_call>", []),
+    ),
     # an unclosed last block counts when it parses; a broken one leaves it all content
     ('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', ("", [("f", '{"a": [1, 2]}')])),
-    ('x<tool_call>{"name": "f", "arguments": {"a": ', ('x<tool_call>{"name": "f", '
-                                                       '"arguments": {"a": ', [])),
+    (
+        'x<tool_call>{"name": "f", "arguments": {"a": ',
+        ('x<tool_call>{"name": "f", "arguments": {"a": ', []),
+    ),
     ('<tool_call>{"nam": "f"}</tool_call>', ('<tool_call>{"nam": "f"}</tool_call>', [])),
     # a block that does not parse is dropped once another one is a call
     ('<tool_call>oops</tool_call><tool_call>{"name": "g"}</tool_call>', ("", [("g", "{}")])),
     # arguments written as a JSON string: its content
-    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', ("", [("f", '{"a": 1}')])),
-]  # fmt: skip
+    (
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+        ("", [("f", '{"a": 1}')]),
+    ),
+]
 
 
 @pytest.mark.parametrize(("text", "expected"), HERMES)
@@ -81,13 +92,15 @@ def test_hermes(text: str, expected: tuple) -> None:
 
 
 LLAMA = [
-    ('  {"name": "f", "parameters": {"x": [1, "]"]}}; {"name": "g", "arguments": {"y": 2}}',
-     ("", [("f", '{"x": [1, "]"]}'), ("g", '{"y": 2}')])),
+    (
+        '  {"name": "f", "parameters": {"x": [1, "]"]}}; {"name": "g", "arguments": {"y": 2}}',
+        ("", [("f", '{"x": [1, "]"]}'), ("g", '{"y": 2}')]),
+    ),
     ('<|python_tag|>{"name": "f", "parameters": {}}', ("", [("f", "{}")])),
     ("Hello {there}", ("Hello {there}", [])),
     ("{not json", ("{not json", [])),
     ('{"name": "f", "parameters": {"a": 1}} trailing words', ("", [("f", '{"a": 1}')])),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("text", "expected"), LLAMA)
@@ -106,13 +119,15 @@ def test_content_streams_before_the_calls() -> None:
 
 
 REQUIRED = [
-    ('[{"name":"f","parameters":{"a":1,"s":"x\\"]}"}},{"name":"g","parameters":{}}]',
-     ("", [("f", '{"a":1,"s":"x\\"]}"}'), ("g", "{}")])),
+    (
+        '[{"name":"f","parameters":{"a":1,"s":"x\\"]}"}},{"name":"g","parameters":{}}]',
+        ("", [("f", '{"a":1,"s":"x\\"]}"}'), ("g", "{}")]),
+    ),
     ('[ {"parameters": {"q": true}, "name": "h"} ]', ("", [("h", '{"q": true}')])),
     ('[{"name":"f","parameters":{"a":1', ("", [("f", '{"a":1')])),  # cut by max_tokens
     ('[{"name":"f","parameters":12.5e3}]', ("", [("f", "12.5e3")])),
     ('[{"name":"f"}]', ("", [("f", "{}")])),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("text", "expected"), REQUIRED)
@@ -129,7 +144,10 @@ def test_required_streams_arguments_as_they_come() -> None:
 
 
 def test_named() -> None:
-    assert same_in_pieces(lambda: NamedParser("f"), '{"a": [1, 2]}') == ("", [("f", '{"a": [1, 2]}')])
+    assert same_in_pieces(lambda: NamedParser("f"), '{"a": [1, 2]}') == (
+        "",
+        [("f", '{"a": [1, 2]}')],
+    )
     assert run(NamedParser("f"), []) == ("", [("f", "")])  # the call even with no text
 
 

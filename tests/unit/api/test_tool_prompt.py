@@ -15,21 +15,38 @@ from api.tokenization import PromptBuilder
 from workers.model_init import TOOLS_PREAMBLE
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                    "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather now",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
     {"type": "function", "function": {"name": "now", "description": "The time, «UTC»"}},
-]  # fmt: skip
+]
 ROUND_TRIP = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris and the time?"},
-    {"role": "assistant", "content": "Checking.", "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-        {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": ""}}]},
+    {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            },
+            {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": ""}},
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 °C"},
     {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "12:00"}]},
-]  # fmt: skip
+]
 
 
 def for_hf(msgs: list[dict]) -> list[dict]:
@@ -39,9 +56,15 @@ def for_hf(msgs: list[dict]) -> list[dict]:
         m = dict(m)
         if "tool_calls" in m:
             m["tool_calls"] = [
-                {**c, "function": {**c["function"],
-                                   "arguments": json.loads(c["function"]["arguments"] or "{}")}}
-                for c in m["tool_calls"]]  # fmt: skip
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"] or "{}"),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
         out.append(m)
     return out
 
@@ -75,7 +98,8 @@ def test_rendering_fields(hf, tiny_model_dir: Path) -> None:  # type: ignore[no-
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon "}]
     cm = [ChatMessage(**m) for m in msgs]
     assert pb.chat_prompt(cm, add_generation_prompt=False).token_ids == hf_ids(
-        hf, msgs, add_generation_prompt=False)
+        hf, msgs, add_generation_prompt=False
+    )
     cont = pb.chat_prompt(cm, add_generation_prompt=False, continue_final_message=True)
     assert cont.token_ids == hf_ids(hf, msgs, continue_final_message=True)
     assert pb.tokenizer.decode(cont.token_ids).endswith("<|assistant|>\nOnce upon ")
@@ -87,17 +111,32 @@ def test_rendering_fields(hf, tiny_model_dir: Path) -> None:  # type: ignore[no-
 
 def test_rendering_refusals(tiny_model_dir: Path) -> None:
     pb = PromptBuilder(tiny_model_dir)
-    bad_args = ChatMessage(role="assistant", content=None, tool_calls=[
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}])  # fmt: skip
-    image_only = ChatMessage(role="user", content=[
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}])  # fmt: skip
+    bad_args = ChatMessage(
+        role="assistant",
+        content=None,
+        tool_calls=[
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+        ],
+    )
+    image_only = ChatMessage(
+        role="user",
+        content=[{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
+    )
     cases = [
         (lambda: pb.chat_prompt([bad_args]), "messages.0.tool_calls.0.function.arguments"),
-        (lambda: pb.chat_prompt([ChatMessage(role="user", content="x")],
-                                template_kwargs={"messages": []}), "chat_template_kwargs"),
-        (lambda: pb.chat_prompt([image_only], add_generation_prompt=False,
-                                continue_final_message=True), "continue_final_message"),
-    ]  # fmt: skip
+        (
+            lambda: pb.chat_prompt(
+                [ChatMessage(role="user", content="x")], template_kwargs={"messages": []}
+            ),
+            "chat_template_kwargs",
+        ),
+        (
+            lambda: pb.chat_prompt(
+                [image_only], add_generation_prompt=False, continue_final_message=True
+            ),
+            "continue_final_message",
+        ),
+    ]
     for call, param in cases:
         with pytest.raises(OpenAIError) as e:
             call()

@@ -13,10 +13,21 @@ from api.protocol import ChatCompletionRequest
 from api.tools import ChatToolOutput, constrain, tool_plan
 from kvbm.protocol import Sampling, StructuredOutput
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                     "days": {"type": "integer", "minimum": 1}},
-    "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "days": {"type": "integer", "minimum": 1},
+            },
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
 NOW = {"type": "function", "function": {"name": "now"}}  # no parameters
 
 
@@ -38,23 +49,30 @@ def test_choices() -> None:
     assert type(auto.parser()).__name__ == "Llama3JsonParser"
     none = tool_plan(req(tools=[WEATHER], tool_choice="none"), "hermes")
     assert none is not None and none.parser() is None and none.constraint is None
-    named = tool_plan(req(tools=[WEATHER, NOW], tool_choice={"type": "function",
-                                                             "function": {"name": "now"}}),
-                      "hermes")  # fmt: skip
+    named = tool_plan(
+        req(tools=[WEATHER, NOW], tool_choice={"type": "function", "function": {"name": "now"}}),
+        "hermes",
+    )
     assert named is not None and named.choice == "named" and named.name == "now"
     assert named.constraint == StructuredOutput(
-        json_schema=json.dumps({"type": "object", "properties": {}}))
+        json_schema=json.dumps({"type": "object", "properties": {}})
+    )
 
 
 def test_refusals() -> None:
     refused("tool_choice", tool_choice="required")  # no tools
     refused("tool_choice", tools=[WEATHER], tool_choice="sometimes")
-    refused("tool_choice.function.name", tools=[WEATHER],
-            tool_choice={"type": "function", "function": {"name": "other"}})
+    refused(
+        "tool_choice.function.name",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "other"}},
+    )
     refused("tools.1.function.name", tools=[WEATHER, WEATHER])
     refused("tools.0.type", tools=[{"type": "code_interpreter"}])
-    refused("tools.0.function.parameters",
-            tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}])
+    refused(
+        "tools.0.function.parameters",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+    )
 
 
 def test_required_schema_accepts_calls_and_nothing_else() -> None:
@@ -62,16 +80,23 @@ def test_required_schema_accepts_calls_and_nothing_else() -> None:
     assert plan is not None and plan.constraint is not None
     schema = json.loads(plan.constraint.json_schema or "")
     jsonschema.Draft202012Validator.check_schema(schema)
-    ok = [{"name": "get_weather", "parameters": {"city": "Paris"}},
-          {"name": "now", "parameters": {}}]  # fmt: skip
+    ok = [
+        {"name": "get_weather", "parameters": {"city": "Paris"}},
+        {"name": "now", "parameters": {}},
+    ]
     jsonschema.validate(ok, schema)
-    for bad in ([], [{"name": "get_weather", "parameters": {"days": 2}}],
-                [{"name": "nope", "parameters": {}}], [{"name": "now"}],
-                [{"name": "now", "parameters": {}, "extra": 1}]):  # fmt: skip
+    for bad in (
+        [],
+        [{"name": "get_weather", "parameters": {"days": 2}}],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "now"}],
+        [{"name": "now", "parameters": {}, "extra": 1}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    single = tool_plan(req(tools=[WEATHER, NOW], tool_choice="required",
-                           parallel_tool_calls=False), "hermes")  # fmt: skip
+    single = tool_plan(
+        req(tools=[WEATHER, NOW], tool_choice="required", parallel_tool_calls=False), "hermes"
+    )
     assert single is not None and single.constraint is not None
     one = json.loads(single.constraint.json_schema or "")
     assert one["maxItems"] == 1 and one["minItems"] == 1
@@ -108,16 +133,28 @@ def reassemble(deltas: list[dict]) -> dict:
     return msg
 
 
-@pytest.mark.parametrize(("choice", "text", "reason", "calls"), [
-    ("auto", 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-             "</tool_call>", "tool_calls", 1),
-    ("auto", "no call here", "stop", 0),
-    ("required", '[{"name":"get_weather","parameters":{"city":"A"}},'
-                 '{"name":"now","parameters":{}}]', "tool_calls", 2),
-    ({"type": "function", "function": {"name": "get_weather"}}, '{"city":"B"}', "stop", 1),
-])  # fmt: skip
-def test_stream_reassembles_to_the_message(choice: object, text: str, reason: str,
-                                           calls: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("choice", "text", "reason", "calls"),
+    [
+        (
+            "auto",
+            'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+            "tool_calls",
+            1,
+        ),
+        ("auto", "no call here", "stop", 0),
+        (
+            "required",
+            '[{"name":"get_weather","parameters":{"city":"A"}},{"name":"now","parameters":{}}]',
+            "tool_calls",
+            2,
+        ),
+        ({"type": "function", "function": {"name": "get_weather"}}, '{"city":"B"}', "stop", 1),
+    ],
+)
+def test_stream_reassembles_to_the_message(
+    choice: object, text: str, reason: str, calls: int
+) -> None:
     plan = tool_plan(req(tools=[WEATHER, NOW], tool_choice=choice), "hermes")
     assert plan is not None
     whole = ChatToolOutput(plan, plan.parser())  # type: ignore[arg-type]
