@@ -136,16 +136,8 @@ class OutputItems:
                     continue
                 msg = self._message(out)
                 msg["content"][0]["text"] += ev.text
-                out.append(
-                    self._event(
-                        "response.output_text.delta",
-                        item_id=msg["id"],
-                        output_index=len(self.output) - 1,
-                        content_index=0,
-                        delta=ev.text,
-                        logprobs=[],
-                    )
-                )
+                out.append(self._part_event("response.output_text.delta", msg, delta=ev.text,
+                                            logprobs=[]))  # fmt: skip
             elif isinstance(ev, CallStart):
                 self._close(out)
                 item = {
@@ -204,15 +196,7 @@ class OutputItems:
         out.append(self._event("response.output_item.added", output_index=index, item=_copy(msg)))
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         msg["content"].append(part)
-        out.append(
-            self._event(
-                "response.content_part.added",
-                item_id=msg["id"],
-                output_index=index,
-                content_index=0,
-                part=dict(part),
-            )
-        )
+        out.append(self._part_event("response.content_part.added", msg, part=dict(part)))
         return msg
 
     def _close(self, out: list[dict], status: str = "completed") -> None:
@@ -223,25 +207,9 @@ class OutputItems:
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
-            out.append(
-                self._event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=part["text"],
-                    logprobs=[],
-                )
-            )
-            out.append(
-                self._event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
+            out.append(self._part_event("response.output_text.done", item, text=part["text"],
+                                        logprobs=[]))  # fmt: skip
+            out.append(self._part_event("response.content_part.done", item, part=dict(part)))
         else:
             out.append(
                 self._event(
@@ -253,6 +221,11 @@ class OutputItems:
                 )
             )
         out.append(self._event("response.output_item.done", output_index=index, item=_copy(item)))
+
+    def _part_event(self, kind: str, msg: dict, **fields: object) -> dict:
+        """An event about a message's (only) text part."""
+        return self._event(kind, item_id=msg["id"], output_index=self.output.index(msg),
+                           content_index=0, **fields)  # fmt: skip
 
     def _event(self, kind: str, **fields: object) -> dict:
         ev = {"type": kind, "sequence_number": self.seq, **fields}

@@ -118,6 +118,7 @@ def whole(resp) -> dict:  # type: ignore[no-untyped-def]
 
 def same_calls(a: dict, b: dict) -> bool:
     """Equal but for the calls' ids (random per request)."""
+
     def strip(m: dict) -> dict:
         return {**m, "calls": [{k: v for k, v in c.items() if k != "id"} for c in m["calls"]]}
 
@@ -241,8 +242,12 @@ def test_responses_text(cluster: Cluster, hf: tuple) -> None:
     assert resp.usage.input_tokens == len(ids) and resp.usage.output_tokens == 10
     events = list(client.responses.create(stream=True, **kw))  # type: ignore[call-overload]
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
     assert types[-4:] == ["response.output_text.done", "response.content_part.done",
                           "response.output_item.done", "response.completed"]  # fmt: skip
     assert [e.sequence_number for e in events] == list(range(len(events)))
@@ -314,8 +319,9 @@ def test_responses_json_schema_and_function_tools(cluster: Cluster) -> None:
 
 def chat_model(cluster: Cluster, **kw: object) -> ChatOpenAI:
     settings = {"temperature": 0, "max_tokens": 120, **kw}
-    return ChatOpenAI(model=cluster.model_name, base_url=f"{cluster.url}/v1", api_key="unused",
-                      **settings)  # type: ignore[arg-type]
+    return ChatOpenAI(
+        model=cluster.model_name, base_url=f"{cluster.url}/v1", api_key="unused", **settings
+    )  # type: ignore[arg-type]
 
 
 class GetWeather(BaseModel):
