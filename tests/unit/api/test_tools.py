@@ -188,3 +188,56 @@ def test_required_cut_by_length_is_not_tool_calls() -> None:
     msg = out.message('[{"name":"get_weather","parameters":{"ci')
     assert msg["tool_calls"][0]["function"]["arguments"] == '{"ci'
     assert out.finish_reason("length") == "length"
+
+
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "maxLength": 6},
+                                     "urgent": {"type": "boolean"}},
+    "required": ["text", "urgent"], "additionalProperties": False}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("choice", ["required", "required-single", "named"])
+def test_constraints_compile_and_parse_back(tiny_model_dir, choice: str) -> None:  # type: ignore[no-untyped-def]
+    """Each forced choice's constraint compiles with the engine's grammar compiler
+    (xgrammar) for the default model's tokenizer, and random walks through its token
+    masks read back as calls whose arguments parse and validate."""
+    structured = pytest.importorskip("workers.structured")  # the engine's structured outputs
+    import torch
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    eos = tok.token_to_id("</s>")
+    compiler = structured.GrammarCompiler(tok, tok.get_vocab_size(), [eos])
+    kw: dict = {"tool_choice": "required"}
+    if choice == "required-single":
+        kw["parallel_tool_calls"] = False
+    if choice == "named":
+        kw["tool_choice"] = {"type": "function", "function": {"name": "note"}}
+    plan = tool_plan(req(tools=[WEATHER, NOTE], **kw), "hermes")
+    assert plan is not None and plan.constraint is not None
+    grammar = compiler.compile(plan.constraint)
+    xgr = compiler._xgr
+    gen = torch.Generator().manual_seed(0)
+    finished = 0
+    for _ in range(8):
+        matcher = xgr.GrammarMatcher(grammar)
+        mask = xgr.allocate_token_bitmask(1, tok.get_vocab_size())
+        ids: list[int] = []
+        while not matcher.is_terminated() and len(ids) < 400:
+            matcher.fill_next_token_bitmask(mask)
+            logits = torch.randn(1, tok.get_vocab_size(), generator=gen)
+            xgr.apply_token_bitmask_inplace(logits, mask)
+            ids.append(int(logits.argmax()))
+            assert matcher.accept_token(ids[-1])
+        if not matcher.is_terminated():
+            continue  # an unbounded array of calls that has not closed yet
+        finished += 1
+        out = ChatToolOutput(plan, plan.parser())  # type: ignore[arg-type]
+        msg = out.message(tok.decode([i for i in ids if i != eos]))
+        assert msg["tool_calls"] and out.finish_reason("stop") in ("tool_calls", "stop")
+        if choice != "required":
+            assert len(msg["tool_calls"]) == 1
+        for call in msg["tool_calls"]:
+            params = plan.schemas[call["function"]["name"]]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+    assert finished >= 4
