@@ -198,10 +198,10 @@ async def _collect(
     tools: ChatToolOutput | None = None,
 ) -> JSONResponse:  # fmt: skip
     text, last = await collect(st, run, started)
+    message = tools.message(text) if tools else None  # before the reason: it counts the calls
     reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
     st.metrics.finish.labels(reason or "unknown").inc()
-    body = fmt.full(text, reason, last.stop_reason, usage_body(last.usage),
-                    message=tools.message(text) if tools else None)  # fmt: skip
+    body = fmt.full(text, reason, last.stop_reason, usage_body(last.usage), message=message)
     return JSONResponse(body, headers={"x-request-id": run.request_id})
 
 

@@ -177,14 +177,17 @@ class ChatToolOutput:
         self.parser = parser
         self.content: list[str] = []
         self.calls: list[dict] = []
+        self._finished = False
 
     def feed(self, text: str) -> list[dict]:
         return self._deltas(self.parser.feed(text))
 
     def finish(self) -> list[dict]:
+        self._finished = True
         return self._deltas(self.parser.finish())
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
+        assert self._finished, "finish_reason() before the output was parsed (it counts calls)"
         return self.plan.finish_reason(engine_reason, len(self.calls))
 
     def message(self, text: str) -> dict:

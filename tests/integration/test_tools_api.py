@@ -210,7 +210,7 @@ def test_auto_parses_the_models_calls(cluster: Cluster) -> None:
     regex = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
              r'\{"city": "(Oslo|Rome)", "unit": "celsius"\}\}\n</tool_call>')  # fmt: skip
     kw = dict(model=cluster.model_name, messages=[{"role": "user", "content": "Weather?"}],
-              tools=TOOLS, max_tokens=80, temperature=0,
+              tools=TOOLS, max_tokens=300, temperature=0,
               extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
     resp = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     got = whole(resp)
