@@ -25,6 +25,8 @@ from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state
 from api.tokenization import Prompt
+from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
+from kvbm.protocol import TokenFrame
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +54,20 @@ async def list_models(request: Request) -> dict:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     unsupported(req)
-    prompt = st.builder.chat_prompt(req.messages)
+    plan = tool_plan(req, st.tool_parser)
+    prompt = chat_prompt(st, req)
     st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages")
+    return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages", plan)
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     unsupported(req)
     prompt = Prompt(st.builder.completion_ids(req.prompt))
     return await _serve(st, req, request, prompt, req.max_tokens, "completion", started,
@@ -72,7 +75,13 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 
 
 # --------------------------------------------------------------------------------------
-def _check_model(st: ApiState, name: str) -> None:
+def chat_prompt(st: ApiState, req: ChatCompletionRequest) -> Prompt:
+    """The chat request's prompt: its messages and tools through the chat template."""
+    return st.builder.chat_prompt(req.messages, req.tools, req.add_generation_prompt,
+                                  req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
+
+
+def check_model(st: ApiState, name: str) -> None:
     served = st.settings.model_name
     if name != served:
         raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}`.",
@@ -88,7 +97,33 @@ async def _serve(
     kind: str,
     started: float,
     prompt_param: str,
+    plan: ToolPlan | None = None,
 ) -> Response:
+    rid, run = await start(st, req, request, prompt, max_tokens, kind, started, prompt_param,
+                           plan)  # fmt: skip
+    fmt = Formatter(kind, rid, st.settings.model_name)
+    parser = plan.parser() if plan is not None else None
+    tools = ChatToolOutput(plan, parser) if plan is not None and parser is not None else None
+    if req.stream:
+        gen = _stream(st, run, fmt, req.include_usage, started, tools)
+        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+    return await _collect(st, run, fmt, started, tools)
+
+
+async def start(
+    st: ApiState,
+    req: ChatCompletionRequest | CompletionRequest,
+    request: Request,
+    prompt: Prompt,
+    max_tokens: int | None,
+    kind: str,
+    started: float,
+    prompt_param: str,
+    plan: ToolPlan | None = None,
+) -> tuple[str, RunningRequest]:
+    """Check the request against the model, resolve its sampling (with its tool choice's
+    constraint), store its images and start it: routed, sent, its first frame in. Returns
+    the request's id and its run (whose stream id may be a retry's)."""
     prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
     max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
     if req.min_tokens > max_tokens:
@@ -96,13 +131,13 @@ async def _serve(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
         )
-    sampling = sampling_of(req, max_tokens, st.builder)
+    sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
     images = []
     if prompt.images:  # fetched and checked only once the rest of the request is valid
         loaded = await st.media.load(prompt.images)
         await st.media.store(st.redis, loaded)
         images = prompt.image_refs([im.hash for im in loaded])
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    prefix = {"chat": "chatcmpl", "response": "resp"}.get(kind, "cmpl")
     rid = st.hub.new_request_id(prefix)  # its stream needs no SUBSCRIBE
     st.metrics.in_flight.inc()
     try:
@@ -112,16 +147,13 @@ async def _serve(
         st.metrics.in_flight.dec()
         raise
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    fmt = Formatter(kind, rid, st.settings.model_name)
-    if req.stream:
-        gen = _stream(st, run, fmt, req.include_usage, started)
-        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
-    return await _collect(st, run, fmt, started)
+    return rid, run
 
 
 async def _stream(
-    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float
-) -> AsyncIterator[bytes]:
+    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float,
+    tools: ChatToolOutput | None = None,
+) -> AsyncIterator[bytes]:  # fmt: skip
     try:
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
             yield sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
@@ -129,7 +161,11 @@ async def _stream(
             last = batch[-1]
             failed = last.error is not None
             text = "".join(f.text for f in (batch[:-1] if failed else batch))
-            event = fmt.text_event(text, include_usage) if text else b""
+            if tools is None:
+                event = fmt.text_event(text, include_usage) if text else b""
+            else:  # content and tool calls, parsed as they come
+                deltas = tools.feed(text) + (tools.finish() if last.done and not failed else [])
+                event = b"".join(sse_event(fmt.chunk(d, None, include_usage)) for d in deltas)
             if not last.done:
                 if event:
                     yield event
@@ -139,8 +175,9 @@ async def _stream(
             if failed:
                 yield event + sse_event(frame_error(last).body())
                 return
-            st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-            event += sse_event(fmt.chunk(fmt.empty_delta(), last.finish_reason, include_usage,
+            reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
+            st.metrics.finish.labels(reason or "unknown").inc()
+            event += sse_event(fmt.chunk(fmt.empty_delta(), reason, include_usage,
                                          stop_reason=last.stop_reason))  # fmt: skip
             if include_usage:
                 event += sse_event(fmt.usage_chunk(usage_body(last.usage)))
@@ -152,13 +189,24 @@ async def _stream(
         log.warning("[%s] stream ended with error: %s", run.request_id, err.message)
         yield sse_event(err.body())
     finally:
-        _account(st, run, started)
+        account(st, run, started)
         st.runner.finish(run)
 
 
 async def _collect(
-    st: ApiState, run: RunningRequest, fmt: Formatter, started: float
-) -> JSONResponse:
+    st: ApiState, run: RunningRequest, fmt: Formatter, started: float,
+    tools: ChatToolOutput | None = None,
+) -> JSONResponse:  # fmt: skip
+    text, last = await collect(st, run, started)
+    message = tools.message(text) if tools else None  # before the reason: it counts the calls
+    reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
+    st.metrics.finish.labels(reason or "unknown").inc()
+    body = fmt.full(text, reason, last.stop_reason, usage_body(last.usage), message=message)
+    return JSONResponse(body, headers={"x-request-id": run.request_id})
+
+
+async def collect(st: ApiState, run: RunningRequest, started: float) -> tuple[str, TokenFrame]:
+    """A started request's whole text and its terminal frame (an error frame raises)."""
     parts: list[str] = []
     last = None
     try:
@@ -173,15 +221,14 @@ async def _collect(
     except Exception as e:  # noqa: BLE001
         raise stream_error(e) from e
     finally:
-        _account(st, run, started)
+        account(st, run, started)
         st.runner.finish(run)
     assert last is not None and last.done, "batches() ended without a terminal frame"
-    st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-    body = fmt.full("".join(parts), last.finish_reason, last.stop_reason, usage_body(last.usage))
-    return JSONResponse(body, headers={"x-request-id": run.request_id})
+    return "".join(parts), last
 
 
-def _account(st: ApiState, run: RunningRequest, started: float) -> None:
+def account(st: ApiState, run: RunningRequest, started: float) -> None:
+    """A request has ended: its metrics."""
     m = st.metrics
     m.in_flight.dec()
     m.e2e.observe(time.perf_counter() - started)

@@ -111,11 +111,14 @@ class Formatter:
         return body
 
     def full(
-        self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict
-    ) -> dict:
+        self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict,
+        message: dict | None = None,
+    ) -> dict:  # fmt: skip
+        """``message``: the chat message when it is more than the text (tool calls)."""
         if self.chat:
             body = self._head("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            message = message or {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message,
                       "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}  # fmt: skip
         else:

@@ -27,6 +27,7 @@ class ApiState:
     hub: StreamHub | None = None
     runner: Runner | None = None
     created: int = 0  # when the API started serving (the model's ``created``)
+    tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
 
 
 def api_state(request: Request) -> ApiState:

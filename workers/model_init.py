@@ -37,15 +37,56 @@ UNK, BOS, EOS, PAD, IMAGE = range(len(SPECIAL_TOKENS))
 
 # Roles are plain text in the prompt; the turn ends with the eos token, which is also what
 # the model emits to stop. String content or OpenAI-style content parts are accepted.
+# Tools, Hermes-style (vLLM's `hermes` parser reads the calls back): given `tools`, a system
+# turn (the request's own system text first) lists them as JSON between <tools> tags and
+# asks for each call as {"name": ..., "arguments": {...}} between <tool_call> tags; an
+# assistant message's `tool_calls` render in that form after its content, a `tool` message
+# as a <|tool|> turn holding a <tool_response>. Without tools, tool calls or tool messages
+# a prompt renders exactly as it did before they existed.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call functions to answer. Each one is described by a JSON object "
+    "between <tools> and </tools>:\n<tools>\n"
+)
+TOOLS_INSTRUCTION = (
+    "</tools>\n\nTo call a function, answer with one <tool_call></tool_call> block per call, "
+    "each holding a JSON object with the function's name and its arguments:\n<tool_call>\n"
+    '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
+    "{% set turns = messages %}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set turns = messages[1:] %}"
+    "{% if messages[0]['content'] is string %}{{ messages[0]['content'] }}"
+    "{% else %}{% for part in messages[0]['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\\n\\n' }}"
+    "{% endif %}"
+    "{{ " + json.dumps(TOOLS_PREAMBLE) + " }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ " + json.dumps(TOOLS_INSTRUCTION) + " + eos_token + '\\n' }}"
+    "{% endif %}"
+    "{% for message in turns %}"
     "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['role'] == 'tool' %}{{ '<tool_response>\\n' }}{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}"
     "{% elif part['type'] in ('image', 'image_url') %}{{ '<image>' }}{% endif %}"
     "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}{{ '\\n</tool_response>' }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + fn['name'] | tojson + ', \"arguments\": ' }}"
+    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}"
+    "{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% endif %}"
     "{{ eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
