@@ -23,7 +23,7 @@ from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
 from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
-from api.state import ApiState, api_state
+from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ async def list_models(request: Request) -> dict:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     unsupported(req)
     prompt = st.builder.chat_prompt(req.messages)
     st.media.check_count(prompt.images)
@@ -64,7 +64,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 async def completions(req: CompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     unsupported(req)
     prompt = Prompt(st.builder.completion_ids(req.prompt))
     return await _serve(st, req, request, prompt, req.max_tokens, "completion", started,
@@ -72,13 +72,6 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 
 
 # --------------------------------------------------------------------------------------
-def _check_model(st: ApiState, name: str) -> None:
-    served = st.settings.model_name
-    if name != served:
-        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}`.",
-                          "invalid_request_error", "model", "model_not_found")  # fmt: skip
-
-
 async def _serve(
     st: ApiState,
     req: ChatCompletionRequest | CompletionRequest,

@@ -58,6 +58,8 @@ class PromptBuilder:
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
         tcfg_path = d / "tokenizer_config.json"
         tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+        # which end vLLM's truncate_prompt_tokens cuts off (HF's default: the right)
+        self.truncation_side = tcfg.get("truncation_side") or "right"
         self.special = {
             k: _token_str(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
@@ -88,9 +90,11 @@ class PromptBuilder:
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         return self.chat_prompt(messages).token_ids
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> Prompt:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> Prompt:  # fmt: skip
         """Render, tokenize and expand the images' placeholders; a content part the model
-        cannot take is a 400 naming it (nothing is fetched here)."""
+        cannot take is a 400 naming it (nothing is fetched here). ``add_special_tokens``:
+        the tokenizer's own (a BOS) on top of what the template writes (vLLM's field)."""
         if self._template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         msgs = []
@@ -117,10 +121,11 @@ class PromptBuilder:
                 content = parts
             msgs.append({"role": m.role, "content": content})
         try:
-            text = self._template.render(messages=msgs, add_generation_prompt=True, **self.special)
+            text = self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                         **self.special)  # fmt: skip
         except TemplateError as e:
             raise bad_request(f"chat template failed: {e}", "messages") from e
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if not self.accepts_images:
             return Prompt(ids)
         return self._expand(ids, images)
