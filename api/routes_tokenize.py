@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.errors import bad_request
 from api.protocol import ChatMessage
 from api.state import api_state, check_model
+from api.tokenization import PromptBuilder
 
 router = APIRouter()
 
@@ -46,10 +47,7 @@ class DetokenizeRequest(BaseModel):
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request) -> dict:
-    st = api_state(request)
-    if req.model is not None:
-        check_model(st, req.model)
-    b = st.builder
+    b = _builder(request, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt", "invalid_value")
     if req.messages is not None:
@@ -68,12 +66,17 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
-    st = api_state(request)
-    if req.model is not None:
-        check_model(st, req.model)
-    b = st.builder
+    b = _builder(request, req.model)
     bad = [t for t in req.tokens if t >= b.vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is out of vocabulary [0, {b.vocab_size})",
                           "tokens", "invalid_value")  # fmt: skip
     return {"prompt": b.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _builder(request: Request, model: str | None) -> PromptBuilder:
+    """The API's tokenizer and template, once ``model`` (if given) is the served one."""
+    st = api_state(request)
+    if model is not None:
+        check_model(st, model)
+    return st.builder

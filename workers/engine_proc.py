@@ -506,13 +506,14 @@ class _EngineServer:
         self.embeddings = None  # workers.pooling.EmbeddingRunner
 
     def attach(self, loop, publisher, events) -> None:  # type: ignore[no-untyped-def]
-        from workers.pooling import EmbeddingRunner
+        from workers.pooling import CHUNK_TOKENS, EmbeddingRunner
 
         self.loop = loop
         self.publisher = publisher
         self.events = events
-        chunk = self.spec.engine_config.get("max_num_batched_tokens", 2048)
-        self.embeddings = EmbeddingRunner(self.engine, loop, publisher.publish_outputs, chunk)
+        budget = self.spec.engine_config.get("max_num_batched_tokens", CHUNK_TOKENS)
+        self.embeddings = EmbeddingRunner(self.engine, loop, publisher.publish_outputs,
+                                          min(CHUNK_TOKENS, budget))  # fmt: skip
         threading.Thread(target=self._report, name="stats", daemon=True).start()
         if self.transfer is not None:
             threading.Thread(target=self._listen_releases, name="kv-release", daemon=True).start()

@@ -20,11 +20,11 @@ only if ``modules.json`` also lists a ``Normalize`` module. A pooling mode we do
 compute (max, weighted mean, ...) is not guessed at: embeddings are refused, naming it.
 
 Scheduling: an embedding request never enters the scheduler and holds no KV blocks. Its
-prompt runs through the model in chunks of at most ``chunk_tokens`` tokens (the engine's
-``max_num_batched_tokens``), each chunk on the engine loop's thread between two engine
-steps (:meth:`workers.engine_loop.EngineLoop.call`: the model is not thread-safe), so a
-long input (or a batch of them) delays each decode step by at most one chunk, as a
-chunked prefill would. Requests run one at a time, in arrival order. Like vLLM's pooling
+prompt runs through the model in chunks of at most :data:`CHUNK_TOKENS` tokens (or the
+engine's ``max_num_batched_tokens``, if smaller), each chunk on the engine loop's thread
+between two engine steps (:meth:`workers.engine_loop.EngineLoop.call`: the model is not
+thread-safe), so a long input (or a batch of them) delays each decode step by at most one
+chunk's forward. Requests run one at a time, in arrival order. Like vLLM's pooling
 runner, it neither reads nor fills the prefix cache: nothing is generated after the
 prompt, so its KV would never be reused by the request itself.
 """
@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POOLING_TYPES = ("last", "mean", "cls")
+# Prompt tokens per chunk of an embedding (capped by the engine's step budget): on CPU a
+# 256-token chunk goes through a long input as fast as any (2048-token chunks are the
+# slowest: attention over the whole window at once) and stalls the streams decoding beside
+# it a tenth as long (docs/performance.md, "Embeddings: chunks between engine steps")
+CHUNK_TOKENS = 256
 # sentence-transformers' Pooling config keys -> ours (others: not computed here)
 _ST_MODES = {
     "pooling_mode_lasttoken": "last",
@@ -116,11 +121,13 @@ class PoolingUnavailable(Exception):
 
 
 class Pooler(Protocol):
-    def start(self, token_ids: list[int], params: Pooling) -> EmbeddingJob: ...
+    def start(self, token_ids: list[int], params: Pooling) -> EmbeddingJob:
+        """A job for one prompt (any thread: it allocates, it runs nothing)."""
 
 
 class EmbeddingJob(Protocol):
-    """One prompt's embedding, computed a chunk at a time (engine loop's thread only)."""
+    """One prompt's embedding, computed a chunk at a time (``step``: on the engine loop's
+    thread only, the model is not thread-safe)."""
 
     @property
     def done(self) -> bool: ...
@@ -204,7 +211,8 @@ class EmbeddingRunner:
         n = len(token_ids)
         if not isinstance(self.engine, PoolingEngine):
             return refusal(rid, n, getattr(self.engine, "name", "this"))
-        job = self.loop.call(lambda e: e.pooler().start(token_ids, params)).result()  # type: ignore[attr-defined]
+        pooler = self.loop.call(lambda e: e.pooler()).result()  # type: ignore[attr-defined]
+        job = pooler.start(token_ids, params)  # its KV cache is allocated off the loop
         while not job.done:
             if rid in self._aborted:
                 return RequestOutput(rid, [], "", finished=True, finish_reason="abort",

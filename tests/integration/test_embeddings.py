@@ -2,7 +2,8 @@
 ``embed`` task -> a reference worker's engine process -> the request's token stream ->
 JSON), checked against Hugging Face's hidden states on the same checkpoint, pooled and
 normalised by this test's own code; vLLM's /tokenize and /detokenize against the
-tokenizer; and a mock-engine worker refusing embeddings with a 400."""
+tokenizer; embeddings in the P/D mode (on the decode pool); and a mock-engine worker
+refusing embeddings with a 400."""
 
 from __future__ import annotations
 
@@ -181,3 +182,30 @@ def test_a_mock_engine_refuses_embeddings(redis_url: str, tiny_model_dir: Path,
     finally:
         api.stop()
         worker.stop()
+
+
+def test_disagg_mode_embeds_on_the_decode_pool(redis_url: str, tiny_model_dir: Path,
+                                               tmp_path: Path, hf: tuple) -> None:  # fmt: skip
+    """In the P/D mode an embedding runs whole on a decode worker (the pool that runs whole
+    requests), with the same vectors; the prefill worker never sees it."""
+    url = redis_db(redis_url, 6)
+    redis.Redis.from_url(url).flushdb()
+    env = base_env(url, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_KV_TRANSFER="redis",
+                   CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
+    pre = start_worker("emb-pd-p", "prefill", "emb-pd-p", env, tmp_path)
+    dec = start_worker("emb-pd-d", "decode", "emb-pd-d", env, tmp_path)
+    with stop_on_error(pre, dec):
+        api, api_url = start_api("emb-pd-api", env, tmp_path)
+    try:
+        wait_for(lambda: httpx.get(f"{api_url}/health").json()["workers"] ==
+                 {"prefill": 1, "decode": 1}, 90, "P/D workers", [pre, dec, api])  # fmt: skip
+        c = openai.OpenAI(base_url=f"{api_url}/v1", api_key="x", max_retries=0)
+        r = c.embeddings.create(model=tiny_model_dir.name, input=TEXTS, encoding_format="float")
+        check([d.embedding for d in r.data], hf, [hf[0](t).input_ids for t in TEXTS])
+        served = dec.log.read_text().count("[embd-")
+        assert served >= len(TEXTS), served
+        assert "[embd-" not in pre.log.read_text()
+    finally:
+        for p in (api, dec, pre):
+            p.stop()
+        redis.Redis.from_url(url).flushdb()
