@@ -174,6 +174,7 @@ class EmbeddingRunner:
         self._lock = threading.Lock()
         self._pending: set[str] = set()
         self._aborted: set[str] = set()
+        self._pooler: Pooler | None = None  # the engine's, once asked for
         self.chunks = 0  # forward calls made (stats)
 
     def submit(self, request_id: str, token_ids: list[int], params: Pooling) -> None:
@@ -211,8 +212,9 @@ class EmbeddingRunner:
         n = len(token_ids)
         if not isinstance(self.engine, PoolingEngine):
             return refusal(rid, n, getattr(self.engine, "name", "this"))
-        pooler = self.loop.call(lambda e: e.pooler()).result()  # type: ignore[attr-defined]
-        job = pooler.start(token_ids, params)  # its KV cache is allocated off the loop
+        if self._pooler is None:  # built from the engine's fields: it runs nothing
+            self._pooler = self.engine.pooler()
+        job = self._pooler.start(token_ids, params)  # its KV cache: allocated off the loop
         while not job.done:
             if rid in self._aborted:
                 return RequestOutput(rid, [], "", finished=True, finish_reason="abort",
