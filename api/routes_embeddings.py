@@ -75,6 +75,7 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
     inputs = embedding_inputs(req, st.builder)
     pin = req.worker_id or request.headers.get(PIN_HEADER) or None
+    assert st.hub is not None, "the API's stream hub is started by its lifespan"
     rid = st.hub.new_request_id("embd")
     n_tokens = sum(len(ids) for ids in inputs)
     m = st.metrics
@@ -156,11 +157,13 @@ def embedding_inputs(req: EmbeddingRequest, builder: PromptBuilder) -> list[list
                               "unsupported_content")  # fmt: skip
         seqs = [prompt.token_ids]
     else:
-        items = req.input
-        if isinstance(items, str) or (isinstance(items, list) and items
-                                      and isinstance(items[0], int)):  # fmt: skip
-            items = [items]  # type: ignore[list-item]
-        assert isinstance(items, list)
+        inp = req.input
+        assert inp is not None
+        items: list[str | list[int]]
+        if isinstance(inp, str) or (inp and isinstance(inp[0], int)):
+            items = [inp]  # type: ignore[list-item]  # one input: a string or token ids
+        else:
+            items = list(inp)  # type: ignore[arg-type]  # several: strings or id lists
         if not items:
             raise bad_request("input must not be empty", "input", "invalid_value")
         if len(items) > MAX_INPUTS:

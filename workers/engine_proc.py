@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import redis
 
     from workers.engine_api import Engine, EngineRequest
+    from workers.pooling import EmbeddingRunner
 
 log = logging.getLogger(__name__)
 
@@ -503,7 +504,7 @@ class _EngineServer:
         self.loop = None
         self.publisher = None
         self.events = None
-        self.embeddings = None  # workers.pooling.EmbeddingRunner
+        self.embeddings: EmbeddingRunner = None  # type: ignore[assignment]  # set by attach
 
     def attach(self, loop, publisher, events) -> None:  # type: ignore[no-untyped-def]
         from workers.pooling import CHUNK_TOKENS, EmbeddingRunner
@@ -542,7 +543,8 @@ class _EngineServer:
     # ----------------------------------------------------------------------------------
     def handle(self, kind: str, payload: object) -> None:
         if kind == "abort":
-            if not self.embeddings.abort(payload):
+            assert isinstance(payload, str), "an abort names its request"
+            if not self.embeddings.abort(payload):  # an embedding's, else the engine's
                 self.loop.abort(payload)
             return
         assert kind == "run" and isinstance(payload, EngineCommand), f"unknown command {kind!r}"
