@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_S = 0.05  # waiters look again this often (slots freed by other API replicas)
-WORK_PATHS = ("/v1/chat/completions", "/v1/completions")  # the endpoints that start work
+# the endpoints that start work
+WORK_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 class Admission:

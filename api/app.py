@@ -4,6 +4,8 @@
     POST /v1/completions        stream (SSE) and non-stream      api.routes_openai
     GET  /v1/models             the served model                 api.routes_openai
     POST /v1/responses          stream (SSE) and non-stream      api.routes_responses
+    POST /v1/embeddings         pooled hidden states             api.routes_embeddings
+    POST /tokenize, /detokenize vLLM's, in the API alone         api.routes_tokenize
     GET  /health                Redis and the required pools     api.routes_ops
     GET  /metrics               Prometheus                       api.routes_ops
     GET  /docs, /openapi.json   FastAPI's own
@@ -24,7 +26,7 @@ from contextlib import asynccontextmanager
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from api import routes_openai, routes_ops, routes_responses
+from api import routes_embeddings, routes_openai, routes_ops, routes_responses, routes_tokenize
 from api.admission import ClientLimitMiddleware
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
@@ -106,5 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api_keys_protect_ops)
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
+    app.include_router(routes_embeddings.router)
+    app.include_router(routes_tokenize.router)
     app.include_router(routes_ops.router)
     return app

@@ -23,7 +23,7 @@ from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
 from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
-from api.state import ApiState, api_state
+from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
 from kvbm.protocol import TokenFrame
@@ -79,13 +79,6 @@ def chat_prompt(st: ApiState, req: ChatCompletionRequest) -> Prompt:
     """The chat request's prompt: its messages and tools through the chat template."""
     return st.builder.chat_prompt(req.messages, req.tools, req.add_generation_prompt,
                                   req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
-
-
-def check_model(st: ApiState, name: str) -> None:
-    served = st.settings.model_name
-    if name != served:
-        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}`.",
-                          "invalid_request_error", "model", "model_not_found")  # fmt: skip
 
 
 async def _serve(

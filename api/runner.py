@@ -29,6 +29,7 @@ from kvbm.protocol import (
     CANCEL_CHANNEL,
     REQUEST_ERROR_CODES,
     ImageRef,
+    Pooling,
     Resume,
     Sampling,
     StagePayload,
@@ -42,7 +43,7 @@ from kvbm.protocol import (
 )
 from tasks.app import declare_queues
 from tasks.broker import deferred_publishes
-from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan, plan_continuation
+from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan, plan_continuation, plan_pooling
 from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tasks.settings import Settings
 
@@ -125,6 +126,7 @@ class Runner:
     async def start(
         self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         pin: str | None = None, images: list[ImageRef] | None = None,
+        pooling: Pooling | None = None,
     ) -> RunningRequest:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
         request that cannot run gets a proper HTTP status, not a broken stream).
@@ -135,17 +137,21 @@ class Runner:
         into the stream of the next one, and is cancelled like any abandoned request.
 
         ``images``: the prompt's images (their bytes already in Redis); each one's content
-        hash enters the hashes of the blocks its placeholders cover, as in the engine."""
+        hash enters the hashes of the blocks its placeholders cover, as in the engine.
+        ``pooling``: an embedding request (one ``embed`` task; its first frame is its last
+        and carries the vector), routed by load alone (the engine neither reads nor fills
+        its prefix cache for it)."""
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
             raise OpenAIError(503, "Redis is not answering (token streams are down)",
                               "server_error", None, "redis_unavailable")  # fmt: skip
         attempts = self.s.dispatch_attempts
         images = images or []
-        route_req = self.route_request(prompt_ids, images, pin)
+        route_req = self.route_request(prompt_ids, images, pin) if pooling is None \
+            else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
             run = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
-                                       images)  # fmt: skip
+                                       images, pooling)  # fmt: skip
             try:
                 run.first_frame = await self._next(run)
             except WorkerLost as e:
@@ -180,9 +186,11 @@ class Runner:
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         route_req: RouteRequest, images: list[ImageRef] | None = None,
+        pooling: Pooling | None = None,
     ) -> RunningRequest:  # fmt: skip
+        planner = plan if pooling is None else plan_pooling
         try:
-            p = await self.admission.admit(partial(plan, self.router, self.s, route_req))
+            p = await self.admission.admit(partial(planner, self.router, self.s, route_req))
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
@@ -228,6 +236,7 @@ class Runner:
             sampling=sampling,
             created=time.time(),
             images=images or [],
+            pooling=pooling,
         )
         run = RunningRequest(stream_id, sub, p, started, payload=payload)
         run.alive = partial(self._alive, run)

@@ -64,6 +64,8 @@ class PromptBuilder:
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
         tcfg_path = d / "tokenizer_config.json"
         tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+        # which end vLLM's truncate_prompt_tokens cuts off (HF's default: the right)
+        self.truncation_side = tcfg.get("truncation_side") or "right"
         self.special = {
             k: _token_str(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
@@ -106,13 +108,16 @@ class PromptBuilder:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        add_special_tokens: bool = False,
     ) -> Prompt:
         """Render, tokenize and expand the images' placeholders; a content part the model
         cannot take is a 400 naming it (nothing is fetched here). As Hugging Face's
         ``apply_chat_template`` renders: ``tools`` (OpenAI's tool objects) as the template's
         ``tools``, a call's JSON ``arguments`` as an object (vLLM's conversion),
         ``template_kwargs`` as more template variables; ``continue_final_message`` leaves
-        the last message open (the render is cut where its text ends)."""
+        the last message open (the render is cut where its text ends).
+        ``add_special_tokens``: the tokenizer's own (a BOS) on top of what the template
+        writes (vLLM's field)."""
         if self._template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         msgs = []
@@ -150,7 +155,7 @@ class PromptBuilder:
             msgs.append(msg)
         text = self.render(msgs, tools, add_generation_prompt, continue_final_message,
                            template_kwargs)  # fmt: skip
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if not self.accepts_images:
             return Prompt(ids)
         return self._expand(ids, images)

@@ -21,6 +21,7 @@ Public part:
     TokenFrame          one frame of a token stream: built by a worker, parsed by the API
     Sampling            the sampling parameters a request carries to the engine (and
                         StructuredOutput, the grammar its output must follow)
+    Pooling             what an embedding request asks of its pooled vector
     ImageRef            one image of a prompt: its content hash and placeholder tokens
     StagePayload        what every stage task receives
     EncodeHandle        what an encode task hands the task that prefills (embeddings)
@@ -415,6 +416,8 @@ class TokenFrame:
     error: FrameError | None = None
     logprobs: list[Logprob] | None = None  # one per token id
     prompt_logprobs: list[Logprob | None] | None = None  # first frame: one per prompt token
+    # an embedding request's one frame (terminal): its vector, base64 of little-endian float32
+    embedding: str | None = None
 
     @classmethod
     def failure(
@@ -432,6 +435,8 @@ class TokenFrame:
             d["logprobs"] = self.logprobs
         if self.prompt_logprobs is not None:
             d["prompt_logprobs"] = self.prompt_logprobs
+        if self.embedding is not None:
+            d["embedding"] = self.embedding
         if self.done:
             d["done"] = True
             if self.error is not None:
@@ -458,7 +463,8 @@ class TokenFrame:
         frame = cls(d["seq"], d.get("token_ids") or [], d.get("text") or "",
                     bool(d.get("done")), d.get("finish_reason"), d.get("stop_reason"),
                     logprobs=d.get("logprobs"),
-                    prompt_logprobs=d.get("prompt_logprobs"))  # fmt: skip
+                    prompt_logprobs=d.get("prompt_logprobs"),
+                    embedding=d.get("embedding"))  # fmt: skip
         u = d.get("usage")
         if u:
             frame.usage = Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
@@ -582,6 +588,18 @@ class Sampling(BaseModel):
                     or self.bad_words or self.structured is not None)  # fmt: skip
 
 
+class Pooling(BaseModel):
+    """An embedding request (``/v1/embeddings``): the engine runs its prompt through the
+    model once and pools the last layer's hidden states (after the final norm) as the
+    model's pooling config says (last token, mean or first token); the vector is cut to
+    its first ``dimensions`` values (a matryoshka model's), then L2-normalised unless
+    ``normalize`` is False (``None``: as the model's pooling config says). Nothing is
+    sampled; the stream's one frame carries the vector (``TokenFrame.embedding``)."""
+
+    dimensions: int | None = Field(None, ge=1)
+    normalize: bool | None = None
+
+
 def choice_stream_id(request_id: str, index: int) -> str:
     """The stream of choice ``index`` of a request with ``n > 1`` (each choice streams,
     finishes, is cancelled and migrates on its own id; ``n == 1`` keeps the request's)."""
@@ -626,6 +644,7 @@ class StagePayload(BaseModel):
     forced_first_token: int | None = None  # a redo keeps the first token already streamed
     images: list[ImageRef] = Field(default_factory=list)  # in prompt order
     resume: Resume | None = None  # a migrated stream: what the client already has
+    pooling: Pooling | None = None  # an embedding request: pool the prompt, sample nothing
 
 
 class EmbeddingRef(BaseModel):

@@ -25,9 +25,10 @@ from tasks.app import queue, route_to
 from tasks.modes import merged
 from tasks.router import PinnedWorkerMissing, Route, Router, RouteRequest
 from tasks.settings import Settings
-from tasks.stages import decode, encode, generate, prefill
+from tasks.stages import decode, embed, encode, generate, prefill
 
-TASKS = {"encode": encode, "generate": generate, "prefill": prefill, "decode": decode}
+TASKS = {"encode": encode, "generate": generate, "prefill": prefill, "decode": decode,
+         "embed": embed}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -117,6 +118,17 @@ async def plan_continuation(router: Router, pool: str, req: RouteRequest) -> Pla
     if route is None:
         raise NoLiveWorker(pool)
     return Plan([("generate", route)], [])
+
+
+async def plan_pooling(router: Router, s: Settings, req: RouteRequest) -> Plan:
+    """Where an embedding request runs: one ``embed`` task on a worker of the pool that runs
+    whole requests (the mode's last stage: generate, or decode, whose workers run generate
+    too), picked by load as any request (its work is a prompt to prefill)."""
+    pool = s.serving_mode.stages[-1].pool
+    route = await router.pick(pool, req)
+    if route is None:
+        raise NoLiveWorker(pool)
+    return Plan([("embed", route)], [])
 
 
 def build_chain(p: Plan, payload: StagePayload) -> Signature:

@@ -30,6 +30,8 @@ from workers.engine_core import EngineCore, token_seed
 from workers.kv_copier import TorchBlockCopier
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
+from workers.pooler import TorchPooler
+from workers.pooling import PoolingConfig, PoolingUnavailable, load_pooling_config
 from workers.sampling import make_generator, sample
 from workers.scheduler import Seq
 
@@ -40,6 +42,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Engine(EngineCore):
     name = "reference"
+    pooling = PoolingConfig()  # how /v1/embeddings pools (the checkpoint's, from_model_dir)
 
     def __init__(
         self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
@@ -77,7 +80,15 @@ class Engine(EngineCore):
         image_token = raw.get("image_token_index", raw.get("image_token_id"))
         if "vision_config" not in raw:
             image_token = None
-        return cls(LlamaModel(cfg, weights), tok, config, image_token)
+        engine = cls(LlamaModel(cfg, weights), tok, config, image_token)
+        engine.pooling = load_pooling_config(d)
+        return engine
+
+    def pooler(self) -> TorchPooler:
+        """What computes embeddings of prompts (workers.pooling runs it between steps)."""
+        if self.pooling.unsupported is not None:
+            raise PoolingUnavailable(self.pooling.unsupported)
+        return TorchPooler(self.model, self.pooling, self.config.block_size, self.max_model_len)
 
     def add_request(self, req: EngineRequest) -> RequestOutput | None:
         if req.mm_inputs:

