@@ -54,10 +54,20 @@ def test_every_input_shape(builder: PromptBuilder) -> None:
     # vLLM's chat form: the template, no generation prompt and no BOS on top by default
     msgs = [{"role": "user", "content": "hello"}]
     ids = embedding_inputs(req(messages=msgs), builder)[0]
-    assert ids == builder.chat_prompt(req(messages=msgs).messages,  # type: ignore[arg-type]
-                                      add_generation_prompt=False).token_ids
-    assert ids != builder.chat_prompt(req(messages=msgs).messages,  # type: ignore[arg-type]
-                                      add_generation_prompt=True).token_ids
+    assert (
+        ids
+        == builder.chat_prompt(
+            req(messages=msgs).messages,  # type: ignore[arg-type]
+            add_generation_prompt=False,
+        ).token_ids
+    )
+    assert (
+        ids
+        != builder.chat_prompt(
+            req(messages=msgs).messages,  # type: ignore[arg-type]
+            add_generation_prompt=True,
+        ).token_ids
+    )
 
 
 def test_bad_inputs_are_400s_naming_the_field(builder: PromptBuilder) -> None:
