@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from api import choices
 from api.errors import OpenAIError, bad_request
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
@@ -107,12 +109,19 @@ async def _serve(
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        run = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
+        runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
     except BaseException:
         st.metrics.in_flight.dec()
         raise
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     fmt = Formatter(kind, rid, st.settings.model_name)
+    if len(runs) > 1:  # n > 1: a stream per choice (api.choices)
+        end = partial(_end, st, runs, started)
+        if req.stream:
+            gen = choices.stream(st, runs, fmt, req.include_usage, end)
+            return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+        return await choices.collect(st, runs, fmt, end)
+    (run,) = runs
     if req.stream:
         gen = _stream(st, run, fmt, req.include_usage, started)
         return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
@@ -152,8 +161,7 @@ async def _stream(
         log.warning("[%s] stream ended with error: %s", run.request_id, err.message)
         yield sse_event(err.body())
     finally:
-        _account(st, run, started)
-        st.runner.finish(run)
+        _end(st, [run], started)
 
 
 async def _collect(
@@ -173,18 +181,22 @@ async def _collect(
     except Exception as e:  # noqa: BLE001
         raise stream_error(e) from e
     finally:
-        _account(st, run, started)
-        st.runner.finish(run)
+        _end(st, [run], started)
     assert last is not None and last.done, "batches() ended without a terminal frame"
     st.metrics.finish.labels(last.finish_reason or "unknown").inc()
     body = fmt.full("".join(parts), last.finish_reason, last.stop_reason, usage_body(last.usage))
     return JSONResponse(body, headers={"x-request-id": run.request_id})
 
 
-def _account(st: ApiState, run: RunningRequest, started: float) -> None:
+def _end(st: ApiState, runs: list[RunningRequest], started: float) -> None:
+    """The request is over (its streams: one, or one per choice): account for it and
+    release every stream (cancelled on its worker if unfinished)."""
     m = st.metrics
     m.in_flight.dec()
     m.e2e.observe(time.perf_counter() - started)
-    if run.usage is not None:
-        m.completion_tokens.inc(run.usage.completion_tokens)
-        m.cached_tokens.inc(run.usage.cached_tokens)
+    usage = choices.request_usage(runs)
+    if usage is not None:
+        m.completion_tokens.inc(usage.completion_tokens)
+        m.cached_tokens.inc(usage.cached_tokens)
+    for run in runs:
+        st.runner.finish(run)
