@@ -35,37 +35,38 @@ async def stream(
     end: Callable[[], None],
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The SSE events of a request of ``len(runs)`` choices; ``end()`` once it is over
-    (accounting, and every choice's stream released: cancelled if unfinished)."""
+    (accounting, and every choice's stream released: cancelled if unfinished). What the
+    choices have ready at one moment goes out as one chunk (one write)."""
     left = len(runs)
     try:
         if fmt.chat:  # chat streams open with the assistant role, for every choice
             yield b"".join(sse_event(fmt.chunk(fmt.role_delta(), None, include_usage, index=i))
                            for i in range(left))  # fmt: skip
-        async with aclosing(merged(st.runner, runs)) as batches:
-            async for i, batch in batches:
-                last = batch[-1]
-                failed = last.error is not None
-                text = "".join(f.text for f in (batch[:-1] if failed else batch))
-                event = fmt.text_event(text, include_usage, i) if text else b""
-                if not last.done:
-                    if event:
-                        yield event
-                    continue
-                if failed:
-                    yield event + sse_event(frame_error(last).body())
+        async with aclosing(merged(st.runner, runs)) as ready:
+            async for batches in ready:
+                out = b""
+                for i, batch in batches:
+                    last = batch[-1]
+                    failed = last.error is not None
+                    text = "".join(f.text for f in (batch[:-1] if failed else batch))
+                    if text:
+                        out += fmt.text_event(text, include_usage, i)
+                    if failed:
+                        yield out + sse_event(frame_error(last).body())
+                        return
+                    if last.done:
+                        st.metrics.finish.labels(last.finish_reason or "unknown").inc()
+                        out += sse_event(fmt.chunk(fmt.empty_delta(), last.finish_reason,
+                                                   include_usage, stop_reason=last.stop_reason,
+                                                   index=i))  # fmt: skip
+                        left -= 1
+                if not left:  # the last finish, usage and [DONE]: one chunk
+                    if include_usage:
+                        out += sse_event(fmt.usage_chunk(usage_body(request_usage(runs))))
+                    yield out + SSE_DONE
                     return
-                st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-                event += sse_event(fmt.chunk(fmt.empty_delta(), last.finish_reason,
-                                             include_usage, stop_reason=last.stop_reason,
-                                             index=i))  # fmt: skip
-                left -= 1
-                if left:
-                    yield event
-                    continue
-                if include_usage:
-                    event += sse_event(fmt.usage_chunk(usage_body(request_usage(runs))))
-                yield event + SSE_DONE
-                return
+                if out:
+                    yield out
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
         err = stream_error(e)
         log.warning("[%s] stream ended with error: %s", fmt.rid, err.message)
@@ -81,13 +82,14 @@ async def collect(
     texts: list[list[str]] = [[] for _ in runs]
     last: list[TokenFrame | None] = [None] * len(runs)
     try:
-        async with aclosing(merged(st.runner, runs)) as batches:
-            async for i, batch in batches:
-                for frame in batch:
-                    if frame.error is not None:
-                        raise frame_error(frame)
-                    texts[i].append(frame.text)
-                last[i] = batch[-1]
+        async with aclosing(merged(st.runner, runs)) as ready:
+            async for batches in ready:
+                for i, batch in batches:
+                    for frame in batch:
+                        if frame.error is not None:
+                            raise frame_error(frame)
+                        texts[i].append(frame.text)
+                    last[i] = batch[-1]
     except OpenAIError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -104,14 +106,16 @@ async def collect(
     return JSONResponse(body, headers={"x-request-id": fmt.rid})
 
 
-async def merged(
-    runner: Runner, runs: list[RunningRequest]
-) -> AsyncGenerator[tuple[int, list[TokenFrame]], None]:
+Ready = list[tuple[int, list[TokenFrame]]]  # (choice index, its frames), as they came
+
+
+async def merged(runner: Runner, runs: list[RunningRequest]) -> AsyncGenerator[Ready, None]:
     """Every choice's frames (:meth:`api.runner.Runner.batches`: each choice migrates on
-    its own) as they come, as ``(index, batch)``, until every choice's terminal frame; a
-    choice's failure raises here. Prompt logprobs come on the first choice's first frame
-    alone (it computed the prompt): they go on every choice's first frame, so each choice
-    carries them as a request of one would (vLLM's response has them on every choice)."""
+    its own) as they come, until every choice's terminal frame: what had arrived at one
+    moment in one list, as ``(index, batch)`` pairs; a choice's failure raises here.
+    Prompt logprobs come on the first choice's first frame alone (it computed the
+    prompt): they go on every choice's first frame, so each choice carries them as a
+    request of one would (vLLM's response has them on every choice)."""
     first = runs[0].first_frame
     if first is not None and first.prompt_logprobs is not None:
         for run in runs[1:]:
@@ -133,13 +137,19 @@ async def merged(
     try:
         left = len(runs)
         while left:
-            i, batch, err = await queue.get()
-            if err is not None:
-                raise err
-            if batch is None:
-                left -= 1
-                continue
-            yield i, batch
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            ready: Ready = []
+            for i, batch, err in items:
+                if err is not None:
+                    raise err
+                if batch is None:
+                    left -= 1
+                else:
+                    ready.append((i, batch))
+            if ready:
+                yield ready
     finally:
         for task in pumps:
             task.cancel()
