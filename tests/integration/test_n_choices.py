@@ -13,7 +13,6 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,6 +31,7 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
+from tests.integration.test_errors_and_cancel import slow  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.integration
 
@@ -188,35 +188,18 @@ def test_n_counts_as_n_requests_on_the_router(cluster: Cluster) -> None:
 
 
 # ----------------------------------------------------------------------------------------
-# A client gone mid-stream: every choice is cancelled (the mock engine, slow steps)
+# A client gone mid-stream: every choice is cancelled (the mock engine, slow steps: the
+# deployment test_errors_and_cancel.py cancels a request of one on)
 # ----------------------------------------------------------------------------------------
-STEP_MS = 20
+def _counts(cluster: Cluster) -> dict[str, int]:
+    """The deployment's workers' counts, summed."""
+    keys = ("blocks_used", "running", "waiting")
+    return {k: sum(int(w[k]) for w in cluster.worker_loads().values()) for k in keys}
 
 
-@pytest.fixture(scope="module")
-def slow(
-    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    url = redis_db(redis_url, 3)
-    redis.Redis.from_url(url).flushdb()
-    logdir = tmp_path_factory.mktemp("nslow")
-    env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock",
-                   CONVEYOR_MOCK__DECODE_STEP_MS=str(STEP_MS))  # fmt: skip
-    worker = start_worker("w-nslow", "generate", "nslow", env, logdir)
-    with stop_on_error(worker):
-        api, http = start_api("api-nslow", env, logdir)
-    with stop_on_error(worker, api):
-        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 60, "the worker",
-                 [worker, api])  # fmt: skip
-    yield Cluster(http, url, tiny_model_dir, tiny_model_dir.name, [worker], api)
-    api.stop()
-    worker.stop()
-    redis.Redis.from_url(url).flushdb()
-
-
-def test_a_client_gone_mid_stream_frees_every_choice(slow: Cluster) -> None:
+def test_a_client_gone_mid_stream_frees_every_choice(slow: Cluster) -> None:  # noqa: F811
     def used() -> int:
-        return sum(int(w["blocks_used"]) for w in slow.worker_loads().values())
+        return _counts(slow)["blocks_used"]
 
     wait_for(lambda: used() == 0, 30, "an idle worker", slow.workers)
     cancelled = _metric(slow.url, "conveyor_requests_cancelled_total")
@@ -233,11 +216,10 @@ def test_a_client_gone_mid_stream_frees_every_choice(slow: Cluster) -> None:
             if indexes == set(range(N)):
                 break
         request_id = event["id"]
-        wait_for(lambda: slow.worker_loads()["nslow"]["running"] == N, 10, "3 running")
+        wait_for(lambda: _counts(slow)["running"] == N, 10, "the choices running")
     # the client is gone: each of the n runs would hold its blocks ~28 s more
     wait_for(lambda: used() == 0, 10, "blocks freed by the cancel", slow.workers)
-    report = slow.worker_loads()["nslow"]
-    assert report["running"] == report["waiting"] == 0
+    assert _counts(slow)["running"] == _counts(slow)["waiting"] == 0
     assert _metric(slow.url, "conveyor_requests_cancelled_total") == cancelled + 1
     # the worker's account of the request: aborted, its choices far short of 3 x 1500
     log = slow.workers[0].log
