@@ -268,10 +268,11 @@ class Scheduler:
 
     def remove_all(self) -> list[Seq]:
         seqs = [*self.running, *self.waiting]
-        seqs += [child for seq in seqs for child in seq.forks]  # parked: no blocks yet
         for seq in seqs:
             self.kv.free(seq.id)
-            seq.forks = []
+        for parent in {id(p): p for p in self.parked.values()}.values():
+            seqs += parent.forks  # parked: no blocks yet
+            parent.forks = []
         self.parked.clear()
         self.running.clear()
         self.waiting.clear()
@@ -513,6 +514,8 @@ class Scheduler:
             self.kv.free(seq.id)
             if load.report:
                 self.dropped.append(seq)
+            if seq.forks:
+                self._unpark(seq)
             return
         if load.source is not None:
             if isinstance(res, BaseException):
