@@ -202,3 +202,31 @@ def test_choice_groups_expand_abort_and_complete() -> None:
                       Completion("r.c2", "abort", 7, 2)])  # fmt: skip
     assert done == [Completion("r", "length", 7, 10)]
     assert len(g) == 0 and g.targets("r") == ["r"]
+
+
+def test_choices_of_an_image_prompt_fork_from_its_embeddings(tiny_model_dir: Path) -> None:
+    """An image prompt (embeddings at the placeholders' rows, the image's key in the
+    blocks it covers): the choices fork from the one prefill that used them."""
+    import torch
+
+    from kvbm.protocol import extra_keys_for_spans, image_extra_key
+    from workers.engine_api import MMInput
+
+    config = EngineConfig(num_kv_blocks=64, max_model_len=256)
+    e = Engine.from_model_dir(tiny_model_dir, config)
+    img = e.image_token_id
+    assert img is not None
+    prompt = [1, 78, 183, *[img] * 20, 256, 279, 154, 50]  # the image across a block edge
+    embeds = torch.randn(20, e.model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    keys = extra_keys_for_spans([(3, 23, image_extra_key("ab" * 32))], len(prompt), 16)
+
+    def req(rid: str, n: int) -> EngineRequest:
+        return EngineRequest(rid, prompt, Sampling(max_tokens=12, temperature=0, n=n),
+                             mm_inputs=[MMInput(3, embeds)], block_extra_keys=keys)  # fmt: skip
+
+    want = _toks(_run(e, [req("a", 1)])["a"])
+    assert len(set(want)) > 3
+    e = Engine.from_model_dir(tiny_model_dir, config)
+    outs = _run(e, ChoiceGroups().expand(req("b", 3)))
+    assert [_toks(outs[f"b.c{i}"]) for i in range(3)] == [want] * 3
+    assert e.stats().prompt_tokens_computed == len(prompt)
