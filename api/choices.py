@@ -115,7 +115,7 @@ async def merged(runner: Runner, runs: list[RunningRequest]) -> AsyncGenerator[R
     moment in one list, as ``(index, batch)`` pairs; a choice's failure raises here.
     Prompt logprobs come on the first choice's first frame alone (it computed the
     prompt): they go on every choice's first frame, so each choice carries them as a
-    request of one would (vLLM's response has them on every choice)."""
+    request of one would (vLLM's completions have them on every choice)."""
     first = runs[0].first_frame
     if first is not None and first.prompt_logprobs is not None:
         for run in runs[1:]:
