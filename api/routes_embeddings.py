@@ -229,8 +229,8 @@ async def _embed_all(st: ApiState, rid: str, inputs: list[list[int]], pooling: P
 
     async def one(i: int, ids: list[int]) -> None:
         async with gate:
-            run = await runner.start(f"{rid}.{i}", ids, _UNUSED_SAMPLING, started, pin,
-                                     pooling=pooling)  # fmt: skip
+            (run,) = await runner.start(f"{rid}.{i}", ids, _UNUSED_SAMPLING, started, pin,
+                                        pooling=pooling)  # fmt: skip
             try:
                 frame = run.first_frame
                 assert frame is not None and frame.done, "an embedding's one frame is its last"

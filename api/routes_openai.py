@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from api import choices
 from api.errors import OpenAIError, bad_request
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
@@ -92,11 +94,18 @@ async def _serve(
     prompt_param: str,
     plan: ToolPlan | None = None,
 ) -> Response:
-    rid, run = await start(st, req, request, prompt, max_tokens, kind, started, prompt_param,
-                           plan)  # fmt: skip
+    rid, runs = await start(st, req, request, prompt, max_tokens, kind, started, prompt_param,
+                            plan)  # fmt: skip
     fmt = Formatter(kind, rid, st.settings.model_name)
-    parser = plan.parser() if plan is not None else None
-    tools = ChatToolOutput(plan, parser) if plan is not None and parser is not None else None
+    if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each parsed on its own
+        end = partial(end_request, st, runs, started)
+        outs = [tool_output(plan) for _ in runs]
+        if req.stream:
+            gen = choices.stream(st, runs, fmt, req.include_usage, end, outs)
+            return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+        return await choices.collect(st, runs, fmt, end, outs)
+    (run,) = runs
+    tools = tool_output(plan)
     if req.stream:
         gen = _stream(st, run, fmt, req.include_usage, started, tools)
         return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
@@ -113,10 +122,11 @@ async def start(
     started: float,
     prompt_param: str,
     plan: ToolPlan | None = None,
-) -> tuple[str, RunningRequest]:
+) -> tuple[str, list[RunningRequest]]:
     """Check the request against the model, resolve its sampling (with its tool choice's
     constraint), store its images and start it: routed, sent, its first frame in. Returns
-    the request's id and its run (whose stream id may be a retry's)."""
+    the request's id and its runs: one, or one per choice (``n > 1``; a run's stream id
+    may be a retry's)."""
     prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
     max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
     if req.min_tokens > max_tokens:
@@ -135,12 +145,18 @@ async def start(
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        run = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
+        runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
     except BaseException:
         st.metrics.in_flight.dec()
         raise
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    return rid, run
+    return rid, runs
+
+
+def tool_output(plan: ToolPlan | None) -> ChatToolOutput | None:
+    """What reads one choice's text into content and tool calls (None: plain text)."""
+    parser = plan.parser() if plan is not None else None
+    return ChatToolOutput(plan, parser) if plan is not None and parser is not None else None
 
 
 async def _stream(
@@ -182,8 +198,7 @@ async def _stream(
         log.warning("[%s] stream ended with error: %s", run.request_id, err.message)
         yield sse_event(err.body())
     finally:
-        account(st, run, started)
-        st.runner.finish(run)
+        end_request(st, [run], started)
 
 
 async def _collect(
@@ -214,17 +229,20 @@ async def collect(st: ApiState, run: RunningRequest, started: float) -> tuple[st
     except Exception as e:  # noqa: BLE001
         raise stream_error(e) from e
     finally:
-        account(st, run, started)
-        st.runner.finish(run)
+        end_request(st, [run], started)
     assert last is not None and last.done, "batches() ended without a terminal frame"
     return "".join(parts), last
 
 
-def account(st: ApiState, run: RunningRequest, started: float) -> None:
-    """A request has ended: its metrics."""
+def end_request(st: ApiState, runs: list[RunningRequest], started: float) -> None:
+    """The request is over (its streams: one, or one per choice): account for it and
+    release every stream (cancelled on its worker if unfinished)."""
     m = st.metrics
     m.in_flight.dec()
     m.e2e.observe(time.perf_counter() - started)
-    if run.usage is not None:
-        m.completion_tokens.inc(run.usage.completion_tokens)
-        m.cached_tokens.inc(run.usage.cached_tokens)
+    usage = choices.request_usage(runs)
+    if usage is not None:
+        m.completion_tokens.inc(usage.completion_tokens)
+        m.cached_tokens.inc(usage.cached_tokens)
+    for run in runs:
+        st.runner.finish(run)

@@ -23,10 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from api.errors import OpenAIError
 from api.protocol import unsupported
 from api.responses import OutputItems, ResponsesRequest, chat_request, created_now, response_body
-from api.routes_openai import account, chat_prompt, check_model, collect, start
+from api.routes_openai import chat_prompt, collect, end_request, start
 from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSEResponse, json_line
-from api.state import ApiState, api_state
+from api.state import ApiState, api_state, check_model
 from api.tool_parsers import Event, Text, ToolParser
 from api.tools import tool_plan
 from kvbm.protocol import TokenFrame
@@ -46,7 +46,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     plan = tool_plan(req, st.tool_parser)
     prompt = chat_prompt(st, req)
     st.media.check_count(prompt.images)
-    rid, run = await start(
+    rid, (run,) = await start(  # the Responses API has no n: one run
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan
     )
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
@@ -125,8 +125,7 @@ async def _stream(
         log.warning("[%s] response stream ended with error: %s", run.request_id, err.message)
         yield _failed(out, err)
     finally:
-        account(st, run, started)
-        st.runner.finish(run)
+        end_request(st, [run], started)
 
 
 def _failed(out: _Output, err: OpenAIError) -> bytes:

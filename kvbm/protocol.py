@@ -22,6 +22,8 @@ Public part:
     Sampling            the sampling parameters a request carries to the engine (and
                         StructuredOutput, the grammar its output must follow)
     Pooling             what an embedding request asks of its pooled vector
+    choices (n > 1)     choice_stream_id / choice_request_id: each choice's own stream;
+                        choice_seed / choice_sampling: each choice's own seed
     ImageRef            one image of a prompt: its content hash and placeholder tokens
     StagePayload        what every stage task receives
     EncodeHandle        what an encode task hands the task that prefills (embeddings)
@@ -603,7 +605,33 @@ class Pooling(BaseModel):
 def choice_stream_id(request_id: str, index: int) -> str:
     """The stream of choice ``index`` of a request with ``n > 1`` (each choice streams,
     finishes, is cancelled and migrates on its own id; ``n == 1`` keeps the request's)."""
-    return f"{request_id}.c{index}"
+    return f"{request_id}{CHOICE_SEP}{index}"
+
+
+CHOICE_SEP = ".c"
+
+
+def choice_request_id(stream_id: str) -> str | None:
+    """The request whose choice streams on ``stream_id`` (:func:`choice_stream_id`);
+    ``None`` for a stream that is not a choice's."""
+    head, sep, index = stream_id.rpartition(CHOICE_SEP)
+    return head if sep and head and index.isdigit() else None
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice ``index`` of a seeded request samples with: choice 0 keeps the
+    request's (so ``n=1`` and the first of ``n`` choices draw alike), each other one its
+    own, derived from (seed, index) so a seeded request reproduces all its choices and no
+    two of them (nor a neighbouring seed's) share a stream."""
+    if seed is None or index == 0:
+        return seed
+    return xxhash.xxh3_64_intdigest(f"{seed}/{index}".encode(), seed=HASH_SEED) >> 1
+
+
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice ``index`` of a request's sampling as one request of its own (``n`` 1, its
+    seed): what a choice that moves to another worker alone carries (migration)."""
+    return sampling.model_copy(update={"n": 1, "seed": choice_seed(sampling.seed, index)})
 
 
 class ImageRef(BaseModel):
@@ -645,6 +673,14 @@ class StagePayload(BaseModel):
     images: list[ImageRef] = Field(default_factory=list)  # in prompt order
     resume: Resume | None = None  # a migrated stream: what the client already has
     pooling: Pooling | None = None  # an embedding request: pool the prompt, sample nothing
+
+    @property
+    def stream_ids(self) -> list[str]:
+        """The streams its frames travel on: its own, or one per choice (``n > 1``)."""
+        n = self.sampling.n
+        if n == 1:
+            return [self.request_id]
+        return [choice_stream_id(self.request_id, i) for i in range(n)]
 
 
 class EmbeddingRef(BaseModel):

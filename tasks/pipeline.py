@@ -10,7 +10,9 @@ what it has cached decides whether an optional stage before it is worth running.
 optional stage is left out, as Dynamo degrades, when its pool has no live worker
 (``no_<pool>_worker``) or when it hands KV on and the prompt's part the next worker has
 not cached is shorter than ``disagg_min_prompt_tokens`` (``short_prompt``, not worth a
-transfer); the next stage then runs the merged task (:data:`tasks.modes.MERGED`).
+transfer), or when the request asks for ``n > 1`` choices (``n_choices``: they fork from
+one prefill on the worker that decodes them, docs/openai-api.md); the next stage then
+runs the merged task (:data:`tasks.modes.MERGED`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ TASKS = {"encode": encode, "generate": generate, "prefill": prefill, "decode": d
 @dataclass(slots=True)
 class Plan:
     """Which task runs where, in order; ``fallbacks`` say why optional stages were left
-    out (``no_<pool>_worker`` / ``short_prompt``)."""
+    out (``no_<pool>_worker`` / ``short_prompt`` / ``n_choices``)."""
 
     steps: list[tuple[str, Route]]
     fallbacks: list[str] = field(default_factory=list)
@@ -84,6 +86,8 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
                 route, why = None, None
                 if stage.encodes and not req.images:
                     pass  # nothing to encode: not a fallback
+                elif stage.kv_transfer and req.choices > 1:
+                    why = "n_choices"
                 elif stage.kv_transfer and uncached < s.disagg_min_prompt_tokens \
                         and not pin_pending:  # fmt: skip
                     why = "short_prompt"

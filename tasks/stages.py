@@ -184,5 +184,6 @@ def _guarded(req: StagePayload, run: Callable):  # type: ignore[no-untyped-def, 
     except Exception as e:  # the stream must still end with a terminal frame
         log.exception("[%s] stage failed", req.request_id)
         seq = req.resume.next_seq if req.resume is not None else 0  # after what is out
-        rt.fail(req.request_id, f"generation failed: {e}", "task_failed", seq)
+        for sid in req.stream_ids:  # n > 1: every choice's stream
+            rt.fail(sid, f"generation failed: {e}", "task_failed", seq)
         raise

@@ -107,8 +107,14 @@ class Engine(EngineCore):
     def _make_generator(self, params: Sampling) -> torch.Generator | None:
         return None if params.greedy else make_generator(params.seed)
 
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        data = self.kv.data  # block-major: one row per block, every layer's K and V
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=data.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=data.device)
+        data.index_copy_(0, dst, data.index_select(0, src))
+
     def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
-        logits = self._run(batch)
+        logits = self._with_forks(self._run(batch))
         if not sampled:
             return []
         for seq in sampled:

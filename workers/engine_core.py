@@ -8,6 +8,11 @@ implements the whole engine protocol; what a step computes is a subclass's busin
 placeholder tokens. Both therefore share one scheduler, one block pool and one stream of
 KV events, and the KVBM tiers below the pool (:meth:`EngineCore._attach_tiers`: each
 brings its own copier, real bytes or simulated time). This module does not import torch.
+
+A request of ``n`` choices arrives as ``n`` requests (:mod:`workers.choices`); its later
+choices fork from its first as the prompt completes (the scheduler shares the prompt's
+blocks), each sampling its first token from the first choice's logits (``_with_forks``)
+with its own generator; a subclass copies a forked partial block's KV (``_copy_blocks``).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ class EngineCore:
 
     name = "core"  # what refusals call this engine
     # the optional sampling features (workers.engine_api.FEATURES) this engine serves
-    supports: frozenset[str] = frozenset()
+    supports: frozenset[str] = frozenset({"n"})
 
     def __init__(
         self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
@@ -63,6 +68,9 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         self.outputs = OutputProcessor(eos_token_ids, max_model_len)
         self.num_steps = 0
+        # this step's later choices sample from their first choice's row of logits: the
+        # row of each sampled sequence (None: one row each, in order)
+        self._fork_rows: list[int] | None = None
         self._stalled = False
         self._disk_lock: int | None = None  # held while this engine uses its disk dir
 
@@ -76,6 +84,15 @@ class EngineCore:
         goes into the sequences' blocks) and return one sampled token per ``sampled``
         sequence (those whose computed tokens reach their end), in order."""
         raise NotImplementedError
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of each ``(source, destination)`` block (a forked choice's partial
+        last block: workers.scheduler.Scheduler.fork)."""
+
+    def _with_forks(self, logits):  # type: ignore[no-untyped-def]
+        """``logits`` (one row per sequence ending in this step's batch) with a row for
+        each sampled sequence: a forked choice samples from its first choice's row."""
+        return logits if self._fork_rows is None else logits[self._fork_rows]
 
     def kv_memory(self) -> object | None:
         return None
@@ -141,6 +158,8 @@ class EngineCore:
             self.tokenizer, req.params.stop, req.params.skip_special_tokens
         )
         seq = Seq(req, detok, self._make_generator(req.params), list(req.prompt_token_ids), n)
+        if req.fork_of is not None and self.scheduler.park(seq, req.fork_of):
+            return None  # starts when its first choice has computed the prompt
         if req.imported is not None:
             if req.imported.source is None:
                 if not self.scheduler.take_reservation(rid):  # cancelled while pulling
@@ -184,12 +203,29 @@ class EngineCore:
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
+        # a request's later choices (n > 1) fork from its first as its prompt completes
+        forks = self.scheduler.forks_due(sampled) if self.scheduler.parked else []
+        if forks:
+            row = {id(seq): i for i, seq in enumerate(sampled)}
+            self._fork_rows = [*range(len(sampled)), *(row[id(p)] for p, _ in forks)]
+            sampled += [child for _, child in forks]
         t0 = time.monotonic()
-        tokens = self._forward(batch, sampled)
+        try:
+            tokens = self._forward(batch, sampled)
+        except BaseException:
+            for _, child in forks:  # not forked: fail_all ends them with the others
+                self.scheduler.add(child)
+            raise
+        finally:
+            self._fork_rows = None
         if any(n > 1 for _, n in scheduled):
             self.scheduler.last_prefill_s = time.monotonic() - t0
         for seq, _, end in batch:
             self.scheduler.computed(seq, end)
+        if forks:  # the prompt's KV is in (and its blocks named): share it
+            pairs = [self.scheduler.fork(parent, child) for parent, child in forks]
+            if copies := [p for p in pairs if p is not None]:
+                self._copy_blocks(copies)
         self.scheduler.flush()  # the blocks this step named go down, in one copy
         outputs: list[RequestOutput] = dropped
         for seq, tok in zip(sampled, tokens, strict=True):

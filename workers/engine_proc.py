@@ -37,6 +37,7 @@ from kvbm.protocol import (
     StagePayload,
     kv_release_channel,
 )
+from workers.choices import ChoiceGroups
 
 if TYPE_CHECKING:
     import redis
@@ -102,6 +103,8 @@ class EngineCommand:
             raise ValueError(f"kind must be one of {', '.join(COMMAND_KINDS)}, not {self.kind!r}")
         assert (self.kind == "decode") == (self.handle is not None), \
             "a decode command, and only it, carries the prefill's handle"  # fmt: skip
+        assert self.kind in ("submit", "encode") or self.payload.sampling.n == 1, \
+            "a request of n > 1 choices runs aggregated (tasks.pipeline plans it so)"  # fmt: skip
 
     @property
     def request_id(self) -> str:
@@ -500,6 +503,7 @@ class _EngineServer:
         # prefill side: a request's images and the embeddings it used, until its handle
         # carries them to the decode worker
         self.mm_used: dict[str, tuple[list, list]] = {}
+        self.choices = ChoiceGroups()  # requests of n > 1 choices: n engine requests each
         self._stop = threading.Event()
         self.loop = None
         self.publisher = None
@@ -544,8 +548,10 @@ class _EngineServer:
     def handle(self, kind: str, payload: object) -> None:
         if kind == "abort":
             assert isinstance(payload, str), "an abort names its request"
-            if not self.embeddings.abort(payload):  # an embedding's, else the engine's
-                self.loop.abort(payload)
+            if self.embeddings.abort(payload):  # an embedding's, else the engine's
+                return
+            for rid in self.choices.targets(payload):  # a request of choices: all of them
+                self.loop.abort(rid)
             return
         assert kind == "run" and isinstance(payload, EngineCommand), f"unknown command {kind!r}"
         cmd, p = payload, payload.payload
@@ -562,7 +568,12 @@ class _EngineServer:
         elif cmd.kind == "decode":
             self.pool.submit(self._pull_and_decode, cmd)
         else:
-            self.loop.submit(engine_request(cmd))
+            self._submit(engine_request(cmd))
+
+    def _submit(self, req: EngineRequest) -> None:
+        """Into the engine: ``req``, or each of its choices (n > 1)."""
+        for r in self.choices.expand(req):
+            self.loop.submit(r)
 
     def _with_images(self, cmd: EngineCommand) -> None:
         """Get the request's image embeddings (pulled or encoded here), then run it."""
@@ -580,7 +591,10 @@ class _EngineServer:
             log.warning("[%s] %s", rid, e)
             if cmd.kind == "decode":
                 self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
-            self.publisher.publish_error(rid, str(e), code="image_unavailable")
+            for sid in p.stream_ids:  # a request of choices listens on each choice's
+                self.publisher.publish_error(sid, str(e), code="image_unavailable")
+            if p.sampling.n > 1:  # its stage task waits for the request, not the choices
+                self.send(("done", [Completion(rid, "error", error=str(e))]))
             return
         extra = request_extra_keys(p.images, len(p.prompt_token_ids),
                                    self.engine.config.block_size)  # fmt: skip
@@ -589,7 +603,7 @@ class _EngineServer:
             return
         if cmd.kind == "prefill":
             self.mm_used[rid] = (p.images, [m.embeds for m in inputs])
-        self.loop.submit(engine_request(cmd, mm_inputs=inputs, block_extra_keys=extra))
+        self._submit(engine_request(cmd, mm_inputs=inputs, block_extra_keys=extra))
 
     def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
         """Frames are out: report finished requests; export prefilled ones' KV."""
@@ -600,6 +614,8 @@ class _EngineServer:
             for o in outs
             if o.finished
         ]
+        if done and len(self.choices):  # a choice's end counts into its request's
+            done = self.choices.collect(done)
         if done:
             self.send(("done", done))
         for o in outs:

@@ -26,6 +26,7 @@ from kvbm.protocol import (
     StagePayload,
     StageSummary,
     cancelled_key,
+    choice_request_id,
 )
 from workers.engine_api import EngineConfig
 from workers.engine_proc import (
@@ -313,7 +314,10 @@ class WorkerRuntime:
                     if msg.get("type") != "message":
                         continue
                     rid = msg["data"].decode() if isinstance(msg["data"], bytes) else msg["data"]
-                    if self.engine.is_pending(rid):
+                    # a choice of a request of n > 1 is cancelled on its own stream's id
+                    if self.engine.is_pending(rid) or self.engine.is_pending(
+                        choice_request_id(rid) or rid
+                    ):
                         log.info("[%s] cancel received", rid)
                         self.engine.abort(rid)
             except (redis.RedisError, ValueError, AttributeError) as e:

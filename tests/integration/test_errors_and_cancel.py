@@ -67,7 +67,8 @@ def test_unknown_model_404(cluster: Cluster) -> None:
         ({"temperature": 5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
         ({"logprobs": True}, "logprobs"),
         (
             {
