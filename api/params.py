@@ -9,7 +9,11 @@ turns into a 400 naming the field (``unsupported_parameter``).
 
 from __future__ import annotations
 
+import functools
 import json
+
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, CompletionRequest
@@ -152,7 +156,7 @@ def _response_format(rf: dict) -> StructuredOutput | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return StructuredOutput(json_object=True)
+        return StructuredOutput(json_object=True, param="response_format")
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict):
@@ -162,9 +166,10 @@ def _response_format(rf: dict) -> StructuredOutput | None:
         if not isinstance(schema, dict | bool):
             raise bad_request("response_format.json_schema.schema must be a JSON Schema "
                               "object", "response_format.json_schema.schema")  # fmt: skip
-        return StructuredOutput(json_schema=json.dumps(schema))
+        param = "response_format.json_schema"
+        return StructuredOutput(json_schema=_schema_text(schema, param), param=param)
     if kind == "structural_tag":
-        return StructuredOutput(structural_tag=json.dumps(rf))
+        return StructuredOutput(structural_tag=json.dumps(rf), param="response_format")
     raise bad_request(f"response_format type {kind!r} is not one of text, json_object, "
                       "json_schema, structural_tag", "response_format.type")  # fmt: skip
 
@@ -178,12 +183,16 @@ def _structured_outputs(so: dict) -> StructuredOutput:
         raise bad_request("structured_outputs must set exactly one of "
                           f"{', '.join(fields)}", "structured_outputs")  # fmt: skip
     ((key, value),) = given.items()
-    if key in ("json", "structural_tag") and not isinstance(value, str):
+    param = f"structured_outputs.{key}"
+    if key == "json":
+        value = _schema_text(value, param)
+    elif key == "structural_tag" and not isinstance(value, str):
         value = json.dumps(value)
     try:
         return StructuredOutput(
-            **{fields[key]: value}, any_whitespace=not so.get("disable_any_whitespace", True)
-        )
+            **{fields[key]: value}, param=param,
+            any_whitespace=not so.get("disable_any_whitespace", True),
+        )  # fmt: skip
     except ValueError as e:
         raise bad_request(f"structured_outputs.{key}: {e}",
                           f"structured_outputs.{key}") from None  # fmt: skip
@@ -192,10 +201,45 @@ def _structured_outputs(so: dict) -> StructuredOutput:
 def _guided(name: str, value: object) -> StructuredOutput:
     try:
         if name == "guided_json":
-            text = value if isinstance(value, str) else json.dumps(value)
-            return StructuredOutput(json_schema=text)
+            return StructuredOutput(json_schema=_schema_text(value, name), param=name)
         if name == "guided_choice":
-            return StructuredOutput(choice=value)  # type: ignore[arg-type]
-        return StructuredOutput(**{name.removeprefix("guided_"): value})  # type: ignore[arg-type]
+            return StructuredOutput(choice=value, param=name)  # type: ignore[arg-type]
+        return StructuredOutput(**{name.removeprefix("guided_"): value},  # type: ignore[arg-type]
+                                param=name)  # fmt: skip
     except ValueError as e:
         raise bad_request(f"{name}: {e}", name) from None
+
+
+def _schema_text(schema: object, param: str) -> str:
+    """A JSON schema given as an object or as JSON text, checked against its metaschema (a
+    400 naming what is wrong: a misspelt type, a bound that is not a number, ...); what the
+    engine compiles. What only the compiler can tell (an unresolvable ``$ref``, a keyword
+    xgrammar does not support) comes back from the engine as a 400 too."""
+    if isinstance(schema, str):
+        text = schema
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+    else:
+        text = json.dumps(schema)
+    if not isinstance(schema, dict | bool):
+        raise bad_request(f"{param} must be a JSON Schema (an object), got "
+                          f"{type(schema).__name__}", param)  # fmt: skip
+    problem = _schema_problem(text) if isinstance(schema, dict) else None
+    if problem is not None:
+        raise bad_request(f"{param} is not a valid JSON Schema: {problem}", param)
+    return text
+
+
+@functools.lru_cache(maxsize=512)
+def _schema_problem(text: str) -> str | None:
+    """What makes this schema invalid under its own dialect (``$schema``; 2020-12 when it
+    names none), or ``None``. Cached: clients send the same schema again and again."""
+    schema = json.loads(text)
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        return e.message + (f" (at {where})" if where else "")
+    return None

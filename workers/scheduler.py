@@ -29,12 +29,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvbm.block_pool import KVCacheManager, KVEvent
 from kvbm.offload import OffloadManager, OnboardJob
 from kvbm.protocol import G1, ExtraKeys, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats, KVSource
+
+if TYPE_CHECKING:
+    from workers.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ class Seq:
     # its last prefix lookup, counted (statistics, disk admission) once it is admitted:
     # (hashes, blocks hit in G1, blocks looked for, tiers of the blocks found below G1)
     lookup: tuple[list[int], int, int, list[int]] | None = None
+    constraint: Constraint | None = None  # a structured output's grammar state
 
     @property
     def importing(self) -> bool:
