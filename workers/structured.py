@@ -221,7 +221,15 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         )
 
         apply_token_bitmask_inplace_cpu(logits, bitmask, vocab, rows)
-        return
+    else:
+        mask_with_torch(logits, bitmask, rows)
+
+
+def mask_with_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """:func:`apply_bitmask` in torch operations (any device, any dtype)."""
+    import torch
+
+    vocab = logits.shape[-1]
     idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
     words = bitmask[rows].to(logits.device, non_blocking=True)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
