@@ -275,17 +275,16 @@ class GrammarCompiler:
         G = xgr.Grammar
         if spec.json_schema is not None or spec.json_object:
             schema = spec.json_schema if spec.json_schema is not None else '{"type": "object"}'
-            return _json_strings_fixed(
-                G, G.from_json_schema(schema, any_whitespace=spec.any_whitespace)
-            )
+            return _fixed(G, G.from_json_schema(schema, any_whitespace=spec.any_whitespace), True)
         if spec.regex is not None:
-            return G.from_regex(spec.regex)
+            return _fixed(G, G.from_regex(spec.regex), False)
         if spec.choice is not None:
             return G.from_ebnf(choice_grammar(spec.choice))
         if spec.grammar is not None:
             # EBNF (xgrammar's dialect: `root ::= ...`); a Lark grammar (`start: ...`) too,
             # as vLLM takes it
-            return G.from_ebnf(spec.grammar) if "::=" in spec.grammar else G.from_lark(spec.grammar)
+            text = spec.grammar
+            return _fixed(G, G.from_ebnf(text) if "::=" in text else G.from_lark(text), False)
         assert spec.structural_tag is not None, "a StructuredOutput sets one kind"
         # xgrammar's structural tag ({"type": "structural_tag", "format": ...}), or the older
         # form vLLM's OpenAI server takes too ({"structures": [...], "triggers": [...]})
@@ -293,11 +292,23 @@ class GrammarCompiler:
         if isinstance(tag, dict) and "structures" in tag:
             items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
                                            end=s["end"]) for s in tag["structures"]]  # fmt: skip
-            return _json_strings_fixed(G, G.from_structural_tag(items, tag.get("triggers", [])))
-        return _json_strings_fixed(G, G.from_structural_tag(spec.structural_tag))
+            return _fixed(G, G.from_structural_tag(items, tag.get("triggers", [])), True)
+        return _fixed(G, G.from_structural_tag(spec.structural_tag), True)
 
     def matcher(self, grammar: Any) -> Any:
         return self._xgr.GrammarMatcher(grammar)
+
+    def _vocabulary(self) -> list[str]:
+        """Each token id's text as the tokenizer stores it; "" for special tokens and ids
+        the tokenizer does not have (xgrammar never allows those but its stop tokens)."""
+        vocab = [""] * self.vocab_size
+        for text, i in self.tokenizer.get_vocab(with_added_tokens=True).items():
+            if i < self.vocab_size:
+                vocab[i] = text
+        for i, added in self.tokenizer.get_added_tokens_decoder().items():
+            if added.special and i < self.vocab_size:
+                vocab[i] = ""
+        return vocab
 
     def _load(self) -> tuple[Any, Any]:
         with self._lock:
@@ -306,9 +317,16 @@ class GrammarCompiler:
                 from transformers import PreTrainedTokenizerFast
 
                 hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer)
-                info = xgr.TokenizerInfo.from_huggingface(
+                found = xgr.TokenizerInfo.from_huggingface(
                     hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
+                # the same, with the special tokens (<unk>, <s>, <image>, ...) as xgrammar's
+                # special tokens: it reads them as their text otherwise ("<unk>" in a JSON
+                # string), which the detokenizer then drops from the output
+                info = xgr.TokenizerInfo(
+                    self._vocabulary(), found.vocab_type, vocab_size=self.vocab_size,
+                    stop_token_ids=self.stop_token_ids, add_prefix_space=found.add_prefix_space,
+                )  # fmt: skip
                 # no cache of its own: GrammarCache keeps what was compiled, bounded
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
                 self._xgr = xgr
@@ -359,31 +377,45 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-# xgrammar 0.2.8 writes a string with minLength / maxLength as characters of the class
-# [^"\\\r\n]: raw control characters (a tab, U+0006) get in, which JSON forbids and strict
-# parsers (Python's json, pydantic) reject. The fix swaps in the class its unbounded strings
-# use, through the grammar's text; escapes stay unavailable in such strings
-# (mlc-ai/xgrammar#800, open at 0.2.8).
+# Two fixes to xgrammar 0.2.8's grammars, made on their text (it prints EBNF it can read):
+# * a string with minLength / maxLength is made of the class [^"\\\r\n], which lets raw
+#   control characters in (a tab, U+0006): JSON forbids them and strict parsers (Python's
+#   json, pydantic) reject them. Such strings get the class of its unbounded ones (escapes
+#   stay unavailable in them: mlc-ai/xgrammar#800, open at 0.2.8);
+# * a negated class ([^...]) matches the UTF-16 surrogates U+D800..U+DFFF, whose UTF-8
+#   bytes are not valid UTF-8 (the detokenizer shows them as U+FFFD: a string of 6
+#   characters becomes 8). Every negated class leaves them out.
 _BOUNDED_CHAR = r"[^\"\\\r\n]"
 _JSON_CHAR = r"[^\0-\x1f\"\\]"
+_SURROGATES = r"\ud800-\udfff"
+# a string literal (left alone), or a character class (a negated one is changed)
+_PIECE = re.compile(r'("(?:\\.|[^"\\])*")|(\[(?:\\.|[^\\\]])*\])')
 # Its printer writes a character as \xHH and its parser reads as many hex digits as follow
 # \x: "ße" prints as \xdfe and reads back as U+0DFE; \u00HH reads back as written.
 _HEX_ESCAPE = re.compile(r"\\(\\|x([0-9a-fA-F]{2}))")
 
 
-def _json_strings_fixed(G: Any, grammar: Any) -> Any:
-    """``grammar`` (made from a JSON schema) with no raw control characters in strings; as
-    it was if its text does not read back exactly (never seen: a safety net)."""
+def _fixed(G: Any, grammar: Any, json_strings: bool) -> Any:
+    """``grammar`` with both fixes (``json_strings``: it was made from a JSON schema); as it
+    was if the fixed text does not read back exactly (never seen: a safety net)."""
     text = str(grammar)
-    if _BOUNDED_CHAR not in text:
+    new = text.replace(_BOUNDED_CHAR, _JSON_CHAR) if json_strings else text
+    new = _PIECE.sub(_no_surrogates, new)
+    if new == text:
         return grammar
-    exact = _HEX_ESCAPE.sub(lambda m: "\\\\" if m[1] == "\\" else "\\u00" + m[2], text)
-    fixed = G.from_ebnf(exact.replace(_BOUNDED_CHAR, _JSON_CHAR))
-    if str(fixed) != text.replace(_BOUNDED_CHAR, _JSON_CHAR):
-        log.warning("a JSON grammar did not read back exactly: its bounded strings keep "
-                    "xgrammar's character class")  # fmt: skip
+    exact = _HEX_ESCAPE.sub(lambda m: "\\\\" if m[1] == "\\" else "\\u00" + m[2], new)
+    fixed = G.from_ebnf(exact)
+    if str(fixed) != new:
+        log.warning("a grammar did not read back exactly: kept as xgrammar made it")
         return grammar
     return fixed
+
+
+def _no_surrogates(m: re.Match[str]) -> str:
+    cls = m[2]
+    if cls is None or not cls.startswith("[^") or _SURROGATES in cls:
+        return m[0]
+    return cls[:-1] + _SURROGATES + "]"
 
 
 # ----------------------------------------------------------------------------------------

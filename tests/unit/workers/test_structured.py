@@ -304,21 +304,46 @@ def test_grammar_cache_is_bounded_by_entries_and_bytes(engine: Engine) -> None:
     assert len(small) == 1 and small.bytes <= size + 1
 
 
-def test_length_bounded_strings_take_no_raw_control_characters(engine: Engine) -> None:
-    """xgrammar 0.2.8 lets a tab into a string with maxLength; the engine's grammar does not,
-    and keeps the keys' non-ASCII characters (its grammar text reads back exactly)."""
+SURROGATE = b"\xed\xb5\x96"  # U+DD56 in UTF-8's form: not valid UTF-8
+
+
+@pytest.mark.parametrize("bound", [{"maxLength": 5}, {}])
+def test_json_strings_take_only_valid_characters(engine: Engine, bound: dict) -> None:
+    """xgrammar 0.2.8 lets a tab into a string with maxLength, and a UTF-16 surrogate into
+    any string; the engine's grammars do not, and keep the keys' non-ASCII characters (the
+    grammar's text reads back exactly). No special token (<unk>, ...) is allowed as text."""
     import xgrammar as xgr
 
     compiler = engine.structured.compiler
-    schema = {"type": "object", "properties": {"größe": {"type": "string", "maxLength": 5}},
+    schema = {"type": "object", "properties": {"größe": {"type": "string", **bound}},
               "required": ["größe"]}  # fmt: skip
     grammar = compiler.compile(_schema(schema))
     m = xgr.GrammarMatcher(grammar)
-    assert m.accept_string('{"größe": "a') and not m.accept_string("\t")
+    assert m.accept_string('{"größe": "a')
+    assert not m.accept_string("\t") and not m.accept_string(SURROGATE)
+    assert m.accept_string("ü京")
+    bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
+    m.fill_next_token_bitmask(bitmask)
+    specials = list(engine.tokenizer.get_added_tokens_decoder())
+    assert specials and all(not (int(bitmask[0, t // 32]) >> (t % 32)) & 1 for t in specials)
     m = xgr.GrammarMatcher(grammar)
     assert m.accept_string('{"größe": "abc"}') and m.is_completed()
     stock = xgr.GrammarMatcher(compiler._compiler.compile_json_schema(json.dumps(schema)))
-    assert stock.accept_string('{"größe": "a\t')  # the bug this works around
+    assert stock.accept_string('{"größe": "a') and stock.accept_string(SURROGATE)  # the bug
+    if bound:
+        assert stock.accept_string("\t")
+
+
+def test_negated_classes_of_every_kind_leave_out_surrogates(engine: Engine) -> None:
+    import xgrammar as xgr
+
+    compiler = engine.structured.compiler
+    for spec, head in [(StructuredOutput(regex="x[^y]+"), "x"),
+                       (StructuredOutput(grammar='root ::= "x" [^y]+'), "x"),
+                       (StructuredOutput(grammar='start: "x" /[^y]+/'), "x")]:  # fmt: skip
+        m = xgr.GrammarMatcher(compiler.compile(spec))
+        assert m.accept_string(head) and not m.accept_string(SURROGATE), spec
+        assert m.accept_string("ü") and not m.accept_string("y")
 
 
 def test_bitmask_paths_agree() -> None:
