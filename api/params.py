@@ -9,14 +9,11 @@ turns into a 400 naming the field (``unsupported_parameter``).
 
 from __future__ import annotations
 
-import functools
 import json
-
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import Draft202012Validator, validator_for
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.schemas import checked_schema
 from api.tokenization import PromptBuilder
 from kvbm.protocol import MAX_LOGPROBS, Sampling, StructuredOutput
 
@@ -167,7 +164,7 @@ def _response_format(rf: dict) -> StructuredOutput | None:
             raise bad_request("response_format.json_schema.schema must be a JSON Schema "
                               "object", "response_format.json_schema.schema")  # fmt: skip
         param = "response_format.json_schema"
-        return StructuredOutput(json_schema=_schema_text(schema, param), param=param)
+        return StructuredOutput(json_schema=checked_schema(schema, param), param=param)
     if kind == "structural_tag":
         return StructuredOutput(structural_tag=json.dumps(rf), param="response_format")
     raise bad_request(f"response_format type {kind!r} is not one of text, json_object, "
@@ -185,7 +182,7 @@ def _structured_outputs(so: dict) -> StructuredOutput:
     ((key, value),) = given.items()
     param = f"structured_outputs.{key}"
     if key == "json":
-        value = _schema_text(value, param)
+        value = checked_schema(value, param)
     elif key == "structural_tag" and not isinstance(value, str):
         value = json.dumps(value)
     try:
@@ -201,45 +198,10 @@ def _structured_outputs(so: dict) -> StructuredOutput:
 def _guided(name: str, value: object) -> StructuredOutput:
     try:
         if name == "guided_json":
-            return StructuredOutput(json_schema=_schema_text(value, name), param=name)
+            return StructuredOutput(json_schema=checked_schema(value, name), param=name)
         if name == "guided_choice":
             return StructuredOutput(choice=value, param=name)  # type: ignore[arg-type]
         return StructuredOutput(**{name.removeprefix("guided_"): value},  # type: ignore[arg-type]
                                 param=name)  # fmt: skip
     except ValueError as e:
         raise bad_request(f"{name}: {e}", name) from None
-
-
-def _schema_text(schema: object, param: str) -> str:
-    """A JSON schema given as an object or as JSON text, checked against its metaschema (a
-    400 naming what is wrong: a misspelt type, a bound that is not a number, ...); what the
-    engine compiles. What only the compiler can tell (an unresolvable ``$ref``, a keyword
-    xgrammar does not support) comes back from the engine as a 400 too."""
-    if isinstance(schema, str):
-        text = schema
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise bad_request(f"{param} is not valid JSON: {e}", param) from None
-    else:
-        text = json.dumps(schema)
-    if not isinstance(schema, dict | bool):
-        raise bad_request(f"{param} must be a JSON Schema (an object), got "
-                          f"{type(schema).__name__}", param)  # fmt: skip
-    problem = _schema_problem(text) if isinstance(schema, dict) else None
-    if problem is not None:
-        raise bad_request(f"{param} is not a valid JSON Schema: {problem}", param)
-    return text
-
-
-@functools.lru_cache(maxsize=512)
-def _schema_problem(text: str) -> str | None:
-    """What makes this schema invalid under its own dialect (``$schema``; 2020-12 when it
-    names none), or ``None``. Cached: clients send the same schema again and again."""
-    schema = json.loads(text)
-    try:
-        validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except SchemaError as e:
-        where = "/".join(str(p) for p in e.absolute_path)
-        return e.message + (f" (at {where})" if where else "")
-    return None

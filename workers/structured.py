@@ -66,13 +66,14 @@ class Constraint:
     engine loop's thread only."""
 
     matcher: Any
+    stop_token_ids: frozenset[int]  # the grammar ends on one of these (and only then)
     error: str | None = None  # set when a token the grammar forbids came (the output ends)
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; True when the output is over: the grammar has ended (its
         stop token came), or ``token`` was not allowed (``error`` says so)."""
         if self.matcher.accept_token(token):
-            return self.matcher.is_terminated()
+            return token in self.stop_token_ids and self.matcher.is_terminated()
         self.error = f"token {token} does not follow the request's grammar"
         log.error("structured output: %s", self.error)
         return True
@@ -173,10 +174,11 @@ class StructuredOutputs:
         bm = self._bitmask
         if bm is None or bm.shape[0] < len(seqs) or bm.shape[1] != words:
             bm = self._bitmask = torch.empty((max(len(seqs), 16), words), dtype=torch.int32)
-        # fill returns False where the grammar allows every token (nothing to apply)
-        rows = [i for i in rows if seqs[i].constraint.matcher.fill_next_token_bitmask(bm, i)]
-        if rows:
-            apply_bitmask(logits, bm, rows)
+        # one call for all rows: a call per row costs more than the rows' fill
+        # (docs/performance.md, "Structured outputs: the mask per step")
+        matchers = [seqs[i].constraint.matcher for i in rows]
+        self.compiler.batch.batch_fill_next_token_bitmask(matchers, bm, rows)
+        apply_bitmask(logits, bm, rows)
 
     # ----------------------------------------------------------------------------------
     def _compile(self, key: str, spec: StructuredOutput) -> None:
@@ -196,7 +198,7 @@ class StructuredOutputs:
         """A matcher for ``req`` that has seen the output tokens it already has."""
         if isinstance(grammar, str):
             return grammar
-        c = Constraint(self.compiler.matcher(grammar))
+        c = Constraint(self.compiler.matcher(grammar), self.compiler.stops)
         done = list(req.resumed.output_token_ids) if req.resumed is not None else []
         if req.imported is not None:
             done.append(req.imported.first_token)
@@ -230,11 +232,12 @@ def mask_with_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
     import torch
 
     vocab = logits.shape[-1]
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    words = bitmask[rows].to(logits.device, non_blocking=True)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
-    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    with torch.inference_mode():  # the model's logits are inference tensors
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        words = bitmask[rows].to(logits.device, non_blocking=True)
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
+        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
 # ======================================================================================
@@ -256,8 +259,10 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
+        self.stops = frozenset(stop_token_ids)
         self._xgr: Any = None  # (the xgrammar module, its GrammarCompiler)
         self._compiler: Any = None
+        self._batch: Any = None
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> Any:
@@ -297,6 +302,14 @@ class GrammarCompiler:
 
     def matcher(self, grammar: Any) -> Any:
         return self._xgr.GrammarMatcher(grammar)
+
+    @property
+    def batch(self) -> Any:
+        """xgrammar's batch matcher (fills many rows' bitmasks in one call), on this
+        thread: the engine's core is its only one."""
+        if self._batch is None:
+            self._batch = self._xgr.BatchGrammarMatcher(1)
+        return self._batch
 
     def _vocabulary(self) -> list[str]:
         """Each token id's text as the tokenizer stores it; "" for special tokens and ids

@@ -133,6 +133,7 @@ def test_an_invalid_json_schema_is_a_400_saying_what_is_wrong(kw: dict, param: s
     with pytest.raises(OpenAIError) as e:
         structured_of(chat(**kw))
     assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert e.value.code == "invalid_structured_output"
     assert says in e.value.message, e.value.message
 
 
