@@ -138,42 +138,107 @@ def _row(label: str, free: dict, js: dict) -> str:
     ratio = js["tok_s"] / free["tok_s"]
     ditl = js["itl_p50"] - free["itl_p50"]
     ok = ratio >= TARGETS["ratio"] and ditl <= TARGETS["itl_ms"]
-    return (f"{label:<8} {free['tok_s']:>8.0f} {js['tok_s']:>8.0f} {ratio:>7.3f} "
-            f"{free['itl_p50']:>8.2f} {js['itl_p50']:>8.2f} {ditl:>+7.2f} "
-            f"{free['ttft_p50']:>8.1f} {js['ttft_p50']:>8.1f} "
-            f"{free['engine_cpu_ms_per_token']:>7.3f} {js['engine_cpu_ms_per_token']:>7.3f}"
+    return (f"{label:<7} {free['tok_s']:>6.0f} {js['tok_s']:>6.0f} {ratio:>6.3f} "
+            f"{free['itl_p50']:>6.2f} {js['itl_p50']:>6.2f} {ditl:>+6.2f} "
+            f"{free['tpot_p50']:>6.2f} {js['tpot_p50']:>6.2f} "
+            f"{js['tpot_p50'] - free['tpot_p50']:>+6.2f} "
+            f"{free['engine_cpu_ms_per_token']:>6.3f} {js['engine_cpu_ms_per_token']:>6.3f}"
             f"  {'ok' if ok else 'MISS'}")  # fmt: skip
 
 
-def report(rounds: list[dict], args) -> dict:  # type: ignore[no-untyped-def]
-    print(
-        f"\njson_schema vs free decoding, c={args.concurrency}, {args.requests} requests x "
-        f"{args.output_len} tokens per side and round, prompts of {args.prompt_len} tokens"
-    )
-    print(
-        f"{'':<8} {'tok/s':>8} {'tok/s':>8} {'json/':>7} {'ITL p50':>8} {'ITL p50':>8} "
-        f"{'ITL':>7} {'TTFT p50':>8} {'TTFT p50':>8} {'eng ms':>7} {'eng ms':>7}"
-    )
-    print(
-        f"{'round':<8} {'free':>8} {'json':>8} {'free':>7} {'free ms':>8} {'json ms':>8} "
-        f"{'delta':>7} {'free ms':>8} {'json ms':>8} {'/tok fr':>7} {'/tok js':>7}"
-    )
-    for i, r in enumerate(rounds):
-        print(_row(f"{i + 1}", r["free"], r["json"]))
-    med = {side: {k: statistics.median(r[side][k] for r in rounds) for k in
-                  ("tok_s", "itl_p50", "ttft_p50", "engine_cpu_ms_per_token")}
-           for side in SIDES}  # fmt: skip
-    ratios = [r["json"]["tok_s"] / r["free"]["tok_s"] for r in rounds]
-    deltas = [r["json"]["itl_p50"] - r["free"]["itl_p50"] for r in rounds]
-    # the median of each round's ratio / delta (the row above takes each side's medians)
-    print(_row("median", med["free"], med["json"]))
-    ratio, delta = statistics.median(ratios), statistics.median(deltas)
-    print(
-        f"\nmedian of the rounds' own json/free ratio: {ratio:.3f} "
-        f"(target >= {TARGETS['ratio']}); of their ITL p50 delta: {delta:+.2f} ms "
-        f"(target <= +{TARGETS['itl_ms']} ms)"
-    )
-    return {"median": med, "ratio": ratio, "itl_delta_ms": delta}
+def report(rounds: list[dict], steps: list[tuple[float, float]], args) -> dict:  # type: ignore[no-untyped-def]
+    out: dict = {}
+    if rounds:
+        print(f"\nthrough the server: json_schema vs free decoding, c={args.concurrency}, "
+              f"{args.requests} requests x {args.output_len} tokens per side and round, "
+              f"prompts of {args.prompt_len} tokens")  # fmt: skip
+        print(
+            f"{'':<7} {'tok/s':>6} {'tok/s':>6} {'json/':>6} {'ITL':>6} {'ITL':>6} "
+            f"{'ITL':>6} {'TPOT':>6} {'TPOT':>6} {'TPOT':>6} {'engine':>6} {'engine':>6}"
+        )
+        print(
+            f"{'round':<7} {'free':>6} {'json':>6} {'free':>6} {'free':>6} {'json':>6} "
+            f"{'delta':>6} {'free':>6} {'json':>6} {'delta':>6} {'ms/tok':>6} {'ms/tok':>6}"
+        )
+        print(
+            f"{'':<7} {'':>6} {'':>6} {'':>6} {'p50 ms':>6} {'p50 ms':>6} {'':>6} "
+            f"{'p50 ms':>6} {'p50 ms':>6} {'':>6} {'free':>6} {'json':>6}"
+        )
+        for i, r in enumerate(rounds):
+            print(_row(f"{i + 1}", r["free"], r["json"]))
+        keys = ("tok_s", "itl_p50", "tpot_p50", "engine_cpu_ms_per_token")
+        med = {side: {k: statistics.median(r[side][k] for r in rounds) for k in keys}
+               for side in SIDES}  # fmt: skip
+        print(_row("median", med["free"], med["json"]))
+        # the targets on each round's own ratio / delta (the row above: each side's medians)
+        ratio = statistics.median(r["json"]["tok_s"] / r["free"]["tok_s"] for r in rounds)
+        delta = statistics.median(r["json"]["itl_p50"] - r["free"]["itl_p50"] for r in rounds)
+        print(f"median of the rounds' json/free tok/s: {ratio:.3f} (target >= "
+              f"{TARGETS['ratio']}); of their ITL p50 delta: {delta:+.2f} ms (target <= "
+              f"+{TARGETS['itl_ms']} ms)")  # fmt: skip
+        out.update(median=med, ratio=ratio, itl_delta_ms=delta)
+    if steps:
+        print(f"\nin-process engine: CPU ms per decode step, {args.concurrency} sequences")
+        print(f"{'round':<7} {'free':>6} {'json':>6} {'delta':>6}")
+        for i, (free, js) in enumerate(steps):
+            print(f"{i + 1:<7} {free:>6.2f} {js:>6.2f} {js - free:>+6.2f}")
+        delta = statistics.median(js - free for free, js in steps)
+        print(
+            f"{'median':<7} {statistics.median(f for f, _ in steps):>6.2f} "
+            f"{statistics.median(j for _, j in steps):>6.2f} {delta:>+6.2f}"
+        )
+        out["engine_step_delta_ms"] = delta
+    return out
+
+
+def engine_steps(model_dir: Path, vocab: int, args) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
+    """In this process, the engine alone: per round, the mean CPU time of a decode step
+    (the engine thread's: other processes on the core do not count) with ``--concurrency``
+    free sequences and with as many under SCHEMA (which goes first alternates), every step
+    of the run in which they all decode; new prompts for each."""
+    import threading
+
+    import torch
+
+    from kvbm.protocol import Sampling, StructuredOutput
+    from workers.engine import Engine
+    from workers.engine_api import EngineConfig, EngineRequest
+
+    torch.set_num_threads(args.torch_threads)
+    c = args.concurrency
+    engine = Engine.from_model_dir(model_dir, EngineConfig(num_kv_blocks=4096))
+    woken = threading.Event()
+    engine.set_waker(woken.set)
+    spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
+
+    def run(side: str, seed: int) -> float:
+        for i, p in enumerate(make_prompts(c, args.prompt_len, vocab, seed)):
+            params = Sampling(max_tokens=args.output_len, temperature=0, ignore_eos=True,
+                              structured=spec if side == "json" else None)  # fmt: skip
+            assert engine.add_request(EngineRequest(f"{side}{seed}-{i}", p, params)) is None
+        times = []
+        while engine.has_unfinished:
+            t = time.thread_time()
+            outs = engine.step()
+            dt = time.thread_time() - t
+            if not outs and engine.stalled:  # (the warm-up's grammar compiling)
+                woken.wait(1.0)
+                woken.clear()
+            elif len(outs) == c and not any(o.finished for o in outs):
+                times.append(dt)
+        return 1e3 * statistics.mean(times[1:])  # the first one ran the prompts too
+
+    run("json", 10**6)  # warm-up: xgrammar loads, the grammar compiles
+    rounds = []
+    for r in range(args.rounds):
+        got = {}
+        for k, side in enumerate(SIDES[::-1] if r % 2 else SIDES):
+            got[side] = run(side, 10**6 + 1 + 2 * r + k)
+        rounds.append((got["free"], got["json"]))
+        print(f"  engine round {r + 1}: free {got['free']:.2f} ms/step, json "
+              f"{got['json']:.2f}", file=sys.stderr)  # fmt: skip
+    engine.close()
+    return rounds
 
 
 def main() -> int:
@@ -195,9 +260,13 @@ def main() -> int:
         help="don't pin the engine to the last CPU and the rest to the others",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", default="server,engine",
+                    help="server: through the server (the targets); engine: the engine alone "
+                    "in this process, ms per decode step")  # fmt: skip
     ap.add_argument("--json", type=Path, help="write raw results here")
     args = ap.parse_args()
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    parts = set(args.parts.split(","))
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     model_dir = args.model.expanduser()
 
     from workers.model_init import init_model, is_model_dir
@@ -229,7 +298,12 @@ def main() -> int:
                       file=sys.stderr)  # fmt: skip
             rounds.append(got)
 
-    if args.start_server:
+    steps: list[tuple[float, float]] = []
+    if "engine" in parts:
+        if pin:  # the core the server's engine gets
+            os.sched_setaffinity(0, engine_cpu)
+        steps = engine_steps(model_dir, vocab, args)
+    if "server" in parts and args.start_server:
         log_dir = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
         print(f"  starting redis + worker + api (logs in {log_dir})", file=sys.stderr)
         if pin:
@@ -238,11 +312,12 @@ def main() -> int:
                           engine_cpus=",".join(map(str, engine_cpu)) if pin else None,
                           ) as (url, pids):  # fmt: skip
             bench(url, pids)
-    else:
+    elif "server" in parts:
         bench(args.url, {})
-    out = report(rounds, args)
+    out = report(rounds, steps, args)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args), "rounds": rounds, **out},
+        args.json.write_text(json.dumps({"args": vars(args), "rounds": rounds,
+                                         "engine_steps": steps, **out},
                                         indent=1, default=str))  # fmt: skip
     return 0
 

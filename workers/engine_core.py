@@ -145,13 +145,13 @@ class EngineCore:
         if (refused := refuse_unsupported(rid, n, req.params, self.name,
                                           self.supports)) is not None:  # fmt: skip
             return refused
-        constraint = None
-        if req.params.structured is not None and self.structured is not None:
-            constraint = self.structured.admit(req)
-            if constraint is None:
-                return None  # waits for its grammar to compile; a step starts it
-            if isinstance(constraint, str):
-                return _invalid_structured(req, constraint)
+        if req.params.structured is None or self.structured is None:
+            return self._start(req, None)
+        constraint = self.structured.admit(req)
+        if constraint is None:
+            return None  # waits for its grammar to compile; a step starts it
+        if isinstance(constraint, str):
+            return _invalid_structured(req, constraint)
         return self._start(req, constraint)
 
     def _start(self, req: EngineRequest, constraint: Constraint | None) -> RequestOutput | None:

@@ -21,9 +21,10 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -102,10 +103,11 @@ def _client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180)
 
 
-async def _chat(client: openai.AsyncOpenAI, model: str, stream: bool, **kw: object
+async def _chat(client: openai.AsyncOpenAI, model: str, stream: bool,
+                on_chunk: Callable[[], None] | None = None, **kw: object
                 ) -> tuple[str, str, int]:  # fmt: skip
     """(text, finish_reason, completion tokens) of one chat completion (a completion when
-    ``kw`` has a prompt)."""
+    ``kw`` has a prompt); ``on_chunk`` is called at every streamed chunk with a choice."""
     api = client.completions if "prompt" in kw else client.chat.completions
     if not stream:
         r = await api.create(model=model, **kw)  # type: ignore[call-overload]
@@ -121,6 +123,8 @@ async def _chat(client: openai.AsyncOpenAI, model: str, stream: bool, **kw: obje
             c = chunk.choices[0]
             text.append((c.text if "prompt" in kw else c.delta.content) or "")
             reason = c.finish_reason or reason
+            if on_chunk is not None:
+                on_chunk()
         if chunk.usage:
             usage = chunk.usage.completion_tokens
     return "".join(text), reason, usage
@@ -300,20 +304,12 @@ def test_a_migrated_constrained_stream_finishes_as_uninterrupted_and_validates(
         want = asyncio.run(uninterrupted())
         progress = [0] * 8
 
-        async def stream(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
-            s = await client.chat.completions.create(
-                model=model, messages=_messages(f"rows {i}"), response_format=rf,
-                max_tokens=800, stream=True, stream_options={"include_usage": True},
-                **sampling[i])  # type: ignore[call-overload]  # fmt: skip
-            text, reason, usage = [], "", 0
-            async for chunk in s:
-                if chunk.choices:
-                    text.append(chunk.choices[0].delta.content or "")
-                    reason = chunk.choices[0].finish_reason or reason
-                    progress[i] += 1
-                if chunk.usage:
-                    usage = chunk.usage.completion_tokens
-            return "".join(text), reason, usage
+        def stream(client: openai.AsyncOpenAI, i: int) -> Coroutine[Any, Any, tuple[str, str, int]]:
+            def count() -> None:
+                progress[i] += 1
+
+            return _chat(client, model, True, count, messages=_messages(f"rows {i}"),
+                         response_format=rf, max_tokens=800, **sampling[i])  # fmt: skip
 
         async def run() -> list[tuple[str, str, int]]:
             client = _client(url)
