@@ -186,18 +186,19 @@ class StructuredOutputs:
         try:
             result: object = self.compiler.compile(spec)
         except GrammarError as e:
-            result = str(e)
+            result = str(e)  # the problem, cached; each request's message names its field
         except Exception as e:  # noqa: BLE001 - whatever it is, the request must end
             log.exception("compiling a %s grammar failed", spec.kind)
-            result = f"{_field(spec)} could not be compiled: {type(e).__name__}: {e}"
+            result = f"{type(e).__name__}: {e}"
         self._done.append((key, result))
         if self._waker is not None:
             self._waker()
 
     def _constraint(self, req: EngineRequest, grammar: object) -> Constraint | str:
-        """A matcher for ``req`` that has seen the output tokens it already has."""
+        """A matcher for ``req`` that has seen the output tokens it already has; or why
+        there is none (``grammar`` is why its spec did not compile)."""
         if isinstance(grammar, str):
-            return grammar
+            return f"{_field(req.params.structured)} could not be compiled: {grammar}"  # type: ignore[arg-type]
         c = Constraint(self.compiler.matcher(grammar), self.compiler.stops)
         done = list(req.resumed.output_token_ids) if req.resumed is not None else []
         if req.imported is not None:
@@ -246,7 +247,7 @@ def mask_with_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
 
 
 class GrammarError(ValueError):
-    """A spec xgrammar cannot compile; the message names the field and the problem."""
+    """A spec xgrammar cannot compile; the message is xgrammar's reason."""
 
 
 class GrammarCompiler:
@@ -267,12 +268,12 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutput) -> Any:
         """``spec``'s compiled grammar (an xgrammar ``CompiledGrammar``); raises
-        :class:`GrammarError` naming the problem when it does not compile."""
+        :class:`GrammarError` saying why when it does not compile."""
         xgr, compiler = self._load()
         try:
             return compiler.compile_grammar(self._grammar(xgr, spec))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and its own
-            raise GrammarError(f"{_field(spec)} could not be compiled: {_problem(e)}") from e
+            raise GrammarError(_problem(e)) from e
 
     @staticmethod
     def _grammar(xgr: Any, spec: StructuredOutput) -> Any:

@@ -179,9 +179,15 @@ def test_a_spec_that_does_not_compile_ends_the_request_naming_it(
     assert out.error_param == spec.param
     assert says in out.error and "could not be compiled" in out.error, out.error
     assert "/project/cpp" not in out.error  # xgrammar's source location is cut off
-    # the failure is cached too: the same spec again ends the same way, at once
-    (again,) = _run(engine, [_req("bad2", [1, 5, 6], spec)])["bad2"]
-    assert again.error == out.error
+    # the failure is cached too: the same spec again ends the same way, at once, naming the
+    # field it came from this time
+    compiles = engine.structured.compiles
+    other = spec.model_copy(update={"param": "guided_other"})
+    (again,) = _run(engine, [_req("bad2", [1, 5, 6], other)])["bad2"]
+    assert engine.structured.compiles == compiles
+    assert again.error_param == "guided_other"
+    assert again.error.startswith("guided_other could not be compiled: ")
+    assert again.error.split(": ", 1)[1] == out.error.split(": ", 1)[1]
 
 
 def test_equal_specs_compile_once(make) -> None:  # type: ignore[no-untyped-def]
