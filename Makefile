@@ -30,6 +30,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[model,nixl]" || { \
 	  echo "nixl does not install here: KV transfer will go through Redis"; \
 	  $(PIP) install -q -e ".[model]"; }
+	# structured outputs: xgrammar without triton (~1 GB, for its CUDA kernel only); its
+	# other requirements (torch, transformers, numpy, pydantic) are in by now
+	$(PIP) install -q "apache-tvm-ffi>=0.1.11"
+	$(PIP) install -q --no-deps "xgrammar==0.2.8"
 	touch $@
 
 install: $(VENV)/.installed

@@ -504,6 +504,9 @@ class StructuredOutput(BaseModel):
     # JSON without free whitespace between tokens (vLLM's ``disable_any_whitespace``): a
     # bounded schema then always finishes, even on a model with random weights
     any_whitespace: bool = False
+    # the request field it came from (e.g. ``response_format.json_schema``), which the
+    # engine's error names when the spec does not compile; not part of :meth:`key`
+    param: str | None = None
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutput:
@@ -521,7 +524,8 @@ class StructuredOutput(BaseModel):
 
     def key(self) -> str:
         """What names the compiled grammar (equal specs compile once)."""
-        return orjson.dumps(self.model_dump(), option=orjson.OPT_SORT_KEYS).decode()
+        spec = self.model_dump(exclude={"param"})
+        return orjson.dumps(spec, option=orjson.OPT_SORT_KEYS).decode()
 
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default cap)

@@ -15,6 +15,7 @@ must carry its hash (``block_extra_keys``), or another image's KV could be reuse
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -34,6 +35,7 @@ from workers.pooler import TorchPooler
 from workers.pooling import PoolingConfig, PoolingUnavailable, load_pooling_config
 from workers.sampling import make_generator, sample
 from workers.scheduler import Seq
+from workers.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Engine(EngineCore):
     name = "reference"
     pooling = PoolingConfig()  # how /v1/embeddings pools (the checkpoint's, from_model_dir)
+    supports = EngineCore.supports | {"structured_outputs"}
 
     def __init__(
         self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
@@ -56,6 +59,11 @@ class Engine(EngineCore):
         self.kv = PagedKVCache(cfg, config.num_kv_blocks, config.block_size, model.dtype,
                                str(model.device))  # fmt: skip
         self.decode_kernel = _decode_kernel(config.decode_attention, model)
+        if importlib.util.find_spec("xgrammar") is not None:
+            self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        else:  # (make install puts it in): constrained requests are refused, 400
+            log.warning("xgrammar is not installed: structured outputs are not served")
+            self.supports = self.supports - {"structured_outputs"}
         log.info("decode attention: %s", self.decode_attention)
         if config.host_cache_blocks or config.disk_cache_blocks:  # KVBM tiers: real bytes
             copier = TorchBlockCopier(self.kv, config.host_cache_blocks)
@@ -124,6 +132,8 @@ class Engine(EngineCore):
                 seq.generator.manual_seed(  # type: ignore[attr-defined]
                     token_seed(seq.req.params.seed, len(seq.output_ids))
                 )
+        if self.structured is not None:  # what constrained rows' grammars forbid: -inf
+            self.structured.mask(logits, sampled)
         return sample(
             logits,
             [s.req.params for s in sampled],

@@ -34,12 +34,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvbm.block_pool import KVCacheManager, KVEvent
 from kvbm.offload import OffloadManager, OnboardJob
 from kvbm.protocol import G1, ExtraKeys, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats, KVSource
+
+if TYPE_CHECKING:
+    from workers.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class Seq:
     lookup: tuple[list[int], int, int, list[int]] | None = None
     # the later choices of its request (n > 1) waiting for its prompt, to fork from it
     forks: list[Seq] = field(default_factory=list)
+    constraint: Constraint | None = None  # a structured output's grammar state
 
     @property
     def importing(self) -> bool:
