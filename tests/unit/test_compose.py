@@ -1,4 +1,5 @@
-"""Static checks of the container deployment: docker-compose.yml, Dockerfile, .dockerignore.
+"""Static checks of the container deployment: docker-compose.yml, .env.example, Dockerfile,
+.dockerignore. (`make test-compose`, tests/compose, runs the deployment for real.)
 
 No Docker engine is needed: the compose file is parsed with PyYAML (anchors and ``<<``
 merge keys resolve under ``safe_load``), its ``${VAR...}`` references are resolved the
@@ -27,10 +28,11 @@ README = ROOT / "README.md"
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
+ENV_EXAMPLE = ROOT / ".env.example"
 
 DISAGG_WORKERS = {"worker-prefill": "prefill", "worker-decode": "decode"}
-CONVEYOR_SERVICES = ("api", "flower", "worker-generate", "worker-generate-gpu", *DISAGG_WORKERS)
-WORKERS = ("worker-generate", "worker-generate-gpu", *DISAGG_WORKERS)
+WORKERS = ("worker-generate", "worker-generate-gpu", *DISAGG_WORKERS, "worker-encode")
+CONVEYOR_SERVICES = ("api", "flower", *WORKERS)
 ALL_SERVICES = ("redis", *CONVEYOR_SERVICES)
 PACKAGES = ("api", "tasks", "workers", "kvbm")
 
@@ -154,18 +156,25 @@ def test_compose_has_expected_services_and_no_version_key(compose, services):
         assert name in services, f"service {name!r} missing"
 
 
-def test_redis_is_private_ephemeral_and_healthchecked(services):
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_redis_is_private_persistent_and_asks_for_a_password(compose, services):
+    """Redis: not published; a password; an append-only file on a named volume (a restart
+    keeps the queued work; `down -v` deletes it); its probe logs in and wants PONG."""
     redis = services["redis"]
-    assert redis["image"] == "redis:7-alpine"
+    assert redis["image"] == "${REDIS_IMAGE:-redis:7-alpine}"
     assert "ports" not in redis, "redis must not be published to the host"
     argv = _argv(redis["command"])
     assert argv[0] == "redis-server"
-    save = argv.index("--save")
-    assert argv[save + 1] == "", 'RDB snapshots must be off (--save "")'
-    aof = argv.index("--appendonly")
-    assert argv[aof + 1] == "no"
-    assert "redis-cli" in _argv(redis["healthcheck"]["test"])
-    assert "ping" in _argv(redis["healthcheck"]["test"])
+    assert _flag(argv, "--requirepass").startswith("${REDIS_PASSWORD:?")
+    assert _flag(argv, "--appendonly") == "yes"
+    assert _flag(argv, "--save") == "", 'RDB snapshots off (--save ""): the AOF is the record'
+    assert redis["volumes"] == [f"redis-data:{_flag(argv, '--dir')}"]
+    assert "redis-data" in compose["volumes"]
+    assert _env(redis)["REDISCLI_AUTH"] == _flag(argv, "--requirepass")
+    assert _argv(redis["healthcheck"]["test"]) == ["CMD-SHELL", "redis-cli ping | grep -q PONG"]
 
 
 @pytest.mark.parametrize("name", ALL_SERVICES)
@@ -226,7 +235,29 @@ def test_conveyor_services_build_from_repo_root(services, name):
 @pytest.mark.parametrize("name", CONVEYOR_SERVICES)
 def test_conveyor_services_point_at_the_redis_service(services, name):
     url = _env(services[name]).get("CONVEYOR_REDIS_URL", "")
-    assert re.fullmatch(r"redis://redis:6379/\d+", url), f"{name}: CONVEYOR_REDIS_URL={url!r}"
+    want = r"redis://:\$\{REDIS_PASSWORD:\?[^}]+\}@redis:6379/\d+"
+    assert re.fullmatch(want, url), f"{name}: CONVEYOR_REDIS_URL={url!r}"
+
+
+@pytest.mark.parametrize("name", WORKERS)
+def test_workers_drain_before_they_are_killed(services, name):
+    """`docker stop` gives a worker its warm shutdown: minutes, not Docker's 10 s."""
+    grace = services[name].get("stop_grace_period", "10s")
+    assert re.fullmatch(r"\d+m", grace) and int(grace[:-1]) >= 2, f"{name}: {grace}"
+
+
+def test_every_build_argument_comes_from_the_environment(services, dockerfile):
+    """Each build argument is `${NAME:-default}` with the Dockerfile's own default, so a
+    mirror, a wheel folder or another base image is one variable away."""
+    args = services["api"]["build"]["args"]
+    defaults = _arg_defaults(dockerfile)
+    assert set(args) == {"BASE_IMAGE", "TORCH_VERSION", "TORCH_INDEX_URL", "INDEX_URL",
+                         "EXTRA_INDEX_URL", "WHEELS_DIR"}  # fmt: skip
+    for name, value in args.items():
+        assert value == f"${{{name}:-{defaults[name]}}}", (name, value)
+    for name in CONVEYOR_SERVICES:
+        if name != "worker-generate-gpu":
+            assert services[name]["build"] == services["api"]["build"], name
 
 
 def test_gpu_worker_reserves_an_nvidia_gpu(services):
@@ -238,14 +269,22 @@ def test_gpu_worker_reserves_an_nvidia_gpu(services):
     assert nvidia, "no nvidia device reservation"
     dev = nvidia[0]
     assert "gpu" in dev.get("capabilities", [])
-    count = str(dev.get("count", ""))
-    assert count == "all" or re.fullmatch(r"\d+|\$\{GPU_COUNT(:-\d+)?\}", count), count
-    # CUDA torch wheels, and an image tag that does not clobber the CPU image.
-    assert "/whl/cu" in str(gpu["build"].get("args", {}).get("TORCH_INDEX_URL", ""))
+    # a number as written: Compose v1.29 reads an interpolated ${VAR} as a string and
+    # refuses the whole file, gpu profile or not
+    assert isinstance(dev.get("count"), int), dev.get("count")
+    # CUDA torch wheels, one NIXL build for that CUDA, and an image tag that does not
+    # clobber the CPU image; the other build arguments as the CPU image's.
+    args = gpu["build"]["args"]
+    assert "/whl/cu128" in args["TORCH_INDEX_URL"] and args["NIXL_CUDA"] == "${NIXL_CUDA:-cu12}"
+    own = ("TORCH_INDEX_URL", "NIXL_CUDA", "EXTRAS")
+    cpu_args = services["api"]["build"]["args"]
+    assert {k: v for k, v in args.items() if k not in own} == {
+        k: v for k, v in cpu_args.items() if k not in own
+    }
     assert gpu.get("image") != services["worker-generate"].get("image")
     # vLLM's engine by default, from an image with the vllm extra (pyproject.toml)
     assert _env(gpu).get("CONVEYOR_ENGINE") == "${CONVEYOR_GPU_ENGINE:-vllm}"
-    assert "vllm" in str(gpu["build"]["args"].get("EXTRAS", "")).split(",")
+    assert "vllm" in str(args.get("EXTRAS", "")).split(",")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
@@ -336,7 +375,7 @@ class Instruction:
     """One ``docker compose ... up`` command of the README's deployment section."""
 
     text: str
-    env: dict[str, str]  # the variables it sets for compose
+    env: dict[str, str]  # the variables compose sees: .env (from .env.example) and its own
     profiles: tuple[str, ...]
     scale: dict[str, int]
 
@@ -350,21 +389,32 @@ class Instruction:
         return ALIASES.get(self.mode, self.mode)
 
 
+def _env_example() -> dict[str, str]:
+    """The variables .env.example sets (its KEY=VALUE lines)."""
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    pairs = [ln.partition("=") for ln in lines if ln and not ln.startswith("#")]
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
 def _readme_instructions() -> list[Instruction]:
+    """The ``docker compose ... up`` commands of the README's block, which starts by
+    copying .env.example to .env (Compose reads it)."""
     text = README.read_text()
     section = text[text.index("## Deploy with Docker Compose") :]
     start = section.index("```bash") + len("```bash")
     block = section[start : section.index("```", start)]
+    lines = re.sub(r"\\\n\s*", " ", block).strip().splitlines()
+    assert shlex.split(lines[0], comments=True) == ["cp", ".env.example", ".env"], lines[0]
     out = []
-    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+    for line in lines[1:]:
         argv = shlex.split(line, comments=True)
-        if not argv:
-            continue
-        env = {}
-        while "=" in argv[0] and not argv[0].startswith("-"):
+        env = _env_example()
+        while argv and "=" in argv[0] and not argv[0].startswith("-"):
             key, _, value = argv.pop(0).partition("=")
             env[key] = value
-        assert argv[:2] == ["docker", "compose"] and "up" in argv, line
+        assert argv[:2] == ["docker", "compose"], line
+        if "up" not in argv:
+            continue
         profiles, scale = [], {}
         for flag, arg in zip(argv, argv[1:], strict=False):
             if flag == "--profile":
@@ -426,11 +476,30 @@ def test_each_compose_command_starts_a_worker_for_every_pool_of_its_mode(service
             assert _env(svc)["CONVEYOR_MODE"] == ins.mode, name
 
 
+def test_env_example_sets_every_variable_the_file_requires(compose):
+    """The README starts with `cp .env.example .env`: that is enough to start everything."""
+    required = set(re.findall(r"\$\{(\w+):\?", COMPOSE.read_text()))
+    assert required == {"REDIS_PASSWORD", "FLOWER_BASIC_AUTH"}
+    env = _env_example()
+    assert required <= {k for k, v in env.items() if v}
+    _interpolate(compose, env)  # refuses nothing
+
+
+@pytest.mark.parametrize("ins", INSTRUCTIONS, ids=lambda i: i.text)
+def test_nothing_starts_without_the_redis_password(services, ins):
+    """Redis and every Conveyor service refuse to start without REDIS_PASSWORD."""
+    without = {k: v for k, v in ins.env.items() if k != "REDIS_PASSWORD"}
+    for name, svc in _started(services, ins).items():
+        with pytest.raises(Refused):
+            _interpolate(services[name], without)
+        assert ins.env["REDIS_PASSWORD"] in str(svc), name
+
+
 @pytest.mark.parametrize("ins", INSTRUCTIONS, ids=lambda i: i.text)
 def test_flower_never_starts_without_credentials(services, ins):
     """Compose refuses to start Flower unless FLOWER_BASIC_AUTH is set and not empty
-    (every README command sets it); its value reaches ``conveyor flower`` as the basic
-    auth, and no other service gets it."""
+    (.env.example sets it); its value reaches ``conveyor flower`` as the basic auth, and
+    no other service gets it."""
     without = {k: v for k, v in ins.env.items() if k != "FLOWER_BASIC_AUTH"}
     for env in (without, {**without, "FLOWER_BASIC_AUTH": ""}):
         with pytest.raises(Refused):
