@@ -46,38 +46,47 @@ RUN command -v cc >/dev/null || { apt-get update \
 
 RUN python -m venv /opt/venv
 
-# `pip-install INDEX ARGS...`: pip install from INDEX (`none`: no index, WHEELS_DIR only)
-# with the other build arguments' options. The context is bound at /ctx (WHEELS_DIR is a
-# folder in it), the CA secret at /run/secrets/pip_ca.
+# The wheels folder alone, when WHEELS_DIR names one (no match: nothing is copied). Only its
+# content, not the rest of the context, is part of the installs' cache keys below.
+COPY ${WHEELS_DIR:-no-wheels}* /wheels/
+
+# `pip-install INDEX ARGS...`: pip install from INDEX (`none`: no index, the wheels only)
+# with the other build arguments' options; the CA secret is at /run/secrets/pip_ca.
 RUN printf '%s\n' '#!/bin/sh' \
       'index=$1; shift' \
       'if [ "$index" = none ]; then set -- --no-index "$@"; else set -- --index-url "$index" "$@"; fi' \
       '[ -s /run/secrets/pip_ca ] && export PIP_CERT=/run/secrets/pip_ca' \
       'exec pip install --no-cache-dir ${EXTRA_INDEX_URL:+--extra-index-url "$EXTRA_INDEX_URL"} \' \
-      '  ${WHEELS_DIR:+--find-links "/ctx/$WHEELS_DIR"} "$@"' \
+      '  ${WHEELS_DIR:+--find-links /wheels} "$@"' \
       > /usr/local/bin/pip-install \
     && chmod +x /usr/local/bin/pip-install
 
 # torch first, pinned, from the CPU (or CUDA) wheel index: pyproject.toml only asks for
-# torch>=2.4, so the project install below keeps this build instead of PyPI's CUDA one.
-# Its C++ headers and C++ test binaries (about 145 MB) serve no Python import: dropped.
-RUN --mount=type=bind,target=/ctx --mount=type=secret,id=pip_ca \
+# torch>=2.4, so the installs below keep this build instead of PyPI's CUDA one. Its C++
+# headers and C++ test binaries (about 145 MB) serve no Python import: dropped.
+RUN --mount=type=secret,id=pip_ca \
     pip-install "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
     && rm -rf /opt/venv/lib/python3*/site-packages/torch/include \
               /opt/venv/lib/python3*/site-packages/torch/test
 
+# The dependencies, from pyproject.toml alone (no packages yet: an empty `conveyor`), so
+# that a change to the code or the README reinstalls only the project itself.
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY api/ api/
-COPY tasks/ tasks/
-COPY workers/ workers/
-COPY kvbm/ kvbm/
-RUN --mount=type=bind,target=/ctx --mount=type=secret,id=pip_ca \
-    pip-install "${INDEX_URL}" ".[${EXTRAS}]" \
+COPY pyproject.toml ./
+RUN --mount=type=secret,id=pip_ca \
+    touch README.md \
+    && pip-install "${INDEX_URL}" ".[${EXTRAS}]" \
     && if [ -n "${NIXL_CUDA}" ]; then \
          pip-install "${INDEX_URL}" "nixl-${NIXL_CUDA}==${NIXL_VERSION}" \
          && pip-install "${INDEX_URL}" --no-deps "nixl==${NIXL_VERSION}"; \
        fi
+
+COPY README.md ./
+COPY api/ api/
+COPY tasks/ tasks/
+COPY workers/ workers/
+COPY kvbm/ kvbm/
+RUN --mount=type=secret,id=pip_ca pip-install "${INDEX_URL}" --no-deps .
 
 # The decode kernel, built by the worker's own code (workers/paged_kernel.py) into
 # CONVEYOR_KERNEL_DIR. It is compiled with -march=native for the CPU that builds the image,

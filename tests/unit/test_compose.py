@@ -546,9 +546,9 @@ def test_dockerfile_runtime_stage_has_no_compiler_and_no_pip_cache(dockerfile):
     env = " ".join(a for kw, a in builder if kw == "ENV")
     assert "PIP_NO_CACHE_DIR=1" in env
     installs = [a for kw, a in builder if kw == "RUN" and 'pip-install "${' in a]
-    assert len(installs) == 2
+    assert len(installs) == 3  # torch, the dependencies, the project
     for a in installs:
-        assert a.startswith("--mount=type=bind,target=/ctx --mount=type=secret,id=pip_ca "), a
+        assert a.startswith("--mount=type=secret,id=pip_ca "), a
 
 
 def test_dockerfile_pins_torch_before_installing_the_project(dockerfile):
@@ -576,14 +576,20 @@ def test_dockerfile_installs_one_nixl_build_only_when_asked(dockerfile):
     assert "nixl" not in _arg_defaults(builder)["EXTRAS"]
 
 
-def test_dockerfile_copies_sources_before_install(dockerfile):
+def test_dockerfile_installs_the_dependencies_before_copying_the_code(dockerfile):
+    """pyproject.toml, then the dependencies, then the code and the README, then the project
+    without dependencies: a change to the code does not reinstall the dependencies."""
     builder, _ = _stages(dockerfile)
-    copied = " ".join(a for kw, a in builder if kw == "COPY")
-    for item in ("pyproject.toml", "README.md", *PACKAGES):
-        assert item in copied, f"Dockerfile does not COPY {item}"
-    last_copy = max(i for i, (kw, _) in enumerate(builder) if kw == "COPY")
-    install = next(i for i, (kw, a) in enumerate(builder) if kw == "RUN" and ".[${EXTRAS}]" in a)
-    assert last_copy < install
+
+    def at(kw: str, text: str) -> int:
+        return next(i for i, (k, a) in enumerate(builder) if k == kw and text in a)
+
+    deps = at("RUN", '".[${EXTRAS}]"')
+    assert at("COPY", "pyproject.toml") < deps
+    for item in ("README.md", *PACKAGES):
+        assert deps < at("COPY", item) < at("RUN", "--no-deps ."), item
+    # the wheels folder is the only other part of the context the installs see
+    assert at("COPY", "${WHEELS_DIR:-no-wheels}* /wheels/") < at("RUN", "torch==")
 
 
 def test_dockerfile_builds_the_kernel_in_the_builder(dockerfile):
