@@ -81,7 +81,7 @@ if [ "$(id -u)" = 0 ] && have apt-get; then
     apt-get update -qq >/dev/null || fail "apt-get update failed"
     apt_install "${missing[@]}" || fail "apt-get install ${missing[*]} failed"
   fi
-  have docker && plugins_ok || install_plugins_from_trixie
+  { have docker && plugins_ok; } || install_plugins_from_trixie
 fi
 if ! { have docker && plugins_ok; }; then
   [ "$(id -u)" = 0 ] || fail "not root: cannot install Docker (the engine and the Compose v2 and buildx plugins)"

@@ -110,8 +110,7 @@ fi
 torch=$(sed -n 's/^ARG TORCH_VERSION=//p' Dockerfile)
 if [ -z "${WHEELS_DIR:-}" ]; then
   for dir in $(pip_setting PIP_FIND_LINKS global.find-links); do
-    wheel=$(ls "$dir"/torch-"$torch"+cpu-cp311-*.whl 2>/dev/null | head -n 1 || true)
-    [ -n "$wheel" ] || continue
+    wheel=$(compgen -G "$dir/torch-$torch+cpu-cp311-*.whl" | head -n 1) || continue
     mkdir -p wheels
     if [ ! -e "wheels/$(basename "$wheel")" ]; then
       linked=wheels/$(basename "$wheel")

@@ -45,7 +45,7 @@ class Stack:
     api_port: int
     flower_port: int
     mode: str = "agg"
-    secrets: dict[str, str] = field(default_factory=dict)
+    dotenv: dict[str, str] = field(default_factory=dict)  # the env file's values
 
     @classmethod
     def from_env(cls) -> Stack:
@@ -57,7 +57,7 @@ class Stack:
             env_file=env_file,
             api_port=int(e["CONVEYOR_PORT"]),
             flower_port=int(e["CONVEYOR_FLOWER_PORT"]),
-            secrets=env_file_values(env_file),
+            dotenv=env_file_values(env_file),
         )
 
     # ------------------------------------------------------------------ compose CLI

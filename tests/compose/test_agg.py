@@ -95,7 +95,7 @@ def test_the_openai_client_through_the_published_port(stack: Stack, model: str) 
 def test_flower_asks_for_its_login(stack: Stack) -> None:
     url = f"http://127.0.0.1:{stack.flower_port}/broker"
     assert httpx.get(url, timeout=10).status_code == 401
-    user, _, password = stack.secrets["FLOWER_BASIC_AUTH"].partition(":")
+    user, _, password = stack.dotenv["FLOWER_BASIC_AUTH"].partition(":")
     assert httpx.get(url, auth=(user, "wrong"), timeout=10).status_code == 401
     page = httpx.get(url, auth=(user, password), timeout=30)
     assert page.status_code == 200 and "generate" in page.text  # the stage queues
