@@ -88,7 +88,7 @@ if ! { have docker && plugins_ok; }; then
   fail "no apt-get: cannot install Docker (the engine and the Compose v2 and buildx plugins)"
 fi
 if ! docker info >/dev/null 2>&1; then
-  [ "$(id -u)" = 0 ] || fail "the Docker engine is not running, and starting it needs root"
+  [ "$(id -u)" = 0 ] || fail "no Docker engine answers (docker info fails), and starting one needs root"
   have dockerd || fail "no dockerd on PATH"
   start_dockerd
 fi
