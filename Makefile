@@ -17,7 +17,8 @@ SERVE_FLAGS := $(if $(PORT),--port $(PORT)) \
                $(if $(DECODE_WORKERS),--decode-workers $(DECODE_WORKERS)) \
                $(if $(REDIS_URL),--redis-url $(REDIS_URL))
 
-.PHONY: serve test install install-test redis lint bench clean install-vllm test-vllm
+.PHONY: serve test install install-test redis lint bench clean install-vllm test-vllm \
+        test-compose
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -85,6 +86,12 @@ install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm redis
 	$(VLLM_PY) -m pytest -q -rs tests/vllm $(PYTEST_ARGS)
+
+# The docker compose deployment built and checked end to end (tests/compose, through the
+# published port with the openai client): scripts/compose/test-compose.sh installs and
+# starts Docker where it can (Debian, root) and exits 77 where it cannot; about 5 minutes
+test-compose: install-test
+	scripts/compose/test-compose.sh $(PYTEST_ARGS)
 
 lint: install-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
