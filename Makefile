@@ -17,7 +17,8 @@ SERVE_FLAGS := $(if $(PORT),--port $(PORT)) \
                $(if $(DECODE_WORKERS),--decode-workers $(DECODE_WORKERS)) \
                $(if $(REDIS_URL),--redis-url $(REDIS_URL))
 
-.PHONY: serve test install install-test redis lint bench clean install-vllm test-vllm
+.PHONY: serve test install install-test redis lint bench clean install-vllm test-vllm \
+        test-compose
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +31,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e ".[model,nixl]" || { \
 	  echo "nixl does not install here: KV transfer will go through Redis"; \
 	  $(PIP) install -q -e ".[model]"; }
+	# structured outputs: xgrammar without triton (~1 GB, for its CUDA kernel only); its
+	# other requirements (torch, transformers, numpy, pydantic) are in by now
+	$(PIP) install -q "apache-tvm-ffi>=0.1.11"
+	$(PIP) install -q --no-deps "xgrammar==0.2.8"
 	touch $@
 
 install: $(VENV)/.installed
@@ -81,6 +86,12 @@ install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm redis
 	$(VLLM_PY) -m pytest -q -rs tests/vllm $(PYTEST_ARGS)
+
+# The docker compose deployment built and checked end to end (tests/compose, through the
+# published port with the openai client): scripts/compose/test-compose.sh installs and
+# starts Docker where it can (Debian, root) and exits 77 where it cannot; about 5 minutes
+test-compose: install-test
+	scripts/compose/test-compose.sh $(PYTEST_ARGS)
 
 lint: install-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

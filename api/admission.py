@@ -5,7 +5,8 @@ and counted in ``conveyor_requests_refused_total{reason}``:
 
 * **Per worker** (``CONVEYOR_WORKER_MAX_REQUESTS``, default 2 x ``max_num_seqs``): the
   router's commit script refuses a worker that already holds that many requests (running
-  and queued, counted in Redis by every API replica: the cap holds cluster-wide). When
+  and queued, counted in Redis by every API replica: the cap holds cluster-wide; a request
+  of ``n`` choices holds n sequences and counts n, ``tasks.router``). When
   every live worker of a pool is at it the router raises
   :class:`tasks.router.WorkersBusy`; :class:`Admission` then waits, in arrival order, for a
   slot for up to ``CONVEYOR_ADMISSION_WAIT_S``, and past that answers **503**
@@ -39,7 +40,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_S = 0.05  # waiters look again this often (slots freed by other API replicas)
-WORK_PATHS = ("/v1/chat/completions", "/v1/completions")  # the endpoints that start work
+# the endpoints that start work
+WORK_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 class Admission:

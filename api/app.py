@@ -3,6 +3,9 @@
     POST /v1/chat/completions   stream (SSE) and non-stream      api.routes_openai
     POST /v1/completions        stream (SSE) and non-stream      api.routes_openai
     GET  /v1/models             the served model                 api.routes_openai
+    POST /v1/responses          stream (SSE) and non-stream      api.routes_responses
+    POST /v1/embeddings         pooled hidden states             api.routes_embeddings
+    POST /tokenize, /detokenize vLLM's, in the API alone         api.routes_tokenize
     GET  /health                Redis and the required pools     api.routes_ops
     GET  /metrics               Prometheus                       api.routes_ops
     GET  /docs, /openapi.json   FastAPI's own
@@ -23,7 +26,7 @@ from contextlib import asynccontextmanager
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from api import routes_openai, routes_ops
+from api import routes_embeddings, routes_openai, routes_ops, routes_responses, routes_tokenize
 from api.admission import ClientLimitMiddleware
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
@@ -34,6 +37,7 @@ from api.runner import Runner
 from api.state import ApiState
 from api.streams import StreamHub
 from api.tokenization import PromptBuilder
+from api.tool_parsers import parser_for_template
 from tasks.app import configure as configure_celery
 from tasks.heap import freeze_startup_heap, trim_heap
 from tasks.settings import Settings, get_settings
@@ -68,6 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     builder = PromptBuilder(s.model, s.max_model_len, s.model_name)
     media = MediaGuard(MediaLimits.from_settings(s), metrics)
     st = ApiState(s, metrics, cluster, builder, media)
+    st.tool_parser = s.tool_call_parser or parser_for_template(builder.template_text)
     configure_celery(s)
 
     @asynccontextmanager
@@ -102,5 +107,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if keys:  # outermost: an unauthenticated request is answered before anything reads it
         app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api_keys_protect_ops)
     app.include_router(routes_openai.router)
+    app.include_router(routes_responses.router)
+    app.include_router(routes_embeddings.router)
+    app.include_router(routes_tokenize.router)
     app.include_router(routes_ops.router)
     return app

@@ -36,6 +36,15 @@ class ApiMetrics:
         self.completion_tokens = Counter(
             "conveyor_completion_tokens", "Completion tokens generated", registry=r
         )
+        self.embedding_inputs = Counter(
+            "conveyor_embedding_inputs", "Inputs embedded (/v1/embeddings: one per vector)",
+            registry=r,
+        )  # fmt: skip
+        self.embedding_tokens = Counter(
+            "conveyor_embedding_tokens",
+            "Prompt tokens embedded (/v1/embeddings; also in conveyor_prompt_tokens)",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "conveyor_requests_in_flight", "Requests being served now", registry=r
         )

@@ -14,6 +14,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.errors import error_body
 from api.metrics import ApiMetrics
 
+# vLLM's tokenizer endpoints: outside /v1/, but counted and keyed like it (vLLM leaves
+# them open to callers without a key; here a key that guards the API guards them too)
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+
 
 class _TooLarge(Exception):
     pass
@@ -89,14 +93,15 @@ class AccessMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _count(self, path: str, status: int) -> None:
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in TOKENIZER_PATHS:
             self.metrics.requests.labels(path, str(status)).inc()
 
 
 class AuthMiddleware:
-    """``Authorization: Bearer <key>`` with one of ``keys`` for ``/v1/...`` (and, with
-    ``protect_ops``, ``/health`` and ``/metrics``), as OpenAI and vLLM's ``--api-key`` do;
-    anything else answers 401 in OpenAI's error shape. Keys compare in constant time."""
+    """``Authorization: Bearer <key>`` with one of ``keys`` for ``/v1/...`` and
+    ``TOKENIZER_PATHS`` (and, with ``protect_ops``, ``/health`` and ``/metrics``), as
+    OpenAI and vLLM's ``--api-key`` do; anything else answers 401 in OpenAI's error shape.
+    Keys compare in constant time."""
 
     def __init__(self, app: ASGIApp, keys: list[str], protect_ops: bool = False) -> None:
         self.app = app
@@ -131,6 +136,6 @@ class AuthMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _protected(self, path: str) -> bool:
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in TOKENIZER_PATHS:
             return True
         return self.protect_ops and path in ("/health", "/metrics")

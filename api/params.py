@@ -13,6 +13,7 @@ import json
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.schemas import checked_schema
 from api.tokenization import PromptBuilder
 from kvbm.protocol import MAX_LOGPROBS, Sampling, StructuredOutput
 
@@ -152,7 +153,7 @@ def _response_format(rf: dict) -> StructuredOutput | None:
     if kind in (None, "text"):
         return None
     if kind == "json_object":
-        return StructuredOutput(json_object=True)
+        return StructuredOutput(json_object=True, param="response_format")
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict):
@@ -162,9 +163,10 @@ def _response_format(rf: dict) -> StructuredOutput | None:
         if not isinstance(schema, dict | bool):
             raise bad_request("response_format.json_schema.schema must be a JSON Schema "
                               "object", "response_format.json_schema.schema")  # fmt: skip
-        return StructuredOutput(json_schema=json.dumps(schema))
+        param = "response_format.json_schema"
+        return StructuredOutput(json_schema=checked_schema(schema, param), param=param)
     if kind == "structural_tag":
-        return StructuredOutput(structural_tag=json.dumps(rf))
+        return StructuredOutput(structural_tag=json.dumps(rf), param="response_format")
     raise bad_request(f"response_format type {kind!r} is not one of text, json_object, "
                       "json_schema, structural_tag", "response_format.type")  # fmt: skip
 
@@ -178,12 +180,16 @@ def _structured_outputs(so: dict) -> StructuredOutput:
         raise bad_request("structured_outputs must set exactly one of "
                           f"{', '.join(fields)}", "structured_outputs")  # fmt: skip
     ((key, value),) = given.items()
-    if key in ("json", "structural_tag") and not isinstance(value, str):
+    param = f"structured_outputs.{key}"
+    if key == "json":
+        value = checked_schema(value, param)
+    elif key == "structural_tag" and not isinstance(value, str):
         value = json.dumps(value)
     try:
         return StructuredOutput(
-            **{fields[key]: value}, any_whitespace=not so.get("disable_any_whitespace", True)
-        )
+            **{fields[key]: value}, param=param,
+            any_whitespace=not so.get("disable_any_whitespace", True),
+        )  # fmt: skip
     except ValueError as e:
         raise bad_request(f"structured_outputs.{key}: {e}",
                           f"structured_outputs.{key}") from None  # fmt: skip
@@ -192,10 +198,10 @@ def _structured_outputs(so: dict) -> StructuredOutput:
 def _guided(name: str, value: object) -> StructuredOutput:
     try:
         if name == "guided_json":
-            text = value if isinstance(value, str) else json.dumps(value)
-            return StructuredOutput(json_schema=text)
+            return StructuredOutput(json_schema=checked_schema(value, name), param=name)
         if name == "guided_choice":
-            return StructuredOutput(choice=value)  # type: ignore[arg-type]
-        return StructuredOutput(**{name.removeprefix("guided_"): value})  # type: ignore[arg-type]
+            return StructuredOutput(choice=value, param=name)  # type: ignore[arg-type]
+        return StructuredOutput(**{name.removeprefix("guided_"): value},  # type: ignore[arg-type]
+                                param=name)  # fmt: skip
     except ValueError as e:
         raise bad_request(f"{name}: {e}", name) from None

@@ -32,10 +32,25 @@ class ContentPart(_Body):
     image_url: Any = None
 
 
+class ToolCallFunction(_Body):
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"  # OpenAI sends a JSON string; a few clients an object
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (sent back in the next turn's history)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
 
 
 class _SamplingFields(_Body):
@@ -132,9 +147,10 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     ]  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
         checks += [
-            (bool(req.tools) and req.tool_choice != "none", "tools",
-             "tool calling is not supported yet"),
             (req.echo, "echo", "echo is not supported in chat completions"),
+            (req.add_generation_prompt and req.continue_final_message, "continue_final_message",
+             "continue_final_message and add_generation_prompt cannot both be true (set "
+             "add_generation_prompt to false to continue the last message)"),
         ]  # fmt: skip
     else:
         checks += [

@@ -14,17 +14,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from api import choices
 from api.errors import OpenAIError, bad_request
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
 from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
-from api.state import ApiState, api_state
+from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
+from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
+from kvbm.protocol import TokenFrame
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +56,20 @@ async def list_models(request: Request) -> dict:
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     unsupported(req)
-    prompt = st.builder.chat_prompt(req.messages)
+    plan = tool_plan(req, st.tool_parser)
+    prompt = chat_prompt(st, req)
     st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages")
+    return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages", plan)
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    _check_model(st, req.model)
+    check_model(st, req.model)
     unsupported(req)
     prompt = Prompt(st.builder.completion_ids(req.prompt))
     return await _serve(st, req, request, prompt, req.max_tokens, "completion", started,
@@ -72,11 +77,10 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
 
 
 # --------------------------------------------------------------------------------------
-def _check_model(st: ApiState, name: str) -> None:
-    served = st.settings.model_name
-    if name != served:
-        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}`.",
-                          "invalid_request_error", "model", "model_not_found")  # fmt: skip
+def chat_prompt(st: ApiState, req: ChatCompletionRequest) -> Prompt:
+    """The chat request's prompt: its messages and tools through the chat template."""
+    return st.builder.chat_prompt(req.messages, req.tools, req.add_generation_prompt,
+                                  req.continue_final_message, req.chat_template_kwargs)  # fmt: skip
 
 
 async def _serve(
@@ -88,7 +92,41 @@ async def _serve(
     kind: str,
     started: float,
     prompt_param: str,
+    plan: ToolPlan | None = None,
 ) -> Response:
+    rid, runs = await start(st, req, request, prompt, max_tokens, kind, started, prompt_param,
+                            plan)  # fmt: skip
+    fmt = Formatter(kind, rid, st.settings.model_name)
+    if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each parsed on its own
+        end = partial(end_request, st, runs, started)
+        outs = [tool_output(plan) for _ in runs]
+        if req.stream:
+            gen = choices.stream(st, runs, fmt, req.include_usage, end, outs)
+            return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+        return await choices.collect(st, runs, fmt, end, outs)
+    (run,) = runs
+    tools = tool_output(plan)
+    if req.stream:
+        gen = _stream(st, run, fmt, req.include_usage, started, tools)
+        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+    return await _collect(st, run, fmt, started, tools)
+
+
+async def start(
+    st: ApiState,
+    req: ChatCompletionRequest | CompletionRequest,
+    request: Request,
+    prompt: Prompt,
+    max_tokens: int | None,
+    kind: str,
+    started: float,
+    prompt_param: str,
+    plan: ToolPlan | None = None,
+) -> tuple[str, list[RunningRequest]]:
+    """Check the request against the model, resolve its sampling (with its tool choice's
+    constraint), store its images and start it: routed, sent, its first frame in. Returns
+    the request's id and its runs: one, or one per choice (``n > 1``; a run's stream id
+    may be a retry's)."""
     prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
     max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
     if req.min_tokens > max_tokens:
@@ -96,32 +134,35 @@ async def _serve(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
         )
-    sampling = sampling_of(req, max_tokens, st.builder)
+    sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
     images = []
     if prompt.images:  # fetched and checked only once the rest of the request is valid
         loaded = await st.media.load(prompt.images)
         await st.media.store(st.redis, loaded)
         images = prompt.image_refs([im.hash for im in loaded])
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    prefix = {"chat": "chatcmpl", "response": "resp"}.get(kind, "cmpl")
     rid = st.hub.new_request_id(prefix)  # its stream needs no SUBSCRIBE
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        run = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
+        runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
     except BaseException:
         st.metrics.in_flight.dec()
         raise
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    fmt = Formatter(kind, rid, st.settings.model_name)
-    if req.stream:
-        gen = _stream(st, run, fmt, req.include_usage, started)
-        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
-    return await _collect(st, run, fmt, started)
+    return rid, runs
+
+
+def tool_output(plan: ToolPlan | None) -> ChatToolOutput | None:
+    """What reads one choice's text into content and tool calls (None: plain text)."""
+    parser = plan.parser() if plan is not None else None
+    return ChatToolOutput(plan, parser) if plan is not None and parser is not None else None
 
 
 async def _stream(
-    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float
-) -> AsyncIterator[bytes]:
+    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float,
+    tools: ChatToolOutput | None = None,
+) -> AsyncIterator[bytes]:  # fmt: skip
     try:
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
             yield sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
@@ -129,7 +170,11 @@ async def _stream(
             last = batch[-1]
             failed = last.error is not None
             text = "".join(f.text for f in (batch[:-1] if failed else batch))
-            event = fmt.text_event(text, include_usage) if text else b""
+            if tools is None:
+                event = fmt.text_event(text, include_usage) if text else b""
+            else:  # content and tool calls, parsed as they come
+                deltas = tools.feed(text) + (tools.finish() if last.done and not failed else [])
+                event = b"".join(sse_event(fmt.chunk(d, None, include_usage)) for d in deltas)
             if not last.done:
                 if event:
                     yield event
@@ -139,8 +184,9 @@ async def _stream(
             if failed:
                 yield event + sse_event(frame_error(last).body())
                 return
-            st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-            event += sse_event(fmt.chunk(fmt.empty_delta(), last.finish_reason, include_usage,
+            reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
+            st.metrics.finish.labels(reason or "unknown").inc()
+            event += sse_event(fmt.chunk(fmt.empty_delta(), reason, include_usage,
                                          stop_reason=last.stop_reason))  # fmt: skip
             if include_usage:
                 event += sse_event(fmt.usage_chunk(usage_body(last.usage)))
@@ -152,13 +198,23 @@ async def _stream(
         log.warning("[%s] stream ended with error: %s", run.request_id, err.message)
         yield sse_event(err.body())
     finally:
-        _account(st, run, started)
-        st.runner.finish(run)
+        end_request(st, [run], started)
 
 
 async def _collect(
-    st: ApiState, run: RunningRequest, fmt: Formatter, started: float
-) -> JSONResponse:
+    st: ApiState, run: RunningRequest, fmt: Formatter, started: float,
+    tools: ChatToolOutput | None = None,
+) -> JSONResponse:  # fmt: skip
+    text, last = await collect(st, run, started)
+    message = tools.message(text) if tools else None  # before the reason: it counts the calls
+    reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
+    st.metrics.finish.labels(reason or "unknown").inc()
+    body = fmt.full(text, reason, last.stop_reason, usage_body(last.usage), message=message)
+    return JSONResponse(body, headers={"x-request-id": run.request_id})
+
+
+async def collect(st: ApiState, run: RunningRequest, started: float) -> tuple[str, TokenFrame]:
+    """A started request's whole text and its terminal frame (an error frame raises)."""
     parts: list[str] = []
     last = None
     try:
@@ -173,18 +229,20 @@ async def _collect(
     except Exception as e:  # noqa: BLE001
         raise stream_error(e) from e
     finally:
-        _account(st, run, started)
-        st.runner.finish(run)
+        end_request(st, [run], started)
     assert last is not None and last.done, "batches() ended without a terminal frame"
-    st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-    body = fmt.full("".join(parts), last.finish_reason, last.stop_reason, usage_body(last.usage))
-    return JSONResponse(body, headers={"x-request-id": run.request_id})
+    return "".join(parts), last
 
 
-def _account(st: ApiState, run: RunningRequest, started: float) -> None:
+def end_request(st: ApiState, runs: list[RunningRequest], started: float) -> None:
+    """The request is over (its streams: one, or one per choice): account for it and
+    release every stream (cancelled on its worker if unfinished)."""
     m = st.metrics
     m.in_flight.dec()
     m.e2e.observe(time.perf_counter() - started)
-    if run.usage is not None:
-        m.completion_tokens.inc(run.usage.completion_tokens)
-        m.cached_tokens.inc(run.usage.cached_tokens)
+    usage = choices.request_usage(runs)
+    if usage is not None:
+        m.completion_tokens.inc(usage.completion_tokens)
+        m.cached_tokens.inc(usage.cached_tokens)
+    for run in runs:
+        st.runner.finish(run)

@@ -4,6 +4,12 @@ route (one Redis round trip) -> subscribe ``tokens:{id}`` (confirmed) -> send th
 chain -> relay frames. Whatever way the request ends — finished, failed, timed out, or the
 client gone — the subscription is closed, the router's load count released, and if the
 request had not finished a cancel is signalled so the worker frees its blocks.
+
+A request of ``n > 1`` choices is routed and sent once, and streams on one channel per
+choice (:func:`kvbm.protocol.choice_stream_id`): the runner hands back a
+:class:`RunningRequest` per choice, which ends, is cancelled and migrates on its own like
+any stream; the route, counted once per choice, is given back a choice at a time
+(:class:`ChoiceGroup`). :mod:`api.choices` relays them as one response.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from kvbm.protocol import (
     CANCEL_CHANNEL,
     REQUEST_ERROR_CODES,
     ImageRef,
+    Pooling,
     Resume,
     Sampling,
     StagePayload,
@@ -36,13 +43,15 @@ from kvbm.protocol import (
     Usage,
     block_hashes,
     cancelled_key,
+    choice_sampling,
+    choice_stream_id,
     model_namespace,
     request_extra_keys,
     tokens_channel,
 )
 from tasks.app import declare_queues
 from tasks.broker import deferred_publishes
-from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan, plan_continuation
+from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan, plan_continuation, plan_pooling
 from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tasks.settings import Settings
 
@@ -78,6 +87,21 @@ class RunningRequest:
     migrations: int = 0
     prefill_pending: bool = True  # its route still counts its prompt as prefill load
     migrated: bool = False  # a lost attempt: ended by a migration, not by the client
+    choice: int | None = None  # n > 1: the index of the choice this stream carries
+    group: ChoiceGroup | None = None  # ... and what it shares with the others
+
+
+@dataclass
+class ChoiceGroup:
+    """What the choices of an ``n > 1`` request share while they run where it was sent:
+    its plan (each choice gives one of its counted requests back as it ends, or moves to
+    another worker), the moving of its load from prefill to decode at its first token,
+    and its stage task (skipped if redelivered once every choice is done)."""
+
+    stream_id: str  # the request's (its stage task's) id
+    left: int  # choices that have not given their share of the plan back
+    prefilled_task: asyncio.Task[None] | None = None
+    cancelled: bool = False  # counted in the cancelled requests already
 
 
 class Runner:
@@ -125,9 +149,12 @@ class Runner:
     async def start(
         self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         pin: str | None = None, images: list[ImageRef] | None = None,
-    ) -> RunningRequest:  # fmt: skip
+        pooling: Pooling | None = None,
+    ) -> list[RunningRequest]:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
-        request that cannot run gets a proper HTTP status, not a broken stream).
+        request that cannot run gets a proper HTTP status, not a broken stream). The
+        request's streams: its own, or one per choice (``n > 1``: each has its first
+        frame).
 
         If the chosen worker dies before the first frame, the request is sent again to
         another worker (up to ``dispatch_attempts`` in all). Each attempt streams on its own
@@ -135,35 +162,45 @@ class Runner:
         into the stream of the next one, and is cancelled like any abandoned request.
 
         ``images``: the prompt's images (their bytes already in Redis); each one's content
-        hash enters the hashes of the blocks its placeholders cover, as in the engine."""
+        hash enters the hashes of the blocks its placeholders cover, as in the engine.
+        ``pooling``: an embedding request (one ``embed`` task; its first frame is its last
+        and carries the vector), routed by load alone (the engine neither reads nor fills
+        its prefix cache for it)."""
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
             raise OpenAIError(503, "Redis is not answering (token streams are down)",
                               "server_error", None, "redis_unavailable")  # fmt: skip
         attempts = self.s.dispatch_attempts
         images = images or []
-        route_req = self.route_request(prompt_ids, images, pin)
+        route_req = self.route_request(prompt_ids, images, pin) if pooling is None \
+            else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
+        route_req.choices = sampling.n
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
-            run = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
-                                       images)  # fmt: skip
+            runs = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
+                                        images, pooling)  # fmt: skip
             try:
-                run.first_frame = await self._next(run)
+                for run in runs:
+                    run.first_frame = await self._next(run)
             except WorkerLost as e:
-                self.finish(run)
+                for run in runs:
+                    self.finish(run)
                 self.metrics.redispatched.inc()
                 log.warning("[%s] %s before the first frame (attempt %d/%d)",
                             request_id, e, attempt + 1, attempts)  # fmt: skip
                 continue
             except BaseException as e:
-                self.finish(run)
+                for run in runs:
+                    self.finish(run)
                 if isinstance(e, StreamTimeout):
                     raise OpenAIError(504, f"the worker did not answer in time ({e})",
                                       "server_error", None, "timeout") from e  # fmt: skip
                 raise
-            if run.first_frame.error is not None:
-                self.finish(run)
-                raise frame_error(run.first_frame)
-            return run
+            refused = next((f for r in runs if (f := r.first_frame) and f.error), None)
+            if refused is not None:
+                for run in runs:
+                    self.finish(run)
+                raise frame_error(refused)
+            return runs
         raise OpenAIError(503, f"{attempts} workers in a row died before answering",
                           "server_error", None, "worker_lost")  # fmt: skip
 
@@ -180,9 +217,11 @@ class Runner:
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         route_req: RouteRequest, images: list[ImageRef] | None = None,
-    ) -> RunningRequest:  # fmt: skip
+        pooling: Pooling | None = None,
+    ) -> list[RunningRequest]:  # fmt: skip
+        planner = plan if pooling is None else plan_pooling
         try:
-            p = await self.admission.admit(partial(plan, self.router, self.s, route_req))
+            p = await self.admission.admit(partial(planner, self.router, self.s, route_req))
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
@@ -220,7 +259,6 @@ class Runner:
                 self.metrics.routed_prefix_blocks.labels(route.pool, "best").inc(
                     route.best_overlap_blocks
                 )
-        sub = await self.hub.subscribe(tokens_channel(stream_id))
         payload = StagePayload(
             request_id=stream_id,
             model=self.s.model_name,
@@ -228,19 +266,32 @@ class Runner:
             sampling=sampling,
             created=time.time(),
             images=images or [],
+            pooling=pooling,
         )
-        run = RunningRequest(stream_id, sub, p, started, payload=payload)
-        run.alive = partial(self._alive, run)
+        runs = []
+        group = ChoiceGroup(stream_id, sampling.n) if sampling.n > 1 else None
         try:
+            for i, sid in enumerate(payload.stream_ids):
+                sub = await self.hub.subscribe(tokens_channel(sid))
+                run = RunningRequest(sid, sub, p, started, payload=payload)
+                if group is not None:  # what the choice would carry alone (migration)
+                    run.payload = payload.model_copy(
+                        update={"sampling": choice_sampling(sampling, i)})  # fmt: skip
+                    run.choice, run.group = i, group
+                run.alive = partial(self._alive, run)
+                runs.append(run)
             await self._send(p, payload)
         except BaseException:
-            self.finish(run)
+            for run in runs:
+                self.finish(run)
+            if len(runs) < len(payload.stream_ids):  # their share of the plan, never held
+                await self.router.release(*p.routes)
             raise
         log.info("[%s] sent %s (%d prompt tokens%s)%s", stream_id,
                  " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
                  f", {len(images)} images" if images else "",
                  f" [fell back: {', '.join(p.fallbacks)}]" if p.fallbacks else "")  # fmt: skip
-        return run
+        return runs
 
     async def _send(self, p: Plan, payload: StagePayload) -> None:
         """Declare every queue the chain will reach (once per queue), then send it. Later
@@ -334,6 +385,8 @@ class Runner:
         self.finish(old)
         run.migrations += 1
         base = run.payload.request_id.split(".", 1)[0]  # the client's id
+        if run.choice is not None:  # a choice goes on alone (its payload: n=1, its seed)
+            base, run.group = choice_stream_id(base, run.choice), None
         stream_id = f"{base}.m{run.migrations}"
         prompt = run.payload.prompt_token_ids
         route_req = self.route_request(prompt + run.output_ids, run.payload.images)
@@ -401,7 +454,8 @@ class Runner:
                 run.prefill_pending = False
                 self._forget_prefill(run)
             if run.last_frame_at is None:
-                self.metrics.ttft.observe(now - run.started)
+                if not run.choice:  # one per request: its first choice's
+                    self.metrics.ttft.observe(now - run.started)
             else:
                 self.metrics.itl.observe(now - run.last_frame_at)
             run.last_frame_at = now
@@ -411,8 +465,15 @@ class Runner:
 
     def _forget_prefill(self, run: RunningRequest) -> None:
         """The first token is out: the prompt no longer queues for prefill anywhere (the
-        release at the end waits for this, so the two never cross in Redis)."""
+        release at the end waits for this, so the two never cross in Redis). Choices that
+        share their request's plan move its load once."""
+        g = run.group
+        if g is not None and g.prefilled_task is not None:
+            run.prefilled_task = g.prefilled_task
+            return
         run.prefilled_task = asyncio.get_running_loop().create_task(self._prefilled(run))
+        if g is not None:
+            g.prefilled_task = run.prefilled_task
 
     async def _prefilled(self, run: RunningRequest) -> None:
         try:
@@ -422,9 +483,11 @@ class Runner:
             log.warning("[%s] could not update prefill load", run.request_id)
 
     async def _cleanup(self, run: RunningRequest) -> None:
+        g = run.group
         try:
-            if run.prefilled_task is not None:
-                await run.prefilled_task
+            prefilled = run.prefilled_task or (g.prefilled_task if g is not None else None)
+            if prefilled is not None:
+                await prefilled
             await run.subscription.close()
             # The key makes a copy of the task that the broker redelivers later (its worker
             # died holding it) skip the work; the message aborts a running one now.
@@ -432,14 +495,22 @@ class Runner:
                 ("SET", cancelled_key(run.request_id), 1, "EX", CANCELLED_TTL_S)
             ]
             if not run.finished:
-                if not run.migrated:
+                if not run.migrated and not (g is not None and g.cancelled):
                     self.metrics.cancelled.inc()
                     log.info("[%s] not finished: cancelling on the worker", run.request_id)
+                if g is not None:
+                    g.cancelled = g.cancelled or not run.migrated
                 commands.append(("PUBLISH", CANCEL_CHANNEL, run.request_id))
+            if g is not None:
+                g.left -= 1
+                if not g.left:  # every choice is done with the request's task
+                    commands.append(("SET", cancelled_key(g.stream_id), 1, "EX",
+                                     CANCELLED_TTL_S))  # fmt: skip
             # one write: each write to Redis on a shared core lets Redis (and whatever it
             # wakes) run before the loop goes on (docs/performance.md, "API: clean-up in
             # one write")
-            await self.router.release(*run.plan.routes, before=tuple(commands))
+            await self.router.release(*run.plan.routes, before=tuple(commands),
+                                      one=g is not None)  # fmt: skip
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)
 

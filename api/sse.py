@@ -51,24 +51,29 @@ def usage_body(u: Usage | None) -> dict:
 
 
 class Formatter:
-    """Builds chat.completion(.chunk) or text_completion bodies for one request."""
+    """Builds chat.completion(.chunk) or text_completion bodies for one request (``index``:
+    the choice a chunk or body part is of, when the request asked for ``n > 1``)."""
 
     def __init__(self, kind: str, rid: str, model: str) -> None:
         self.chat = kind == "chat"
         self.rid = rid
         self.model = model
         self.created = int(time.time())
-        self._text_event: tuple[bytes, bytes] | None = None
+        self._text_events: dict[int, tuple[bytes, bytes]] = {}  # per choice index
 
-    def text_event(self, text: str, include_usage: bool) -> bytes:
-        """``sse_event(chunk(text_delta(text), None, include_usage))``, from a template: the
-        chunks of a stream differ only in their text (this is the per-token path)."""
-        if self._text_event is None:
+    def text_event(self, text: str, include_usage: bool, index: int = 0) -> bytes:
+        """``sse_event(chunk(text_delta(text), None, include_usage, index=index))``, from a
+        template: the chunks of a stream differ only in their text (this is the per-token
+        path)."""
+        template = self._text_events.get(index)
+        if template is None:
             probe = "\x00"
-            body = json_line(self.chunk(self.text_delta(probe), None, include_usage))
+            body = json_line(self.chunk(self.text_delta(probe), None, include_usage,
+                                        index=index))  # fmt: skip
             head, tail = body.split(json_line(probe))
-            self._text_event = b"data: " + head.encode(), tail.encode() + b"\r\n\r\n"
-        head, tail = self._text_event
+            template = b"data: " + head.encode(), tail.encode() + b"\r\n\r\n"
+            self._text_events[index] = template
+        head, tail = template
         return head + json_line(text).encode() + tail
 
     def _head(self, obj: str) -> dict:
@@ -89,12 +94,14 @@ class Formatter:
         finish_reason: str | None,
         include_usage: bool,
         stop_reason: str | int | None = None,
+        index: int = 0,
     ) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None,
+                      "finish_reason": finish_reason}  # fmt: skip
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": delta["text"], "logprobs": None,
+            choice = {"index": index, "text": delta["text"], "logprobs": None,
                       "finish_reason": finish_reason}  # fmt: skip
             body = self._head("text_completion")
         if finish_reason is not None:
@@ -111,17 +118,27 @@ class Formatter:
         return body
 
     def full(
-        self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict
-    ) -> dict:
+        self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict,
+        message: dict | None = None,
+    ) -> dict:  # fmt: skip
+        """``message``: the chat message when it is more than the text (tool calls)."""
+        return self.whole([self.choice(0, text, finish_reason, stop_reason, message)], usage)
+
+    def choice(
+        self, index: int, text: str, finish_reason: str | None, stop_reason: str | int | None,
+        message: dict | None = None,
+    ) -> dict:  # fmt: skip
+        """One choice of a whole (non-streamed) body (``message`` as in :meth:`full`)."""
         if self.chat:
-            body = self._head("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": stop_reason}  # fmt: skip
-        else:
-            body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": finish_reason, "stop_reason": stop_reason}  # fmt: skip
-        body["choices"] = [choice]
+            return {"index": index, "message": message or {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}  # fmt: skip
+        return {"index": index, "text": text, "logprobs": None,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}  # fmt: skip
+
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        """A whole body of ``choices`` (:meth:`choice`)."""
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        body["choices"] = choices
         body["usage"] = usage
         return body

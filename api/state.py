@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 from starlette.requests import Request
 
 from api.cluster_metrics import ClusterCollector
+from api.errors import OpenAIError
 from api.media import MediaGuard
 from api.metrics import ApiMetrics
 from api.runner import Runner
@@ -27,7 +28,16 @@ class ApiState:
     hub: StreamHub | None = None
     runner: Runner | None = None
     created: int = 0  # when the API started serving (the model's ``created``)
+    tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
 
 
 def api_state(request: Request) -> ApiState:
     return request.app.state.conveyor
+
+
+def check_model(st: ApiState, name: str) -> None:
+    """A 404 unless ``name`` is the served model (OpenAI's ``model_not_found``)."""
+    served = st.settings.model_name
+    if name != served:
+        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}`.",
+                          "invalid_request_error", "model", "model_not_found")  # fmt: skip

@@ -19,16 +19,22 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from api.errors import bad_request
 from api.media import ImageInput
-from api.protocol import ChatMessage, ContentPart
+from api.protocol import ChatMessage, ContentPart, ToolCall
 from kvbm.protocol import ImageRef
 
 IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; a fixed-resolution encoder ignores it
+# What the template's own arguments are called: chat_template_kwargs may not replace them
+TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt")
+# Marks the end of the message continue_final_message continues; the render is cut there
+# (its trailing space tells whether the template trimmed the text: then so is the cut)
+CONTINUE_MARK = "\x00CONTINUE\x00 "
 
 
 @dataclass(slots=True)
@@ -58,6 +64,8 @@ class PromptBuilder:
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
         tcfg_path = d / "tokenizer_config.json"
         tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+        # which end vLLM's truncate_prompt_tokens cuts off (HF's default: the right)
+        self.truncation_side = tcfg.get("truncation_side") or "right"
         self.special = {
             k: _token_str(tcfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
@@ -68,8 +76,13 @@ class PromptBuilder:
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
         self._template = None
+        self.template_text = template
         if template:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            # the environment Hugging Face renders chat templates in: its tojson (no HTML
+            # escaping, keys in order), loop controls, {% generation %} blocks
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[loopcontrols, _Generation])  # fmt: skip
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(template)
@@ -88,15 +101,29 @@ class PromptBuilder:
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         return self.chat_prompt(messages).token_ids
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> Prompt:
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+        add_special_tokens: bool = False,
+    ) -> Prompt:
         """Render, tokenize and expand the images' placeholders; a content part the model
-        cannot take is a 400 naming it (nothing is fetched here)."""
+        cannot take is a 400 naming it (nothing is fetched here). As Hugging Face's
+        ``apply_chat_template`` renders: ``tools`` (OpenAI's tool objects) as the template's
+        ``tools``, a call's JSON ``arguments`` as an object (vLLM's conversion),
+        ``template_kwargs`` as more template variables; ``continue_final_message`` leaves
+        the last message open (the render is cut where its text ends).
+        ``add_special_tokens``: the tokenizer's own (a BOS) on top of what the template
+        writes (vLLM's field)."""
         if self._template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         msgs = []
         images: list[ImageInput] = []
         for i, m in enumerate(messages):
-            content: str | list[dict[str, str]] = ""
+            content: str | list[dict[str, str]] | None = ""
             if isinstance(m.content, str):
                 content = m.content
             elif isinstance(m.content, list):
@@ -115,15 +142,56 @@ class PromptBuilder:
                             "unsupported_content",
                         )
                 content = parts
-            msgs.append({"role": m.role, "content": content})
-        try:
-            text = self._template.render(messages=msgs, add_generation_prompt=True, **self.special)
-        except TemplateError as e:
-            raise bad_request(f"chat template failed: {e}", "messages") from e
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            elif m.tool_calls:
+                content = None  # an assistant turn that only calls tools
+            msg: dict = {"role": m.role, "content": content}
+            if m.tool_calls:
+                msg["tool_calls"] = [_call_for_template(c, f"messages.{i}.tool_calls.{j}")
+                                     for j, c in enumerate(m.tool_calls)]  # fmt: skip
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None and m.role == "tool":
+                msg["name"] = m.name
+            msgs.append(msg)
+        text = self.render(msgs, tools, add_generation_prompt, continue_final_message,
+                           template_kwargs)  # fmt: skip
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if not self.accepts_images:
             return Prompt(ids)
         return self._expand(ids, images)
+
+    def render(
+        self,
+        msgs: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The chat template's text for messages already in the template's form."""
+        assert self._template is not None, "render() on a model without a chat template"
+        extra = dict(template_kwargs or {})
+        clash = [k for k in extra if k in TEMPLATE_ARGS]
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {clash[0]!r} (the request "
+                              "sets it)", "chat_template_kwargs")  # fmt: skip
+        if continue_final_message:
+            msgs = _mark_final(msgs)
+        try:
+            text = self._template.render(
+                messages=msgs, tools=tools or None, documents=None,
+                add_generation_prompt=add_generation_prompt, **{**self.special, **extra},
+            )  # fmt: skip
+        except TemplateError as e:
+            raise bad_request(f"chat template failed: {e}", "messages") from e
+        if continue_final_message:
+            at = text.rfind(CONTINUE_MARK.strip())
+            if at < 0:
+                raise bad_request("continue_final_message: the chat template does not render "
+                                  "the final message's text", "continue_final_message")  # fmt: skip
+            trimmed = not text.startswith(CONTINUE_MARK, at)
+            text = text[:at].rstrip() if trimmed else text[:at]
+        return text
 
     def _image_part(self, part: ContentPart, param: str) -> ImageInput:
         if not self.accepts_images:
@@ -244,3 +312,62 @@ def _token_str(v: object) -> str | None:
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
+
+
+def _tojson(
+    x: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Hugging Face's ``tojson`` for chat templates: plain JSON, not Jinja's HTML-safe one."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)  # fmt: skip
+
+
+class _Generation(Extension):
+    """``{% generation %}...{% endgeneration %}`` (templates that mark the assistant's
+    tokens for training): rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):  # type: ignore[no-untyped-def]
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _call_for_template(call: ToolCall, param: str) -> dict:
+    """A tool call as chat templates read it: the arguments as an object (vLLM decodes the
+    JSON string OpenAI sends; an empty one is ``{}``)."""
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad_request("a tool call's arguments must be a JSON object",
+                              f"{param}.function.arguments") from None  # fmt: skip
+    out: dict = {"type": "function", "function": {"name": call.function.name, "arguments": args}}
+    if call.id is not None:
+        out["id"] = call.id
+    return out
+
+
+def _mark_final(msgs: list[dict]) -> list[dict]:
+    """The messages with CONTINUE_MARK after the last message's text (its last text part)."""
+    if not msgs:
+        raise bad_request("continue_final_message needs a message to continue", "messages")
+    last = dict(msgs[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + CONTINUE_MARK
+    elif isinstance(content, list) and any(p.get("type") == "text" for p in content):
+        parts = [dict(p) for p in content]
+        j = max(i for i, p in enumerate(parts) if p.get("type") == "text")
+        parts[j]["text"] = parts[j].get("text", "") + CONTINUE_MARK
+        last["content"] = parts
+    else:
+        raise bad_request("continue_final_message: the last message has no text to continue",
+                          "continue_final_message")  # fmt: skip
+    return [*msgs[:-1], last]

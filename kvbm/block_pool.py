@@ -271,8 +271,10 @@ class KVCacheManager:
 
     ``allocate_slots(seq, n)`` grows ``seq``'s table so it can hold ``n`` tokens in total;
     ``find_prefix(seq, tokens)`` starts a new sequence on the cached blocks of its longest
-    cached prefix; ``cache_blocks`` names the blocks a sequence has filled; ``free(seq)``
-    returns every block the sequence held (its last blocks become the first to evict).
+    cached prefix; ``cache_blocks`` names the blocks a sequence has filled; ``fork`` starts
+    a sequence on another's computed prompt (a request's later choices, ``n > 1``);
+    ``free(seq)`` returns every block the sequence held (its last blocks become the first
+    to evict).
     """
 
     def __init__(
@@ -361,6 +363,26 @@ class KVCacheManager:
             parent = h
         table.hashes.extend(new)
         return full
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Start ``child_id`` on ``parent_id``'s first ``num_tokens`` tokens, computed: it
+        shares their full blocks (one more reference each, their names with them) and gets
+        a fresh block for a partial last one, whose KV the caller copies: the returned
+        (parent's block, child's block); ``None`` when the last block is full. The caller
+        checked that a block is free (:meth:`fork_blocks`)."""
+        src = self._tables[parent_id]
+        assert child_id not in self._tables, f"{child_id} already has blocks"
+        full, partial = divmod(num_tokens, self.block_size)
+        shared = src.block_ids[:full]
+        new = self.pool.allocate(1) if partial else []
+        assert new is not None, "forked without a free block for the partial last one"
+        self.pool.incref(shared)
+        self._tables[child_id] = _Table(shared + new, src.hashes[:full], src.extra_keys)
+        return (src.block_ids[full], new[0]) if partial else None
+
+    def fork_blocks(self, num_tokens: int) -> int:
+        """The fresh blocks :meth:`fork` takes for a sequence of ``num_tokens`` tokens."""
+        return 1 if num_tokens % self.block_size else 0
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables[seq_id].block_ids

@@ -21,6 +21,9 @@ Public part:
     TokenFrame          one frame of a token stream: built by a worker, parsed by the API
     Sampling            the sampling parameters a request carries to the engine (and
                         StructuredOutput, the grammar its output must follow)
+    Pooling             what an embedding request asks of its pooled vector
+    choices (n > 1)     choice_stream_id / choice_request_id: each choice's own stream;
+                        choice_seed / choice_sampling: each choice's own seed
     ImageRef            one image of a prompt: its content hash and placeholder tokens
     StagePayload        what every stage task receives
     EncodeHandle        what an encode task hands the task that prefills (embeddings)
@@ -415,6 +418,8 @@ class TokenFrame:
     error: FrameError | None = None
     logprobs: list[Logprob] | None = None  # one per token id
     prompt_logprobs: list[Logprob | None] | None = None  # first frame: one per prompt token
+    # an embedding request's one frame (terminal): its vector, base64 of little-endian float32
+    embedding: str | None = None
 
     @classmethod
     def failure(
@@ -432,6 +437,8 @@ class TokenFrame:
             d["logprobs"] = self.logprobs
         if self.prompt_logprobs is not None:
             d["prompt_logprobs"] = self.prompt_logprobs
+        if self.embedding is not None:
+            d["embedding"] = self.embedding
         if self.done:
             d["done"] = True
             if self.error is not None:
@@ -458,7 +465,8 @@ class TokenFrame:
         frame = cls(d["seq"], d.get("token_ids") or [], d.get("text") or "",
                     bool(d.get("done")), d.get("finish_reason"), d.get("stop_reason"),
                     logprobs=d.get("logprobs"),
-                    prompt_logprobs=d.get("prompt_logprobs"))  # fmt: skip
+                    prompt_logprobs=d.get("prompt_logprobs"),
+                    embedding=d.get("embedding"))  # fmt: skip
         u = d.get("usage")
         if u:
             frame.usage = Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
@@ -496,6 +504,9 @@ class StructuredOutput(BaseModel):
     # JSON without free whitespace between tokens (vLLM's ``disable_any_whitespace``): a
     # bounded schema then always finishes, even on a model with random weights
     any_whitespace: bool = False
+    # the request field it came from (e.g. ``response_format.json_schema``), which the
+    # engine's error names when the spec does not compile; not part of :meth:`key`
+    param: str | None = None
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutput:
@@ -513,7 +524,8 @@ class StructuredOutput(BaseModel):
 
     def key(self) -> str:
         """What names the compiled grammar (equal specs compile once)."""
-        return orjson.dumps(self.model_dump(), option=orjson.OPT_SORT_KEYS).decode()
+        spec = self.model_dump(exclude={"param"})
+        return orjson.dumps(spec, option=orjson.OPT_SORT_KEYS).decode()
 
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default cap)
@@ -582,10 +594,48 @@ class Sampling(BaseModel):
                     or self.bad_words or self.structured is not None)  # fmt: skip
 
 
+class Pooling(BaseModel):
+    """An embedding request (``/v1/embeddings``): the engine runs its prompt through the
+    model once and pools the last layer's hidden states (after the final norm) as the
+    model's pooling config says (last token, mean or first token); the vector is cut to
+    its first ``dimensions`` values (a matryoshka model's), then L2-normalised unless
+    ``normalize`` is False (``None``: as the model's pooling config says). Nothing is
+    sampled; the stream's one frame carries the vector (``TokenFrame.embedding``)."""
+
+    dimensions: int | None = Field(None, ge=1)
+    normalize: bool | None = None
+
+
 def choice_stream_id(request_id: str, index: int) -> str:
     """The stream of choice ``index`` of a request with ``n > 1`` (each choice streams,
     finishes, is cancelled and migrates on its own id; ``n == 1`` keeps the request's)."""
-    return f"{request_id}.c{index}"
+    return f"{request_id}{CHOICE_SEP}{index}"
+
+
+CHOICE_SEP = ".c"
+
+
+def choice_request_id(stream_id: str) -> str | None:
+    """The request whose choice streams on ``stream_id`` (:func:`choice_stream_id`);
+    ``None`` for a stream that is not a choice's."""
+    head, sep, index = stream_id.rpartition(CHOICE_SEP)
+    return head if sep and head and index.isdigit() else None
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed choice ``index`` of a seeded request samples with: choice 0 keeps the
+    request's (so ``n=1`` and the first of ``n`` choices draw alike), each other one its
+    own, derived from (seed, index) so a seeded request reproduces all its choices and no
+    two of them (nor a neighbouring seed's) share a stream."""
+    if seed is None or index == 0:
+        return seed
+    return xxhash.xxh3_64_intdigest(f"{seed}/{index}".encode(), seed=HASH_SEED) >> 1
+
+
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice ``index`` of a request's sampling as one request of its own (``n`` 1, its
+    seed): what a choice that moves to another worker alone carries (migration)."""
+    return sampling.model_copy(update={"n": 1, "seed": choice_seed(sampling.seed, index)})
 
 
 class ImageRef(BaseModel):
@@ -626,6 +676,15 @@ class StagePayload(BaseModel):
     forced_first_token: int | None = None  # a redo keeps the first token already streamed
     images: list[ImageRef] = Field(default_factory=list)  # in prompt order
     resume: Resume | None = None  # a migrated stream: what the client already has
+    pooling: Pooling | None = None  # an embedding request: pool the prompt, sample nothing
+
+    @property
+    def stream_ids(self) -> list[str]:
+        """The streams its frames travel on: its own, or one per choice (``n > 1``)."""
+        n = self.sampling.n
+        if n == 1:
+            return [self.request_id]
+        return [choice_stream_id(self.request_id, i) for i in range(n)]
 
 
 class EmbeddingRef(BaseModel):

@@ -37,7 +37,9 @@ from kombu.utils.json import loads
 log = logging.getLogger(__name__)
 
 EVENT_FLUSH_S = 0.05  # the longest a buffered task event waits for company
-STAGES = {"conveyor.generate": "generate", "conveyor.prefill": "prefill"}
+# the tasks begun on receipt (an embed task's request too: workers.pooling)
+STAGES = {"conveyor.generate": "generate", "conveyor.prefill": "prefill",
+          "conveyor.embed": "embed"}  # fmt: skip
 
 
 class Consumer(CeleryConsumer):

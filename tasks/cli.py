@@ -97,6 +97,13 @@ def _model_opt(f):  # type: ignore[no-untyped-def]
     )(f)
 
 
+def _tool_parser_opt(f):  # type: ignore[no-untyped-def]
+    return click.option(
+        "--tool-call-parser", type=click.Choice(["hermes", "llama3_json"]),
+        help="Reads tool_choice 'auto' calls [CONVEYOR_TOOL_CALL_PARSER] (from the template)",
+    )(f)  # fmt: skip
+
+
 def _redis_opt(f):  # type: ignore[no-untyped-def]
     return click.option("--redis-url", help="Redis URL [CONVEYOR_REDIS_URL]")(f)
 
@@ -287,6 +294,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
 @click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
               help="How workers are picked [CONVEYOR_ROUTER_MODE] (kv)")  # fmt: skip
 @click.option("--served-model-name", help="Model id clients use [CONVEYOR_SERVED_MODEL_NAME]")
+@_tool_parser_opt
 @_model_opt
 @_redis_opt
 def api(**kw: object) -> None:
@@ -443,6 +451,7 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
 @click.option("--redis-port", type=int, help="Embedded Redis port [CONVEYOR_REDIS_PORT] (6390)")
 @click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
               help="How workers are picked [CONVEYOR_ROUTER_MODE] (kv)")  # fmt: skip
+@_tool_parser_opt
 @_model_opt
 @_redis_opt
 @_engine_opts

@@ -9,7 +9,8 @@ Adding a mode is adding a row.
 A stage marked ``optional`` may be left out of a request's chain, as Dynamo degrades: when
 its pool has no live worker, when the work it would take off the next stage is too small
 to be worth a transfer (a prompt whose uncached part is shorter than
-``disagg_min_prompt_tokens``), or, for an encode stage, when the request has no image. The
+``disagg_min_prompt_tokens``, or a request of ``n > 1`` choices, which fork from one
+prefill on their decoding worker), or, for an encode stage, when the request has no image. The
 next stage then runs the task :data:`MERGED` names for the pair, doing both stages' work
 on one worker (a worker that gets images and no embeddings encodes them itself).
 

@@ -10,7 +10,9 @@ what it has cached decides whether an optional stage before it is worth running.
 optional stage is left out, as Dynamo degrades, when its pool has no live worker
 (``no_<pool>_worker``) or when it hands KV on and the prompt's part the next worker has
 not cached is shorter than ``disagg_min_prompt_tokens`` (``short_prompt``, not worth a
-transfer); the next stage then runs the merged task (:data:`tasks.modes.MERGED`).
+transfer), or when the request asks for ``n > 1`` choices (``n_choices``: they fork from
+one prefill on the worker that decodes them, docs/openai-api.md); the next stage then
+runs the merged task (:data:`tasks.modes.MERGED`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,16 @@ from tasks.app import queue, route_to
 from tasks.modes import merged
 from tasks.router import PinnedWorkerMissing, Route, Router, RouteRequest
 from tasks.settings import Settings
-from tasks.stages import decode, encode, generate, prefill
+from tasks.stages import decode, embed, encode, generate, prefill
 
-TASKS = {"encode": encode, "generate": generate, "prefill": prefill, "decode": decode}
+TASKS = {"encode": encode, "generate": generate, "prefill": prefill, "decode": decode,
+         "embed": embed}  # fmt: skip
 
 
 @dataclass(slots=True)
 class Plan:
     """Which task runs where, in order; ``fallbacks`` say why optional stages were left
-    out (``no_<pool>_worker`` / ``short_prompt``)."""
+    out (``no_<pool>_worker`` / ``short_prompt`` / ``n_choices``)."""
 
     steps: list[tuple[str, Route]]
     fallbacks: list[str] = field(default_factory=list)
@@ -83,6 +86,8 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
                 route, why = None, None
                 if stage.encodes and not req.images:
                     pass  # nothing to encode: not a fallback
+                elif stage.kv_transfer and req.choices > 1:
+                    why = "n_choices"
                 elif stage.kv_transfer and uncached < s.disagg_min_prompt_tokens \
                         and not pin_pending:  # fmt: skip
                     why = "short_prompt"
@@ -117,6 +122,17 @@ async def plan_continuation(router: Router, pool: str, req: RouteRequest) -> Pla
     if route is None:
         raise NoLiveWorker(pool)
     return Plan([("generate", route)], [])
+
+
+async def plan_pooling(router: Router, s: Settings, req: RouteRequest) -> Plan:
+    """Where an embedding request runs: one ``embed`` task on a worker of the pool that runs
+    whole requests (the mode's last stage: generate, or decode, whose workers run generate
+    too), picked by load as any request (its work is a prompt to prefill)."""
+    pool = s.serving_mode.stages[-1].pool
+    route = await router.pick(pool, req)
+    if route is None:
+        raise NoLiveWorker(pool)
+    return Plan([("embed", route)], [])
 
 
 def build_chain(p: Plan, payload: StagePayload) -> Signature:

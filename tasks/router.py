@@ -40,7 +40,10 @@ routed by any API replica), so the cap holds cluster-wide; when every live worke
 pool is at it, :meth:`Router.pick` raises :class:`WorkersBusy` and the API decides whether
 to wait (:mod:`api.admission`). Accepted work moving on is never refused: routers that
 re-route it (a worker redoing a prefill) keep no cap, and a migrated stream's pick says
-``RouteRequest.admitted``.
+``RouteRequest.admitted``. A request of ``n`` choices holds ``n`` sequences on its
+worker and counts as ``n`` requests (``RouteRequest.choices``; one more than the cap
+allows still goes to a worker that holds none); each choice gives its one back as it
+ends.
 
 Load, per worker, lives in :func:`kvbm.protocol.load_key` (fields
 ``<worker>:reqs|prefill|blocks``) and the pool's totals in
@@ -107,8 +110,9 @@ FULL, DEAD, GUARDED, COUNTED = -2, -1, 0, 1  # the commit's answers (COMMIT_LUA)
 # committing router's own load hash (optional: the same counts, kept per router). ARGV:
 # worker, prompt tokens to queue, guard (0/1), guard ratio, guard min blocks, live workers,
 # least load (blocks, as the caller sees it), block size, ttl ms, the most requests a
-# worker may hold (0: no cap), then in approximate mode the pool's stream, the decision's
-# TTL (ms) and the hex hashes (JSON).
+# worker may hold (0: no cap), the requests this one counts as (its choices: n), then in
+# approximate mode the pool's stream, the decision's TTL (ms) and the hex hashes (JSON).
+# A request of more choices than the cap still goes to a worker that holds none.
 # Returns {1, blocks, prefill, reqs} counted; {0, blocks, prefill, reqs} over the guard;
 # {-1} dead; {-2, blocks, prefill, reqs} at the request cap.
 COMMIT_LUA = (
@@ -119,8 +123,8 @@ local wid = ARGV[1]
 if not is_live(KEYS[3], wid, now) then return {-1} end
 local v = redis.call('HMGET', KEYS[1], wid .. ':blocks', wid .. ':prefill', wid .. ':reqs')
 local b, q, n = tonumber(v[1] or '0'), tonumber(v[2] or '0'), tonumber(v[3] or '0')
-local cap = tonumber(ARGV[10])
-if cap > 0 and n >= cap then return {-2, b, q, n} end
+local cap, k = tonumber(ARGV[10]), tonumber(ARGV[11])
+if cap > 0 and n > 0 and n + k > cap then return {-2, b, q, n} end
 local bs = tonumber(ARGV[8])
 if ARGV[3] == '1' then
   local tb = tonumber(redis.call('HGET', KEYS[2], 'blocks') or '0')
@@ -130,19 +134,19 @@ if ARGV[3] == '1' then
   if b + math.ceil(q / bs) > limit then return {0, b, q, n} end
 end
 local add = tonumber(ARGV[2])
-n = redis.call('HINCRBY', KEYS[1], wid .. ':reqs', 1)
+n = redis.call('HINCRBY', KEYS[1], wid .. ':reqs', k)
 q = redis.call('HINCRBY', KEYS[1], wid .. ':prefill', add)
 redis.call('HINCRBY', KEYS[2], 'prefill', add)
 redis.call('PEXPIRE', KEYS[1], ARGV[9])
 redis.call('PEXPIRE', KEYS[2], ARGV[9])
 if #KEYS > 3 then
-  redis.call('HINCRBY', KEYS[4], wid .. ':reqs', 1)
+  redis.call('HINCRBY', KEYS[4], wid .. ':reqs', k)
   redis.call('HINCRBY', KEYS[4], wid .. ':prefill', add)
   redis.call('PEXPIRE', KEYS[4], ARGV[9])
 end
-if #ARGV > 10 then
-  redis.call('XADD', ARGV[11], 'MAXLEN', '~', ARGV[14], '*', 'w', wid, 'a', ARGV[12],
-             'b', ARGV[13])
+if #ARGV > 11 then
+  redis.call('XADD', ARGV[12], 'MAXLEN', '~', ARGV[15], '*', 'w', wid, 'a', ARGV[13],
+             'b', ARGV[14])
 end
 return {1, b, q, n}
 """
@@ -252,6 +256,8 @@ class RouteRequest:
     images: int = 0  # images in the prompt (an encode stage runs only for those)
     # accepted work moving on (a migrated stream): no request cap applies to it
     admitted: bool = False
+    # its choices (n): it holds as many sequences, and counts as as many requests
+    choices: int = 1
 
 
 @dataclass(slots=True)
@@ -306,6 +312,9 @@ class Route:
     blocks: int = 0  # decode load once the first token is out, until released
     prefill_tokens: int = 0  # prefill load until the first token (or release)
     decoding: bool = False  # the blocks count (the first token arrived)
+    # requests counted (a request's choices, n): each release gives one back, the last
+    # one the blocks and prefill tokens too (a choice ends, or moves on, alone)
+    reqs: int = 1
 
     @property
     def queue(self) -> str:
@@ -450,7 +459,7 @@ class Router:
                 return None
         cap = self._cap(req)
         if cap:  # as far as this router knows; the commit has the last word
-            room = [w for w in ids if v.reqs.get(w, 0) < cap]
+            room = [w for w in ids if not self._full(v, w, cap, req.choices)]
             if not room:
                 raise WorkersBusy(v.pool, cap, len(ids))
             ids = room
@@ -474,8 +483,8 @@ class Router:
             if route is not None:
                 break
         else:  # refused again and again: the least loaded takes it, guard or not
-            alive = [w for w in ids if w in v.live and not self._full(v, w, cap)]
-            if not alive and cap and any(self._full(v, w, cap) for w in ids):
+            alive = [w for w in ids if w in v.live and not self._full(v, w, cap, req.choices)]
+            if not alive and cap and any(self._full(v, w, cap, req.choices) for w in ids):
                 raise WorkersBusy(v.pool, cap, len(ids))
             w = min(alive or ids, key=lambda w: self._load(v, w))
             route, status = await self._try(v, w, req, False, ov.get(w, 0), least)
@@ -531,8 +540,10 @@ class Router:
         """The requests a worker may hold for ``req``'s pick; 0: no cap (accepted work)."""
         return 0 if req.admitted else self.config.max_requests
 
-    def _full(self, v: PoolView, w: str, cap: int) -> bool:
-        return bool(cap) and v.reqs.get(w, 0) >= cap
+    def _full(self, v: PoolView, w: str, cap: int, choices: int = 1) -> bool:
+        """Whether ``w`` has no room for a request of ``choices`` (COMMIT_LUA's rule)."""
+        n = v.reqs.get(w, 0)
+        return bool(cap) and n > 0 and n + choices > cap
 
     def _load(self, v: PoolView, w: str) -> int:
         b, q = v.loads.get(w, (0, 0))
@@ -562,7 +573,7 @@ class Router:
         add_prefill = max(req.prompt_len - overlap * bs, 1)
         args: list = [w, add_prefill, int(guard), c.guard_ratio, c.guard_min_blocks,
                       max(len(v.live), 1), least, bs, LOAD_TTL_S * 1000,
-                      self._cap(req)]  # fmt: skip
+                      self._cap(req), req.choices]  # fmt: skip
         approx = c.mode == "kv" and not c.kv_events and bool(req.block_hashes)
         if approx:
             ttl_ms = int(c.approx_ttl_s * 1000)
@@ -570,11 +581,11 @@ class Router:
                      EVENTS_MAXLEN]  # fmt: skip
         keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool), *self._own(v.pool))
         v.pending[w] = v.pending.get(w, 0) + add_prefill
-        v.reqs[w] = v.reqs.get(w, 0) + 1  # the picks made meanwhile see it
+        v.reqs[w] = v.reqs.get(w, 0) + req.choices  # the picks made meanwhile see it
         try:
             res = await self._run(self._commit, args, keys)
         except BaseException:
-            v.reqs[w] = max(v.reqs.get(w, 1) - 1, 0)
+            v.reqs[w] = max(v.reqs.get(w, req.choices) - req.choices, 0)
             raise
         finally:
             left = v.pending[w] - add_prefill
@@ -597,8 +608,9 @@ class Router:
         v.totals[1] += add_prefill
         if approx and v.follower is not None:
             v.follower.index.remember(w, req.block_hashes, time.monotonic() + c.approx_ttl_s)
-        return Route(v.pool, w, overlap_blocks=overlap, blocks=nblocks + 1,
-                     prefill_tokens=add_prefill), status  # fmt: skip
+        # the prompt's blocks once, a block to decode into per choice
+        return Route(v.pool, w, overlap_blocks=overlap, blocks=nblocks + req.choices,
+                     prefill_tokens=add_prefill, reqs=req.choices), status  # fmt: skip
 
     # ----------------------------------------------------------------------------------
     async def view(self, pool: str) -> PoolView:
@@ -720,28 +732,36 @@ class Router:
         )  # fmt: skip
         self._count(route.pool, w, route.blocks, -n)
 
-    async def release(self, *routes: Route, before: tuple[tuple, ...] = ()) -> None:
+    async def release(self, *routes: Route, before: tuple[tuple, ...] = (),
+                      one: bool = False) -> None:  # fmt: skip
         """The request routed by ``routes`` is over: stop counting it. ``before``: commands
-        to run first, in the same round trip (the caller's own clean-up)."""
-        calls = []
+        to run first, in the same round trip (the caller's own clean-up). ``one``: one of
+        the request's choices is over (a route counts each, ``Route.reqs``): give back one
+        request, and the blocks and prefill tokens with the last."""
+        calls, parts = [], []
         for route in routes:
             w = route.worker_id
-            blocks = route.blocks if route.decoding else 0
+            n = min(1, route.reqs) if one else route.reqs
+            route.reqs -= n
+            last = route.reqs <= 0
+            blocks = route.blocks if route.decoding and last else 0
+            prefill = route.prefill_tokens if last else 0
+            parts.append((route, n, blocks, prefill))
             calls.append((
                 (load_key(route.pool), load_totals_key(route.pool), *self._own(route.pool)),
-                [f"{w}:reqs", 1, "", f"{w}:blocks", blocks, "blocks",
-                 f"{w}:prefill", route.prefill_tokens, "prefill", LOAD_TTL_S * 1000],
+                [f"{w}:reqs", n, "", f"{w}:blocks", blocks, "blocks",
+                 f"{w}:prefill", prefill, "prefill", LOAD_TTL_S * 1000],
             ))  # fmt: skip
         try:
             await self._run_all(self._give_back, calls, before)
         finally:
             if self._on_release is not None and routes:
                 self._on_release()
-        for route in routes:
-            self._count(route.pool, route.worker_id, -(route.blocks if route.decoding else 0),
-                        -route.prefill_tokens, -1)  # fmt: skip
-            route.prefill_tokens = 0
-            route.decoding = False
+        for route, n, blocks, prefill in parts:
+            self._count(route.pool, route.worker_id, -blocks, -prefill, -n)
+            if route.reqs <= 0:
+                route.prefill_tokens = 0
+                route.decoding = False
 
     def _own(self, pool: str) -> tuple[str, ...]:
         """The key of this router's own load counts in ``pool``, if it keeps them."""

@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Model id clients send; default: the model directory's name."
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None,
+        description="How tool calls are read out of the model's text for tool_choice "
+        "'auto' (vLLM's --tool-call-parser names); default: the format the chat template "
+        "asks for (llama3_json for a Llama 3 template, else hermes).",
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Request bodies above this get 413.")
     first_frame_timeout_s: float = Field(
         120.0, description="Seconds the API waits for a request's first stream frame."

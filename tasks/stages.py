@@ -28,7 +28,7 @@ from tasks.app import app, queue, route_to
 log = logging.getLogger(__name__)
 
 
-# generate and prefill reach the engine as their message arrives, ahead of Celery's
+# generate, prefill and embed reach the engine as their message arrives, ahead of Celery's
 # hand-over to a pool thread (tasks.celery_ext)
 BEGIN_ON_RECEIPT = "tasks.celery_ext:begin_on_receipt"
 
@@ -63,6 +63,15 @@ def prefill(self: Task, *args: dict) -> dict:
                           finish_reason="error", error="encoding failed")  # fmt: skip
         return h.model_dump()
     return _guarded(req, lambda rt: rt.prefill(req, refs)).model_dump()
+
+
+@app.task(name="conveyor.embed", bind=True, acks_late=True, ignore_result=True,
+          Strategy=BEGIN_ON_RECEIPT)  # fmt: skip
+def embed(self: Task, payload: dict) -> dict:
+    """Embedding: the prompt's pooled hidden states, computed on this worker and sent back
+    as the request's one frame (the payload's ``pooling`` says how)."""
+    req = StagePayload.model_validate(payload)
+    return _guarded(req, lambda rt: rt.embed(req)).model_dump()
 
 
 def stage_args(args: tuple[dict, ...]) -> tuple[StagePayload, list[EmbeddingRef], bool]:
@@ -175,5 +184,6 @@ def _guarded(req: StagePayload, run: Callable):  # type: ignore[no-untyped-def, 
     except Exception as e:  # the stream must still end with a terminal frame
         log.exception("[%s] stage failed", req.request_id)
         seq = req.resume.next_seq if req.resume is not None else 0  # after what is out
-        rt.fail(req.request_id, f"generation failed: {e}", "task_failed", seq)
+        for sid in req.stream_ids:  # n > 1: every choice's stream
+            rt.fail(sid, f"generation failed: {e}", "task_failed", seq)
         raise

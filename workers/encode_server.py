@@ -5,8 +5,9 @@ Redis). One thread takes every request waiting when it comes round and runs all 
 images through the tower as one batch (images seen before come from the embedding cache),
 stages each embedding once in the transfer backend (:mod:`workers.transfer.embeddings`)
 and answers with an :class:`kvbm.protocol.EncodeHandle` naming where they are. A request
-whose image cannot be encoded (its bytes expired, or do not decode) ends its stream with
-an error frame, and its handle says so; the others of the batch go on.
+whose image cannot be encoded (its bytes expired, or do not decode) ends its stream (each
+choice's, for n > 1) with an error frame, and its handle says so; the others of the batch
+go on.
 
 Speaks the same pipe protocol as the text engine's process (:mod:`workers.engine_proc`):
 ``encode``, ``abort``, ``stop`` in; ``ready``, ``done``, ``stats`` out.
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import redis
 
-from kvbm.protocol import EncodeHandle, ImageRef
+from kvbm.protocol import EncodeHandle, ImageRef, choice_request_id
 from workers.images import ImageEncoder, ImageUnavailable, export
 from workers.stream import publish_error_frame
 from workers.transfer.embeddings import make_embedding_transfer
@@ -51,6 +52,7 @@ class EncodeServer:
         self.transfer = make_embedding_transfer(spec.embedding_transfer, client, spec.worker_id,
                                                 hold_s=hold_s)  # fmt: skip
         self._queue: deque[tuple[str, list[ImageRef]]] = deque()
+        self._streams: dict[str, list[str]] = {}  # request -> its streams (n > 1: choices')
         self._cv = threading.Condition()
         self._stop = False
         self.requests = 0
@@ -64,12 +66,16 @@ class EncodeServer:
             assert cmd.kind == "encode", f"an encode worker runs encode commands, not {cmd.kind}"
             with self._cv:
                 self._queue.append((cmd.request_id, list(cmd.payload.images)))
+                self._streams[cmd.request_id] = cmd.payload.stream_ids
                 self._cv.notify()
         elif kind == "abort":  # a request still waiting is dropped; one in the tower ends
+            rid = choice_request_id(payload) or payload  # type: ignore[arg-type]
             with self._cv:  # (the next stage skips it: the API has marked it cancelled)
-                gone = [e for e in self._queue if e[0] == payload]
+                gone = [e for e in self._queue if e[0] == rid]
                 for e in gone:
                     self._queue.remove(e)
+                for e in gone:
+                    self._streams.pop(e[0], None)
             for rid, _ in gone:
                 self.send(("done", [_done(rid, "abort")]))
 
@@ -121,13 +127,16 @@ class EncodeServer:
                 return
         for rid, images in batch:
             self.requests += 1
+            with self._cv:
+                streams = self._streams.pop(rid, [rid])
             try:
                 embeds = self.encoder.encode(images)  # from the cache now
                 refs = export(rid, images, embeds, self.transfer)
             except Exception as e:  # noqa: BLE001 - the stream must end, the worker go on
                 log.warning("[%s] encoding failed: %s", rid, e)
                 code = "image_unavailable" if isinstance(e, ImageUnavailable) else "encode_failed"
-                publish_error_frame(self.redis, rid, f"encoding failed: {e}", code, 0)
+                for sid in streams:  # a request of n > 1 choices: every choice's stream
+                    publish_error_frame(self.redis, sid, f"encoding failed: {e}", code, 0)
                 handle = EncodeHandle(request_id=rid, encode_worker=self.spec.worker_id,
                                       error=str(e))  # fmt: skip
                 self.send(("done", [_done(rid, "error", handle, str(e))]))

@@ -15,6 +15,7 @@ must carry its hash (``block_extra_keys``), or another image's KV could be reuse
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -30,8 +31,11 @@ from workers.engine_core import EngineCore, token_seed
 from workers.kv_copier import TorchBlockCopier
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
+from workers.pooler import TorchPooler
+from workers.pooling import PoolingConfig, PoolingUnavailable, load_pooling_config
 from workers.sampling import make_generator, sample
 from workers.scheduler import Seq
+from workers.structured import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Engine(EngineCore):
     name = "reference"
+    pooling = PoolingConfig()  # how /v1/embeddings pools (the checkpoint's, from_model_dir)
+    supports = EngineCore.supports | {"structured_outputs"}
 
     def __init__(
         self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
@@ -53,6 +59,11 @@ class Engine(EngineCore):
         self.kv = PagedKVCache(cfg, config.num_kv_blocks, config.block_size, model.dtype,
                                str(model.device))  # fmt: skip
         self.decode_kernel = _decode_kernel(config.decode_attention, model)
+        if importlib.util.find_spec("xgrammar") is not None:
+            self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        else:  # (make install puts it in): constrained requests are refused, 400
+            log.warning("xgrammar is not installed: structured outputs are not served")
+            self.supports = self.supports - {"structured_outputs"}
         log.info("decode attention: %s", self.decode_attention)
         if config.host_cache_blocks or config.disk_cache_blocks:  # KVBM tiers: real bytes
             copier = TorchBlockCopier(self.kv, config.host_cache_blocks)
@@ -77,7 +88,15 @@ class Engine(EngineCore):
         image_token = raw.get("image_token_index", raw.get("image_token_id"))
         if "vision_config" not in raw:
             image_token = None
-        return cls(LlamaModel(cfg, weights), tok, config, image_token)
+        engine = cls(LlamaModel(cfg, weights), tok, config, image_token)
+        engine.pooling = load_pooling_config(d)
+        return engine
+
+    def pooler(self) -> TorchPooler:
+        """What computes embeddings of prompts (workers.pooling runs it between steps)."""
+        if self.pooling.unsupported is not None:
+            raise PoolingUnavailable(self.pooling.unsupported)
+        return TorchPooler(self.model, self.pooling, self.config.block_size, self.max_model_len)
 
     def add_request(self, req: EngineRequest) -> RequestOutput | None:
         if req.mm_inputs:
@@ -96,8 +115,14 @@ class Engine(EngineCore):
     def _make_generator(self, params: Sampling) -> torch.Generator | None:
         return None if params.greedy else make_generator(params.seed)
 
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        data = self.kv.data  # block-major: one row per block, every layer's K and V
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=data.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=data.device)
+        data.index_copy_(0, dst, data.index_select(0, src))
+
     def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
-        logits = self._run(batch)
+        logits = self._with_forks(self._run(batch))
         if not sampled:
             return []
         for seq in sampled:
@@ -107,6 +132,8 @@ class Engine(EngineCore):
                 seq.generator.manual_seed(  # type: ignore[attr-defined]
                     token_seed(seq.req.params.seed, len(seq.output_ids))
                 )
+        if self.structured is not None:  # what constrained rows' grammars forbid: -inf
+            self.structured.mask(logits, sampled)
         return sample(
             logits,
             [s.req.params for s in sampled],

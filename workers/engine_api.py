@@ -94,6 +94,9 @@ class EngineRequest:
     # vLLM's KV connector (P/D), on a decode request: the prefill output's
     # ``kv_transfer_params`` ({"vllm": vLLM's own, "seed": the sampling seed both use})
     kv_transfer_params: dict | None = None
+    # a later choice of an n > 1 request (workers.choices): the id of its first choice,
+    # whose prompt it shares once computed (blocks, and the logits of its first token)
+    fork_of: str | None = None
 
 
 @dataclass(slots=True)
@@ -116,6 +119,7 @@ class RequestOutput:
     # prompt's (first output only), when it asked for prompt logprobs
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    embedding: str | None = None  # an embedding request's vector (kvbm.protocol.Pooling)
     prefilled: bool = False  # prefill-only request done; its blocks are pinned
     kv_block_ids: list[int] | None = None
     kv_transfer_params: dict | None = None  # vLLM prefill: where its connector keeps the KV
@@ -215,6 +219,9 @@ class EngineStats:
     blocks_pinned: int = 0  # prefilled requests whose KV awaits a pull
     prompt_tokens_seen: int = 0  # prefix-cache hit rate = cached / seen
     prompt_tokens_cached: int = 0
+    # prompt tokens run through the model: a prefix-cache hit, an imported prefill or a
+    # choice forked from its request's first choice (n > 1) computes none of its own
+    prompt_tokens_computed: int = 0
     pins_expired: int = 0
     preemptions: int = 0
     steps: int = 0

@@ -8,6 +8,11 @@ implements the whole engine protocol; what a step computes is a subclass's busin
 placeholder tokens. Both therefore share one scheduler, one block pool and one stream of
 KV events, and the KVBM tiers below the pool (:meth:`EngineCore._attach_tiers`: each
 brings its own copier, real bytes or simulated time). This module does not import torch.
+
+A request of ``n`` choices arrives as ``n`` requests (:mod:`workers.choices`); its later
+choices fork from its first as the prompt completes (the scheduler shares the prompt's
+blocks), each sampling its first token from the first choice's logits (``_with_forks``)
+with its own generator; a subclass copies a forked partial block's KV (``_copy_blocks``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
@@ -37,6 +43,9 @@ from workers.engine_api import (
 from workers.output_processor import OutputProcessor, finished
 from workers.scheduler import Scheduler, Seq
 
+if TYPE_CHECKING:
+    from workers.structured import Constraint, StructuredOutputs
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +54,9 @@ class EngineCore:
 
     name = "core"  # what refusals call this engine
     # the optional sampling features (workers.engine_api.FEATURES) this engine serves
-    supports: frozenset[str] = frozenset()
+    supports: frozenset[str] = frozenset({"n"})
+    # grammars, matchers and masks of constrained requests, where the engine serves them
+    structured: StructuredOutputs | None = None
 
     def __init__(
         self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,
@@ -63,6 +74,9 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         self.outputs = OutputProcessor(eos_token_ids, max_model_len)
         self.num_steps = 0
+        # this step's later choices sample from their first choice's row of logits: the
+        # row of each sampled sequence (None: one row each, in order)
+        self._fork_rows: list[int] | None = None
         self._stalled = False
         self._disk_lock: int | None = None  # held while this engine uses its disk dir
 
@@ -76,6 +90,15 @@ class EngineCore:
         goes into the sequences' blocks) and return one sampled token per ``sampled``
         sequence (those whose computed tokens reach their end), in order."""
         raise NotImplementedError
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the KV of each ``(source, destination)`` block (a forked choice's partial
+        last block: workers.scheduler.Scheduler.fork)."""
+
+    def _with_forks(self, logits):  # type: ignore[no-untyped-def]
+        """``logits`` (one row per sequence ending in this step's batch) with a row for
+        each sampled sequence: a forked choice samples from its first choice's row."""
+        return logits if self._fork_rows is None else logits[self._fork_rows]
 
     def kv_memory(self) -> object | None:
         return None
@@ -104,6 +127,8 @@ class EngineCore:
     def close(self) -> None:
         """Stop the tiers' copy threads and let go of the disk dir."""
         self.scheduler.close()
+        if self.structured is not None:
+            self.structured.close()
         if self._disk_lock is not None:
             os.close(self._disk_lock)
             self._disk_lock = None
@@ -111,7 +136,7 @@ class EngineCore:
     # --- the engine protocol --------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.structured and self.structured.pending)
 
     @property
     def stalled(self) -> bool:
@@ -127,7 +152,7 @@ class EngineCore:
 
     def add_request(self, req: EngineRequest) -> RequestOutput | None:
         rid = req.request_id
-        if self.scheduler.has(rid):
+        if self.scheduler.has(rid) or (self.structured and self.structured.holds(rid)):
             # a second copy must not take the first one's blocks (or fail the whole step)
             log.warning("[%s] is already running: the second copy is dropped", rid)
             return None
@@ -137,10 +162,25 @@ class EngineCore:
         if (refused := refuse_unsupported(rid, n, req.params, self.name,
                                           self.supports)) is not None:  # fmt: skip
             return refused
+        if req.params.structured is None or self.structured is None:
+            return self._start(req, None)
+        constraint = self.structured.admit(req)
+        if constraint is None:
+            return None  # waits for its grammar to compile; a step starts it
+        if isinstance(constraint, str):
+            return _invalid_structured(req, constraint)
+        return self._start(req, constraint)
+
+    def _start(self, req: EngineRequest, constraint: Constraint | None) -> RequestOutput | None:
+        """Put a request that passed the checks into the scheduler's queue."""
+        rid, n = req.request_id, len(req.prompt_token_ids)
         detok = IncrementalDetokenizer(
             self.tokenizer, req.params.stop, req.params.skip_special_tokens
         )
         seq = Seq(req, detok, self._make_generator(req.params), list(req.prompt_token_ids), n)
+        seq.constraint = constraint
+        if req.fork_of is not None and self.scheduler.park(seq, req.fork_of):
+            return None  # starts when its first choice has computed the prompt
         if req.imported is not None:
             if req.imported.source is None:
                 if not self.scheduler.take_reservation(rid):  # cancelled while pulling
@@ -169,27 +209,49 @@ class EngineCore:
     def abort(self, request_id: str) -> RequestOutput | None:
         if self.scheduler.abort_reservation(request_id):
             return None
+        if self.structured is not None and (req := self.structured.drop(request_id)):
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="abort",
+                                 num_prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
         self.scheduler.release_pinned(request_id)
         seq = self.scheduler.remove(request_id)
         return None if seq is None else finished(seq, [], "", "abort")
 
     def step(self) -> list[RequestOutput]:
         """Schedule, compute one step, and report per-request outputs."""
+        started = self._start_constrained() if self.structured is not None else []
         scheduled = self.scheduler.schedule()
         # requests aborted while their KV was loading end once the copy has ended
-        dropped = [finished(seq, [], "", "abort") for seq in self.scheduler.take_dropped()]
+        dropped = started + [finished(seq, [], "", "abort")
+                             for seq in self.scheduler.take_dropped()]  # fmt: skip
         self._stalled = not scheduled and self.has_unfinished
         if not scheduled:
             return dropped
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
+        # a request's later choices (n > 1) fork from its first as its prompt completes
+        forks = self.scheduler.forks_due(sampled) if self.scheduler.parked else []
+        if forks:
+            row = {id(seq): i for i, seq in enumerate(sampled)}
+            self._fork_rows = [*range(len(sampled)), *(row[id(p)] for p, _ in forks)]
+            sampled += [child for _, child in forks]
         t0 = time.monotonic()
-        tokens = self._forward(batch, sampled)
+        try:
+            tokens = self._forward(batch, sampled)
+        except BaseException:
+            for _, child in forks:  # not forked: fail_all ends them with the others
+                self.scheduler.add(child)
+            raise
+        finally:
+            self._fork_rows = None
         if any(n > 1 for _, n in scheduled):
             self.scheduler.last_prefill_s = time.monotonic() - t0
         for seq, _, end in batch:
             self.scheduler.computed(seq, end)
+        if forks:  # the prompt's KV is in (and its blocks named): share it
+            pairs = [self.scheduler.fork(parent, child) for parent, child in forks]
+            if copies := [p for p in pairs if p is not None]:
+                self._copy_blocks(copies)
         self.scheduler.flush()  # the blocks this step named go down, in one copy
         outputs: list[RequestOutput] = dropped
         for seq, tok in zip(sampled, tokens, strict=True):
@@ -209,6 +271,8 @@ class EngineCore:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         outs = []
+        for req in self.structured.drop_all() if self.structured is not None else []:
+            outs.append(failed(req.request_id, len(req.prompt_token_ids), message))
         for seq in self.scheduler.remove_all():
             out = finished(seq, [], seq.detok.finish(), "error")
             out.error = message
@@ -240,6 +304,8 @@ class EngineCore:
 
     def set_waker(self, waker: Callable[[], None] | None) -> None:
         self.scheduler.set_waker(waker)
+        if self.structured is not None:
+            self.structured.set_waker(waker)
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats(self.num_steps)
@@ -248,6 +314,24 @@ class EngineCore:
     @property
     def num_active(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def _start_constrained(self) -> list[RequestOutput]:
+        """Start the held requests whose grammar has compiled; the failed outputs of those
+        whose spec did not compile (or whose tokens so far do not follow it)."""
+        outs = []
+        assert self.structured is not None
+        for req, constraint in self.structured.ready():
+            out = (_invalid_structured(req, constraint) if isinstance(constraint, str)
+                   else self._start(req, constraint))  # fmt: skip
+            if out is not None:
+                outs.append(out)
+        return outs
+
+
+def _invalid_structured(req: EngineRequest, why: str) -> RequestOutput:
+    spec = req.params.structured
+    return failed(req.request_id, len(req.prompt_token_ids), why, "invalid_structured_output",
+                  spec.param if spec is not None else None)  # fmt: skip
 
 
 def token_seed(seed: int, index: int) -> int:

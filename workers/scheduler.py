@@ -7,6 +7,11 @@ blocks allow; when a running sequence cannot get a block, the most recently admi
 is preempted (its blocks freed, recomputed later): vLLM's recompute policy. A new or
 preempted sequence starts on the cached blocks of its longest cached prefix.
 
+A request of ``n`` choices comes as ``n`` sequences: the later ones wait (parked) until
+the first has computed the prompt, then fork from it in the step that does (sharing its
+full blocks, a copy of its partial last one, and the logits of its first token), so the
+prompt is computed once.
+
 For disaggregation the scheduler also keeps a prefilled request's blocks pinned until a
 decode worker has pulled them (or a timeout), and, on the decode side, blocks reserved
 for KV being pulled.
@@ -29,12 +34,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvbm.block_pool import KVCacheManager, KVEvent
 from kvbm.offload import OffloadManager, OnboardJob
 from kvbm.protocol import G1, ExtraKeys, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats, KVSource
+
+if TYPE_CHECKING:
+    from workers.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,9 @@ class Seq:
     # its last prefix lookup, counted (statistics, disk admission) once it is admitted:
     # (hashes, blocks hit in G1, blocks looked for, tiers of the blocks found below G1)
     lookup: tuple[list[int], int, int, list[int]] | None = None
+    # the later choices of its request (n > 1) waiting for its prompt, to fork from it
+    forks: list[Seq] = field(default_factory=list)
+    constraint: Constraint | None = None  # a structured output's grammar state
 
     @property
     def importing(self) -> bool:
@@ -106,25 +118,29 @@ class Scheduler:
         self.reserved_aborted: set[str] = set()  # aborted mid-pull: freed once it ends
         self.loads: dict[str, _Load] = {}  # requests in the loading state
         self.dropped: list[Seq] = []  # aborted while loading, to end with an abort output
+        self.parked: dict[str, Seq] = {}  # a later choice (n > 1) -> the seq it forks from
         self._loads_done: deque[_Load] = deque()  # appended by loader threads
         self._loader: ThreadPoolExecutor | None = None
         self._waker: Callable[[], None] | None = None
         self.offload: OffloadManager | None = None  # the KVBM tiers below G1, if any
         self.prompt_tokens_seen = 0
         self.prompt_tokens_cached = 0
+        self.prompt_tokens_computed = 0
         self.num_pin_expired = 0
         self.num_preemptions = 0
         self.last_prefill_s = 0.0  # duration of the last step that ran a prompt chunk
 
     # ----------------------------------------------------------------------------------
     def has(self, request_id: str) -> bool:
-        return request_id in self.loads or any(
-            s.id == request_id for s in (*self.running, *self.waiting)
+        return (
+            request_id in self.loads
+            or request_id in self.parked
+            or any(s.id == request_id for s in (*self.running, *self.waiting))
         )
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loads)
+        return bool(self.waiting or self.running or self.loads or self.parked)
 
     def attach_offload(self, offload: OffloadManager) -> None:
         """Use the KVBM tiers below G1 (offload on naming, onboarding on a prefix hit)."""
@@ -172,6 +188,9 @@ class Scheduler:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.forks and self.running and \
+                    len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:  # fmt: skip
+                break  # its choices join the batch with it
             if seq.importing and not seq.matched:
                 if not self._start_import(seq):
                     break
@@ -208,6 +227,8 @@ class Scheduler:
     def computed(self, seq: Seq, end: int) -> None:
         """``seq``'s tokens up to ``end`` are computed: name its full blocks (and write
         them through to the tiers below)."""
+        if seq.num_computed < seq.num_prompt:
+            self.prompt_tokens_computed += min(end, seq.num_prompt) - seq.num_computed
         seq.num_computed = end
         named = self.kv.cache_blocks(seq.id, seq.token_ids, end)
         if self.offload is not None and named > seq.offered:
@@ -218,6 +239,8 @@ class Scheduler:
         """``seq`` is done: it leaves the batch and its blocks are freed."""
         self.running.remove(seq)
         self.kv.free(seq.id)
+        if seq.forks:
+            self._unpark(seq)
 
     def pin(self, seq: Seq) -> list[int]:
         """``seq`` is prefilled: it leaves the batch, its blocks stay for a decode worker
@@ -233,11 +256,18 @@ class Scheduler:
         if load is not None:  # ends with an abort output once the copy has ended
             load.aborted = True
             return None
+        parent = self.parked.pop(request_id, None)
+        if parent is not None:
+            seq = next(s for s in parent.forks if s.id == request_id)
+            parent.forks.remove(seq)
+            return seq
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.id == request_id:
                     queue.remove(seq)
                     self.kv.free(seq.id)
+                    if seq.forks:
+                        self._unpark(seq)
                     return seq
         return None
 
@@ -245,6 +275,10 @@ class Scheduler:
         seqs = [*self.running, *self.waiting]
         for seq in seqs:
             self.kv.free(seq.id)
+        for parent in {id(p): p for p in self.parked.values()}.values():
+            seqs += parent.forks  # parked: no blocks yet
+            parent.forks = []
+        self.parked.clear()
         self.running.clear()
         self.waiting.clear()
         for load in self.loads.values():
@@ -261,6 +295,60 @@ class Scheduler:
 
     def block_table(self, request_id: str) -> list[int]:
         return self.kv.block_table(request_id)
+
+    # --- n > 1: a request's later choices fork from its first ----------------------------
+    def park(self, seq: Seq, parent_id: str) -> bool:
+        """Hold ``seq``, a later choice of a request, until its first choice ``parent_id``
+        has computed the prompt they share. False when there is no such prompt to wait for
+        (the first choice is gone or past its prompt, or its KV comes from elsewhere):
+        ``seq`` then runs as a request of its own (sharing the prompt's cached blocks)."""
+        parent = next((s for s in (*self.waiting, *self.running) if s.id == parent_id), None)
+        if (parent is None or parent.output_ids or parent.req.imported is not None
+                or parent.req.prefill_only or parent.token_ids != seq.token_ids):  # fmt: skip
+            return False
+        parent.forks.append(seq)
+        self.parked[seq.id] = parent
+        return True
+
+    def forks_due(self, sampled: list[Seq]) -> list[tuple[Seq, Seq]]:
+        """The (first choice, later choice) pairs to fork this step: the choices parked on
+        a sequence of ``sampled`` (its prompt completes now), as many as free blocks allow
+        (one each for a partial last block); the others run as requests of their own."""
+        due: list[tuple[Seq, Seq]] = []
+        free = self.kv.pool.num_free
+        for parent in sampled:
+            if not parent.forks:
+                continue
+            assert not parent.output_ids, "choices parked on a sequence past its prompt"
+            need = self.kv.fork_blocks(parent.num_prompt)
+            forks, parent.forks = parent.forks, []
+            for child in forks:
+                del self.parked[child.id]
+                if free >= need:
+                    free -= need
+                    due.append((parent, child))
+                else:
+                    self.waiting.appendleft(child)
+        return due
+
+    def fork(self, parent: Seq, child: Seq) -> tuple[int, int] | None:
+        """``child`` starts on ``parent``'s computed prompt and joins the batch: the full
+        blocks are shared; a partial last block is the returned (parent's, child's) pair,
+        whose KV the engine copies."""
+        pair = self.kv.fork(parent.id, child.id, parent.num_prompt)
+        child.num_computed = parent.num_prompt
+        child.matched = child.counted = True  # its prompt was seen (and counted) once
+        child.num_cached = parent.num_cached
+        child.offered = parent.offered
+        self.running.append(child)
+        return pair
+
+    def _unpark(self, parent: Seq) -> None:
+        """``parent`` left before its prompt was computed: its choices run on their own."""
+        for child in parent.forks:
+            del self.parked[child.id]
+        self.waiting.extend(parent.forks)
+        parent.forks = []
 
     # --- disaggregation -------------------------------------------------------------------
     def reserve(
@@ -431,6 +519,8 @@ class Scheduler:
             self.kv.free(seq.id)
             if load.report:
                 self.dropped.append(seq)
+            if seq.forks:
+                self._unpark(seq)
             return
         if load.source is not None:
             if isinstance(res, BaseException):
@@ -462,13 +552,14 @@ class Scheduler:
         occ = off.occupancy() if off is not None else {}
         return EngineStats(
             running=len(self.running),
-            waiting=len(self.waiting),
+            waiting=len(self.waiting) + len(self.parked),
             blocks_used=pool.num_used,
             blocks_total=pool.num_blocks,
             blocks_cached=pool.num_cached,
             blocks_pinned=len(self.pinned),
             prompt_tokens_seen=self.prompt_tokens_seen,
             prompt_tokens_cached=self.prompt_tokens_cached,
+            prompt_tokens_computed=self.prompt_tokens_computed,
             pins_expired=self.num_pin_expired,
             preemptions=self.num_preemptions,
             steps=steps,

@@ -43,8 +43,8 @@ def output_frame(out: RequestOutput, seq: int) -> TokenFrame:
         frame.token_ids, frame.text = out.token_ids, out.text
         return frame
     return TokenFrame(seq, out.token_ids, out.text, True, out.finish_reason, out.stop_reason,
-                      usage, logprobs=out.logprobs,
-                      prompt_logprobs=out.prompt_logprobs)  # fmt: skip
+                      usage, logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+                      embedding=out.embedding)  # fmt: skip
 
 
 def publish_error_frame(

@@ -65,6 +65,10 @@ def test_requests_need_a_configured_key(
         ops = [httpx.get(f"{url}/health").status_code, httpx.get(f"{url}/metrics").status_code]
         assert ops == ([401, 401] if protect_ops else [200, 200])
         assert httpx.get(f"{url}/metrics", headers=auth).status_code == 200
+        # vLLM's tokenizer endpoints are keyed like /v1/ (vLLM leaves them open)
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(f"{url}{path}", json=body).status_code == 401
+            assert httpx.post(f"{url}{path}", json=body, headers=auth).status_code == 200
         # nothing ran for the refused requests: the worker served exactly one
         assert worker.log.read_text().count("output tokens") == 1
     finally:

@@ -67,9 +67,16 @@ def test_unknown_model_404(cluster: Cluster) -> None:
         ({"temperature": 5}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice.function.name",
+        ),
         ({"stop": ["a"] * 20}, "stop"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),

@@ -732,3 +732,40 @@ def test_a_capped_worker_takes_requests_again_once_one_is_released(db: str) -> N
         await client.aclose()
 
     asyncio.run(go())
+
+
+def test_a_request_of_choices_counts_each_and_gives_them_back_one_at_a_time(db: str) -> None:
+    """n choices hold n sequences: the pick counts n requests against the cap and a
+    decode block for each; each choice gives its request back as it ends (release
+    ``one``), the last the blocks too. More choices than the cap go to an empty worker."""
+    from tasks.router import WorkersBusy
+
+    register(db, "a")
+
+    async def go() -> None:
+        client = aioredis.Redis.from_url(db)
+        router = Router(client, RouterConfig(block_size=BS, max_requests=4))
+        route = await router.pick(POOL, RouteRequest([], 100, choices=3))
+        assert route is not None
+        assert await router.load(POOL, "a") == {"reqs": 3, "blocks": 0, "prefill": 100}
+        with pytest.raises(WorkersBusy):  # 3 + 2 > 4
+            await router.pick(POOL, RouteRequest([], 20, choices=2))
+        await router.prefilled(route)
+        blocks = -(-100 // BS) + 3  # the prompt's blocks once, one per choice to decode
+        assert await router.load(POOL, "a") == {"reqs": 3, "blocks": blocks, "prefill": 0}
+        for left in (2, 1):
+            await router.release(route, one=True)
+            assert await router.load(POOL, "a") == {"reqs": left, "blocks": blocks,
+                                                    "prefill": 0}  # fmt: skip
+        await router.release(route, one=True)
+        assert await router.load(POOL, "a") == {"reqs": 0, "blocks": 0, "prefill": 0}
+        big = await router.pick(POOL, RouteRequest([], 20, choices=6))
+        assert big is not None and (await router.load(POOL, "a"))["reqs"] == 6
+        with pytest.raises(WorkersBusy):
+            await router.pick(POOL, RouteRequest([], 20))
+        await router.release(big)  # all of it at once (a plan given up)
+        assert await router.load(POOL, "a") == {"reqs": 0, "blocks": 0, "prefill": 0}
+        await router.aclose()
+        await client.aclose()
+
+    asyncio.run(go())

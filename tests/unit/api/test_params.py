@@ -93,18 +93,48 @@ def test_bad_words_are_token_sequences_with_and_without_a_leading_space(
 def test_structured_outputs_from_every_spelling() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    # each names the field it came from (what an engine's compile error names)
     assert structured_of(chat(response_format=rf)) == StructuredOutput(
-        json_schema=json.dumps(schema)
+        json_schema=json.dumps(schema), param="response_format.json_schema"
     )
-    assert structured_of(chat(response_format={"type": "json_object"})).kind == "json_object"
+    so = structured_of(chat(response_format={"type": "json_object"}))
+    assert so.kind == "json_object" and so.param == "response_format"
     assert structured_of(chat(response_format={"type": "text"})) is None
-    assert structured_of(chat(guided_json=schema)).json_schema == json.dumps(schema)
+    so = structured_of(chat(guided_json=schema))
+    assert so.json_schema == json.dumps(schema) and so.param == "guided_json"
+    assert structured_of(chat(guided_json=json.dumps(schema))).json_schema == json.dumps(schema)
     assert structured_of(chat(guided_regex="[a-z]+")).regex == "[a-z]+"
-    assert structured_of(chat(guided_choice=["yes", "no"])).choice == ["yes", "no"]
+    so = structured_of(chat(guided_choice=["yes", "no"]))
+    assert so.choice == ["yes", "no"] and so.param == "guided_choice"
     assert structured_of(chat(guided_grammar='root ::= "a"')).grammar == 'root ::= "a"'
     so = structured_of(chat(structured_outputs={"json": schema, "disable_any_whitespace": False}))
     assert so.json_schema == json.dumps(schema) and so.any_whitespace
+    assert so.param == "structured_outputs.json"
     assert structured_of(chat(structured_outputs={"choice": ["a"]})).choice == ["a"]
+    # the field it came from is not part of what names the compiled grammar
+    assert so.key() == StructuredOutput(json_schema=json.dumps(schema), any_whitespace=True).key()
+
+
+@pytest.mark.parametrize(
+    ("kw", "param", "says"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+         "response_format.json_schema", "'foo' is not valid"),
+        ({"guided_json": {"type": "object", "properties": {"a": {"maxLength": -1}}}},
+         "guided_json", "properties/a/maxLength"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_json": "[1]"}, "guided_json", "must be a JSON Schema"),
+        ({"structured_outputs": {"json": {"type": "array", "minItems": "2"}}},
+         "structured_outputs.json", "'2' is not of type 'integer' (at minItems)"),
+    ],
+)  # fmt: skip
+def test_an_invalid_json_schema_is_a_400_saying_what_is_wrong(kw: dict, param: str,
+                                                              says: str) -> None:  # fmt: skip
+    with pytest.raises(OpenAIError) as e:
+        structured_of(chat(**kw))
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert e.value.code == "invalid_structured_output"
+    assert says in e.value.message, e.value.message
 
 
 @pytest.mark.parametrize(

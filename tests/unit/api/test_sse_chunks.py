@@ -27,3 +27,24 @@ def test_text_event_equals_the_full_chunk(kind: str, include_usage: bool) -> Non
             body["choices"][0]["delta"]["content"] if kind == "chat" else body["choices"][0]["text"]
         )
         assert got == text
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_each_choice_has_its_own_template(kind: str) -> None:
+    """n > 1: a choice's per-token chunk carries its index, and equals its full chunk."""
+    fmt = _Formatter(kind, "cmpl-0123456789abcdef0123456789abcdef", "m")
+    for index in (0, 3, 1, 3, 0):
+        event = fmt.text_event("x", False, index)
+        assert event == _data(fmt.chunk(fmt.text_delta("x"), None, False, index=index))
+        assert json.loads(event[6:-4])["choices"][0]["index"] == index
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_whole_body_of_choices(kind: str) -> None:
+    fmt = _Formatter(kind, "cmpl-0123456789abcdef0123456789abcdef", "m")
+    usage = {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}
+    body = fmt.whole([fmt.choice(i, f"t{i}", "stop", None) for i in range(2)], usage)
+    assert body == {**fmt.full("t0", "stop", None, usage),
+                    "choices": [fmt.choice(0, "t0", "stop", None),
+                                fmt.choice(1, "t1", "stop", None)]}  # fmt: skip
+    assert [c["index"] for c in body["choices"]] == [0, 1]

@@ -103,6 +103,10 @@ def test_frames_survive_the_wire() -> None:
     assert back.finish_reason is None and back.error.type == "server_error"
     with pytest.raises(ValueError):
         TokenFrame.decode(b'{"text": "no seq"}')
+    # an embedding request's one frame carries its vector (base64 float32), only it
+    vec = TokenFrame(0, [], "", True, "stop", None, Usage(7, 0, 0), embedding="AACAPwAAAEA=")
+    assert TokenFrame.decode(vec.encode()) == vec
+    assert b"embedding" not in done.encode()
 
 
 def test_one_namespace_function_for_the_api_and_the_pools() -> None:

@@ -18,15 +18,17 @@ def _server(max_batch: int) -> tuple[EncodeServer, list]:
     srv.spec = SimpleNamespace(encoder_max_batch=max_batch)
     srv.send = sent.append
     srv._queue = deque()
+    srv._streams = {}
     srv._cv = threading.Condition()
     return srv, sent
 
 
-def _encode(rid: str, n: int) -> EngineCommand:
-    """An encode command for a request with ``n`` images."""
+def _encode(rid: str, n: int, choices: int = 1) -> EngineCommand:
+    """An encode command for a request with ``n`` images (and ``choices``)."""
     images = [ImageRef(hash=f"{i:064x}", offset=i, num_tokens=4) for i in range(n)]
     payload = StagePayload(request_id=rid, model="m", prompt_token_ids=list(range(4 * n + 1)),
-                           sampling=Sampling(), created=0.0, images=images)  # fmt: skip
+                           sampling=Sampling(n=choices), created=0.0,
+                           images=images)  # fmt: skip
     return EngineCommand("encode", payload)
 
 
@@ -69,3 +71,14 @@ def test_an_abort_drops_a_waiting_request_and_says_it_ended() -> None:
     assert len(sent) == 1
     (kind, [done]) = sent[0]
     assert kind == "done" and done.request_id == "drop" and done.finish_reason == "abort"
+
+
+def test_a_request_of_choices_is_aborted_by_a_choice_s_cancel() -> None:
+    """n > 1: the API cancels each choice's stream; the encode worker drops the request
+    waiting for the tower (it would fail each choice's stream, which it keeps)."""
+    srv, sent = _server(max_batch=8)
+    srv.handle("run", _encode("many", 1, choices=3))
+    assert srv._streams["many"] == ["many.c0", "many.c1", "many.c2"]
+    srv.handle("abort", "many.c1")
+    assert not srv._queue and not srv._streams
+    assert [done.request_id for _, [done] in sent] == ["many"]

@@ -320,3 +320,31 @@ def test_a_request_cancelled_while_loading_gives_every_block_back(
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("c", True, "abort")]
     steady(e)
     assert e.stats().kvbm["disk_blocks_pinned"] == 0
+
+
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_choices_whose_first_loads_its_prefix(
+    tiny_model_dir: Path, tmp_path: Path, abort_first: bool
+) -> None:
+    """n=3 whose prompt's prefix comes from disk: the first choice waits in the loading
+    state with the others parked on it, then they fork from it as its prompt completes;
+    the first choice aborted while loading, the others run on their own."""
+    from workers.choices import ChoiceGroups
+
+    e = mock(tmp_path, tiny_model_dir, disk_us=20_000)
+    run(e, [EngineRequest("seed", PROMPTS[1], params(2))])
+    settle(e, timeout=20)
+    evict_g1(e)
+    reqs = ChoiceGroups().expand(EngineRequest("g", PROMPTS[1], params(4).model_copy(
+        update={"n": 3})))  # fmt: skip
+    for r in reqs:
+        assert e.add_request(r) is None
+    e.step()
+    assert "g.c0" in e.scheduler.loads and e.stats().waiting == 2  # the two parked
+    if abort_first:
+        assert e.abort("g.c0") is None  # ends once its copy has
+    outs = run(e, [])
+    want = ["g.c1", "g.c2"] if abort_first else ["g.c0", "g.c1", "g.c2"]
+    assert sorted(o for o in outs if outs[o].finish_reason == "length") == want
+    assert all(len(outs[c].token_ids) == 4 for c in want)
+    steady(e)

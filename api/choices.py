@@ -1,0 +1,190 @@
+"""``n > 1``: one request, ``n`` choices, each on its own token stream, as one response.
+
+The runner starts the request once (one route, one stage task: its worker computes the
+prompt once and forks the choices from it, :mod:`workers.choices`) and hands back a
+:class:`api.runner.RunningRequest` per choice, each with its first frame; each choice
+then ends, is cancelled and migrates on its own. Here their frames become one response:
+:func:`stream` relays them as SSE chunks as they come, each carrying its choice's
+``index``, and ends the stream once every choice has finished (one ``[DONE]``; the usage
+chunk once, after the last finish); :func:`collect` builds one body with the ``n``
+choices in index order. An error on any choice ends the response (the others are
+cancelled). Usage counts the prompt once and sums the choices' completion tokens, as
+OpenAI and vLLM count it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+
+from fastapi.responses import JSONResponse
+
+from api.errors import OpenAIError
+from api.runner import Runner, RunningRequest, frame_error, stream_error
+from api.sse import SSE_DONE, Formatter, sse_event, usage_body
+from api.state import ApiState
+from api.tools import ChatToolOutput
+from kvbm.protocol import TokenFrame, Usage
+
+log = logging.getLogger(__name__)
+
+
+async def stream(
+    st: ApiState, runs: list[RunningRequest], fmt: Formatter, include_usage: bool,
+    end: Callable[[], None], tools: list[ChatToolOutput | None] | None = None,
+) -> AsyncIterator[bytes]:  # fmt: skip
+    """The SSE events of a request of ``len(runs)`` choices; ``end()`` once it is over
+    (accounting, and every choice's stream released: cancelled if unfinished). What the
+    choices have ready at one moment goes out as one chunk (one write). ``tools``: per
+    choice, what reads its text into content and tool calls (None: plain text)."""
+    left = len(runs)
+    tools = tools or [None] * left
+    try:
+        if fmt.chat:  # chat streams open with the assistant role, for every choice
+            yield b"".join(sse_event(fmt.chunk(fmt.role_delta(), None, include_usage, index=i))
+                           for i in range(left))  # fmt: skip
+        async with aclosing(merged(st.runner, runs)) as ready:
+            async for batches in ready:
+                out = b""
+                for i, batch in batches:
+                    last = batch[-1]
+                    failed = last.error is not None
+                    text = "".join(f.text for f in (batch[:-1] if failed else batch))
+                    reader = tools[i]
+                    if reader is None:
+                        if text:
+                            out += fmt.text_event(text, include_usage, i)
+                    else:  # content and tool calls, parsed as they come
+                        deltas = reader.feed(text)
+                        if last.done and not failed:
+                            deltas += reader.finish()
+                        out += b"".join(sse_event(fmt.chunk(d, None, include_usage, index=i))
+                                        for d in deltas)  # fmt: skip
+                    if failed:
+                        yield out + sse_event(frame_error(last).body())
+                        return
+                    if last.done:
+                        reason = last.finish_reason
+                        if reader is not None:
+                            reason = reader.finish_reason(reason)
+                        st.metrics.finish.labels(reason or "unknown").inc()
+                        out += sse_event(fmt.chunk(fmt.empty_delta(), reason, include_usage,
+                                                   stop_reason=last.stop_reason,
+                                                   index=i))  # fmt: skip
+                        left -= 1
+                if not left:  # the last finish, usage and [DONE]: one chunk
+                    if include_usage:
+                        out += sse_event(fmt.usage_chunk(usage_body(request_usage(runs))))
+                    yield out + SSE_DONE
+                    return
+                if out:
+                    yield out
+    except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
+        err = stream_error(e)
+        log.warning("[%s] stream ended with error: %s", fmt.rid, err.message)
+        yield sse_event(err.body())
+    finally:
+        end()
+
+
+async def collect(
+    st: ApiState,
+    runs: list[RunningRequest],
+    fmt: Formatter,
+    end: Callable[[], None],
+    tools: list[ChatToolOutput | None] | None = None,
+) -> JSONResponse:
+    """The whole body of a request of ``len(runs)`` choices; ``end()`` and ``tools`` as in
+    :func:`stream`."""
+    tools = tools or [None] * len(runs)
+    texts: list[list[str]] = [[] for _ in runs]
+    last: list[TokenFrame | None] = [None] * len(runs)
+    try:
+        async with aclosing(merged(st.runner, runs)) as ready:
+            async for batches in ready:
+                for i, batch in batches:
+                    for frame in batch:
+                        if frame.error is not None:
+                            raise frame_error(frame)
+                        texts[i].append(frame.text)
+                    last[i] = batch[-1]
+    except OpenAIError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise stream_error(e) from e
+    finally:
+        end()
+    choices = []
+    for i, end_frame in enumerate(last):
+        assert end_frame is not None and end_frame.done, "a choice ended without its last frame"
+        text, reader, reason = "".join(texts[i]), tools[i], end_frame.finish_reason
+        message = reader.message(text) if reader is not None else None  # counts the calls
+        if reader is not None:
+            reason = reader.finish_reason(reason)
+        st.metrics.finish.labels(reason or "unknown").inc()
+        choices.append(fmt.choice(i, text, reason, end_frame.stop_reason, message))
+    body = fmt.whole(choices, usage_body(request_usage(runs)))
+    return JSONResponse(body, headers={"x-request-id": fmt.rid})
+
+
+Ready = list[tuple[int, list[TokenFrame]]]  # (choice index, its frames), as they came
+
+
+async def merged(runner: Runner, runs: list[RunningRequest]) -> AsyncGenerator[Ready, None]:
+    """Every choice's frames (:meth:`api.runner.Runner.batches`: each choice migrates on
+    its own) as they come, until every choice's terminal frame: what had arrived at one
+    moment in one list, as ``(index, batch)`` pairs; a choice's failure raises here.
+    Prompt logprobs come on the first choice's first frame alone (it computed the
+    prompt): they go on every choice's first frame, so each choice carries them as a
+    request of one would (vLLM's completions have them on every choice)."""
+    first = runs[0].first_frame
+    if first is not None and first.prompt_logprobs is not None:
+        for run in runs[1:]:
+            if run.first_frame is not None:
+                run.first_frame.prompt_logprobs = first.prompt_logprobs
+    queue: asyncio.Queue[tuple[int, list[TokenFrame] | None, Exception | None]] = \
+        asyncio.Queue()  # fmt: skip
+
+    async def pump(i: int, run: RunningRequest) -> None:
+        try:
+            async for batch in runner.batches(run):
+                queue.put_nowait((i, batch, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    pumps = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            ready: Ready = []
+            for i, batch, err in items:
+                if err is not None:
+                    raise err
+                if batch is None:
+                    left -= 1
+                else:
+                    ready.append((i, batch))
+            if ready:
+                yield ready
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+def request_usage(runs: list[RunningRequest]) -> Usage | None:
+    """A request's usage from its streams' (one, or one per choice): the prompt (and its
+    cached tokens) once, as its first stream counted it, the output tokens of all."""
+    got = [r.usage for r in runs if r.usage is not None]
+    if not got:
+        return None
+    if len(runs) == 1:
+        return got[0]
+    return Usage(got[0].prompt_tokens, sum(u.completion_tokens for u in got),
+                 got[0].cached_tokens)  # fmt: skip

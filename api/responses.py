@@ -1,0 +1,413 @@
+"""OpenAI's Responses API, stateless: the request as a chat request, the output as a
+Response object and as the Responses stream's events.
+
+A ``POST /v1/responses`` body is turned into the :class:`ChatCompletionRequest` it means
+(:func:`chat_request`): ``instructions`` a system message first, ``input`` messages with
+``input_text`` / ``input_image`` parts, ``function_call`` items an assistant turn's
+``tool_calls``, ``function_call_output`` items ``tool`` messages; function ``tools`` and
+``tool_choice`` in chat's shape; ``text.format`` as ``response_format``;
+``max_output_tokens`` as ``max_tokens``. From there it runs exactly as a chat request does
+(prompt, sampling, tool constraint, runner). Nothing is stored: ``store`` is accepted and
+ignored (vLLM's default), ``previous_response_id`` and ``background`` are refused.
+
+The output goes through the same tool parser a chat request's does; :class:`OutputItems`
+turns its events into output items (a ``message`` with one ``output_text`` part, then
+``function_call`` items) and, streamed, into the Responses events, numbered by
+``sequence_number``. A non-streamed Response is the same builder fed the whole text, so
+both give the same items.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from api.errors import bad_request
+from api.protocol import ChatCompletionRequest, ChatMessage
+from api.tool_parsers import CallArgs, CallStart, Event, Text
+from kvbm.protocol import Usage
+
+STATELESS = "Conveyor's Responses API is stateless: send the whole conversation in `input`"
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields ignored, as in chat
+
+    model: str = Field(min_length=1)
+    input: str | list[dict] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    text: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    store: bool | None = None  # accepted, nothing is stored
+    metadata: dict | None = None
+    user: str | None = None
+    include: list[str] | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    conversation: Any = None
+    truncation: str | None = None
+    # vLLM's extensions, as in chat
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    worker_id: str | None = Field(None, min_length=1, max_length=200)
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request a Responses request means; 400 naming the field it cannot take."""
+    refused = [
+        (req.previous_response_id is not None, "previous_response_id", STATELESS),
+        (req.conversation is not None, "conversation", STATELESS),
+        (bool(req.background), "background", "background responses are not supported"),
+        (bool(req.include), "include", "include is not supported (no extra output data)"),
+        (
+            req.truncation not in (None, "disabled"),
+            "truncation",
+            "truncation 'auto' is not supported: a prompt beyond the context window is a 400",
+        ),
+    ]
+    for bad, param, message in refused:
+        if bad:
+            raise bad_request(message, param, "unsupported_parameter")
+    messages: list[dict] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    else:
+        for i, item in enumerate(req.input):
+            _add_item(messages, item, f"input.{i}")
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _text_format(req.text),
+        "seed": req.seed,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "worker_id": req.worker_id,
+    }
+    if req.tools:
+        body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
+    if req.tool_choice is not None:
+        body["tool_choice"] = _tool_choice(req.tool_choice)
+    try:
+        return ChatCompletionRequest(**body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise bad_request(f"input: {err['msg']} ({loc})", "input") from None
+
+
+# --------------------------------------------------------------------------------------
+class OutputItems:
+    """A response's output items, built from its tool parser's events (or plain text):
+    :meth:`events` gives the stream events for a batch of them, :meth:`items` the output.
+
+    One ``message`` item holds the content (it opens at the first text; an output with
+    neither text nor calls still has one, empty); each call is a ``function_call`` item
+    after it. Items close in order: a call's start closes the message."""
+
+    def __init__(self) -> None:
+        self.output: list[dict] = []
+        self._open: dict | None = None  # the item still streaming
+        self._calls: dict[int, dict] = {}  # call index -> its item
+        self.seq = 0
+
+    def events(self, parsed: list[Event]) -> list[dict]:
+        out: list[dict] = []
+        for ev in parsed:
+            if isinstance(ev, Text):
+                if not ev.text:
+                    continue
+                msg = self._message(out)
+                msg["content"][0]["text"] += ev.text
+                out.append(self._part_event("response.output_text.delta", msg, delta=ev.text,
+                                            logprobs=[]))  # fmt: skip
+            elif isinstance(ev, CallStart):
+                self._close(out)
+                item = {
+                    "id": "fc_" + secrets.token_hex(12),
+                    "type": "function_call",
+                    "status": "in_progress",
+                    "call_id": ev.id,
+                    "name": ev.name,
+                    "arguments": "",
+                }
+                self._calls[ev.index] = item
+                self.output.append(item)
+                self._open = item
+                out.append(
+                    self._event(
+                        "response.output_item.added",
+                        output_index=len(self.output) - 1,
+                        item=dict(item),
+                    )
+                )
+            elif isinstance(ev, CallArgs):
+                item = self._calls[ev.index]
+                item["arguments"] += ev.text
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self.output.index(item),
+                        delta=ev.text,
+                    )
+                )
+        return out
+
+    def finish(self, status: str) -> list[dict]:
+        """Close what is open (an output with no item gets its empty message)."""
+        out: list[dict] = []
+        if not self.output:
+            self._message(out)
+        self._close(out, status)
+        return out
+
+    def _message(self, out: list[dict]) -> dict:
+        if self._open is not None and self._open["type"] == "message":
+            return self._open
+        self._close(out)
+        msg = {
+            "id": "msg_" + secrets.token_hex(12),
+            "type": "message",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        self.output.append(msg)
+        self._open = msg
+        index = len(self.output) - 1
+        out.append(self._event("response.output_item.added", output_index=index, item=_copy(msg)))
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        msg["content"].append(part)
+        out.append(self._part_event("response.content_part.added", msg, part=dict(part)))
+        return msg
+
+    def _close(self, out: list[dict], status: str = "completed") -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        index = self.output.index(item)
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            out.append(self._part_event("response.output_text.done", item, text=part["text"],
+                                        logprobs=[]))  # fmt: skip
+            out.append(self._part_event("response.content_part.done", item, part=dict(part)))
+        else:
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
+        out.append(self._event("response.output_item.done", output_index=index, item=_copy(item)))
+
+    def _part_event(self, kind: str, msg: dict, **fields: object) -> dict:
+        """An event about a message's (only) text part."""
+        return self._event(kind, item_id=msg["id"], output_index=self.output.index(msg),
+                           content_index=0, **fields)  # fmt: skip
+
+    def _event(self, kind: str, **fields: object) -> dict:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return ev
+
+    def event(self, kind: str, **fields: object) -> dict:
+        """A lifecycle event (``response.created``, ``response.completed``, ``error``...)
+        numbered after the others."""
+        return self._event(kind, **fields)
+
+
+def response_body(
+    req: ResponsesRequest,
+    rid: str,
+    created: int,
+    model: str,
+    output: list[dict],
+    status: str,
+    usage: Usage | None,
+) -> dict:
+    """The Response object (``status``: in_progress, completed, incomplete or failed)."""
+    u = usage or Usage()
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "previous_response_id": None,
+        "reasoning": None,
+        "store": False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "text": req.text or {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [],
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "truncation": "disabled",
+        "usage": None
+        if usage is None
+        else {
+            "input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+        },
+        "user": req.user,
+        "metadata": req.metadata or {},
+    }
+
+
+def created_now() -> int:
+    return int(time.time())
+
+
+# --------------------------------------------------------------------------------------
+def _add_item(messages: list[dict], item: dict, param: str) -> None:
+    """One ``input`` item into chat messages (a function call joins the assistant turn
+    just before it, or opens one)."""
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [_part(p, f"{param}.content.{j}") for j, p in enumerate(content)]
+        messages.append({"role": role, "content": content})
+    elif kind == "function_call":
+        call = {
+            "id": item.get("call_id"),
+            "type": "function",
+            "function": {"name": item.get("name"), "arguments": item.get("arguments", "")},
+        }
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        out = item.get("output", "")
+        if isinstance(out, list):
+            out = "".join(p.get("text", "") for p in out if isinstance(p, dict))
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": out})
+    elif kind == "reasoning":
+        return  # a reasoning model's notes: this API produces none, and renders none
+    else:
+        raise bad_request(
+            f"input item type {kind!r} is not supported (message, function_call, "
+            "function_call_output)",
+            f"{param}.type",
+            "unsupported_parameter",
+        )
+    try:
+        ChatMessage(**messages[-1])
+    except ValidationError as e:
+        raise bad_request(f"input item: {e.errors()[0]['msg']}", param) from None
+
+
+def _part(part: object, param: str) -> dict:
+    if not isinstance(part, dict):
+        raise bad_request("a content part must be an object", param)
+    kind = part.get("type")
+    if kind in ("input_text", "output_text", "text"):
+        return {"type": "text", "text": part.get("text", "")}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str):
+            raise bad_request(
+                "input_image needs image_url (file_id is not supported)",
+                f"{param}.image_url",
+                "unsupported_parameter",
+            )
+        spec = {"url": url}
+        if part.get("detail") is not None:
+            spec["detail"] = part["detail"]
+        return {"type": "image_url", "image_url": spec}
+    raise bad_request(
+        f"content part type {kind!r} is not supported (input_text, input_image)",
+        f"{param}.type",
+        "unsupported_content",
+    )
+
+
+def _tool(tool: dict, param: str) -> dict:
+    if tool.get("type") != "function":
+        raise bad_request(
+            f"tool type {tool.get('type')!r} is not supported (function tools only)",
+            f"{param}.type",
+            "unsupported_parameter",
+        )
+    fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, dict):
+        if choice.get("type") == "function":
+            return {"type": "function", "function": {"name": choice.get("name")}}
+        raise bad_request(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            '{"type": "function", "name": ...}',
+            "tool_choice",
+        )
+    return choice
+
+
+def _text_format(text: dict | None) -> dict | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request(
+                "text.format.schema must be a JSON Schema object", "text.format.schema"
+            )
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt
+            },
+        }
+    raise bad_request(
+        f"text.format type {kind!r} is not one of text, json_object, json_schema",
+        "text.format.type",
+    )
+
+
+def _copy(item: dict) -> dict:
+    out = dict(item)
+    if "content" in out:
+        out["content"] = [dict(p) for p in out["content"]]
+    return out

@@ -1,0 +1,81 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``, answered in the API process with
+its own tokenizer and chat template (:class:`api.tokenization.PromptBuilder`): the same
+ids a completion or chat request with that prompt would send to a worker.
+
+``/tokenize`` takes a ``prompt`` (special tokens added by default) or chat ``messages``
+(rendered with the chat template, generation prompt added by default, no special tokens
+on top) and answers ``{count, max_model_len, tokens, token_strs}``; ``/detokenize`` takes
+``tokens`` and answers ``{prompt}`` (special tokens kept). An id outside the vocabulary is
+a 400; a ``model`` other than the served one a 404 (it may be left out, as vLLM allows).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.errors import bad_request
+from api.protocol import ChatMessage
+from api.state import api_state, check_model
+from api.tokenization import PromptBuilder
+
+router = APIRouter()
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, request: Request) -> dict:
+    b = _builder(request, req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt", "invalid_value")
+    if req.messages is not None:
+        special = bool(req.add_special_tokens)
+        ids = b.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
+                            add_special_tokens=special).token_ids  # fmt: skip
+    else:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = b.tokenizer.encode(req.prompt or "", add_special_tokens=special).ids
+    strs = [b.tokenizer.id_to_token(t) for t in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": b.max_model_len, "tokens": ids,
+            "token_strs": strs}  # fmt: skip
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
+    b = _builder(request, req.model)
+    bad = [t for t in req.tokens if t >= b.vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is out of vocabulary [0, {b.vocab_size})",
+                          "tokens", "invalid_value")  # fmt: skip
+    return {"prompt": b.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+def _builder(request: Request, model: str | None) -> PromptBuilder:
+    """The API's tokenizer and template, once ``model`` (if given) is the served one."""
+    st = api_state(request)
+    if model is not None:
+        check_model(st, model)
+    return st.builder

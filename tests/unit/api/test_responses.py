@@ -1,0 +1,211 @@
+"""The Responses API's request as a chat request, and its output as a Response object and
+as stream events (api/responses.py), read by the installed openai package's own models and
+stream accumulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai._types import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from api.errors import OpenAIError
+from api.responses import OutputItems, ResponsesRequest, chat_request, response_body
+from api.tool_parsers import HermesParser, NamedParser, Text
+from kvbm.protocol import Usage
+
+FN = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+    "strict": True,
+}
+
+
+def test_input_items_become_chat_messages() -> None:
+    req = ResponsesRequest(
+        model="m",
+        instructions="Be brief.",
+        max_output_tokens=7,
+        temperature=0.5,
+        text={
+            "format": {
+                "type": "json_schema",
+                "name": "W",
+                "schema": {"type": "object"},
+                "strict": True,
+            }
+        },
+        tools=[FN],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        store=True,
+        input=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Weather here?"},
+                    {
+                        "type": "input_image",
+                        "image_url": "data:image/png;base64,AAAA",
+                        "detail": "low",
+                    },
+                ],
+            },
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {
+                "type": "function_call",
+                "call_id": "call_1",
+                "name": "get_weather",
+                "arguments": '{"city": "Oslo"}',
+            },
+            {
+                "type": "function_call",
+                "call_id": "call_2",
+                "name": "get_weather",
+                "arguments": '{"city": "Rome"}',
+            },
+            {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "It rains."}],
+            },
+        ],
+    )
+    chat = chat_request(req)
+    roles = [m.role for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    assert chat.messages[0].content == "Be brief."
+    parts = chat.messages[1].content
+    assert [p.type for p in parts] == ["text", "image_url"]  # type: ignore[union-attr]
+    assert parts[1].image_url == {"url": "data:image/png;base64,AAAA", "detail": "low"}  # type: ignore[index]
+    calls = chat.messages[2].tool_calls or []
+    assert [(c.id, c.function.name) for c in calls] == [
+        ("call_1", "get_weather"),
+        ("call_2", "get_weather"),
+    ]
+    assert chat.messages[3].tool_call_id == "call_1" and chat.messages[3].content == "rain"
+    assert chat.max_tokens == 7 and chat.temperature == 0.5 and not chat.parallel_tool_calls
+    assert chat.response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "W", "schema": {"type": "object"}, "strict": True},
+    }
+    assert chat.tools == [
+        {
+            "type": "function",
+            "function": {k: FN[k] for k in ("name", "description", "parameters", "strict")},
+        }
+    ]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat_request(ResponsesRequest(model="m", input="hi")).messages[0].role == "user"
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input.0.content.0.type",
+        ),
+        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+        ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ],
+)
+def test_refusals(patch: dict, param: str) -> None:
+    body = {"model": "m", "input": "x", **patch}
+    with pytest.raises(OpenAIError) as e:
+        chat_request(ResponsesRequest(**body))
+    assert e.value.status == 400 and e.value.param == param
+
+
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+def stream_and_whole(parser_factory, text: str, pieces: list[str], status: str):  # type: ignore[no-untyped-def]
+    """Events for ``text`` fed in ``pieces`` (wrapped as the route wraps them) and the
+    non-streamed output for ``text`` whole."""
+    req = ResponsesRequest(model="m", input="x", tools=[FN])
+    usage = Usage(prompt_tokens=5, completion_tokens=3, cached_tokens=2)
+    items = OutputItems()
+    head = response_body(req, "resp_1", 1, "m", [], "in_progress", None)
+    events = [
+        items.event("response.created", response=head),
+        items.event("response.in_progress", response=head),
+    ]
+    parser = parser_factory()
+    for p in pieces:
+        events += items.events(parser.feed(p) if parser else [Text(p)])
+    events += items.events(parser.finish() if parser else []) + items.finish(status)
+    final = response_body(req, "resp_1", 1, "m", items.output, status, usage)
+    events.append(items.event("response.completed", response=final))
+    whole = OutputItems()
+    parser = parser_factory()
+    whole.events(parser.feed(text) if parser else [Text(text)])
+    whole.events(parser.finish() if parser else [])
+    whole.finish(status)
+    return events, response_body(req, "resp_1", 1, "m", whole.output, status, usage)
+
+
+@pytest.mark.parametrize(
+    ("factory", "text", "status", "kinds"),
+    [
+        (lambda: None, "Hello there", "completed", ["message"]),
+        (lambda: None, "", "incomplete", ["message"]),
+        (
+            HermesParser,
+            'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+            "completed",
+            ["message", "function_call"],
+        ),
+        (lambda: NamedParser("get_weather"), '{"city": "Rome"}', "completed", ["function_call"]),
+    ],
+)
+def test_stream_events_rebuild_the_response(factory, text: str, status: str, kinds) -> None:  # type: ignore[no-untyped-def]
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)] or [""]
+    events, body = stream_and_whole(factory, text, pieces, status)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    whole = Response.model_validate(body)
+    assert [o.type for o in whole.output] == kinds and whole.status == status
+    assert whole.usage is not None and whole.usage.input_tokens == 5
+    assert whole.usage.input_tokens_details.cached_tokens == 2
+    state = ResponseStreamState(input_tools=[FN], text_format=omit)  # type: ignore[arg-type]
+    for e in events:
+        state.handle_event(EVENTS.validate_python(json.loads(json.dumps(e))))
+    final = state._completed_response
+    assert final is not None
+    strip = {"id", "call_id"}  # random per output
+    got = [{k: v for k, v in o.to_dict().items() if k not in strip} for o in final.output]
+    want = [{k: v for k, v in o.to_dict().items() if k not in strip} for o in whole.output]
+    for g in got:
+        g.pop("parsed_arguments", None)
+        for p in g.get("content", []):
+            p.pop("parsed", None)
+    assert got == want
+    if "function_call" in kinds:
+        call = next(o for o in final.output if o.type == "function_call")
+        assert call.name == "get_weather" and json.loads(call.arguments)["city"]
+    types = [e["type"] for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == "response.completed"
+    if kinds[0] == "message":
+        i = types.index("response.output_item.added")
+        assert types[i + 1] == "response.content_part.added"
+    if kinds == ["message"]:
+        assert types[-4:-1] == [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+        ]

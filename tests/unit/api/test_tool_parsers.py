@@ -1,0 +1,158 @@
+"""Tool-call parsers (api/tool_parsers.py): what each reads out of a model's text, and that
+any split of the text into stream pieces gives the same content and calls as the whole."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from api.tool_parsers import (
+    PARSERS,
+    CallArgs,
+    CallStart,
+    HermesParser,
+    Llama3JsonParser,
+    NamedParser,
+    RequiredParser,
+    Text,
+    ToolParser,
+    parser_for_template,
+)
+
+
+def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments)]) from feeding ``pieces`` then finishing."""
+    events = []
+    for p in pieces:
+        events += parser.feed(p)
+    events += parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, Text))
+    calls: dict[int, list[str]] = {}
+    for e in events:
+        if isinstance(e, CallStart):
+            assert e.index == len(calls) and e.id.startswith("call_")
+            calls[e.index] = [e.name, ""]
+        elif isinstance(e, CallArgs):
+            assert e.index in calls, "arguments before their call's start"
+            calls[e.index][1] += e.text
+    return content, [(n, a) for n, a in calls.values()]
+
+
+def splits(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+    return [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+def same_in_pieces(make, text: str) -> tuple[str, list[tuple[str, str]]]:  # type: ignore[no-untyped-def]
+    """The parse of ``text`` whole, checked equal for one character at a time and for
+    random splits."""
+    whole = run(make(), [text])
+    assert run(make(), list(text)) == whole
+    rng = random.Random(len(text))
+    for _ in range(30):
+        assert run(make(), splits(text, rng)) == whole
+    return whole
+
+
+HERMES = [
+    (
+        'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"note": "a } and \\" inside"}}\n</tool_call>\n<tool_call>{"name":"now","arguments":{}}'
+        "</tool_call>",
+        (
+            "Let me look. ",
+            [("get_weather", '{"city": "Paris", "note": "a } and \\" inside"}'), ("now", "{}")],
+        ),
+    ),
+    (
+        "plain text with < and <tool and </tool_call>",
+        ("plain text with < and <tool and </tool_call>", []),
+    ),
+    # an unclosed last block counts when it parses; a broken one leaves it all content
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', ("", [("f", '{"a": [1, 2]}')])),
+    (
+        'x<tool_call>{"name": "f", "arguments": {"a": ',
+        ('x<tool_call>{"name": "f", "arguments": {"a": ', []),
+    ),
+    ('<tool_call>{"nam": "f"}</tool_call>', ('<tool_call>{"nam": "f"}</tool_call>', [])),
+    # a block that does not parse is dropped once another one is a call
+    ('<tool_call>oops</tool_call><tool_call>{"name": "g"}</tool_call>', ("", [("g", "{}")])),
+    # arguments written as a JSON string: its content
+    (
+        '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+        ("", [("f", '{"a": 1}')]),
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), HERMES)
+def test_hermes(text: str, expected: tuple) -> None:
+    assert same_in_pieces(HermesParser, text) == expected
+
+
+LLAMA = [
+    (
+        '  {"name": "f", "parameters": {"x": [1, "]"]}}; {"name": "g", "arguments": {"y": 2}}',
+        ("", [("f", '{"x": [1, "]"]}'), ("g", '{"y": 2}')]),
+    ),
+    ('<|python_tag|>{"name": "f", "parameters": {}}', ("", [("f", "{}")])),
+    ("Hello {there}", ("Hello {there}", [])),
+    ("{not json", ("{not json", [])),
+    ('{"name": "f", "parameters": {"a": 1}} trailing words', ("", [("f", '{"a": 1}')])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), LLAMA)
+def test_llama3_json(text: str, expected: tuple) -> None:
+    assert same_in_pieces(Llama3JsonParser, text) == expected
+
+
+def test_content_streams_before_the_calls() -> None:
+    """Content goes out as it comes, holding back only what may start a tag."""
+    p = HermesParser()
+    assert p.feed("Hello") == [Text("Hello")]
+    assert p.feed(" <tool") == [Text(" ")]
+    assert p.feed("box") == [Text("<toolbox")]
+    q = Llama3JsonParser()
+    assert q.feed("  ") == [] and q.feed("Hi") == [Text("  Hi")]
+
+
+REQUIRED = [
+    (
+        '[{"name":"f","parameters":{"a":1,"s":"x\\"]}"}},{"name":"g","parameters":{}}]',
+        ("", [("f", '{"a":1,"s":"x\\"]}"}'), ("g", "{}")]),
+    ),
+    ('[ {"parameters": {"q": true}, "name": "h"} ]', ("", [("h", '{"q": true}')])),
+    ('[{"name":"f","parameters":{"a":1', ("", [("f", '{"a":1')])),  # cut by max_tokens
+    ('[{"name":"f","parameters":12.5e3}]', ("", [("f", "12.5e3")])),
+    ('[{"name":"f"}]', ("", [("f", "{}")])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), REQUIRED)
+def test_required(text: str, expected: tuple) -> None:
+    assert same_in_pieces(RequiredParser, text) == expected
+
+
+def test_required_streams_arguments_as_they_come() -> None:
+    p = RequiredParser()
+    first = p.feed('[{"name": "f", "parameters": {"a"')
+    assert [type(e) for e in first] == [CallStart, CallArgs] and first[1].text == '{"a"'
+    assert p.feed(": 1}") == [CallArgs(0, ": 1}")]
+    assert p.feed("}]") == [] and p.finish() == []
+
+
+def test_named() -> None:
+    assert same_in_pieces(lambda: NamedParser("f"), '{"a": [1, 2]}') == (
+        "",
+        [("f", '{"a": [1, 2]}')],
+    )
+    assert run(NamedParser("f"), []) == ("", [("f", "")])  # the call even with no text
+
+
+def test_parser_for_template() -> None:
+    assert set(PARSERS) >= {"hermes", "llama3_json"}
+    assert parser_for_template("... <tool_call> ...") == "hermes"
+    assert parser_for_template("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert parser_for_template(None) == "hermes"
