@@ -137,9 +137,9 @@ class EngineCore:
         if (refused := refuse_unsupported(rid, n, req.params, self.name,
                                           self.supports)) is not None:  # fmt: skip
             return refused
-        detok = IncrementalDetokenizer(
-            self.tokenizer, req.params.stop, req.params.skip_special_tokens
-        )
+        detok = IncrementalDetokenizer(self.tokenizer, req.params.stop,
+                                       req.params.skip_special_tokens,
+                                       req.params.include_stop_str_in_output)  # fmt: skip
         seq = Seq(req, detok, self._make_generator(req.params), list(req.prompt_token_ids), n)
         if req.imported is not None:
             if req.imported.source is None:
