@@ -19,12 +19,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.errors import OpenAIError, bad_request
+from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
 from api.runner import RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state
 from api.tokenization import Prompt
+from kvbm.protocol import TokenFrame
 
 log = logging.getLogger(__name__)
 
@@ -113,23 +115,29 @@ async def _serve(
         raise
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     fmt = Formatter(kind, rid, st.settings.model_name)
+    extra = extra_output(st.strings, req, sampling, prompt_ids)  # None: text alone
     if req.stream:
-        gen = _stream(st, run, fmt, req.include_usage, started)
+        gen = _stream(st, run, fmt, req.include_usage, started, extra)
         return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
-    return await _collect(st, run, fmt, started)
+    return await _collect(st, run, fmt, started, extra)
 
 
 async def _stream(
-    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float
-) -> AsyncIterator[bytes]:
+    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float,
+    extra: ExtraOutput | None = None,
+) -> AsyncIterator[bytes]:  # fmt: skip
     try:
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
             yield sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
         async for batch in st.runner.batches(run):
             last = batch[-1]
             failed = last.error is not None
-            text = "".join(f.text for f in (batch[:-1] if failed else batch))
-            event = fmt.text_event(text, include_usage) if text else b""
+            frames = batch[:-1] if failed else batch
+            text = "".join(f.text for f in frames)
+            if extra is not None:  # logprobs, an echoed prompt
+                event = extra.event(fmt, frames, text, include_usage)
+            else:
+                event = fmt.text_event(text, include_usage) if text else b""
             if not last.done:
                 if event:
                     yield event
@@ -157,9 +165,11 @@ async def _stream(
 
 
 async def _collect(
-    st: ApiState, run: RunningRequest, fmt: Formatter, started: float
-) -> JSONResponse:
+    st: ApiState, run: RunningRequest, fmt: Formatter, started: float,
+    extra: ExtraOutput | None = None,
+) -> JSONResponse:  # fmt: skip
     parts: list[str] = []
+    frames: list[TokenFrame] = []  # kept for the extras only
     last = None
     try:
         async for batch in st.runner.batches(run):
@@ -167,6 +177,8 @@ async def _collect(
                 if frame.error is not None:
                     raise frame_error(frame)
                 parts.append(frame.text)
+            if extra is not None:
+                frames += batch
             last = batch[-1]
     except OpenAIError:
         raise
@@ -177,7 +189,13 @@ async def _collect(
         st.runner.finish(run)
     assert last is not None and last.done, "batches() ended without a terminal frame"
     st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-    body = fmt.full("".join(parts), last.finish_reason, last.stop_reason, usage_body(last.usage))
+    text, usage = "".join(parts), usage_body(last.usage)
+    if extra is None:
+        body = fmt.full(text, last.finish_reason, last.stop_reason, usage)
+    else:
+        text, logprobs, prompt_logprobs = extra.full(frames, text)
+        body = fmt.full(text, last.finish_reason, last.stop_reason, usage, logprobs,
+                        prompt_logprobs)  # fmt: skip
     return JSONResponse(body, headers={"x-request-id": run.request_id})
 
 

@@ -59,6 +59,7 @@ class Formatter:
         self.model = model
         self.created = int(time.time())
         self._text_event: tuple[bytes, bytes] | None = None
+        self._lp_event: tuple[bytes, bytes, bytes] | None = None
 
     def text_event(self, text: str, include_usage: bool) -> bytes:
         """``sse_event(chunk(text_delta(text), None, include_usage))``, from a template: the
@@ -70,6 +71,19 @@ class Formatter:
             self._text_event = b"data: " + head.encode(), tail.encode() + b"\r\n\r\n"
         head, tail = self._text_event
         return head + json_line(text).encode() + tail
+
+    def logprobs_event(self, text: str, logprobs: str, include_usage: bool) -> bytes:
+        """:meth:`text_event` with the chunk's ``logprobs`` (JSON text,
+        :class:`api.logprobs.LogprobsRenderer`) in place of ``null``, from a template."""
+        if self._lp_event is None:
+            body = json_line(self.chunk(self.text_delta("\x00"), None, include_usage,
+                                        logprobs="\x01"))  # fmt: skip
+            before, rest = body.split(json_line("\x00"))
+            between, after = rest.split(json_line("\x01"))
+            self._lp_event = (b"data: " + before.encode(), between.encode(),
+                              after.encode() + b"\r\n\r\n")  # fmt: skip
+        head, mid, tail = self._lp_event
+        return head + json_line(text).encode() + mid + logprobs.encode() + tail
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -89,12 +103,14 @@ class Formatter:
         finish_reason: str | None,
         include_usage: bool,
         stop_reason: str | int | None = None,
+        logprobs: object = None,
     ) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason}  # fmt: skip
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": delta["text"], "logprobs": None,
+            choice = {"index": 0, "text": delta["text"], "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
             body = self._head("text_completion")
         if finish_reason is not None:
@@ -111,17 +127,24 @@ class Formatter:
         return body
 
     def full(
-        self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict
-    ) -> dict:
+        self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict,
+        logprobs: dict | None = None, prompt_logprobs: list | None = None,
+    ) -> dict:  # fmt: skip
+        """A whole response; ``prompt_logprobs`` (vLLM's) where vLLM puts them: on the
+        body in chat, on the choice in completions (only when asked for)."""
         if self.chat:
             body = self._head("chat.completion")
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason,
+                      "logprobs": logprobs, "finish_reason": finish_reason,
                       "stop_reason": stop_reason}  # fmt: skip
         else:
             body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None,
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": stop_reason}  # fmt: skip
+            if prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs
         body["choices"] = [choice]
         body["usage"] = usage
+        if self.chat and prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
         return body

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from starlette.requests import Request
 
 from api.cluster_metrics import ClusterCollector
+from api.logprobs import TokenStrings
 from api.media import MediaGuard
 from api.metrics import ApiMetrics
 from api.runner import Runner
@@ -27,6 +28,10 @@ class ApiState:
     hub: StreamHub | None = None
     runner: Runner | None = None
     created: int = 0  # when the API started serving (the model's ``created``)
+    strings: TokenStrings = field(init=False)  # token ids as logprobs show them
+
+    def __post_init__(self) -> None:
+        self.strings = TokenStrings(self.builder.tokenizer)
 
 
 def api_state(request: Request) -> ApiState:

@@ -68,7 +68,8 @@ def test_unknown_model_404(cluster: Cluster) -> None:
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+        ({"echo": True}, "echo"),  # chat's (completions' is served)
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"stop": ["a"] * 20}, "stop"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
@@ -92,8 +93,9 @@ def test_invalid_completion_bodies_400(cluster: Cluster) -> None:
         _post(cluster, "/v1/completions", {"model": m, "prompt": ["a", "b"]}), 400, "prompt"
     )
     _assert_error(
-        _post(cluster, "/v1/completions", {"model": m, "prompt": "x", "echo": True}), 400, "echo"
-    )
+        _post(cluster, "/v1/completions", {"model": m, "prompt": "x", "suffix": "y"}), 400,
+        "suffix",
+    )  # fmt: skip
     r = httpx.post(
         f"{cluster.url}/v1/completions",
         content=b"{not json",
