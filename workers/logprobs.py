@@ -70,16 +70,14 @@ def take_prompt(seq: Seq, vocab: int) -> list | None:
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> list[list]:
     """Per row of ``logprobs`` ([R, V] log-softmax): ``[logprob of tokens[r], its rank,
-    [[id, logprob] of the ks[r] most likely, most likely first]]``."""
+    [[id, logprob] of the ks[r] most likely, most likely first]]``. One copy to Python for
+    the numbers, one for the ids (a step's cost: docs/performance.md, "Logprobs")."""
     chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])
-    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
-    values = chosen.squeeze(1).clamp_min(LOGPROB_FLOOR).tolist()
-    k = max(ks, default=0)
-    if k == 0:
-        return [[v, r, []] for v, r in zip(values, ranks, strict=True)]
-    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    top_ids = top.indices.tolist()
-    top_lps = top.values.clamp_min(LOGPROB_FLOOR).tolist()
-    rows = zip(values, ranks, top_ids, top_lps, ks, strict=True)
-    return [[v, r, [[t, x] for t, x in zip(ids[:kr], lps[:kr], strict=True)]]
-            for v, r, ids, lps, kr in rows]  # fmt: skip
+    ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True).to(logprobs.dtype)
+    k = min(max(ks, default=0), logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1) if k else None
+    cols = [chosen, ranks] if top is None else [chosen, ranks, top.values]
+    nums = torch.cat(cols, dim=1).clamp_min(LOGPROB_FLOOR).tolist()
+    ids = top.indices.tolist() if top is not None else [[]] * len(tokens)
+    return [[row[0], int(row[1]), [[t, x] for t, x in zip(tid[:kr], row[2 : 2 + kr], strict=True)]]
+            for row, tid, kr in zip(nums, ids, ks, strict=True)]  # fmt: skip
