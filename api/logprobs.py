@@ -15,7 +15,7 @@ token that ends inside a UTF-8 character shows U+FFFD), and ``bytes`` its UTF-8 
 
 Streams render on every token, so the JSON is written here as text from parts cached per
 token id (its string and bytes never change), not built as dicts and encoded: a chunk's
-logprobs cost a few string joins (docs/performance.md, "API: logprobs"). A whole
+logprobs cost a few string joins (docs/performance.md, "Logprobs: cost at c=16"). A whole
 response parses the same text, so a stream's chunks reassemble to exactly its body.
 """
 

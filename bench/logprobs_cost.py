@@ -4,8 +4,9 @@ the same requests without, through the server; and the same pair on the engine a
     python bench/logprobs_cost.py                      # both parts, tiny default model
     python bench/logprobs_cost.py --parts server --rounds 3 --requests 96
 
-``server``: ``conveyor serve`` (one reference worker, the engine pinned to the last CPU
-as in bench/serve_latency.py), streamed ``/v1/chat/completions`` with c requests kept in
+``server``: redis, one reference worker and the API, started as bench/serve_latency.py
+starts them (the engine pinned to the last CPU, the rest and this client to the others),
+streamed ``/v1/chat/completions`` with c requests kept in
 flight until ``--requests`` finished; chat prompts of about ``--prompt-len`` tokens (random
 token ids decoded to text, new ones for every run, so no run finds another's prompt in
 the prefix cache), ``--output-len`` tokens each (``ignore_eos``, greedy). Per round the two
@@ -32,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 
-from common import conveyor_serve, run_parts  # noqa: E402
-from serve_latency import output_lengths, pct  # noqa: E402
+from common import run_parts  # noqa: E402
+from serve_latency import _cpu_delta, _cpu_stats, local_server, output_lengths, pct  # noqa: E402
 from sse_client import SSEClient, run_loop  # noqa: E402
 
 from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
@@ -96,33 +97,49 @@ async def run_arm(url: str, arm: str, model: str, prompts: list[str], lengths: l
 
 
 def part_server(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
+    """As bench/serve_latency.py --start-server: redis, one worker and the API started
+    here, the engine on the last CPU, everything else (this client included) on the
+    others; per arm, each process's CPU time per output token."""
     model_dir = args.model
-    env = {}
-    ncpu = len(os.sched_getaffinity(0))
-    if args.pin_engine and ncpu >= 2:
-        env["CONVEYOR_ENGINE_CPUS"] = str(ncpu - 1)
+    everything = tuple(os.sched_getaffinity(0))
+    pin = args.pin_engine and len(everything) >= 2
+    if pin:
+        os.sched_setaffinity(0, everything[:-1])
     lengths = output_lengths(args.requests, args.output_len, 0.5, args.seed)
     rows = []
-    serve = ["--workers", "1", "--model", str(model_dir)]
-    with conveyor_serve(serve, log_dir / "server.log", {"generate": 1}, env) as (url, _):
-        warm = chat_prompts(model_dir, 32, args.prompt_len, args.seed + 999)
-        for arm in ARMS:  # untimed: the API's and the engine's first requests
-            run_loop(run_arm(url, arm, model_dir.name, warm[:16] if arm == "plain" else warm[16:],
-                             [8] * 16, args.concurrency))  # fmt: skip
-        for r in range(args.rounds):
-            order = ARMS if r % 2 == 0 else ARMS[::-1]
-            row: dict = {}
-            for k, arm in enumerate(order):
-                prompts = chat_prompts(model_dir, args.requests, args.prompt_len,
-                                       args.seed + 10 * r + k)  # fmt: skip
-                row[arm] = run_loop(run_arm(url, arm, model_dir.name, prompts, lengths,
-                                            args.concurrency))  # fmt: skip
-                print(f"  round {r + 1} {arm:>8}: {row[arm]['tok_s']:7.1f} tok/s", flush=True)
-            rows.append(row)
+    try:
+        with local_server(
+            model_dir, log_dir, 1, engine_cpus=str(everything[-1]) if pin else None
+        ) as (url, pids):
+            pids["client"] = os.getpid()
+            warm = chat_prompts(model_dir, 32, args.prompt_len, args.seed + 999)
+            for arm in ARMS:  # untimed: the API's and the engine's first requests
+                run_loop(run_arm(url, arm, model_dir.name,
+                                 warm[:16] if arm == "plain" else warm[16:], [8] * 16,
+                                 args.concurrency))  # fmt: skip
+            for r in range(args.rounds):
+                order = ARMS if r % 2 == 0 else ARMS[::-1]
+                row: dict = {}
+                for k, arm in enumerate(order):
+                    prompts = chat_prompts(model_dir, args.requests, args.prompt_len,
+                                           args.seed + 10 * r + k)  # fmt: skip
+                    cpu0 = {name: _cpu_stats(pid) for name, pid in pids.items()}
+                    row[arm] = run_loop(run_arm(url, arm, model_dir.name, prompts, lengths,
+                                                args.concurrency))  # fmt: skip
+                    cpu = _cpu_delta(pids, cpu0)
+                    for name in pids:
+                        row[arm][f"{name}_us"] = cpu[name] / row[arm]["tokens"] * 1e6
+                    print(f"  round {r + 1} {arm:>8}: {row[arm]['tok_s']:7.1f} tok/s",
+                          flush=True)  # fmt: skip
+                rows.append(row)
+    finally:
+        os.sched_setaffinity(0, everything)
     out["server"] = rows
     print(f"\nserver, c={args.concurrency}: streamed chat, {args.requests} requests of "
-          f"{args.output_len} +- 50% tokens, logprobs=True top_logprobs={TOP} vs none")  # fmt: skip
-    _table(rows, ("tok_s", "itl_p50_ms"))
+          f"{args.output_len} +- 50% tokens, logprobs=True top_logprobs={TOP} vs none; "
+          "CPU us per output token by process")  # fmt: skip
+    keys = ("tok_s", "itl_p50_ms") + tuple(f"{n}_us" for n in pids)
+    _table(rows, keys)
 
 
 def part_engine(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
@@ -153,30 +170,37 @@ def part_engine(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
         wall = time.perf_counter() - t0
         return dict(tok_s=tokens / wall, wall_s=wall, tokens=tokens)
 
+    everything = tuple(os.sched_getaffinity(0))
+    if args.pin_engine and len(everything) >= 2:  # the core the server's engine gets
+        os.sched_setaffinity(0, everything[-1:])
     rows = []
-    for r in range(args.rounds):
-        order = ARMS if r % 2 == 0 else ARMS[::-1]
-        rows.append({arm: run(arm) for arm in order})
-        print(f"  engine round {r + 1}: " + ", ".join(f"{a} {rows[-1][a]['tok_s']:.1f} tok/s"
-                                                     for a in ARMS), flush=True)  # fmt: skip
+    try:
+        for r in range(args.rounds):
+            order = ARMS if r % 2 == 0 else ARMS[::-1]
+            rows.append({arm: run(arm) for arm in order})
+            print(f"  engine round {r + 1}: " + ", ".join(
+                f"{a} {rows[-1][a]['tok_s']:.1f} tok/s" for a in ARMS), flush=True)  # fmt: skip
+    finally:
+        os.sched_setaffinity(0, everything)
     out["engine"] = rows
     print(f"\nengine in-process, {args.concurrency} in flight, same workload")
     _table(rows, ("tok_s",))
 
 
 def _table(rows: list[dict], keys: tuple[str, ...]) -> None:
-    head = f"{'':>10} " + " ".join(f"{'round ' + str(i + 1):>9}" for i in range(len(rows)))
+    head = f"{'':>20} " + " ".join(f"{'round ' + str(i + 1):>9}" for i in range(len(rows)))
     print(head + f" {'median':>9}")
     for key in keys:
         for arm in ARMS:
             vals = [row[arm][key] for row in rows]
-            print(f"{arm + ' ' + key.split('_')[0]:>10} " + " ".join(f"{v:9.1f}" for v in vals)
+            print(f"{arm + ' ' + key:>20} " + " ".join(f"{v:9.1f}" for v in vals)
                   + f" {statistics.median(vals):9.1f}")  # fmt: skip
     ratios = [row["logprobs"]["tok_s"] / row["plain"]["tok_s"] for row in rows]
     med = statistics.median(r["logprobs"]["tok_s"] for r in rows) / statistics.median(
         r["plain"]["tok_s"] for r in rows)  # fmt: skip
-    print(f"{'ratio':>10} " + " ".join(f"{x:9.3f}" for x in ratios) + f" {med:9.3f}"
-          + ("   (target >= 0.95: met)" if med >= 0.95 else "   (target >= 0.95: MISSED)"))  # fmt: skip
+    verdict = "met" if med >= 0.95 else "MISSED"
+    print(f"{'tok/s ratio':>20} " + " ".join(f"{x:9.3f}" for x in ratios) + f" {med:9.3f}"
+          + f"   (target >= 0.95: {verdict})")  # fmt: skip
 
 
 def main() -> int:

@@ -127,7 +127,9 @@ class Engine(EngineCore):
             return []
         # raw logprobs: the model's, before anything below shapes the logits
         asked = [i for i, s in enumerate(sampled) if s.req.params.logprobs is not None]
-        raw = torch.log_softmax(logits[asked], dim=-1) if asked else None
+        raw = None
+        if asked:
+            raw = torch.log_softmax(logits if len(asked) == len(sampled) else logits[asked], -1)
         for seq in sampled:
             if seq.generator is not None and seq.req.params.seed is not None:
                 # a seed per (request seed, token index): the same token is drawn whichever

@@ -71,7 +71,7 @@ def take_prompt(seq: Seq, vocab: int) -> list | None:
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> list[list]:
     """Per row of ``logprobs`` ([R, V] log-softmax): ``[logprob of tokens[r], its rank,
     [[id, logprob] of the ks[r] most likely, most likely first]]``. One copy to Python for
-    the numbers, one for the ids (a step's cost: docs/performance.md, "Logprobs")."""
+    the numbers, one for the ids (a step's cost: docs/performance.md, "Logprobs: cost at c=16")."""
     chosen = logprobs.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])
     ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True).to(logprobs.dtype)
     k = min(max(ks, default=0), logprobs.shape[-1])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvbm.protocol import Sampling
+from tests.unit.workers.test_resume_engine import _run as _run_outputs
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill, RequestOutput
 
@@ -135,16 +136,6 @@ def test_disagg_logprobs_equal_agg(engines: tuple[Engine, Engine, Engine]) -> No
         assert _close(mine[0].prompt_logprobs, ref[0].prompt_logprobs), r.request_id
         assert (mine[0].prompt_logprobs is None) == (r.params.prompt_logprobs is None)
         assert all(o.prompt_logprobs is None for o in mine[1:])
-
-
-def _run_outputs(engine: Engine, reqs: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
-    for r in reqs:
-        assert engine.add_request(r) is None
-    out: dict[str, list[RequestOutput]] = {r.request_id: [] for r in reqs}
-    while engine.has_unfinished:
-        for o in engine.step():
-            out[o.request_id].append(o)
-    return out
 
 
 def _close(a: object, b: object, tol: float = 1e-4) -> bool:

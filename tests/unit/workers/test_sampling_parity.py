@@ -23,6 +23,7 @@ import transformers
 
 from kvbm.protocol import Sampling
 from tests.unit.workers.test_engine_parity import _write_gqa_llama
+from tests.unit.workers.test_resume_engine import _run as run_outputs
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 
@@ -68,12 +69,7 @@ def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def _run(engine: Engine, reqs: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
-    for r in reqs:
-        assert engine.add_request(r) is None
-    outs: dict[str, list[RequestOutput]] = {r.request_id: [] for r in reqs}
-    while engine.has_unfinished:
-        for o in engine.step():
-            outs[o.request_id].append(o)
+    outs = run_outputs(engine, reqs)
     assert engine.stats().blocks_used == 0
     return outs
 
