@@ -139,11 +139,14 @@ class ExtraOutput:
         self.prompt_ids = prompt_ids
         self.echo = echo  # the prompt's text, until it went out
         self.prompt_lps = prompt_lps
+        self._held: tuple[list[int], list] = ([], [])  # tokens whose text is still to come
 
     def event(self, fmt: Formatter, frames: list[TokenFrame], text: str,
               include_usage: bool) -> bytes:  # fmt: skip
-        """The SSE event of a stream's frames (text ``text``): every frame with tokens
-        shows, text or not, when logprobs are asked for (as vLLM sends them)."""
+        """The SSE event of a stream's frames (text ``text``). A token whose text is held
+        back (it ends inside a character, or may begin a stop string) waits for the next
+        event with text, or the stream's end: its logprobs ride with the text it begins,
+        one event fewer (vLLM sends it alone, with empty content)."""
         tokens, lps = _tokens(frames) if self.renderer is not None else ([], [])
         if self.echo is not None:
             text = self.echo + text
@@ -152,6 +155,13 @@ class ExtraOutput:
                 tokens, lps = self._with_prompt(frames, tokens, lps)
         if self.renderer is None:
             return fmt.text_event(text, include_usage) if text else b""
+        held_tokens, held_lps = self._held
+        if held_tokens:
+            tokens, lps = held_tokens + tokens, held_lps + lps
+        if not text and not (frames and frames[-1].done):
+            self._held = (tokens, lps)
+            return b""
+        self._held = ([], [])
         if not tokens and not text:
             return b""
         return fmt.logprobs_event(text, self.renderer.render(tokens, lps, text), include_usage)

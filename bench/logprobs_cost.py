@@ -62,18 +62,20 @@ def body(arm: str, model: str, prompt: str, out_len: int) -> dict:
     return b
 
 
-async def one(client: SSEClient, b: dict) -> tuple[int, list[float], int]:
-    """(completion tokens, arrival times of chunks with text, logprob entries seen)."""
-    times, tokens, entries = [], 0, 0
+async def one(client: SSEClient, b: dict) -> tuple[int, list[float], int, int]:
+    """(completion tokens, arrival times of chunks with text, logprob entries seen,
+    chunks)."""
+    times, tokens, entries, chunks = [], 0, 0, 0
     for now, obj in await client.stream("/v1/chat/completions", b):
         if obj.get("usage"):
             tokens = obj["usage"]["completion_tokens"]
         for ch in obj.get("choices") or ():
+            chunks += 1
             if ch["delta"].get("content"):
                 times.append(now)
             if ch.get("logprobs"):
                 entries += len(ch["logprobs"]["content"])
-    return tokens, times, entries
+    return tokens, times, entries, chunks
 
 
 async def run_arm(url: str, arm: str, model: str, prompts: list[str], lengths: list[int],
@@ -81,7 +83,7 @@ async def run_arm(url: str, arm: str, model: str, prompts: list[str], lengths: l
     sem = asyncio.Semaphore(concurrency)
     async with SSEClient(url, concurrency, timeout_s=300) as client:
 
-        async def go(p: str, n: int) -> tuple[int, list[float], int]:
+        async def go(p: str, n: int) -> tuple[int, list[float], int, int]:
             async with sem:
                 return await one(client, body(arm, model, p, n))
 
@@ -93,7 +95,8 @@ async def run_arm(url: str, arm: str, model: str, prompts: list[str], lengths: l
     assert tokens == sum(lengths), f"{arm}: {tokens} tokens, asked {sum(lengths)}"
     assert entries == (tokens if arm == "logprobs" else 0), f"{arm}: {entries} logprob entries"
     itl = [(b - a) * 1e3 for r in res for a, b in zip(r[1], r[1][1:], strict=False)]
-    return dict(tok_s=tokens / wall, wall_s=wall, tokens=tokens, itl_p50_ms=pct(itl, 50))
+    return dict(tok_s=tokens / wall, wall_s=wall, tokens=tokens, itl_p50_ms=pct(itl, 50),
+                chunks_per_req=sum(r[3] for r in res) / len(res))  # fmt: skip
 
 
 def part_server(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
@@ -138,7 +141,7 @@ def part_server(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
     print(f"\nserver, c={args.concurrency}: streamed chat, {args.requests} requests of "
           f"{args.output_len} +- 50% tokens, logprobs=True top_logprobs={TOP} vs none; "
           "CPU us per output token by process")  # fmt: skip
-    keys = ("tok_s", "itl_p50_ms") + tuple(f"{n}_us" for n in pids)
+    keys = ("tok_s", "itl_p50_ms", "chunks_per_req") + tuple(f"{n}_us" for n in pids)
     _table(rows, keys)
 
 

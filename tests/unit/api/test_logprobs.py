@@ -200,3 +200,21 @@ def test_streamed_chunks_reassemble_to_the_whole_response(kind: str, strings: To
         assert whole["token_logprobs"][:3] == [None, -1.0, -0.5]  # the echoed prompt's
         assert whole["top_logprobs"][1] == {strings.text(7): -0.5, strings.text(50): -1.0}
     assert len(whole["tokens"]) == (len(prompt) if echo else 0) + n_out
+
+
+def test_a_token_without_text_rides_with_the_next_chunk(strings: TokenStrings) -> None:
+    """Its text is held back (it ends inside a character): no event of its own, its
+    logprobs come with the next event that has text, or with the stream's last one."""
+    ids = _ids(strings, "é中")
+    lp = [-1.0, 1, [[ids[0], -1.0]]]
+    fmt = Formatter("chat", "x", "m")
+    x = ExtraOutput(strings, LogprobsRenderer(strings, True, 1), [1], None, False)
+    assert x.event(fmt, [TokenFrame(0, ids[:1], "", logprobs=[lp])], "", False) == b""
+    ev = x.event(fmt, [TokenFrame(1, ids[1:2], "é", logprobs=[lp])], "é", False)
+    content = json.loads(ev[6:-4])["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [strings.text(i) for i in ids[:2]]
+    assert x.event(fmt, [TokenFrame(2, ids[2:3], "", logprobs=[lp])], "", False) == b""
+    last = x.event(fmt, [TokenFrame(3, ids[3:4], "", done=True, logprobs=[lp])], "", False)
+    body = json.loads(last[6:-4])["choices"][0]
+    assert body["delta"]["content"] == ""
+    assert [e["token"] for e in body["logprobs"]["content"]] == [strings.text(i) for i in ids[2:4]]
