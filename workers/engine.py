@@ -142,8 +142,8 @@ class Engine(EngineCore):
                         [s.generator for s in sampled])  # type: ignore[misc]  # fmt: skip
         if raw is not None:
             self._gather_logprobs(raw, [sampled[i] for i in asked], [tokens[i] for i in asked])
-        for seq in sampled:
-            if seq.whole_prompt:  # its first token: the prompt's logprobs go with it
+        for seq in sampled:  # a first token: the prompt's logprobs go with it
+            if seq.req.params.prompt_logprobs is not None and seq.whole_prompt:
                 entry = self._logprobs.setdefault(seq.id, [None, None])
                 entry[1] = take_prompt(seq, vocab)
         return tokens

@@ -79,5 +79,6 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], ks: list[int]) -> 
     cols = [chosen, ranks] if top is None else [chosen, ranks, top.values]
     nums = torch.cat(cols, dim=1).clamp_min(LOGPROB_FLOOR).tolist()
     ids = top.indices.tolist() if top is not None else [[]] * len(tokens)
-    return [[row[0], int(row[1]), [[t, x] for t, x in zip(tid[:kr], row[2 : 2 + kr], strict=True)]]
-            for row, tid, kr in zip(nums, ids, ks, strict=True)]  # fmt: skip
+    rows = zip(nums, ids, ks, strict=True)
+    return [[row[0], int(row[1]), list(map(list, zip(tid[:kr], row[2 : 2 + kr], strict=True)))]
+            for row, tid, kr in rows]  # fmt: skip
