@@ -3,7 +3,10 @@
 :class:`Engine` is an :class:`workers.engine_core.EngineCore` (scheduler, block
 accounting, stop rules) whose steps run one flattened forward pass for the whole batch —
 prefill chunks and decode tokens together — and sample each finished row with the
-request's own seeded generator.
+request's own seeded generator. Each step first takes the raw logprobs of the rows that
+asked (:mod:`workers.logprobs`, prompt logprobs from extra logits rows), then shapes the
+logits (:mod:`workers.logits`: masks, biases, penalties) and samples
+(:mod:`workers.sampling`), in vLLM's order.
 
 Image prompts: a request's ``mm_inputs`` give each image's embeddings and the offset of
 its placeholder tokens; every step embeds its tokens and replaces the rows that fall inside
