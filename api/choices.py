@@ -22,6 +22,7 @@ from contextlib import aclosing
 from fastapi.responses import JSONResponse
 
 from api.errors import OpenAIError
+from api.logprobs import ExtraOutput
 from api.runner import Runner, RunningRequest, frame_error, stream_error
 from api.sse import SSE_DONE, Formatter, sse_event, usage_body
 from api.state import ApiState
@@ -34,13 +35,16 @@ log = logging.getLogger(__name__)
 async def stream(
     st: ApiState, runs: list[RunningRequest], fmt: Formatter, include_usage: bool,
     end: Callable[[], None], tools: list[ChatToolOutput | None] | None = None,
+    extras: list[ExtraOutput | None] | None = None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The SSE events of a request of ``len(runs)`` choices; ``end()`` once it is over
     (accounting, and every choice's stream released: cancelled if unfinished). What the
-    choices have ready at one moment goes out as one chunk (one write). ``tools``: per
-    choice, what reads its text into content and tool calls (None: plain text)."""
+    choices have ready at one moment goes out as one chunk (one write). Per choice:
+    ``tools``, what reads its text into content and tool calls, ``extras``, its logprobs
+    or echoed prompt (None: plain text)."""
     left = len(runs)
     tools = tools or [None] * left
+    extras = extras or [None] * left
     try:
         if fmt.chat:  # chat streams open with the assistant role, for every choice
             yield b"".join(sse_event(fmt.chunk(fmt.role_delta(), None, include_usage, index=i))
@@ -51,9 +55,12 @@ async def stream(
                 for i, batch in batches:
                     last = batch[-1]
                     failed = last.error is not None
-                    text = "".join(f.text for f in (batch[:-1] if failed else batch))
-                    reader = tools[i]
-                    if reader is None:
+                    frames = batch[:-1] if failed else batch
+                    text = "".join(f.text for f in frames)
+                    reader, extra = tools[i], extras[i]
+                    if extra is not None and reader is None:  # logprobs, an echoed prompt
+                        out += extra.event(fmt, frames, text, include_usage, i)
+                    elif reader is None:
                         if text:
                             out += fmt.text_event(text, include_usage, i)
                     else:  # content and tool calls, parsed as they come
@@ -95,10 +102,13 @@ async def collect(
     fmt: Formatter,
     end: Callable[[], None],
     tools: list[ChatToolOutput | None] | None = None,
+    extras: list[ExtraOutput | None] | None = None,
 ) -> JSONResponse:
-    """The whole body of a request of ``len(runs)`` choices; ``end()`` and ``tools`` as in
-    :func:`stream`."""
+    """The whole body of a request of ``len(runs)`` choices; ``end()``, ``tools`` and
+    ``extras`` as in :func:`stream`."""
     tools = tools or [None] * len(runs)
+    extras = extras or [None] * len(runs)
+    frames: list[list[TokenFrame]] = [[] for _ in runs]
     texts: list[list[str]] = [[] for _ in runs]
     last: list[TokenFrame | None] = [None] * len(runs)
     try:
@@ -109,6 +119,8 @@ async def collect(
                         if frame.error is not None:
                             raise frame_error(frame)
                         texts[i].append(frame.text)
+                    if extras[i] is not None:
+                        frames[i] += batch
                     last[i] = batch[-1]
     except OpenAIError:
         raise
@@ -117,16 +129,35 @@ async def collect(
     finally:
         end()
     choices = []
+    prompt_logprobs = None
     for i, end_frame in enumerate(last):
         assert end_frame is not None and end_frame.done, "a choice ended without its last frame"
-        text, reader, reason = "".join(texts[i]), tools[i], end_frame.finish_reason
-        message = reader.message(text) if reader is not None else None  # counts the calls
-        if reader is not None:
-            reason = reader.finish_reason(reason)
-        st.metrics.finish.labels(reason or "unknown").inc()
-        choices.append(fmt.choice(i, text, reason, end_frame.stop_reason, message))
-    body = fmt.whole(choices, usage_body(request_usage(runs)))
+        choice = whole_choice(fmt, i, "".join(texts[i]), end_frame, tools[i], extras[i],
+                              frames[i])  # fmt: skip
+        st.metrics.finish.labels(choice["finish_reason"] or "unknown").inc()
+        if fmt.chat:  # chat: the prompt's logprobs once, on the body (vLLM's place)
+            prompt_logprobs = choice.pop("prompt_logprobs", None) or prompt_logprobs
+        choices.append(choice)
+    body = fmt.whole(choices, usage_body(request_usage(runs)), prompt_logprobs)
     return JSONResponse(body, headers={"x-request-id": fmt.rid})
+
+
+def whole_choice(
+    fmt: Formatter, index: int, text: str, last: TokenFrame, tools: ChatToolOutput | None,
+    extra: ExtraOutput | None, frames: list[TokenFrame] | None,
+) -> dict:  # fmt: skip
+    """One choice of a whole body from its text, terminal frame and (with ``extra``) its
+    frames; in chat its prompt logprobs ride on it under ``prompt_logprobs`` for the
+    caller to move onto the body."""
+    message = tools.message(text) if tools else None  # before the reason: it counts the calls
+    reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
+    logprobs = prompt = None
+    if extra is not None:
+        text, logprobs, prompt = extra.full(frames or [], text)
+    choice = fmt.choice(index, text, reason, last.stop_reason, message, logprobs, prompt)
+    if fmt.chat and prompt is not None:
+        choice["prompt_logprobs"] = prompt
+    return choice
 
 
 Ready = list[tuple[int, list[TokenFrame]]]  # (choice index, its frames), as they came

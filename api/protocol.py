@@ -154,7 +154,6 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         ]  # fmt: skip
     else:
         checks += [
-            (req.echo, "echo", "echo is not supported yet"),
             (req.suffix is not None, "suffix", "suffix is not supported"),
             (req.best_of not in (None, 1), "best_of", "best_of > 1 is not supported"),
         ]

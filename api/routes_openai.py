@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from api import choices
 from api.errors import OpenAIError, bad_request
+from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
 from api.runner import RunningRequest, frame_error, stream_error
@@ -28,7 +29,7 @@ from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
-from kvbm.protocol import TokenFrame
+from kvbm.protocol import Sampling, TokenFrame
 
 log = logging.getLogger(__name__)
 
@@ -94,22 +95,24 @@ async def _serve(
     prompt_param: str,
     plan: ToolPlan | None = None,
 ) -> Response:
-    rid, runs = await start(st, req, request, prompt, max_tokens, kind, started, prompt_param,
-                            plan)  # fmt: skip
+    rid, runs, sampling = await start(st, req, request, prompt, max_tokens, kind, started,
+                                      prompt_param, plan)  # fmt: skip
     fmt = Formatter(kind, rid, st.settings.model_name)
-    if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each parsed on its own
+    # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
+    # text alone, the plain per-token path)
+    tools = [tool_output(plan) for _ in runs]
+    extras = [extra_output(st.strings, req, sampling, prompt.token_ids) for _ in runs]
+    if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each read on its own
         end = partial(end_request, st, runs, started)
-        outs = [tool_output(plan) for _ in runs]
         if req.stream:
-            gen = choices.stream(st, runs, fmt, req.include_usage, end, outs)
+            gen = choices.stream(st, runs, fmt, req.include_usage, end, tools, extras)
             return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
-        return await choices.collect(st, runs, fmt, end, outs)
+        return await choices.collect(st, runs, fmt, end, tools, extras)
     (run,) = runs
-    tools = tool_output(plan)
     if req.stream:
-        gen = _stream(st, run, fmt, req.include_usage, started, tools)
+        gen = _stream(st, run, fmt, req.include_usage, started, tools[0], extras[0])
         return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
-    return await _collect(st, run, fmt, started, tools)
+    return await _collect(st, run, fmt, started, tools[0], extras[0])
 
 
 async def start(
@@ -122,11 +125,11 @@ async def start(
     started: float,
     prompt_param: str,
     plan: ToolPlan | None = None,
-) -> tuple[str, list[RunningRequest]]:
+) -> tuple[str, list[RunningRequest], Sampling]:
     """Check the request against the model, resolve its sampling (with its tool choice's
     constraint), store its images and start it: routed, sent, its first frame in. Returns
-    the request's id and its runs: one, or one per choice (``n > 1``; a run's stream id
-    may be a retry's)."""
+    the request's id, its runs (one, or one per choice, ``n > 1``; a run's stream id may be
+    a retry's) and its sampling."""
     prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
     max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
     if req.min_tokens > max_tokens:
@@ -135,6 +138,9 @@ async def start(
             "min_tokens",
         )
     sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
+    if sampling.logprobs is not None and tool_output(plan) is not None:
+        raise bad_request("logprobs together with tools (tool_choice other than none) are not "
+                          "supported", "logprobs", "unsupported_parameter")  # fmt: skip
     images = []
     if prompt.images:  # fetched and checked only once the rest of the request is valid
         loaded = await st.media.load(prompt.images)
@@ -150,7 +156,7 @@ async def start(
         st.metrics.in_flight.dec()
         raise
     st.metrics.prompt_tokens.inc(len(prompt_ids))
-    return rid, runs
+    return rid, runs, sampling
 
 
 def tool_output(plan: ToolPlan | None) -> ChatToolOutput | None:
@@ -161,7 +167,7 @@ def tool_output(plan: ToolPlan | None) -> ChatToolOutput | None:
 
 async def _stream(
     st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float,
-    tools: ChatToolOutput | None = None,
+    tools: ChatToolOutput | None = None, extra: ExtraOutput | None = None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     try:
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
@@ -169,12 +175,15 @@ async def _stream(
         async for batch in st.runner.batches(run):
             last = batch[-1]
             failed = last.error is not None
-            text = "".join(f.text for f in (batch[:-1] if failed else batch))
-            if tools is None:
-                event = fmt.text_event(text, include_usage) if text else b""
-            else:  # content and tool calls, parsed as they come
+            frames = batch[:-1] if failed else batch
+            text = "".join(f.text for f in frames)
+            if tools is not None:  # content and tool calls, parsed as they come
                 deltas = tools.feed(text) + (tools.finish() if last.done and not failed else [])
                 event = b"".join(sse_event(fmt.chunk(d, None, include_usage)) for d in deltas)
+            elif extra is not None:  # logprobs, an echoed prompt
+                event = extra.event(fmt, frames, text, include_usage)
+            else:
+                event = fmt.text_event(text, include_usage) if text else b""
             if not last.done:
                 if event:
                     yield event
@@ -203,18 +212,22 @@ async def _stream(
 
 async def _collect(
     st: ApiState, run: RunningRequest, fmt: Formatter, started: float,
-    tools: ChatToolOutput | None = None,
+    tools: ChatToolOutput | None = None, extra: ExtraOutput | None = None,
 ) -> JSONResponse:  # fmt: skip
-    text, last = await collect(st, run, started)
-    message = tools.message(text) if tools else None  # before the reason: it counts the calls
-    reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
-    st.metrics.finish.labels(reason or "unknown").inc()
-    body = fmt.full(text, reason, last.stop_reason, usage_body(last.usage), message=message)
-    return JSONResponse(body, headers={"x-request-id": run.request_id})
+    frames: list[TokenFrame] | None = [] if extra is not None else None
+    text, last = await collect(st, run, started, frames)
+    body = choices.whole_choice(fmt, 0, text, last, tools, extra, frames)
+    st.metrics.finish.labels(body["finish_reason"] or "unknown").inc()
+    prompt_logprobs = body.pop("prompt_logprobs", None) if fmt.chat else None
+    out = fmt.whole([body], usage_body(last.usage), prompt_logprobs)
+    return JSONResponse(out, headers={"x-request-id": run.request_id})
 
 
-async def collect(st: ApiState, run: RunningRequest, started: float) -> tuple[str, TokenFrame]:
-    """A started request's whole text and its terminal frame (an error frame raises)."""
+async def collect(
+    st: ApiState, run: RunningRequest, started: float, frames: list[TokenFrame] | None = None
+) -> tuple[str, TokenFrame]:
+    """A started request's whole text and its terminal frame (an error frame raises);
+    every frame is also appended to ``frames`` when given."""
     parts: list[str] = []
     last = None
     try:
@@ -223,6 +236,8 @@ async def collect(st: ApiState, run: RunningRequest, started: float) -> tuple[st
                 if frame.error is not None:
                     raise frame_error(frame)
                 parts.append(frame.text)
+            if frames is not None:
+                frames += batch
             last = batch[-1]
     except OpenAIError:
         raise

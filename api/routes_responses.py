@@ -46,7 +46,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     plan = tool_plan(req, st.tool_parser)
     prompt = chat_prompt(st, req)
     st.media.check_count(prompt.images)
-    rid, (run,) = await start(  # the Responses API has no n: one run
+    rid, (run,), _ = await start(  # the Responses API has no n: one run
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan
     )
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)

@@ -60,6 +60,7 @@ class Formatter:
         self.model = model
         self.created = int(time.time())
         self._text_events: dict[int, tuple[bytes, bytes]] = {}  # per choice index
+        self._lp_events: dict[int, tuple[bytes, bytes, bytes]] = {}  # per choice index
 
     def text_event(self, text: str, include_usage: bool, index: int = 0) -> bytes:
         """``sse_event(chunk(text_delta(text), None, include_usage, index=index))``, from a
@@ -75,6 +76,22 @@ class Formatter:
             self._text_events[index] = template
         head, tail = template
         return head + json_line(text).encode() + tail
+
+    def logprobs_event(self, text: str, logprobs: str, include_usage: bool,
+                       index: int = 0) -> bytes:  # fmt: skip
+        """:meth:`text_event` with the chunk's ``logprobs`` (JSON text,
+        :class:`api.logprobs.LogprobsRenderer`) in place of ``null``, from a template."""
+        template = self._lp_events.get(index)
+        if template is None:
+            body = json_line(self.chunk(self.text_delta("\x00"), None, include_usage,
+                                        index=index, logprobs="\x01"))  # fmt: skip
+            before, rest = body.split(json_line("\x00"))
+            between, after = rest.split(json_line("\x01"))
+            template = (b"data: " + before.encode(), between.encode(),
+                        after.encode() + b"\r\n\r\n")  # fmt: skip
+            self._lp_events[index] = template
+        head, mid, tail = template
+        return head + json_line(text).encode() + mid + logprobs.encode() + tail
 
     def _head(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -95,13 +112,14 @@ class Formatter:
         include_usage: bool,
         stop_reason: str | int | None = None,
         index: int = 0,
+        logprobs: object = None,
     ) -> dict:
         if self.chat:
-            choice = {"index": index, "delta": delta, "logprobs": None,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": index, "text": delta["text"], "logprobs": None,
+            choice = {"index": index, "text": delta["text"], "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
             body = self._head("text_completion")
         if finish_reason is not None:
@@ -119,26 +137,37 @@ class Formatter:
 
     def full(
         self, text: str, finish_reason: str | None, stop_reason: str | int | None, usage: dict,
-        message: dict | None = None,
+        message: dict | None = None, logprobs: dict | None = None,
+        prompt_logprobs: list | None = None,
     ) -> dict:  # fmt: skip
-        """``message``: the chat message when it is more than the text (tool calls)."""
-        return self.whole([self.choice(0, text, finish_reason, stop_reason, message)], usage)
+        """A whole response of one choice. ``message``: the chat message when it is more
+        than the text (tool calls); ``prompt_logprobs`` (vLLM's) where vLLM puts them: on
+        the body in chat, on the choice in completions (only when asked for)."""
+        choice = self.choice(0, text, finish_reason, stop_reason, message, logprobs,
+                             prompt_logprobs)  # fmt: skip
+        return self.whole([choice], usage, prompt_logprobs)
 
     def choice(
         self, index: int, text: str, finish_reason: str | None, stop_reason: str | int | None,
-        message: dict | None = None,
+        message: dict | None = None, logprobs: dict | None = None,
+        prompt_logprobs: list | None = None,
     ) -> dict:  # fmt: skip
-        """One choice of a whole (non-streamed) body (``message`` as in :meth:`full`)."""
+        """One choice of a whole (non-streamed) body (the rest as in :meth:`full`)."""
         if self.chat:
             return {"index": index, "message": message or {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish_reason,
+                    "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}  # fmt: skip
-        return {"index": index, "text": text, "logprobs": None,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}  # fmt: skip
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish_reason, "stop_reason": stop_reason}  # fmt: skip
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
+        return choice
 
-    def whole(self, choices: list[dict], usage: dict) -> dict:
-        """A whole body of ``choices`` (:meth:`choice`)."""
+    def whole(self, choices: list[dict], usage: dict, prompt_logprobs: list | None = None) -> dict:
+        """A whole body of ``choices`` (:meth:`choice`); chat's ``prompt_logprobs`` on it."""
         body = self._head("chat.completion" if self.chat else "text_completion")
         body["choices"] = choices
         body["usage"] = usage
+        if self.chat and prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs
         return body

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from starlette.requests import Request
 
 from api.cluster_metrics import ClusterCollector
 from api.errors import OpenAIError
+from api.logprobs import TokenStrings
 from api.media import MediaGuard
 from api.metrics import ApiMetrics
 from api.runner import Runner
@@ -29,6 +30,10 @@ class ApiState:
     runner: Runner | None = None
     created: int = 0  # when the API started serving (the model's ``created``)
     tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
+    strings: TokenStrings = field(init=False)  # token ids as logprobs show them
+
+    def __post_init__(self) -> None:
+        self.strings = TokenStrings(self.builder.tokenizer)
 
 
 def api_state(request: Request) -> ApiState:

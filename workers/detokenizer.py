@@ -24,13 +24,17 @@ class DetokenizerStep:
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True
-    ) -> None:
+        self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:  # fmt: skip
         self._tok = tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._skip = skip_special_tokens
         self._stop = [s for s in stop if s]
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        # a stop string may begin this many characters before a token's text
+        self._back = max((len(s) for s in self._stop), default=1) - 1
+        self._include = include_stop
+        self._hold = 0 if include_stop else self._back  # characters held back
         self._ids: list[int] = []
         self._text = ""  # everything decoded so far (before any stop cut)
         self._sent = 0  # characters of _text already released
@@ -60,15 +64,17 @@ class IncrementalDetokenizer:
         before = len(self._text)
         self._text += piece
         if self._stop and check_stop:
-            start = max(0, before - self._hold)
+            start = max(0, before - self._back)
             hit = _find_first(self._text, self._stop, start)
             if hit is not None:
                 cut, stop = hit
+                if self._include:
+                    cut += len(stop)
                 out = self._text[self._sent : cut]
                 self._sent = cut
                 self._done = True
                 return DetokenizerStep(out, stop)
-        limit = len(self._text) - self._hold if self._stop else len(self._text)
+        limit = len(self._text) - self._hold
         if limit <= self._sent:
             return DetokenizerStep("")
         out = self._text[self._sent : limit]

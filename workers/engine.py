@@ -3,7 +3,10 @@
 :class:`Engine` is an :class:`workers.engine_core.EngineCore` (scheduler, block
 accounting, stop rules) whose steps run one flattened forward pass for the whole batch —
 prefill chunks and decode tokens together — and sample each finished row with the
-request's own seeded generator.
+request's own seeded generator. Each step first takes the raw logprobs of the rows that
+asked (:mod:`workers.logprobs`, prompt logprobs from extra logits rows), then shapes the
+logits (:mod:`workers.logits`: masks, biases, penalties) and samples
+(:mod:`workers.sampling`), in vLLM's order.
 
 Image prompts: a request's ``mm_inputs`` give each image's embeddings and the offset of
 its placeholder tokens; every step embeds its tokens and replaces the rows that fall inside
@@ -30,6 +33,8 @@ from workers.engine_api import EngineConfig, EngineRequest, MMInput, RequestOutp
 from workers.engine_core import EngineCore, token_seed
 from workers.kv_copier import TorchBlockCopier
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
+from workers.logits import process
+from workers.logprobs import prompt_rows, record_prompt, take_prompt, token_logprobs
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
 from workers.pooler import TorchPooler
 from workers.pooling import PoolingConfig, PoolingUnavailable, load_pooling_config
@@ -45,7 +50,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class Engine(EngineCore):
     name = "reference"
     pooling = PoolingConfig()  # how /v1/embeddings pools (the checkpoint's, from_model_dir)
-    supports = EngineCore.supports | {"structured_outputs"}
+    supports = EngineCore.supports | {
+        "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logit_bias", "min_p", "allowed_token_ids", "bad_words",
+        "include_stop_str_in_output", "structured_outputs",
+    }  # fmt: skip
 
     def __init__(
         self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig,
@@ -64,6 +73,8 @@ class Engine(EngineCore):
         else:  # (make install puts it in): constrained requests are refused, 400
             log.warning("xgrammar is not installed: structured outputs are not served")
             self.supports = self.supports - {"structured_outputs"}
+        # request id -> [its token's logprobs, its prompt's]: this step's, for its outputs
+        self._logprobs: dict[str, list] = {}
         log.info("decode attention: %s", self.decode_attention)
         if config.host_cache_blocks or config.disk_cache_blocks:  # KVBM tiers: real bytes
             copier = TorchBlockCopier(self.kv, config.host_cache_blocks)
@@ -121,10 +132,36 @@ class Engine(EngineCore):
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=data.device)
         data.index_copy_(0, dst, data.index_select(0, src))
 
+    def step(self) -> list[RequestOutput]:
+        outs = super().step()
+        if self._logprobs:  # this step's logprobs, onto the outputs of their tokens
+            for out in outs:
+                lps = self._logprobs.pop(out.request_id, None)
+                if lps is not None:
+                    out.logprobs, out.prompt_logprobs = lps
+            self._logprobs.clear()
+        return outs
+
+    @torch.inference_mode()  # the logits are inference tensors, processed in place
     def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
-        logits = self._with_forks(self._run(batch))
+        rows = prompt_rows(batch)  # none unless a request asks for prompt logprobs
+        logits = self._run(batch, [r for r, _, _ in rows])
+        vocab = logits.shape[-1]
+        if rows:  # the rows past those of the sequences ending in this step
+            ending = self._ending_rows
+            record_prompt(logits[ending:], rows, vocab)
+            logits = logits[:ending]
         if not sampled:
             return []
+        logits = self._with_forks(logits)  # a row per sampled sequence, forked choices too
+        if self.structured is not None:  # what constrained rows' grammars forbid: -inf
+            self.structured.mask(logits, sampled)
+        # raw logprobs: the model's (as vLLM's, after a grammar's mask), before anything
+        # below shapes the logits
+        asked = [i for i, s in enumerate(sampled) if s.req.params.logprobs is not None]
+        raw = None
+        if asked:
+            raw = torch.log_softmax(logits if len(asked) == len(sampled) else logits[asked], -1)
         for seq in sampled:
             if seq.generator is not None and seq.req.params.seed is not None:
                 # a seed per (request seed, token index): the same token is drawn whichever
@@ -132,17 +169,32 @@ class Engine(EngineCore):
                 seq.generator.manual_seed(  # type: ignore[attr-defined]
                     token_seed(seq.req.params.seed, len(seq.output_ids))
                 )
-        if self.structured is not None:  # what constrained rows' grammars forbid: -inf
-            self.structured.mask(logits, sampled)
-        return sample(
-            logits,
-            [s.req.params for s in sampled],
-            [s.generator for s in sampled],  # type: ignore[misc]
-            [self.outputs.banned(s) for s in sampled],
-        )
+        logits = process(logits, sampled, [self.outputs.banned(s) for s in sampled])
+        tokens = sample(logits, [s.req.params for s in sampled],
+                        [s.generator for s in sampled])  # type: ignore[misc]  # fmt: skip
+        if raw is not None:
+            self._gather_logprobs(raw, [sampled[i] for i in asked], [tokens[i] for i in asked])
+        for seq in sampled:  # a first token: the prompt's logprobs go with it
+            if seq.req.params.prompt_logprobs is not None and seq.whole_prompt:
+                entry = self._logprobs.setdefault(seq.id, [None, None])
+                entry[1] = take_prompt(seq, vocab)
+        return tokens
 
-    def _run(self, batch: list[tuple[Seq, int, int]]) -> torch.Tensor:
-        """One forward pass over the batch; logits of the rows that end a sequence."""
+    def _gather_logprobs(self, raw: torch.Tensor, seqs: list[Seq], tokens: list[int]) -> None:
+        """The sampled tokens' logprobs (a re-prefill's forced first token's, if forced)."""
+        for j, seq in enumerate(seqs):
+            forced = seq.req.forced_first_token
+            if forced is not None and not seq.output_ids:
+                tokens[j] = forced
+        lps = token_logprobs(raw, tokens, [s.req.params.logprobs or 0 for s in seqs])
+        for seq, lp in zip(seqs, lps, strict=True):
+            self._logprobs[seq.id] = [[lp], None]
+
+    def _run(
+        self, batch: list[tuple[Seq, int, int]], extra_rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """One forward pass over the batch; logits of the rows that end a sequence, then
+        of ``extra_rows`` (indices into the step's flattened tokens)."""
         bs = self.config.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -197,7 +249,7 @@ class Engine(EngineCore):
             torch.tensor(pos, dtype=torch.long, device=dev),
             attn,
             self.kv,
-            torch.tensor(logits_index, dtype=torch.long, device=dev),
+            torch.tensor(logits_index + (extra_rows or []), dtype=torch.long, device=dev),
             inputs_embeds=embeds,
         )
 

@@ -77,6 +77,7 @@ class EngineCore:
         # this step's later choices sample from their first choice's row of logits: the
         # row of each sampled sequence (None: one row each, in order)
         self._fork_rows: list[int] | None = None
+        self._ending_rows = 0  # of the step under way: the sequences whose tokens end in it
         self._stalled = False
         self._disk_lock: int | None = None  # held while this engine uses its disk dir
 
@@ -174,9 +175,9 @@ class EngineCore:
     def _start(self, req: EngineRequest, constraint: Constraint | None) -> RequestOutput | None:
         """Put a request that passed the checks into the scheduler's queue."""
         rid, n = req.request_id, len(req.prompt_token_ids)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, req.params.stop, req.params.skip_special_tokens
-        )
+        detok = IncrementalDetokenizer(self.tokenizer, req.params.stop,
+                                       req.params.skip_special_tokens,
+                                       req.params.include_stop_str_in_output)  # fmt: skip
         seq = Seq(req, detok, self._make_generator(req.params), list(req.prompt_token_ids), n)
         seq.constraint = constraint
         if req.fork_of is not None and self.scheduler.park(seq, req.fork_of):
@@ -229,6 +230,7 @@ class EngineCore:
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
+        self._ending_rows = len(sampled)  # the forward's logits rows: one per sequence ending
         # a request's later choices (n > 1) fork from its first as its prompt completes
         forks = self.scheduler.forks_due(sampled) if self.scheduler.parked else []
         if forks:

@@ -94,6 +94,14 @@ class SimulatedCopier:
 
 class MockEngine(EngineCore):
     name = "mock"
+    # Its tokens are placeholders: it ignores what only weighs the choice of a token, as it
+    # ignores temperature (penalties, logit_bias, min_p: accepted, no effect), serves what
+    # its detokenizer does (include_stop_str_in_output), and refuses what its output could
+    # not honour or report (allowed_token_ids, bad_words, logprobs, prompt_logprobs).
+    supports = EngineCore.supports | frozenset({
+        "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logit_bias", "min_p",
+    })  # fmt: skip
 
     def __init__(
         self, tokenizer: Tokenizer, config: EngineConfig, max_model_len: int,

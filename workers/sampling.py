@@ -1,8 +1,11 @@
 """The per-step sampler (the parameters are :class:`kvbm.protocol.Sampling`).
 
-Greedy when ``temperature == 0``; otherwise temperature, then top-k, then top-p (nucleus),
-drawn from the request's own ``torch.Generator`` — seeded from ``seed`` when given, so the
-same request gives the same tokens whatever else shares its batch.
+Its input is a step's logits as whoever came before left them (structured-output masks,
+:func:`workers.logits.process`). Greedy rows (``temperature == 0``) take the argmax;
+the others are divided by their temperature, then min-p drops the tokens less likely than
+``min_p`` times the most likely one (these two batched over the rows), then top-k, then
+top-p (nucleus), drawn from the request's own ``torch.Generator`` — seeded from ``seed``
+when given, so the same request gives the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -25,24 +28,33 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
 
 
 def sample(
-    logits: torch.Tensor,  # [S, V] float32
+    logits: torch.Tensor,  # [S, V] float32, processed
     params: list[Sampling],
     generators: list[torch.Generator],
-    banned: list[list[int]],  # ids masked out per row (eos before min_tokens)
 ) -> list[int]:
     """One token per row."""
     import torch
 
-    out: list[int] = []
-    for i, p in enumerate(params):
-        row = logits[i]
-        if banned[i]:
-            row = row.clone()
-            row[banned[i]] = float("-inf")
-        if p.greedy:
-            out.append(int(torch.argmax(row)))
-            continue
-        row = row / p.temperature
+    out = [0] * len(params)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if len(drawn) < len(params):
+        best = logits.argmax(dim=-1).tolist()
+        for i, p in enumerate(params):
+            if p.greedy:
+                out[i] = best[i]
+    if not drawn:
+        return out
+    temps = torch.tensor([params[i].temperature for i in drawn], dtype=logits.dtype)
+    x = logits[torch.tensor(drawn, dtype=torch.long)] / temps[:, None]
+    min_p = [j for j, i in enumerate(drawn) if params[i].min_p > 0.0]
+    if min_p:
+        rows = torch.tensor(min_p, dtype=torch.long)
+        probs = torch.softmax(x[rows], dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
+            [params[drawn[j]].min_p for j in min_p], dtype=probs.dtype)[:, None]  # fmt: skip
+        x[rows] = x[rows].masked_fill(probs < floor, float("-inf"))
+    for j, i in enumerate(drawn):
+        p, row = params[i], x[j]
         if p.top_k > 0 and p.top_k < row.shape[-1]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -53,5 +65,5 @@ def sample(
             drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
+        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
     return out

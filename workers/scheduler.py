@@ -71,6 +71,14 @@ class Seq:
     # the later choices of its request (n > 1) waiting for its prompt, to fork from it
     forks: list[Seq] = field(default_factory=list)
     constraint: Constraint | None = None  # a structured output's grammar state
+    sampling: object | None = None  # the engine's per-request sampling state
+
+    @property
+    def whole_prompt(self) -> bool:
+        """Its prompt logprobs are still owed (they go out with its first token): every
+        prompt position must be computed, none found in the prefix cache (as vLLM does)."""
+        return (self.req.params.prompt_logprobs is not None and not self.output_ids
+                and self.req.imported is None)  # fmt: skip
 
     @property
     def importing(self) -> bool:
@@ -417,6 +425,10 @@ class Scheduler:
     def _match(self, seq: Seq) -> bool | None:
         """Start ``seq`` on its cached prefix: G1's blocks, then those found in G2 / G3,
         which it waits for in the loading state (True). ``None``: no room to onboard."""
+        if seq.whole_prompt:  # its blocks are still named, for the requests after it
+            seq.matched, seq.num_computed = True, 0
+            self.kv.allocate_slots(seq.id, 0, seq.req.block_extra_keys)
+            return False
         m = self.kv.match_prefix(seq.id, seq.token_ids, seq.req.block_extra_keys)
         seq.matched = True
         seq.num_computed = m.tokens

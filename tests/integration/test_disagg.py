@@ -214,6 +214,35 @@ def test_streamed_disagg_matches_and_frames_continue(disagg: Disagg, agg_referen
     assert chunks[-1].usage.completion_tokens == OUT[i]
 
 
+def test_disagg_logprobs_equal_agg(disagg: Disagg, cluster: Cluster) -> None:
+    """The prefill worker's first frame carries the first token's logprobs and the prompt's;
+    the decode worker's frames the next tokens': the same numbers as the aggregated run,
+    streamed or not."""
+    dis = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="x", max_retries=0)
+    agg = cluster.client(max_retries=0)
+    for i in (2, 11, 20):  # 15-, 100- and 400-token prompts
+        kw: dict = dict(prompt=PROMPTS[i], max_tokens=8, temperature=0, logprobs=3,
+                        extra_body={"ignore_eos": True, "prompt_logprobs": 2})  # fmt: skip
+        want = agg.completions.create(model=cluster.model_name, **kw).choices[0]
+        got = dis.completions.create(model=disagg.model, **kw).choices[0]
+        assert got.logprobs.tokens == want.logprobs.tokens
+        assert got.logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs, abs=1e-3)
+        assert [list(t) for t in got.logprobs.top_logprobs] == [
+            list(t) for t in want.logprobs.top_logprobs
+        ]
+        mine, ref = got.model_extra["prompt_logprobs"], want.model_extra["prompt_logprobs"]
+        assert len(mine) == len(PROMPTS[i]) and mine[0] is None and ref[0] is None
+        for a, b in zip(mine[1:], ref[1:], strict=True):
+            assert list(a) == list(b)
+            assert [v["logprob"] for v in a.values()] == pytest.approx(
+                [v["logprob"] for v in b.values()], abs=1e-3
+            )
+        chunks = list(dis.completions.create(model=disagg.model, stream=True, **kw))
+        streamed = [t for c in chunks if c.choices and c.choices[0].logprobs
+                    for t in c.choices[0].logprobs.tokens]  # fmt: skip
+        assert streamed == want.logprobs.tokens  # the first one (the prefill's) included
+
+
 def test_cancel_mid_decode_frees_both_sides(disagg: Disagg) -> None:
     wait_for(disagg.idle, 10, "idle")
     body = {

@@ -69,13 +69,18 @@ def test_unknown_model_404(cluster: Cluster) -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+        ({"echo": True}, "echo"),  # chat's (completions' is served)
         (
             {
                 "tools": [{"type": "function", "function": {"name": "f"}}],
                 "tool_choice": {"type": "function", "function": {"name": "g"}},
             },
             "tool_choice.function.name",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True},
+            "logprobs",
         ),
         ({"stop": ["a"] * 20}, "stop"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
@@ -99,8 +104,9 @@ def test_invalid_completion_bodies_400(cluster: Cluster) -> None:
         _post(cluster, "/v1/completions", {"model": m, "prompt": ["a", "b"]}), 400, "prompt"
     )
     _assert_error(
-        _post(cluster, "/v1/completions", {"model": m, "prompt": "x", "echo": True}), 400, "echo"
-    )
+        _post(cluster, "/v1/completions", {"model": m, "prompt": "x", "suffix": "y"}), 400,
+        "suffix",
+    )  # fmt: skip
     r = httpx.post(
         f"{cluster.url}/v1/completions",
         content=b"{not json",

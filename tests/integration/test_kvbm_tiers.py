@@ -16,6 +16,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -46,6 +47,7 @@ def _prompt(n: int = 300) -> list[int]:
 
 A, B, C, D = (_prompt() for _ in range(4))
 FLOODS = [_prompt() for _ in range(12)]
+E = _prompt()  # asked with logprobs
 FULL = (300 - 1) // 16 * 16  # prompt tokens a hit can cover: every full block but a token
 
 
@@ -162,6 +164,25 @@ def test_g2_then_g3_onboarding_answers_as_the_cold_run(agg: Deployment) -> None:
     assert agg.metric('conveyor_kvbm_host_cache_hit_rate{pool="generate",worker="tier-w1"}') > 0
     assert agg.metric('conveyor_kvbm_onboard_latency_seconds_count{pool="generate",'
                       'worker="tier-w1"}') >= 2  # fmt: skip
+    wait_for(lambda: _at_rest(agg, "tier-w1"), 10, "every tier at rest")
+
+
+def test_g2_onboarding_gives_the_cold_runs_logprobs(agg: Deployment) -> None:
+    c = openai.OpenAI(base_url=f"{agg.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def ask() -> tuple[Any, int]:
+        r = c.completions.create(model=agg.model, prompt=E, max_tokens=8, temperature=0,
+                                 logprobs=4, extra_body={"ignore_eos": True})  # fmt: skip
+        return r.choices[0].logprobs, r.usage.prompt_tokens_details.cached_tokens or 0
+
+    cold, cached = ask()
+    assert cached == 0
+    agg.flood(3)  # E leaves G1; host memory keeps it
+    warm, cached = ask()
+    assert cached == FULL  # onboarded from G2
+    assert warm.tokens == cold.tokens
+    assert warm.token_logprobs == pytest.approx(cold.token_logprobs, abs=1e-3)
+    assert [list(t) for t in warm.top_logprobs] == [list(t) for t in cold.top_logprobs]
     wait_for(lambda: _at_rest(agg, "tier-w1"), 10, "every tier at rest")
 
 

@@ -2,8 +2,9 @@
 client): 16 streams run on two workers of a pool; one worker is SIGKILLed mid-stream (its
 Celery process, whose engine process then says it died; or only its engine process, after
 which the worker exits). Every stream completes, token for token the output it gives
-uninterrupted (greedy, and seeded sampling), with exact usage; the streams the dead worker
-held moved on to the other worker (counted), whose blocks are all free afterwards.
+uninterrupted (greedy, and seeded sampling), with exact usage and the same logprobs; the
+streams the dead worker held moved on to the other worker (counted), whose blocks are all
+free afterwards.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -39,13 +41,23 @@ PROMPTS = [f"Stream {i}: " + " ".join(["tell", "me", "a", "story", "about"][: 1 
 
 
 def _sampling(i: int) -> dict:
-    """Greedy for most; two seeded samplers (their per-index seeds must carry over)."""
+    """Greedy for most; two seeded samplers (their per-index seeds must carry over); the
+    even ones with logprobs (the new worker's must go on as the lost one's would)."""
+    kw: dict = {"logprobs": 2} if i % 2 == 0 else {}
     if i in (3, 11):
-        return {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
-    return {"temperature": 0}
+        return {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i, **kw}
+    return {"temperature": 0, **kw}
 
 
-async def _stream(url: str, model: str, i: int, progress: list[int]) -> tuple[str, dict, str]:
+def _lps(lp: Any) -> list:
+    """(token, logprob, top tokens) per token of a choice's logprobs (none: [])."""
+    if lp is None:
+        return []
+    rows = zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+    return [(t, x, list(top)) for t, x, top in rows]
+
+
+async def _stream(url: str, model: str, i: int, progress: list[int]) -> tuple[str, dict, str, list]:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
     try:
         stream = await client.completions.create(
@@ -53,25 +65,26 @@ async def _stream(url: str, model: str, i: int, progress: list[int]) -> tuple[st
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             **_sampling(i),
         )  # fmt: skip
-        text, usage, reason = [], None, None
+        text, usage, reason, lps = [], None, None, []
         async for chunk in stream:
             if chunk.choices:
                 text.append(chunk.choices[0].text)
                 reason = chunk.choices[0].finish_reason or reason
+                lps += _lps(chunk.choices[0].logprobs)
                 progress[i] += 1
             usage = chunk.usage or usage
         assert usage is not None
-        return "".join(text), usage.model_dump(), reason or ""
+        return "".join(text), usage.model_dump(), reason or "", lps
     finally:
         await client.close()
 
 
-def _once(url: str, model: str, i: int) -> tuple[str, dict]:
+def _once(url: str, model: str, i: int) -> tuple[str, dict, list]:
     out = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).completions.create(
         model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True},
         **_sampling(i),
     )  # fmt: skip
-    return out.choices[0].text, out.usage.model_dump()
+    return out.choices[0].text, out.usage.model_dump(), _lps(out.choices[0].logprobs)
 
 
 def _metric(url: str, name: str) -> float:
@@ -110,7 +123,7 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
         target = report["engine_pid"] if kill == "engine" else victim.popen.pid
         progress = [0] * len(PROMPTS)
 
-        async def run() -> list[tuple[str, dict, str]]:
+        async def run() -> list[tuple[str, dict, str, list]]:
             tasks = [asyncio.create_task(_stream(url, model, i, progress))
                      for i in range(len(PROMPTS))]  # fmt: skip
             deadline = time.monotonic() + 60
@@ -122,10 +135,14 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
 
         got = asyncio.run(run())
         victim.popen.wait(30)  # the worker is gone (an engine killed alone takes it along)
-        for i, ((text, usage, reason), (want_text, want_usage)) in enumerate(
+        for i, ((text, usage, reason, lps), (want_text, want_usage, want_lps)) in enumerate(
             zip(got, want, strict=True)
         ):
             assert text == want_text, (i, text, want_text)
+            # logprobs carry on across the move (the same tokens, values within 1e-3)
+            assert len(lps) == len(want_lps) == (MAX_TOKENS if i % 2 == 0 else 0)
+            for (t, x, top), (wt, wx, wtop) in zip(lps, want_lps, strict=True):
+                assert (t, top) == (wt, wtop) and abs(x - wx) < 1e-3, (i, t, x, wx)
             assert reason == "length"
             assert usage["completion_tokens"] == MAX_TOKENS == want_usage["completion_tokens"]
             assert usage["prompt_tokens"] == want_usage["prompt_tokens"], (i, usage, want_usage)

@@ -342,3 +342,35 @@ def test_choices_each_follow_the_requests_json_schema(cluster: Cluster) -> None:
         for c in chunk.choices:
             streamed[c.index] += c.delta.content or ""
     assert streamed == texts  # seeded: the same choices, streamed
+
+
+def test_every_choice_carries_its_own_logprobs(cluster: Cluster) -> None:
+    """logprobs with n > 1: each choice's entries are its own tokens (their strings join
+    into its text), streamed equal to not; completions' echo puts the prompt, with its
+    logprobs, before every choice."""
+    client, msgs = cluster.client(), [{"role": "user", "content": _fresh("lp")}]
+    kw = dict(model=cluster.model_name, messages=msgs, n=N, seed=3, temperature=1.0,
+              max_tokens=12, logprobs=True, top_logprobs=2)  # fmt: skip
+    out = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    whole = {}
+    for c in out.choices:
+        entries = c.logprobs.content
+        assert len(entries) == 12 and all(len(e.top_logprobs) == 2 for e in entries)
+        assert "".join(e.token for e in entries) == c.message.content
+        whole[c.index] = [(e.token, round(e.logprob, 5)) for e in entries]
+    assert len({tuple(v) for v in whole.values()}) > 1  # seeded choices differ
+    streamed: dict[int, list] = {i: [] for i in range(N)}
+    for chunk in client.chat.completions.create(**kw, stream=True):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                streamed[c.index] += [(e.token, round(e.logprob, 5)) for e in c.logprobs.content]
+    assert streamed == whole
+    prompt = _fresh("echo")
+    done = client.completions.create(model=cluster.model_name, prompt=prompt, n=2, seed=3,
+                                     temperature=1.0, max_tokens=5, echo=True,
+                                     logprobs=1)  # fmt: skip
+    assert done.usage is not None
+    for c in done.choices:
+        assert c.text.startswith(prompt)
+        assert c.logprobs.token_logprobs[0] is None  # the echoed prompt's first token
+        assert len(c.logprobs.tokens) == done.usage.prompt_tokens + 5

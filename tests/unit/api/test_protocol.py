@@ -16,6 +16,7 @@ def test_unsupported_parameters_are_named() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for patch, param in [
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"echo": True}, "echo"),  # chat's echo (completions' is served)
     ]:
         with pytest.raises(OpenAIError) as e:
             unsupported(ChatCompletionRequest(**base, **patch))
@@ -25,6 +26,7 @@ def test_unsupported_parameters_are_named() -> None:
             unsupported(CompletionRequest(model="m", prompt="x", **patch))
         assert e.value.status == 400 and e.value.param == param
     unsupported(ChatCompletionRequest(**base))  # plain request passes
+    unsupported(CompletionRequest(model="m", prompt="x", echo=True, logprobs=2))
 
 
 def test_schema_bounds() -> None:

@@ -94,6 +94,26 @@ def test_earliest_stop_string_wins(tok: Tokenizer) -> None:
     assert "".join(deltas) == "ab"
 
 
+def test_include_stop_str_keeps_the_stop_and_holds_nothing_back(tok: Tokenizer) -> None:
+    ids = _ids(tok, "Hello, world! again")
+    d = IncrementalDetokenizer(tok, stop=["world", "never-matches"], include_stop=True)
+    deltas, stop = _run(d, ids)
+    assert stop == "world"
+    assert len(deltas) == 5  # caught on the token that completes it, " wor" + "ld"
+    # every token's text went out as it came (nothing held back for a stop to come)
+    assert deltas == [tok.decode([i]) for i in ids[:5]]
+    assert "".join(deltas) == "Hello, world" == d.text
+    assert d.finish() == ""
+
+
+def test_include_stop_str_cuts_what_follows_the_stop_in_its_token(tok: Tokenizer) -> None:
+    ids = _ids(tok, "abc xyz def")
+    d = IncrementalDetokenizer(tok, stop=["c x"], include_stop=True)
+    deltas, stop = _run(d, ids)
+    assert stop == "c x"
+    assert "".join(deltas) == "abc x"  # the token " xyz" completes it: "yz" is cut
+
+
 def test_prefix_of_stop_is_held_until_disambiguated(tok: Tokenizer) -> None:
     prefix_ids = _ids(tok, "Hello, world! ")
     sto_ids = _ids(tok, "STO")

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from kvbm.protocol import Sampling
+from tests.unit.workers.test_resume_engine import _run as _run_outputs
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill
+from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill, RequestOutput
 
 CFG = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=512)
 
@@ -34,10 +35,13 @@ def _run_all(engine: Engine, reqs: list[EngineRequest]) -> dict[str, tuple[list[
     return out
 
 
-def _disagg(prefill: Engine, decode: Engine, reqs: list[EngineRequest]) -> dict:
+def _disagg(prefill: Engine, decode: Engine, reqs: list[EngineRequest],
+            outputs: dict[str, list[RequestOutput]] | None = None) -> dict:  # fmt: skip
     """Both engines step in turn; each prefilled request's blocks are copied into the
-    decode engine at once and released, as a decode worker's pull would."""
+    decode engine at once and released, as a decode worker's pull would. ``outputs``
+    collects every output of each request, the prefill engine's first."""
     out: dict[str, tuple[list[int], str]] = {}
+    seen = outputs if outputs is not None else {}
     for r in reqs:
         r.prefill_only = True
         prefill.add_request(r)
@@ -46,6 +50,7 @@ def _disagg(prefill: Engine, decode: Engine, reqs: list[EngineRequest]) -> dict:
         for o in prefill.step():
             r = by_id[o.request_id]
             out[r.request_id] = (o.token_ids, o.text)
+            seen.setdefault(o.request_id, []).append(o)
             if o.finished:  # ended on its first token: nothing to decode
                 continue
             assert o.prefilled and o.kv_block_ids
@@ -59,6 +64,7 @@ def _disagg(prefill: Engine, decode: Engine, reqs: list[EngineRequest]) -> dict:
             decode.add_request(EngineRequest(r.request_id, r.prompt_token_ids, r.params,
                                              imported=imported))  # fmt: skip
         for o in decode.step():
+            seen[o.request_id].append(o)
             toks, text = out[o.request_id]
             out[o.request_id] = (toks + o.token_ids, text + o.text)
     return out
@@ -105,6 +111,41 @@ def test_disagg_equals_agg_seeded_stops_and_eos(engines: tuple[Engine, Engine, E
     assert any(len(t) < 40 for t, _ in want.values()), "some request should stop early"
     for e in engines:
         assert e.stats().blocks_used == 0
+
+
+def test_disagg_logprobs_equal_agg(engines: tuple[Engine, Engine, Engine]) -> None:
+    """The prefill engine's first output carries the first token's logprobs and the
+    prompt's; the decode engine carries on with the next tokens' and never sends the
+    prompt's again: together they are the aggregated run's."""
+    agg, pre, dec = engines
+    params = [Sampling(max_tokens=6, temperature=0 if i % 2 else 0.8, seed=i, ignore_eos=True,
+                       logprobs=i % 4, prompt_logprobs=3 if i % 3 == 0 else None)
+              for i in range(14)]  # fmt: skip
+    reqs = _requests(params, 3)
+    want = _run_outputs(agg, _clone(reqs))
+    got: dict[str, list[RequestOutput]] = {}
+    _disagg(pre, dec, _clone(reqs), got)
+    for r in reqs:
+        mine, ref = got[r.request_id], want[r.request_id]
+        assert [t for o in mine for t in o.token_ids] == [t for o in ref for t in o.token_ids]
+        lps = [lp for o in mine for lp in o.logprobs or []]
+        ref_lps = [lp for o in ref for lp in o.logprobs or []]
+        assert len(lps) == len(ref_lps) == 6
+        assert _close(lps, ref_lps), r.request_id
+        assert mine[0].prefilled or mine[0].finished
+        assert _close(mine[0].prompt_logprobs, ref[0].prompt_logprobs), r.request_id
+        assert (mine[0].prompt_logprobs is None) == (r.params.prompt_logprobs is None)
+        assert all(o.prompt_logprobs is None for o in mine[1:])
+
+
+def _close(a: object, b: object, tol: float = 1e-4) -> bool:
+    """Logprob structures equal: the same ids and ranks, values within ``tol`` (the two
+    runs batch their steps differently)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) < tol
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b, strict=True))
+    return a == b
 
 
 def test_forced_first_token_replays_what_was_streamed(

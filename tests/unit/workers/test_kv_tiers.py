@@ -36,10 +36,11 @@ def params(n: int) -> Sampling:
 
 def run(engine, reqs: list[EngineRequest], timeout: float = 60.0) -> dict[str, RequestOutput]:  # type: ignore[no-untyped-def]
     """Step until every request ended (sleeping while only loads are under way); each
-    request's tokens and its last output."""
+    request's last output, with all its tokens (and logprobs, when it asked)."""
     for r in reqs:
         assert engine.add_request(r) is None
     toks: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    lps: dict[str, list] = {}
     last: dict[str, RequestOutput] = {}
     deadline = time.monotonic() + timeout
     while engine.has_unfinished:
@@ -49,9 +50,12 @@ def run(engine, reqs: list[EngineRequest], timeout: float = 60.0) -> dict[str, R
             time.sleep(0.001)
         for o in outs:
             toks.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.logprobs is not None:
+                lps.setdefault(o.request_id, []).extend(o.logprobs)
             last[o.request_id] = o
     for rid, o in last.items():
         o.token_ids = toks[rid]
+        o.logprobs = lps.get(rid)
     return last
 
 
@@ -138,6 +142,29 @@ def test_onboarded_prefixes_give_the_recomputed_tokens(
     assert kv["matched_tokens"][tier] >= 112
     assert sum(kv["onboard_latency_counts"]) >= 1
     steady(e)
+    e.close()
+
+
+def test_onboarded_prefixes_give_the_recomputed_logprobs(model_dir: Path, tmp_path: Path) -> None:
+    """Output logprobs of a prompt whose prefix came back from G2 equal a recompute's."""
+    lp_params = Sampling(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    reqs = lambda tag: [EngineRequest(f"{tag}{i}", p, lp_params)  # noqa: E731
+                        for i, p in enumerate(PROMPTS)]  # fmt: skip
+    fresh = Engine.from_model_dir(model_dir, EngineConfig(**BASE, enable_prefix_caching=False))
+    want = run(fresh, reqs("w"))
+    e = tiered(model_dir, "g2", tmp_path)
+    run(e, reqs("a"))
+    evict_g1(e)
+    again = run(e, reqs("b"))
+    assert all(again[f"b{i}"].num_cached_tokens >= 112 for i in range(len(PROMPTS)))
+    for i in range(len(PROMPTS)):
+        got, ref = again[f"b{i}"], want[f"w{i}"]
+        assert got.token_ids == ref.token_ids
+        assert got.logprobs is not None and ref.logprobs is not None
+        for (lp, rank, top), (wlp, wrank, wtop) in zip(got.logprobs, ref.logprobs, strict=True):
+            assert abs(lp - wlp) < 1e-4 and rank == wrank
+            assert [t for t, _ in top] == [t for t, _ in wtop]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(top, wtop, strict=True))
     e.close()
 
 

@@ -82,6 +82,38 @@ def test_a_resumed_request_ends_as_the_uninterrupted_one(
         assert e.stats().blocks_used == 0
 
 
+def test_a_resumed_request_gives_the_next_logprobs_and_not_the_prompts_again(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """After a migration the new engine recomputes prompt + tokens so far (its prefix
+    cache may serve them: no prompt logprobs are owed) and its logprobs for the tokens
+    after the cut are the uninterrupted run's."""
+    first, second = engines
+    cut = 3
+    params = [Sampling(max_tokens=10, temperature=0 if i % 2 else 0.7, seed=i, ignore_eos=True,
+                       logprobs=i % 3 + 1, prompt_logprobs=2) for i in range(8)]  # fmt: skip
+    reqs = _requests(params, 40)
+    want = _run(first, [_clone(r) for r in reqs])
+    resumed = []
+    for r in reqs:
+        outs = want[r.request_id]
+        assert outs[0].prompt_logprobs is not None
+        toks = [t for o in outs for t in o.token_ids]
+        sent = "".join(o.text for o in outs[:cut])
+        resumed.append(_clone(r, ResumedOutput(toks[:cut], len(sent))))
+    got = _run(second, resumed)
+    for r in reqs:
+        mine, ref = got[r.request_id], want[r.request_id][cut:]
+        assert [t for o in mine for t in o.token_ids] == [t for o in ref for t in o.token_ids]
+        assert all(o.prompt_logprobs is None for o in mine)
+        for o, w in zip(mine, ref, strict=True):
+            assert o.logprobs is not None and w.logprobs is not None
+            (lp, rank, top), (wlp, wrank, wtop) = o.logprobs[0], w.logprobs[0]
+            assert abs(lp - wlp) < 1e-4 and rank == wrank
+            assert [t for t, _ in top] == [t for t, _ in wtop]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(top, wtop, strict=True))
+
+
 def test_resuming_a_request_already_complete_is_an_error(engines: tuple[Engine, Engine]) -> None:
     _, second = engines
     p = Sampling(max_tokens=3, temperature=0)
