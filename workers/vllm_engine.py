@@ -147,8 +147,10 @@ class VllmEngine:
 
     name = "vllm"
     # the optional sampling features (workers.engine_api.FEATURES) passed on to vLLM, which
-    # serves them all with the same meanings (vLLM's names are Sampling's)
-    supports: frozenset[str] = frozenset(FEATURES) - {"n"}
+    # serves them all with the same meanings (vLLM's names are Sampling's). n > 1 reaches
+    # it as one request per choice (workers.choices), as vLLM fans a request out itself;
+    # its prefix cache shares the prompt's blocks
+    supports: frozenset[str] = frozenset(FEATURES)
 
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, vllm_args: Sequence[str] = (),
