@@ -20,9 +20,9 @@ goes through three steps here:
   are not touched.
 
 JSON is generated without free whitespace between tokens unless the spec asks for it
-(``any_whitespace``; vLLM's ``disable_any_whitespace``), with ", " and ": " as separators:
-a schema with bounded strings, arrays and numbers then always finishes, even on a model with
-random weights.
+(``any_whitespace``; vLLM's ``disable_any_whitespace``), with "," and ":" as separators, as
+vLLM's xgrammar backend writes it: a schema with bounded strings, arrays and numbers then
+always finishes, even on a model with random weights.
 
 xgrammar brings torch and transformers: it is imported on first use, on the compile thread,
 so an engine that never sees a constrained request never loads it. torch-free to import.
@@ -281,7 +281,10 @@ class GrammarCompiler:
         G = xgr.Grammar
         if spec.json_schema is not None or spec.json_object:
             schema = spec.json_schema if spec.json_schema is not None else '{"type": "object"}'
-            return _fixed(G, G.from_json_schema(schema, any_whitespace=spec.any_whitespace), True)
+            # the most compact JSON (vLLM's separators when it disables free whitespace)
+            seps = None if spec.any_whitespace else (",", ":")
+            return _fixed(G, G.from_json_schema(schema, any_whitespace=spec.any_whitespace,
+                                                separators=seps), True)  # fmt: skip
         if spec.regex is not None:
             return _fixed(G, G.from_regex(spec.regex), False)
         if spec.choice is not None:
