@@ -53,6 +53,7 @@ from workers.engine_api import (
     refuse_prompt,
     refuse_unsupported,
 )
+from workers.structured import GrammarError, grammar_text
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
 
 log = logging.getLogger(__name__)
@@ -324,6 +325,10 @@ class VllmEngine:
         try:
             sp = self._sampling(req, st)
             prompt = self._prompt(req)
+        except GrammarError as e:
+            so = req.params.structured
+            param = (so.param if so is not None else None) or "structured_outputs"
+            return failed(rid, n, f"{param}: {e}", "invalid_structured_output", param)
         except (TypeError, ValueError) as e:
             return failed(rid, n, f"vLLM refused the request: {e}")
         self._reqs[rid] = st
@@ -640,17 +645,17 @@ class VllmEngine:
 
 
 def _structured(spec: StructuredOutput | None):  # type: ignore[no-untyped-def]
-    """vLLM's structured-output parameters for a request's constraint (its names are ours;
-    xgrammar is its default backend, as ours)."""
+    """vLLM's structured-output parameters for a request's constraint: the grammar the
+    reference engine enforces for it (workers.structured: JSON's whitespace as the request
+    says, and the fixes to xgrammar 0.2.8's JSON strings vLLM's own conversion lacks), as
+    EBNF for vLLM's xgrammar backend. Raises GrammarError for a spec with no grammar."""
     if spec is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
-    return StructuredOutputsParams(
-        json=spec.json_schema, regex=spec.regex, choice=spec.choice, grammar=spec.grammar,
-        json_object=spec.json_object or None, structural_tag=spec.structural_tag,
-        disable_any_whitespace=not spec.any_whitespace,
-    )  # fmt: skip
+    if spec.structural_tag is not None:  # vLLM takes both forms of a structural tag itself
+        return StructuredOutputsParams(structural_tag=spec.structural_tag)
+    return StructuredOutputsParams(grammar=grammar_text(spec))
 
 
 def _logprob(entry: dict, token_id: int, k: int) -> list:

@@ -20,7 +20,12 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(model=spec["model"], seed=0, **spec["options"])
+    # JSON's whitespace as Conveyor's vLLM engine sets it (workers.vllm_engine.engine_args)
+    options = {
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+        **spec["options"],
+    }
+    llm = LLM(model=spec["model"], seed=0, **options)
     prompts, params = [], []
     for r in spec["requests"]:
         prompt: dict = {"prompt_token_ids": r["prompt_token_ids"]}
@@ -30,6 +35,8 @@ def main() -> None:
             prompt["multi_modal_data"] = {"image": Image.open(r["image"]).convert("RGB")}
         prompts.append(prompt)
         kw = dict(r["params"])
+        if kw.get("logit_bias"):  # JSON made its token ids strings
+            kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
         if kw.get("structured_outputs") is not None:
             kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
         params.append(SamplingParams(**kw))
