@@ -246,6 +246,18 @@ def mask_with_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
 # ======================================================================================
 
 
+def grammar_text(spec: StructuredOutput) -> str:
+    """``spec`` as the EBNF grammar the reference engine compiles (xgrammar's, with the fixes
+    below): what the vLLM engine hands vLLM, so both enforce the same grammar. Raises
+    :class:`GrammarError` saying why when ``spec`` has none."""
+    import xgrammar as xgr
+
+    try:
+        return str(GrammarCompiler._grammar(xgr, spec))
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and its own
+        raise GrammarError(_problem(e)) from e
+
+
 class GrammarError(ValueError):
     """A spec xgrammar cannot compile; the message is xgrammar's reason."""
 

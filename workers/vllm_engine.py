@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbm.block_pool import KVEvent
-from kvbm.protocol import G1, ExtraKeys, model_namespace
+from kvbm.protocol import G1, ExtraKeys, StructuredOutput, model_namespace
 from workers.engine_api import (
+    FEATURES,
     EngineConfig,
     EngineRequest,
     EngineStats,
@@ -52,6 +53,7 @@ from workers.engine_api import (
     refuse_prompt,
     refuse_unsupported,
 )
+from workers.structured import GrammarError, grammar_text
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
 
 log = logging.getLogger(__name__)
@@ -137,20 +139,29 @@ class _Req:
     skip_chars: int = 0
     first_token: int | None = None
     resumed: int = 0  # output tokens sent before a migration (they join vLLM's prompt)
+    top_logprobs: int | None = None  # the request's logprobs (top k per token), if asked
+    top_prompt_logprobs: int = 0  # its prompt_logprobs (top k per prompt token)
 
 
 class VllmEngine:
     """The engine protocol (:class:`workers.engine_api.Engine`) over vLLM's ``AsyncLLM``."""
 
     name = "vllm"
-    # the optional sampling features (workers.engine_api.FEATURES) passed on to vLLM
-    supports: frozenset[str] = frozenset()
+    # the optional sampling features (workers.engine_api.FEATURES) passed on to vLLM, which
+    # serves them all with the same meanings (vLLM's names are Sampling's). n > 1 reaches
+    # it as one request per choice (workers.choices), as vLLM fans a request out itself;
+    # its prefix cache shares the prompt's blocks
+    supports: frozenset[str] = frozenset(FEATURES)
 
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, vllm_args: Sequence[str] = (),
         tag: str = "", kv_role: str | None = None,
     ) -> None:  # fmt: skip
         self.config = config
+        # the served model's tokenizer (the API's too): bad words' token ids back to words
+        from tokenizers import Tokenizer
+
+        self._tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         self._reqs: dict[str, _Req] = {}
         self._out: deque[tuple[str, object]] = deque()  # (request id, vLLM output | error)
         self._cv = threading.Condition()
@@ -285,6 +296,8 @@ class VllmEngine:
                                           self.supports)) is not None:  # fmt: skip
             return refused
         st = _Req(n, req.prefill_only and req.params.max_tokens > 1)
+        st.top_logprobs = req.params.logprobs
+        st.top_prompt_logprobs = req.params.prompt_logprobs or 0
         if req.imported is not None:
             if not req.kv_transfer_params or "vllm" not in req.kv_transfer_params:
                 return failed(
@@ -302,11 +315,20 @@ class VllmEngine:
             if n + len(done) >= self.max_model_len or len(done) >= req.params.max_tokens:
                 return failed(rid, n, f"cannot resume after {len(done)} output tokens: the "
                                        "request was already complete")  # fmt: skip
+            if req.params.structured is not None:
+                # vLLM starts a grammar at the prompt's end: it cannot continue one over the
+                # tokens already out (the reference engine replays its matcher over them)
+                return failed(rid, n, "the vLLM engine cannot resume a structured-output "
+                                      "request on another worker")  # fmt: skip
             st.resumed = len(done)
             st.output_tokens = len(done)
         try:
             sp = self._sampling(req, st)
             prompt = self._prompt(req)
+        except GrammarError as e:
+            so = req.params.structured
+            param = (so.param if so is not None else None) or "structured_outputs"
+            return failed(rid, n, f"{param}: {e}", "invalid_structured_output", param)
         except (TypeError, ValueError) as e:
             return failed(rid, n, f"vLLM refused the request: {e}")
         self._reqs[rid] = st
@@ -481,20 +503,47 @@ class VllmEngine:
             extra["kv_transfer_params"] = dict(req.kv_transfer_params["vllm"])
             if seed is None:
                 seed = req.kv_transfer_params.get("seed")
+        # the prompt's logprobs come from whoever computes the prompt: not a decode worker
+        # whose KV came from a prefill worker, nor a migrated request (sent already)
+        prompt_logprobs = p.prompt_logprobs
+        if req.imported is not None or req.resumed is not None:
+            prompt_logprobs = None
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k if p.top_k > 0 else 0,
+            min_p=p.min_p,
             seed=seed,
             stop=list(p.stop) or None,
             stop_token_ids=list(p.stop_token_ids) or None,
+            include_stop_str_in_output=p.include_stop_str_in_output,
             ignore_eos=p.ignore_eos,
             min_tokens=min(max(p.min_tokens - st.resumed, 0), max_tokens),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logit_bias=dict(p.logit_bias) or None,
+            allowed_token_ids=list(p.allowed_token_ids) if p.allowed_token_ids else None,
+            bad_words=self._bad_words(p.bad_words) or None,
+            logprobs=p.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=_structured(p.structured),
             skip_special_tokens=p.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra or None,
         )
+
+    def _bad_words(self, sequences: list[list[int]]) -> list[str]:
+        """The API sends bad words as token ids (both spellings: at the start of the text and
+        after a space); vLLM takes the words and derives both spellings itself, so the
+        spaced one's text, stripped, is the word again."""
+        words: list[str] = []
+        for ids in sequences:
+            word = self._tokenizer.decode(ids).strip()
+            if word and word not in words:
+                words.append(word)
+        return words
 
     def _prompt(self, req: EngineRequest) -> dict:
         ids = list(req.prompt_token_ids)
@@ -551,18 +600,27 @@ class VllmEngine:
         toks, text = list(co.token_ids), co.text or ""
         st.output_tokens += len(toks)
         st.cached_tokens = item.num_cached_tokens or 0  # type: ignore[attr-defined]
+        k = st.top_logprobs
+        logprobs = None
+        if k is not None and co.logprobs is not None:
+            logprobs = [_logprob(e, t, k) for e, t in zip(co.logprobs, toks, strict=True)]
         if st.skip_tokens and toks:  # the prefill worker streamed the first token
             if toks[0] != st.first_token:
                 log.warning("[%s] decode's first token %d != the prefill's %d", rid, toks[0],
                             st.first_token)  # fmt: skip
             toks, st.skip_tokens = toks[1:], 0
+            logprobs = logprobs[1:] if logprobs is not None else None
         if st.skip_chars and text:
             cut = min(len(text), st.skip_chars)
             text, st.skip_chars = text[cut:], st.skip_chars - cut
         finished = bool(item.finished)  # type: ignore[attr-defined]
         out = RequestOutput(rid, toks, text, num_prompt_tokens=st.prompt_tokens,
                             num_output_tokens=st.output_tokens,
-                            num_cached_tokens=st.cached_tokens)  # fmt: skip
+                            num_cached_tokens=st.cached_tokens, logprobs=logprobs)  # fmt: skip
+        plp = getattr(item, "prompt_logprobs", None)
+        if plp:  # on the first output only
+            out.prompt_logprobs = _prompt_logprobs(plp, list(item.prompt_token_ids),  # type: ignore[attr-defined]
+                                                   st.top_prompt_logprobs)  # fmt: skip
         if st.prefill_only and finished and co.finish_reason == "length":
             # prefill done: vLLM holds the prompt's KV for the decode worker's connector
             out.prefilled = True
@@ -584,6 +642,34 @@ class VllmEngine:
                 return
             self._events.extend(new)
         self._wake_loop()
+
+
+def _structured(spec: StructuredOutput | None):  # type: ignore[no-untyped-def]
+    """vLLM's structured-output parameters for a request's constraint: the grammar the
+    reference engine enforces for it (workers.structured: JSON's whitespace as the request
+    says, and the fixes to xgrammar 0.2.8's JSON strings vLLM's own conversion lacks), as
+    EBNF for vLLM's xgrammar backend. Raises GrammarError for a spec with no grammar."""
+    if spec is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if spec.structural_tag is not None:  # vLLM takes both forms of a structural tag itself
+        return StructuredOutputsParams(structural_tag=spec.structural_tag)
+    return StructuredOutputsParams(grammar=grammar_text(spec))
+
+
+def _logprob(entry: dict, token_id: int, k: int) -> list:
+    """One position of vLLM's logprobs (token id -> Logprob(logprob, rank, ...), the chosen
+    token's and the top k) as a ``kvbm.protocol.Logprob``."""
+    chosen = entry[token_id]
+    top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= k)
+    return [chosen.logprob, chosen.rank, [[tid, lp] for _, tid, lp in top]]
+
+
+def _prompt_logprobs(entries: list, prompt_ids: list[int], k: int) -> list:
+    """vLLM's prompt logprobs (None for the first token) as ``kvbm.protocol.Logprob``s."""
+    return [None if e is None else _logprob(e, tok, k)
+            for e, tok in zip(entries, prompt_ids, strict=True)]  # fmt: skip
 
 
 def _free_port() -> int:

@@ -3,8 +3,10 @@
 Run as a script in a process of its own (vLLM spawns its EngineCore; the test process
 stays clean): ``python offline_ref.py SPEC.json OUT.json``. SPEC holds the model dir,
 vLLM's engine options and the requests (prompt token ids, sampling parameters, and
-optionally ``image``: a PNG path); OUT gets, per request, the generated token ids, text,
-finish reason and stop reason.
+optionally ``image``: a PNG path; ``params.structured_outputs`` as a dict of vLLM's
+``StructuredOutputsParams``); OUT gets, per request, the generated token ids, text,
+finish reason and stop reason, and the logprobs asked for (per position: the chosen
+token's ``[logprob, rank]`` and ``{token id: logprob}`` of the entries vLLM returned).
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ import sys
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())  # noqa: SIM115
     from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(model=spec["model"], seed=0, **spec["options"])
+    # JSON's whitespace as Conveyor's vLLM engine sets it (workers.vllm_engine.engine_args)
+    options = {
+        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+        **spec["options"],
+    }
+    llm = LLM(model=spec["model"], seed=0, **options)
     prompts, params = [], []
     for r in spec["requests"]:
         prompt: dict = {"prompt_token_ids": r["prompt_token_ids"]}
@@ -26,7 +34,12 @@ def main() -> None:
 
             prompt["multi_modal_data"] = {"image": Image.open(r["image"]).convert("RGB")}
         prompts.append(prompt)
-        params.append(SamplingParams(**r["params"]))
+        kw = dict(r["params"])
+        if kw.get("logit_bias"):  # JSON made its token ids strings
+            kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
+        if kw.get("structured_outputs") is not None:
+            kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+        params.append(SamplingParams(**kw))
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = [
         {
@@ -34,12 +47,29 @@ def main() -> None:
             "text": o.outputs[0].text,
             "finish_reason": o.outputs[0].finish_reason,
             "stop_reason": o.outputs[0].stop_reason,
+            "logprobs": _positions(o.outputs[0].logprobs, o.outputs[0].token_ids),
+            "prompt_logprobs": _positions(o.prompt_logprobs, o.prompt_token_ids),
         }
         for o in outs
     ]
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
     llm.llm_engine.engine_core.shutdown()
+
+
+def _positions(entries, token_ids):  # type: ignore[no-untyped-def]
+    """vLLM's logprobs (a dict per position, or None) as JSON."""
+    if entries is None:
+        return None
+    out = []
+    for entry, tok in zip(entries, token_ids, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen = entry[tok]
+        out.append({"logprob": chosen.logprob, "rank": chosen.rank,
+                    "entries": {str(t): lp.logprob for t, lp in entry.items()}})  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
