@@ -116,7 +116,7 @@ async def _side(url: str, side: str, prompts: list[list[int]], args,  # type: ig
     bad = [r for r in recs if r["tokens"] != args.output_len or r["finish_reason"] != "length"]
     assert not bad, f"{side}: {len(bad)} requests did not make {args.output_len} tokens"
     if side == "json":  # what the grammar allowed: a prefix of a document of SCHEMA
-        assert all(r["text"].startswith('[{"name": "') for r in recs), recs[0]["text"][:80]
+        assert all(r["text"].startswith('[{"name":"') for r in recs), recs[0]["text"][:80]
     s = summarize(recs, wall)
     s["engine_cpu_ms_per_token"] = 1e3 * cpu.get("engine", float("nan")) / s["completion_tokens"]
     return s

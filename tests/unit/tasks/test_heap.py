@@ -27,7 +27,8 @@ def test_objects_alive_at_startup_are_frozen_and_garbage_is_collected_first() ->
         del cycle
         assert _scanned(keep) and dead() is not None
         frozen = freeze_startup_heap("test")
-        assert frozen == gc.get_freeze_count() >= len(keep)
+        # frozen objects can still die (other threads drop them), so the count only falls
+        assert frozen >= gc.get_freeze_count() >= len(keep)
         assert not _scanned(keep) and not _scanned(keep[0])
         assert dead() is None  # collected first, not frozen with what lives
         fresh: list = []
