@@ -7,7 +7,7 @@
 #                      --build-arg EXTRAS=model,vllm --build-arg NIXL_CUDA=cu12 .
 #   (the `vllm` extra installs vLLM with the CUDA torch it pins, for --engine vllm)
 #
-# Everything that depends on where it is built is a build argument (README, "Deploy with
+# Everything that depends on where it is built is a build argument (docs/operations.md, "Deploy with
 # Docker Compose"): BASE_IMAGE; torch's version and index; the index for everything else,
 # an extra index and a folder of wheels inside the build context (WHEELS_DIR; with both
 # indexes `none`, a build without network); pip's CA bundle is a build secret (id pip_ca),

@@ -11,7 +11,7 @@ optional stage is left out, as Dynamo degrades, when its pool has no live worker
 (``no_<pool>_worker``) or when it hands KV on and the prompt's part the next worker has
 not cached is shorter than ``disagg_min_prompt_tokens`` (``short_prompt``, not worth a
 transfer), or when the request asks for ``n > 1`` choices (``n_choices``: they fork from
-one prefill on the worker that decodes them, docs/openai-api.md); the next stage then
+one prefill on the worker that decodes them, docs/api.md); the next stage then
 runs the merged task (:data:`tasks.modes.MERGED`).
 """
 

@@ -373,7 +373,7 @@ class Settings(BaseSettings):
         "reference",
         description="reference: the torch engine; mock: real scheduler and KV blocks, "
         "simulated step times and placeholder tokens (routing studies; agg mode); vllm: "
-        "vLLM's async engine in the engine process (its own install: README, 'vLLM').",
+        "vLLM's async engine in the engine process (its own install: docs/vllm.md).",
     )
     vllm: dict[str, Any] = Field(
         default_factory=dict,

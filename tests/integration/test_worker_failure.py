@@ -155,7 +155,7 @@ def _payload(request_id: str, model: str, prompt: list[int], max_tokens: int) ->
 def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
     redis_url: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """README: "Abandoned requests are marked in Redis, so a task the broker redelivers
+    """docs/operations.md: "Abandoned requests are marked in Redis, so a task the broker redelivers
     later is skipped." A generate task, sent as the API sends it, for a request the API is
     done with (its cancelled key set) comes back to a worker's own queue by kombu's own
     redelivery (a consumer took it and went away without acking it). The worker acks it

@@ -3,7 +3,7 @@
 
 No Docker engine is needed: the compose file is parsed with PyYAML (anchors and ``<<``
 merge keys resolve under ``safe_load``), its ``${VAR...}`` references are resolved the
-way Compose resolves them, and the README's ``docker compose`` commands are read to
+way Compose resolves them, and the ``docker compose`` commands of docs/operations.md are read to
 work out which services each of them starts. The Dockerfile is read as text.
 """
 
@@ -24,7 +24,7 @@ from tasks.modes import ALIASES, MODES
 yaml = pytest.importorskip("yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+DEPLOY_DOC = ROOT / "docs" / "operations.md"  # its "Deploy with Docker Compose" section
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -372,7 +372,7 @@ def _interpolate(value: Any, env: dict[str, str]) -> Any:
 
 @dataclass(frozen=True)
 class Instruction:
-    """One ``docker compose ... up`` command of the README's deployment section."""
+    """One ``docker compose ... up`` command of docs/operations.md's deployment section."""
 
     text: str
     env: dict[str, str]  # the variables compose sees: .env (from .env.example) and its own
@@ -397,9 +397,9 @@ def _env_example() -> dict[str, str]:
 
 
 def _readme_instructions() -> list[Instruction]:
-    """The ``docker compose ... up`` commands of the README's block, which starts by
+    """The ``docker compose ... up`` commands of docs/operations.md's block, which starts by
     copying .env.example to .env (Compose reads it)."""
-    text = README.read_text()
+    text = DEPLOY_DOC.read_text()
     section = text[text.index("## Deploy with Docker Compose") :]
     start = section.index("```bash") + len("```bash")
     block = section[start : section.index("```", start)]
@@ -451,13 +451,13 @@ def _worker_pool(svc: dict[str, Any]) -> str | None:
     return argv[-1]
 
 
-def test_the_readme_says_how_to_run_every_mode():
+def test_the_docs_say_how_to_run_every_mode():
     assert {ins.row for ins in INSTRUCTIONS} == set(MODES), [i.text for i in INSTRUCTIONS]
 
 
 @pytest.mark.parametrize("ins", INSTRUCTIONS, ids=lambda i: i.text)
 def test_each_compose_command_starts_a_worker_for_every_pool_of_its_mode(services, ins):
-    """What ``docker compose`` starts for each command of the README: for every pool of
+    """What ``docker compose`` starts for each command of the docs: for every pool of
     the mode it selects (tasks.modes), a worker service running ``conveyor worker --pool
     <pool>`` with the healthcheck ``conveyor worker-health --pool <pool>``; no worker of
     another pool; and every Conveyor service set to that mode."""
@@ -477,7 +477,7 @@ def test_each_compose_command_starts_a_worker_for_every_pool_of_its_mode(service
 
 
 def test_env_example_sets_every_variable_the_file_requires(compose):
-    """The README starts with `cp .env.example .env`: that is enough to start everything."""
+    """The deployment block starts with `cp .env.example .env`: that is enough to start everything."""
     required = set(re.findall(r"\$\{(\w+):\?", COMPOSE.read_text()))
     assert required == {"REDIS_PASSWORD", "FLOWER_BASIC_AUTH"}
     env = _env_example()

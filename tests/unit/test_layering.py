@@ -1,5 +1,5 @@
 """Imports go one way, api -> tasks -> workers -> kvbm, and each package imports only what
-its role allows (ARCHITECTURE.md "The rooms"). Checked two ways for every module of every
+its role allows (docs/architecture.md, "The rooms"). Checked two ways for every module of every
 package: statically (each import statement names a package at or below its own, and a
 name imported from another project package is defined there, not re-exported) and at
 run time (importing the module in a fresh interpreter loads none of the forbidden

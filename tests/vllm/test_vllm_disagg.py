@@ -49,7 +49,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def reference(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """vLLM's offline greedy outputs, made before the workers start: on a CPU each idle
-    worker's NIXL progress thread keeps a core busy (see the README)."""
+    worker's NIXL progress thread keeps a core busy (docs/vllm.md, "How it plugs in")."""
     pytest.importorskip("nixl._api", reason="nixl not installed: vLLM's NIXL connector")
     reqs = [{"prompt_token_ids": c["prompt"],
              "params": {"max_tokens": c["max_tokens"], "temperature": 0,
