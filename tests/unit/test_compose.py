@@ -477,7 +477,7 @@ def test_each_compose_command_starts_a_worker_for_every_pool_of_its_mode(service
 
 
 def test_env_example_sets_every_variable_the_file_requires(compose):
-    """The deployment block starts with `cp .env.example .env`: that is enough to start everything."""
+    """The deploy block starts with `cp .env.example .env`: that is enough to start everything."""
     required = set(re.findall(r"\$\{(\w+):\?", COMPOSE.read_text()))
     assert required == {"REDIS_PASSWORD", "FLOWER_BASIC_AUTH"}
     env = _env_example()
