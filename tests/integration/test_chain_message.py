@@ -40,6 +40,8 @@ from tests.integration.conftest import (
     wait_for,
 )
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
 def test_the_message_carries_the_payload_and_no_repr_of_the_token_ids(

@@ -20,6 +20,8 @@ from workers.transfer.embeddings import (
 )
 from workers.transfer.nixl_kv import nixl_available
 
+pytestmark = pytest.mark.integration
+
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed here")
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis
 
 from tests.integration.conftest import redis_db
 from workers.engine_api import RequestOutput
 from workers.stream import DRAIN_AFTER, IDLE_CHECK_S, FramePublisher
+
+pytestmark = pytest.mark.integration
 
 
 def _next(sub: redis.client.PubSub, timeout: float = 2.0) -> dict | None:

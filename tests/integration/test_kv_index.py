@@ -38,6 +38,8 @@ from tests.integration.conftest import redis_db, wait_for
 from workers.registry import Heartbeat
 from workers.stream import FramePublisher
 
+pytestmark = pytest.mark.integration
+
 POOL = "generate"
 BS = 16
 

@@ -30,6 +30,8 @@ from tests.integration.conftest import (
     wait_for,
 )
 
+pytestmark = pytest.mark.integration
+
 N_WORKERS = 3
 
 

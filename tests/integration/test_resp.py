@@ -16,6 +16,8 @@ from redis.exceptions import ResponseError
 from api.resp import RespConnection, encode
 from tests.integration.conftest import free_port, redis_db, start_redis
 
+pytestmark = pytest.mark.integration
+
 
 def test_encode_is_resp_arrays_of_bulk_strings() -> None:
     assert encode([("SET", "k", b"v\r\n"), ("SELECT", 3)]) == (

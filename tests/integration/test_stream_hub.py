@@ -18,6 +18,8 @@ from tasks.pipeline import Plan
 from tasks.settings import Settings
 from tests.integration.conftest import redis_db
 
+pytestmark = pytest.mark.integration
+
 
 def _frame(seq: int, text: str, done: bool = False) -> str:
     f: dict = {"seq": seq, "token_ids": [seq], "text": text}

@@ -9,10 +9,13 @@ import base64
 import json
 import time
 
+import pytest
 import redis
 
 from tasks.celery_ext import EVENT_FLUSH_S
 from tests.integration.conftest import Cluster
+
+pytestmark = pytest.mark.integration
 
 TASK_EVENTS = ("task-received", "task-started", "task-succeeded")
 
