@@ -9,7 +9,6 @@ Lua scripts, the followers and the cost model — runs for real.
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import time
@@ -630,7 +629,8 @@ def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -
     # once prefilled it is decode load: ceil(100 / 16) prompt blocks + 1
     assert out["prefilled"] == {"reqs": 1, "blocks": 8, "prefill": 0}
     assert out["after"] == {"reqs": 0, "blocks": 0, "prefill": 0}
-    assert json.dumps(out)  # plain ints
+    # plain ints, not floats or bytes (1.0 == 1 would pass the comparisons above)
+    assert {type(v) for d in out.values() for v in d.values()} == {int}, out
 
 
 @pytest.mark.parametrize("fast", [False, True])
