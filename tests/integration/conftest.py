@@ -102,6 +102,22 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     p.stop()
 
 
+@pytest.fixture
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of this test's own, for server-wide commands (CLIENT PAUSE ALL,
+    CLIENT KILL by type, SCRIPT FLUSH, CONFIG RESETSTAT and server-wide command counts)
+    that would reach, or count, every other test's clients on the shared one."""
+    p, url = start_redis(tmp_path_factory.mktemp("own-redis"))
+    yield url
+    p.stop()
+
+
+def celery_events(redis_url: str) -> str:
+    """The pattern of Celery's event channels of ``redis_url``'s database only: kombu
+    prefixes fanout channels with ``/<db>.``, so ``*celeryev*`` takes every database's."""
+    return f"/{redis_url.rsplit('/', 1)[1] or '0'}.celeryev/*"
+
+
 def base_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env.update(

@@ -31,6 +31,7 @@ from tests.fakes import FakeHub
 from tests.integration.conftest import (
     base_env,
     celery_at,
+    celery_events,
     free_port,
     redis_db,
     start_api,
@@ -106,7 +107,7 @@ def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
         pools = MODES[mode].pools
         wait_for(lambda: all(httpx.get(f"{http}/health").json()["workers"][p] >= 1
                              for p in pools), 90, "workers", procs)  # fmt: skip
-        events.psubscribe("*celeryev*")
+        events.psubscribe(celery_events(url))
         assert events.get_message(timeout=2)["type"] == "psubscribe"
         client = openai.OpenAI(base_url=f"{http}/v1", api_key="x", max_retries=0)
         if any(stage.encodes for stage in MODES[mode].stages):
@@ -299,7 +300,7 @@ def test_deferred_publishes_record_the_writes_and_send_nothing(
         payload = StagePayload(request_id="cmpl-deferred", model="m",
                                   prompt_token_ids=[7, 8, 9], sampling={}, created=0.0)  # fmt: skip
         events = r.pubsub()
-        events.psubscribe("*celeryev*")
+        events.psubscribe(celery_events(url))
         assert events.get_message(timeout=1)["type"] == "psubscribe"
         with deferred_publishes() as writes:
             build_chain(plan, payload).apply_async()

@@ -62,8 +62,8 @@ def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> 
     r.flushdb()
 
 
-def test_a_dropped_connection_fails_its_waiters_and_reconnects(redis_url: str) -> None:
-    url = redis_db(redis_url, 11)
+def test_a_dropped_connection_fails_its_waiters_and_reconnects(own_redis: str) -> None:
+    url = own_redis  # it kills every client but its own
 
     async def main() -> None:
         conn = RespConnection(url)

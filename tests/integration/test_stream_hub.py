@@ -201,7 +201,7 @@ async def _frames_flow(client: aioredis.Redis, subs: list, channels: list[str], 
         assert (await sub.next_frame(5.0)).text == f"after-{seq}"
 
 
-def test_the_hub_reconnects_and_resubscribes_after_a_drop(redis_url: str) -> None:
+def test_the_hub_reconnects_and_resubscribes_after_a_drop(own_redis: str) -> None:
     """Redis closes the hub's connection: it is reopened, the pattern and the foreign
     channel subscribed again, and frames flow to the same subscriptions."""
 
@@ -215,10 +215,10 @@ def test_the_hub_reconnects_and_resubscribes_after_a_drop(redis_url: str) -> Non
         await _both_subscribed(client, hub, foreign)
         await _frames_flow(client, subs, [own, foreign], 1)
 
-    _run(redis_url, body)
+    _run(own_redis, body)  # it kills every pub/sub client
 
 
-def test_a_connection_gone_silent_is_reopened_by_the_health_check(redis_url: str) -> None:
+def test_a_connection_gone_silent_is_reopened_by_the_health_check(own_redis: str) -> None:
     """Nothing comes back (Redis paused, as a dead peer would look): after three missed
     PINGs the hub reconnects on its own, and streams go on."""
 
@@ -232,4 +232,4 @@ def test_a_connection_gone_silent_is_reopened_by_the_health_check(redis_url: str
         await _both_subscribed(client, hub, foreign)
         await _frames_flow(client, subs, [own, foreign], 0)
 
-    _run(redis_url, body, health_s=0.1)
+    _run(own_redis, body, health_s=0.1)  # it pauses every client

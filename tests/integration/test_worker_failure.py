@@ -35,6 +35,7 @@ from tasks.router import Route
 from tests.integration.conftest import (
     base_env,
     celery_at,
+    celery_events,
     redis_db,
     start_api,
     start_redis,
@@ -191,7 +192,7 @@ def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
         assert waiting[0]["headers"]["redelivered"] is True and r.hlen("unacked") == 0
 
         listen.subscribe(tokens_channel(abandoned.request_id), tokens_channel(control.request_id))
-        listen.psubscribe("*celeryev*")
+        listen.psubscribe(celery_events(url15))
         worker = start_worker("w-redelivered", "generate", wid,
                               base_env(url15, tiny_model_dir), tmp_path)  # fmt: skip
         frames: dict[str, list[dict]] = {abandoned.request_id: [], control.request_id: []}
