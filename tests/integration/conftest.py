@@ -112,6 +112,14 @@ def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     p.stop()
 
 
+def needs_redis(url: str, major: int, why: str) -> None:
+    """Skip the test, saying why, where the redis-server at ``url`` is older than
+    ``major`` (a system Redis 6 where the suite's features need 7)."""
+    version = str(redis.Redis.from_url(url).info("server")["redis_version"])
+    if int(version.split(".")[0]) < major:
+        pytest.skip(f"needs Redis >= {major} ({why}); this redis-server is {version}")
+
+
 def celery_events(redis_url: str) -> str:
     """The pattern of Celery's event channels of ``redis_url``'s database only: kombu
     prefixes fanout channels with ``/<db>.``, so ``*celeryev*`` takes every database's."""

@@ -33,6 +33,7 @@ from tests.integration.conftest import (
     celery_at,
     celery_events,
     free_port,
+    needs_redis,
     redis_db,
     start_api,
     start_redis,
@@ -418,6 +419,9 @@ def test_a_consumer_takes_a_burst_of_messages_in_one_round_trip(
     off here) it takes one per BRPOP, as kombu does. A message whose delivery raises
     puts those behind it back in the queue, in order."""
     proc, url = start_redis(tmp_path)  # its own: the test counts the server's commands
+    if many:
+        with stop_on_error(proc):
+            needs_redis(url, 7, "BLMPOP")
     celery_at(url)
     r = redis.Redis.from_url(url)
     q = "generate.w-burst"

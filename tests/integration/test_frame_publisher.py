@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from tests.integration.conftest import redis_db
+from tests.integration.conftest import needs_redis, redis_db
 from workers.engine_api import RequestOutput
 from workers.stream import DRAIN_AFTER, IDLE_CHECK_S, FramePublisher
 
@@ -155,6 +155,7 @@ def test_a_step_owes_one_reply_where_the_server_takes_client_reply(own_redis: st
 def test_a_server_that_refuses_client_reply_gets_frames_read_one_by_one(own_redis: str) -> None:
     """A server (or proxy, or an ACL) that refuses CLIENT REPLY: every PUBLISH is answered
     and read, and the frames still arrive in order."""
+    needs_redis(own_redis, 7, "an ACL rule that denies one subcommand: -client|reply")
     admin = redis.Redis.from_url(own_redis)  # server-wide: an ACL user, command counts
     admin.acl_setuser("noreply", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
                       commands=["+@all", "-client|reply"])  # fmt: skip
