@@ -7,6 +7,7 @@ No eager Celery, no fake Redis.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -79,6 +80,15 @@ def wait_for(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:  
         time.sleep(0.2)
     tails = "\n".join(f"--- {p.name}\n{p.tail()}" for p in procs)
     raise TimeoutError(f"timed out waiting for {what}\n{tails}")
+
+
+async def async_wait_for(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    """``wait_for`` inside an event loop: poll ``cond`` until it holds or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
 
 
 def start_redis(d: Path, *extra: str, auth: str = "") -> tuple[Proc, str]:

@@ -228,7 +228,7 @@ def test_a_connection_gone_silent_is_reopened_by_the_health_check(own_redis: str
         subs = [await hub.subscribe(own), await hub.subscribe(foreign)]
         await client.execute_command("CLIENT", "PAUSE", 800, "ALL")
         await _until(lambda: hub.reconnects >= 1, timeout=3.0)
-        await asyncio.sleep(0.9)  # the pause is over
+        assert await client.ping()  # answered once the pause is over
         await _both_subscribed(client, hub, foreign)
         await _frames_flow(client, subs, [own, foreign], 0)
 
