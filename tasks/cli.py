@@ -184,11 +184,16 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     from tasks.app import configure as configure_app
     from tasks.heap import freeze_startup_heap
     from workers.engine_api import EngineConfig
-    from workers.engine_proc import parse_cpus
+    from workers.engine_proc import EngineDied, parse_cpus
     from workers.runtime import WorkerRuntime, lower_priority, set_runtime
+    from workers.start_errors import EXIT_CONFIG, engine_missing
     from workers.vllm_engine import vllm_argv
 
     s = _configure_with_vllm(worker_id=worker_id, worker_concurrency=concurrency, **kw)
+    missing = engine_missing(s.engine)
+    if missing is not None:  # a configuration error, not a crash: serve does not restart it
+        log.error("%s", missing)
+        sys.exit(EXIT_CONFIG)
     moves_kv = any(m.moves_kv(pool) for m in MODES.values())
     encodes = any(m.encodes(pool) for m in MODES.values())
     if s.engine == "mock" and (moves_kv or encodes):
@@ -237,7 +242,11 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         encoder_max_batch=s.encoder_max_batch,
     )
     app = configure_app(s, extra_queues=[own_queue])
-    set_runtime(rt.start())
+    try:
+        set_runtime(rt.start())
+    except EngineDied as e:  # its reason in one line (workers.start_errors), no traceback
+        log.error("worker %s: %s", wid, e)
+        sys.exit(1)
     # The engine process is up and keeps its niceness; the Celery side (task intake,
     # events, acks: work per request) steps back behind it and any API on this host, whose
     # relay works per token (docs/performance.md, "Worker's Celery side niced").

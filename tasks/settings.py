@@ -194,16 +194,16 @@ class Settings(BaseSettings):
         "everything instead (debugging).",
     )
     serve_restart_backoff_s: float = Field(
-        1.0, gt=0, description="Delay before the first restart; doubles with each recent exit."
+        1.0, gt=0, description="Delay before the first restart; doubles with each early exit."
     )
     serve_restart_backoff_max_s: float = Field(
         30.0, gt=0, description="Longest delay between an exit and its restart."
     )
     serve_crash_loop_exits: int = Field(
-        5, ge=1, description="This many exits of one process within the window stop serve."
+        5, ge=1, description="This many early exits in a row of one process stop serve."
     )
     serve_crash_loop_window_s: float = Field(
-        60.0, gt=0, description="Window of the crash-loop rule and of the backoff's memory."
+        60.0, gt=0, description="An exit this soon after its start is early (crash loops, backoff)."
     )
     serve_state_dir: Path = Field(
         DEFAULT_SERVE_DIR,

@@ -6,13 +6,15 @@ Children run in their own sessions so a terminal's Ctrl-C reaches only the super
 which then stops them in reverse order: SIGTERM, a grace period, SIGKILL for stragglers.
 
 A child that exits on its own is restarted, as supervisord or systemd would, after a delay
-that doubles with each exit of that process in the last ``serve_crash_loop_window_s``
-(``serve_restart_backoff_s`` up to ``serve_restart_backoff_max_s``). A restarted worker
-rejoins its pool under a fresh id (``<host>-<pid>``: the dead one's heartbeat expires and
-the routers drop it); the embedded Redis comes back on its port and data dir, and the
-other processes wait for it before they are restarted. ``serve_crash_loop_exits`` exits of
-one process within the window stop the deployment, as does any exit with
-``serve_restart`` off; ``serve`` then exits 1. The process table goes to
+that doubles with each early exit in a row (``serve_restart_backoff_s`` up to
+``serve_restart_backoff_max_s``); an exit is early when the process had run less than
+``serve_crash_loop_window_s`` since its start. A restarted worker rejoins its pool under a
+fresh id (``<host>-<pid>``: the dead one's heartbeat expires and the routers drop it); the
+embedded Redis comes back on its port and data dir, and the other processes wait for it
+before they are restarted. ``serve_crash_loop_exits`` early exits in a row of one process
+stop the deployment however far apart they come, as does any exit with ``serve_restart``
+off, or a worker's exit with ``EXIT_CONFIG`` (it cannot start: the engine is not installed,
+and it said so); ``serve`` then exits 1. The process table goes to
 ``Settings.serve_state_file`` on every change, for ``conveyor status``.
 
 Isolation: before anything starts, the API's, Flower's and the embedded Redis's ports must
@@ -34,13 +36,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
 
 from tasks.serve_state import ProcessRecord, ServeState, describe_exit
 from tasks.settings import Settings
+from workers.start_errors import EXIT_CONFIG
 
 log = logging.getLogger("conveyor.serve")
 
@@ -93,7 +96,8 @@ class _Child:
     restarts: int = 0
     since: float = 0.0  # wall clock of the last start or exit
     last_exit: str | None = None
-    exits: list[float] = field(default_factory=list)  # monotonic, within the window
+    started: float = 0.0  # monotonic, of the last start
+    early_exits: int = 0  # exits in a row, each before the process had run a full window
     restart_at: float = 0.0  # monotonic
 
     def record(self) -> ProcessRecord:
@@ -194,15 +198,23 @@ class Supervisor:
             self._fail(c, f"{c.name} (pid {pid}) {c.last_exit}: stopping everything "
                           "(restarts are off)")  # fmt: skip
             return False
+        if rc == EXIT_CONFIG:  # it said why (workers.start_errors); a restart cannot help
+            self._fail(c, f"{c.name} (pid {pid}) cannot start ({c.last_exit}: a configuration "
+                          "error, its reason above): stopping everything")  # fmt: skip
+            return False
+        # A process that ran a full window has proven itself: its exit starts a new count.
+        # One that dies sooner continues the count, however long it took to die (a worker
+        # whose engine fails 35 s into every start is still crash-looping).
         window = self.s.serve_crash_loop_window_s
-        c.exits = [t for t in c.exits if now - t < window] + [now]
-        if len(c.exits) >= self.s.serve_crash_loop_exits:
-            self._fail(c, f"{c.name} is crash-looping ({len(c.exits)} exits within "
-                          f"{window:g} s, last: {c.last_exit}): stopping everything")  # fmt: skip
+        c.early_exits = c.early_exits + 1 if now - c.started < window else 1
+        if c.early_exits >= self.s.serve_crash_loop_exits:
+            self._fail(c, f"{c.name} is crash-looping ({c.early_exits} exits in a row, each "
+                          f"within {window:g} s of its start, last: {c.last_exit}): "
+                          "stopping everything")  # fmt: skip
             return False
         delay = min(
             self.s.serve_restart_backoff_max_s,
-            self.s.serve_restart_backoff_s * 2 ** (len(c.exits) - 1),
+            self.s.serve_restart_backoff_s * 2 ** (c.early_exits - 1),
         )
         c.state, c.restart_at = "backoff", now + delay
         log.warning("%s (pid %d) %s; restarting it in %.1f s (restart %d)",
@@ -274,7 +286,7 @@ class Supervisor:
 
     def _start(self, c: _Child) -> None:
         c.proc = subprocess.Popen(c.argv, env=c.env, stdout=c.stdout, start_new_session=True)
-        c.state, c.since = "running", time.time()
+        c.state, c.since, c.started = "running", time.time(), time.monotonic()
         log.info("started %s (pid %d)", c.name, c.proc.pid)
 
     def _start_redis(self) -> None:

@@ -38,6 +38,7 @@ from kvbm.protocol import (
     kv_release_channel,
 )
 from workers.choices import ChoiceGroups
+from workers.start_errors import killed_while_starting, out_of_memory
 
 if TYPE_CHECKING:
     import redis
@@ -170,7 +171,10 @@ class EngineClient:
             try:
                 kind, payload = parent.recv()
             except EOFError:
-                raise EngineDied("engine process exited while starting (see its log)") from None
+                self._proc.join(5)
+                why = killed_while_starting(self.spec.engine, self._proc.exitcode)
+                why = why or "engine process exited while starting (see its log)"
+                raise EngineDied(why) from None
             if kind != "ready":
                 raise EngineDied(f"engine process failed to start: {payload}")
         except EngineDied:
@@ -358,8 +362,10 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
             transfer = make_transfer(spec.kv_transfer, memory, client, spec.worker_id,
                                      spec.kv_transfer_threads)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - report the reason to the parent
-        log.exception("engine process failed to start")
-        send(("error", f"{type(e).__name__}: {e}"))
+        why = out_of_memory(spec.engine, f"{type(e).__name__}: {e}")  # a known cause: one line
+        if why is None:
+            log.exception("engine process failed to start")
+        send(("error", why or f"{type(e).__name__}: {e}"))
         return
 
     server = _EngineServer(spec, engine, client, transfer, send, images, emb_transfer)

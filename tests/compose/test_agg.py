@@ -15,6 +15,8 @@ import pytest
 
 from tests.compose.stack import HEALTHY_WITHIN_S, Stack
 
+pytestmark = pytest.mark.integration
+
 GEN = "worker-generate"
 
 

@@ -12,6 +12,8 @@ from PIL import Image
 
 from tests.compose.stack import Stack
 
+pytestmark = pytest.mark.integration
+
 # Prompts past CONVEYOR_DISAGG_MIN_PROMPT_TOKENS (256) go prefill -> decode; shorter ones
 # run aggregated on a decode worker. The default model's tokenizer: ~1 token per 2 chars.
 SHORT = ["The capital of France is", "def fibonacci(n):", "Three things to pack:"]

@@ -7,6 +7,7 @@ No eager Celery, no fake Redis.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -81,6 +82,15 @@ def wait_for(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:  
     raise TimeoutError(f"timed out waiting for {what}\n{tails}")
 
 
+async def async_wait_for(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    """``wait_for`` inside an event loop: poll ``cond`` until it holds or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
 def start_redis(d: Path, *extra: str, auth: str = "") -> tuple[Proc, str]:
     """A ``redis-server`` on a free loopback port, no persistence, files in ``d``; ``extra``
     are more of its arguments, ``auth`` the ``user:password@`` part of the URL to use."""
@@ -100,6 +110,30 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     p, url = start_redis(tmp_path_factory.mktemp("redis"))
     yield url
     p.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of this test's own, for server-wide commands (CLIENT PAUSE ALL,
+    CLIENT KILL by type, SCRIPT FLUSH, CONFIG RESETSTAT and server-wide command counts)
+    that would reach, or count, every other test's clients on the shared one."""
+    p, url = start_redis(tmp_path_factory.mktemp("own-redis"))
+    yield url
+    p.stop()
+
+
+def needs_redis(url: str, major: int, why: str) -> None:
+    """Skip the test, saying why, where the redis-server at ``url`` is older than
+    ``major`` (a system Redis 6 where the suite's features need 7)."""
+    version = str(redis.Redis.from_url(url).info("server")["redis_version"])
+    if int(version.split(".")[0]) < major:
+        pytest.skip(f"needs Redis >= {major} ({why}); this redis-server is {version}")
+
+
+def celery_events(redis_url: str) -> str:
+    """The pattern of Celery's event channels of ``redis_url``'s database only: kombu
+    prefixes fanout channels with ``/<db>.``, so ``*celeryev*`` takes every database's."""
+    return f"/{redis_url.rsplit('/', 1)[1] or '0'}.celeryev/*"
 
 
 def base_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:

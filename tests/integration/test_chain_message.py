@@ -31,7 +31,9 @@ from tests.fakes import FakeHub
 from tests.integration.conftest import (
     base_env,
     celery_at,
+    celery_events,
     free_port,
+    needs_redis,
     redis_db,
     start_api,
     start_redis,
@@ -39,6 +41,8 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
+
+pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
@@ -104,7 +108,7 @@ def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
         pools = MODES[mode].pools
         wait_for(lambda: all(httpx.get(f"{http}/health").json()["workers"][p] >= 1
                              for p in pools), 90, "workers", procs)  # fmt: skip
-        events.psubscribe("*celeryev*")
+        events.psubscribe(celery_events(url))
         assert events.get_message(timeout=2)["type"] == "psubscribe"
         client = openai.OpenAI(base_url=f"{http}/v1", api_key="x", max_retries=0)
         if any(stage.encodes for stage in MODES[mode].stages):
@@ -297,7 +301,7 @@ def test_deferred_publishes_record_the_writes_and_send_nothing(
         payload = StagePayload(request_id="cmpl-deferred", model="m",
                                   prompt_token_ids=[7, 8, 9], sampling={}, created=0.0)  # fmt: skip
         events = r.pubsub()
-        events.psubscribe("*celeryev*")
+        events.psubscribe(celery_events(url))
         assert events.get_message(timeout=1)["type"] == "psubscribe"
         with deferred_publishes() as writes:
             build_chain(plan, payload).apply_async()
@@ -415,6 +419,9 @@ def test_a_consumer_takes_a_burst_of_messages_in_one_round_trip(
     off here) it takes one per BRPOP, as kombu does. A message whose delivery raises
     puts those behind it back in the queue, in order."""
     proc, url = start_redis(tmp_path)  # its own: the test counts the server's commands
+    if many:
+        with stop_on_error(proc):
+            needs_redis(url, 7, "BLMPOP")
     celery_at(url)
     r = redis.Redis.from_url(url)
     q = "generate.w-burst"

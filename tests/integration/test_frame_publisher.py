@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis
 
-from tests.integration.conftest import redis_db
+from tests.integration.conftest import needs_redis, redis_db
 from workers.engine_api import RequestOutput
 from workers.stream import DRAIN_AFTER, IDLE_CHECK_S, FramePublisher
+
+pytestmark = pytest.mark.integration
 
 
 def _next(sub: redis.client.PubSub, timeout: float = 2.0) -> dict | None:
@@ -80,10 +83,10 @@ def test_a_connection_closed_while_idle_loses_no_frame(redis_url: str) -> None:
         sub.close()
 
 
-def test_a_publish_never_waits_for_replies(redis_url: str) -> None:
+def test_a_publish_never_waits_for_replies(own_redis: str) -> None:
     """The engine thread writes a step's frames and goes on: replies that have not come
     yet are read on a later write, never waited for (Redis paused: no reply comes)."""
-    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    r = redis.Redis.from_url(own_redis)  # it pauses every client
     pub = FramePublisher(r)
     try:
         pub.publish_outputs([RequestOutput("c", [1], "x")])  # connected, answered
@@ -124,10 +127,10 @@ def _calls(r: redis.Redis, command: str) -> int:
     return int(r.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
 
 
-def test_a_step_owes_one_reply_where_the_server_takes_client_reply(redis_url: str) -> None:
+def test_a_step_owes_one_reply_where_the_server_takes_client_reply(own_redis: str) -> None:
     """A step's PUBLISH commands go between CLIENT REPLY OFF and ON: the frames all arrive,
     and the publisher reads one reply per step instead of one per frame."""
-    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    r = redis.Redis.from_url(own_redis)  # server-wide command counts
     sub = r.pubsub(ignore_subscribe_messages=True)
     sub.subscribe(*(f"tokens:q{i}" for i in range(8)))
     pub = FramePublisher(r)
@@ -149,10 +152,11 @@ def test_a_step_owes_one_reply_where_the_server_takes_client_reply(redis_url: st
         sub.close()
 
 
-def test_a_server_that_refuses_client_reply_gets_frames_read_one_by_one(redis_url: str) -> None:
+def test_a_server_that_refuses_client_reply_gets_frames_read_one_by_one(own_redis: str) -> None:
     """A server (or proxy, or an ACL) that refuses CLIENT REPLY: every PUBLISH is answered
     and read, and the frames still arrive in order."""
-    admin = redis.Redis.from_url(redis_db(redis_url, 8))
+    needs_redis(own_redis, 7, "an ACL rule that denies one subcommand: -client|reply")
+    admin = redis.Redis.from_url(own_redis)  # server-wide: an ACL user, command counts
     admin.acl_setuser("noreply", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
                       commands=["+@all", "-client|reply"])  # fmt: skip
     kw = admin.connection_pool.connection_kwargs

@@ -9,7 +9,6 @@ Lua scripts, the followers and the cost model — runs for real.
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 import time
@@ -37,6 +36,8 @@ from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tests.integration.conftest import redis_db, wait_for
 from workers.registry import Heartbeat
 from workers.stream import FramePublisher
+
+pytestmark = pytest.mark.integration
 
 POOL = "generate"
 BS = 16
@@ -250,7 +251,10 @@ def test_publisher_holds_events_for_interval_but_not_when_idle(db: str) -> None:
         frames.stop()
 
 
-def test_publisher_reloads_a_flushed_script_and_survives_a_killed_connection(db: str) -> None:
+def test_publisher_reloads_a_flushed_script_and_survives_a_killed_connection(
+    own_redis: str,
+) -> None:
+    db = own_redis  # SCRIPT FLUSH is server-wide
     register(db, "w")
     pool = BlockPool(8, record_events=True)
     r = redis.Redis.from_url(db)
@@ -468,7 +472,8 @@ def test_temperature_spreads_picks_with_probability_falling_with_cost(db: str) -
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_round_robin_random_and_pinning(db: str, fast: bool) -> None:
+def test_round_robin_random_and_pinning(own_redis: str, fast: bool) -> None:
+    db = own_redis  # SCRIPT FLUSH is server-wide
     register(db, "a", "b", "c")
     req = RouteRequest(block_hashes(prompt(5, 64), BS), 64)
     if fast:  # a Redis that lost its scripts (restarted, SCRIPT FLUSH): EVAL reloads it
@@ -598,10 +603,11 @@ async def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -> None:
+def test_release_gives_back_exactly_what_the_pick_counted(own_redis: str, fast: bool) -> None:
     """``fast``: every script through api.resp.RespConnection, as the API runs them (a
     flushed script cache included: the give-back is reloaded with EVAL), and the release
     with a command of the caller's ahead of it in the same round trip."""
+    db = own_redis  # SCRIPT FLUSH is server-wide
     register(db, "a")
 
     async def go() -> dict:
@@ -628,7 +634,8 @@ def test_release_gives_back_exactly_what_the_pick_counted(db: str, fast: bool) -
     # once prefilled it is decode load: ceil(100 / 16) prompt blocks + 1
     assert out["prefilled"] == {"reqs": 1, "blocks": 8, "prefill": 0}
     assert out["after"] == {"reqs": 0, "blocks": 0, "prefill": 0}
-    assert json.dumps(out)  # plain ints
+    # plain ints, not floats or bytes (1.0 == 1 would pass the comparisons above)
+    assert {type(v) for d in out.values() for v in d.values()} == {int}, out
 
 
 @pytest.mark.parametrize("fast", [False, True])

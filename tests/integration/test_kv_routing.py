@@ -22,6 +22,7 @@ from kvbm.protocol import block_hashes, load_key, model_namespace, worker_key
 from tests.integration.conftest import (
     Cluster,
     Proc,
+    async_wait_for,
     base_env,
     redis_db,
     start_api,
@@ -29,6 +30,8 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
+
+pytestmark = pytest.mark.integration
 
 N_WORKERS = 3
 
@@ -215,10 +218,16 @@ def test_two_api_processes_share_load_through_redis(
                 for i in range(8)
             ]  # fmt: skip
             tasks = [asyncio.create_task(c) for c in calls]
-            await asyncio.sleep(0.8)  # all sent, none finished (40 steps x 40 ms)
             r = redis.Redis.from_url(url)
-            reqs = [int(r.hget(load_key("generate"), f"pair-w{i}:reqs") or 0)
-                    for i in range(2)]  # fmt: skip
+
+            def counted() -> list[int]:
+                return [int(r.hget(load_key("generate"), f"pair-w{i}:reqs") or 0)
+                        for i in range(2)]  # fmt: skip
+
+            # all picked, none finished (40 steps x 40 ms)
+            await async_wait_for(lambda: sum(counted()) == 8, 10, "8 requests counted")
+            assert not any(t.done() for t in tasks)
+            reqs = counted()
             done = await asyncio.gather(*tasks)
             assert all(d.usage is not None and d.usage.completion_tokens == 40 for d in done)
             return reqs

@@ -59,15 +59,18 @@ def _raise_nofile(n: int) -> None:
     assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 3 * STREAMS, "ulimit -n too low"
 
 
+LEAN_PROMPT, OFFICIAL_PROMPT = "many streams", "many streams, official"
+
+
 async def _streams(url: str, model: str, n: int, with_openai: int) -> tuple[list, list]:
-    body = {"model": model, "prompt": "many streams", "max_tokens": TOKENS, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {"model": model, "prompt": LEAN_PROMPT, "max_tokens": TOKENS, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
     oai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=180,
                              http_client=None)  # fmt: skip
 
     async def official() -> str:
         out = []
-        stream = await oai.completions.create(model=model, prompt="many streams, official",
+        stream = await oai.completions.create(model=model, prompt=OFFICIAL_PROMPT,
                                               max_tokens=TOKENS, stream=True,
                                               extra_body={"ignore_eos": True})  # fmt: skip
         async for chunk in stream:
@@ -80,6 +83,15 @@ async def _streams(url: str, model: str, n: int, with_openai: int) -> tuple[list
                                        return_exceptions=True)  # fmt: skip
     await oai.close()
     return list(results[:n]), list(results[n:])
+
+
+def _unstreamed(url: str, model: str, prompt: str) -> str:
+    """The text of ``prompt``'s completion, not streamed: exactly TOKENS tokens."""
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+    out = c.completions.create(model=model, prompt=prompt, max_tokens=TOKENS,
+                               extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.usage is not None and out.usage.completion_tokens == TOKENS
+    return out.choices[0].text
 
 
 def test_a_thousand_concurrent_streams_complete_on_one_api_process(
@@ -118,14 +130,18 @@ def test_a_thousand_concurrent_streams_complete_on_one_api_process(
         took = time.monotonic() - t0
         failed = [r for r in lean + official if isinstance(r, BaseException)]
         assert not failed, f"{len(failed)} streams failed, first: {failed[0]!r}"
+        # every stream carries all its tokens: the text of the same request unstreamed
+        # (the mock engine's tokens depend on the prompt only), and its usage says TOKENS
+        want = {p: _unstreamed(url, model, p) for p in (LEAN_PROMPT, OFFICIAL_PROMPT)}
         gaps: list[float] = []
         for events in lean:
-            n = sum(len(e["choices"][0]["text"]) > 0 for _, e in events)
-            assert events[-1][1]["choices"][0]["finish_reason"] == "length", events[-1]
-            assert n >= 1
-            stamps = [t for t, e in events if e["choices"][0]["text"]]
+            chunks = [e for _, e in events if e["choices"]]
+            assert "".join(e["choices"][0]["text"] for e in chunks) == want[LEAN_PROMPT]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+            assert events[-1][1]["usage"]["completion_tokens"] == TOKENS, events[-1]
+            stamps = [t for t, e in events if e["choices"] and e["choices"][0]["text"]]
             gaps += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-        assert all(official), "an official-client stream came back empty"
+        assert official == [want[OFFICIAL_PROMPT]] * OPENAI_STREAMS, official[:2]
         time.sleep(5.0)  # the clean-ups of the last streams, the idle trim
         after = _rss_kb(api.popen.pid)
         q = statistics.quantiles(gaps, n=100)

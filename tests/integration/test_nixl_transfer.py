@@ -16,7 +16,10 @@ from workers.transfer import nixl_kv
 from workers.transfer.base import TransferError
 from workers.transfer.nixl_kv import NixlKVTransfer, nixl_available
 
-pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not installed here")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not nixl_available(), reason="nixl is not installed here"),
+]
 
 LAYOUT = SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
 

@@ -19,6 +19,8 @@ from tasks.router import Router
 from tests.integration.conftest import redis_db
 from workers.registry import Heartbeat, queue_depths
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def r(redis_url: str) -> redis.Redis:

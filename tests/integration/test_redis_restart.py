@@ -49,7 +49,8 @@ def _redis(d: Path, port: int, persist: bool) -> Proc:
 
 async def _stream(url: str, model: str, prompt: str, n: int) -> tuple[str, str, str | None]:
     """(text, finish reason, error) of one streamed completion; an error event ends it with
-    its message."""
+    its message. A stream that hangs (the client's timeout) or drops raises: it had no
+    terminal frame."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
     text: list[str] = []
     reason = ""
@@ -61,6 +62,8 @@ async def _stream(url: str, model: str, prompt: str, n: int) -> tuple[str, str, 
             text += [c.text for c in chunk.choices]
             reason = next((c.finish_reason for c in chunk.choices if c.finish_reason), reason)
         return "".join(text), reason, None
+    except openai.APIConnectionError:  # a timeout, a reset: not an error event
+        raise
     except openai.APIError as e:
         return "".join(text), reason, str(e)
     finally:

@@ -16,6 +16,8 @@ from redis.exceptions import ResponseError
 from api.resp import RespConnection, encode
 from tests.integration.conftest import free_port, redis_db, start_redis
 
+pytestmark = pytest.mark.integration
+
 
 def test_encode_is_resp_arrays_of_bulk_strings() -> None:
     assert encode([("SET", "k", b"v\r\n"), ("SELECT", 3)]) == (
@@ -60,8 +62,8 @@ def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> 
     r.flushdb()
 
 
-def test_a_dropped_connection_fails_its_waiters_and_reconnects(redis_url: str) -> None:
-    url = redis_db(redis_url, 11)
+def test_a_dropped_connection_fails_its_waiters_and_reconnects(own_redis: str) -> None:
+    url = own_redis  # it kills every client but its own
 
     async def main() -> None:
         conn = RespConnection(url)

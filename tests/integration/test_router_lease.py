@@ -24,6 +24,8 @@ from tasks.router import Router, RouterConfig, RouteRequest, WorkersBusy
 from tests.integration.conftest import redis_db
 from workers.registry import Heartbeat
 
+pytestmark = pytest.mark.integration
+
 POOL = "generate"
 BS = 16
 LEASE_S, PRUNE_S, CAP = 2.0, 0.5, 4

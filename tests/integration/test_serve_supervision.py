@@ -5,6 +5,7 @@ and redis-server, requests over real HTTP while they die and come back."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -165,12 +166,13 @@ def test_killed_worker_api_and_flower_are_restarted_and_serving_goes_on(
             dead = before["worker-generate-1"]["pid"]
             os.kill(dead, signal.SIGKILL)
             killed = time.monotonic()
-            new = _wait_restarted(s, "worker-generate-1", dead, 10)
+            new = _wait_restarted(s, "worker-generate-1", dead, 30)
             new_id = f"{socket.gethostname()}-{new}"
             wait_for(lambda: new_id in {w.worker_id for w in live_workers(r, "generate")},
-                     10 - (time.monotonic() - killed), "the restarted worker live",
-                     [s.proc])  # fmt: skip
-            assert time.monotonic() - killed < 10
+                     60, "the restarted worker live", [s.proc])  # fmt: skip
+            # back within 10 s: the waits above allow longer, so this can fail
+            back_in = time.monotonic() - killed
+            assert back_in < 10, f"the restarted worker was live {back_in:.1f} s after the kill"
             dead_id = f"{socket.gethostname()}-{dead}"
             wait_for(lambda: dead_id not in {w.worker_id for w in live_workers(r, "generate")},
                      TTL_S + 5, "the dead worker's heartbeat to expire", [s.proc])  # fmt: skip
@@ -190,9 +192,9 @@ def test_killed_worker_api_and_flower_are_restarted_and_serving_goes_on(
             wait_for(lambda: any(ok for t, ok, _ in traffic.sent_after(killed)), 30,
                      "the restarted API answering", [s.proc])  # fmt: skip
             back = min(t for t, ok, _ in traffic.sent_after(killed) if ok)
-            time.sleep(2)
+            wait_for(lambda: len(traffic.sent_after(back)) >= 5, 30,
+                     "5 requests since the API came back", [s.proc])  # fmt: skip
             since_back = traffic.sent_after(back)
-            assert len(since_back) >= 5
             assert all(ok for _, ok, _ in since_back), [x for x in since_back if not x[1]]
 
         # --- Flower ---------------------------------------------------------------------
@@ -274,8 +276,8 @@ def test_a_crash_looping_worker_stops_serve_with_a_clear_message(
                              r"restarting it in ([\d.]+) s", log)]  # fmt: skip
         assert delays == [0.5, 1.0, 2.0], log[-3000:]
         assert re.search(
-            r"worker-generate-0 is crash-looping \(4 exits within 60 s, last: "
-            r"exited with code \d+\): stopping everything",
+            r"worker-generate-0 is crash-looping \(4 exits in a row, each within 60 s of its "
+            r"start, last: exited with code \d+\): stopping everything",
             log,
         ), log[-3000:]
         state = ServeState.read(s.state_file)
@@ -288,6 +290,26 @@ def test_a_crash_looping_worker_stops_serve_with_a_clear_message(
         assert shown.returncode == 1 and "crash-looping" in shown.stdout
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{s.url}/health", timeout=1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_an_engine_that_is_not_installed_stops_serve_in_one_line(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # a configuration error, not a crash: the worker says why once, serve does not restart it
+    with serving(tmp_path, tiny_model_dir, "--workers", "1", "--no-flower",
+                 "--engine", "vllm") as s:  # fmt: skip
+        assert s.proc.popen.wait(120) == 1, s.proc.tail()
+        log = s.proc.log.read_text()
+        said = [ln for ln in log.splitlines() if "needs vLLM, which is not installed" in ln]
+        assert len(said) == 1, log[-3000:]
+        assert "`make install-vllm`" in said[0]
+        assert "Traceback" not in log and "restarting it" not in log, log[-3000:]
+        assert re.search(r"worker-generate-0 \(pid \d+\) cannot start \(exited with code 78: "
+                         r"a configuration error, its reason above\): stopping everything",
+                         log), log[-3000:]  # fmt: skip
+        state = ServeState.read(s.state_file)
+        assert state is not None and state.state == "failed"
 
 
 def test_ctrl_c_during_a_restart_backoff_stops_everything(

@@ -9,10 +9,13 @@ import base64
 import json
 import time
 
+import pytest
 import redis
 
 from tasks.celery_ext import EVENT_FLUSH_S
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, celery_events
+
+pytestmark = pytest.mark.integration
 
 TASK_EVENTS = ("task-received", "task-started", "task-succeeded")
 
@@ -33,7 +36,7 @@ def _events(pubsub: redis.client.PubSub, until: float) -> list[tuple[str, list[d
 def test_worker_task_events_arrive_for_every_request_in_batches(cluster: Cluster) -> None:
     r = redis.Redis.from_url(cluster.redis_url)
     pubsub = r.pubsub()
-    pubsub.psubscribe("*celeryev*")
+    pubsub.psubscribe(celery_events(cluster.redis_url))
     assert pubsub.get_message(timeout=2)["type"] == "psubscribe"
 
     async def run() -> list[str]:

@@ -35,6 +35,7 @@ from tasks.router import Route
 from tests.integration.conftest import (
     base_env,
     celery_at,
+    celery_events,
     redis_db,
     start_api,
     start_redis,
@@ -94,6 +95,7 @@ def test_request_redispatched_when_worker_dies_before_answering(
     worker = start_worker("w-real", "generate", "zzz-real", env, tmp_path)
     with stop_on_error(worker):
         api, url = start_api("api-failover", env, tmp_path)
+    watcher: threading.Thread | None = None
     try:
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
         # 3 s: on a loaded machine the pick itself may come a second late
@@ -102,14 +104,16 @@ def test_request_redispatched_when_worker_dies_before_answering(
         r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
         time.sleep(0.5)  # the API's router reads workers and load every 100 ms
         stranded = worker_queue("generate", "aaa-hung")
-        if death == "declared":
+        at_hung = threading.Event()
 
-            def declare() -> None:  # once the request waits in the frozen worker's queue
-                wait_for(lambda: r.llen(stranded) == 1, 10, "the request at the frozen worker")
+        def watch() -> None:  # the request waits in the frozen worker's queue ...
+            wait_for(lambda: r.llen(stranded) == 1, 10, "the request at the frozen worker")
+            at_hung.set()
+            if death == "declared":  # ... then its death is announced
                 declare_dead(r, "generate", "aaa-hung")
 
-            declarer = threading.Thread(target=declare)
-            declarer.start()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         t0 = time.monotonic()
         out = openai.OpenAI(base_url=f"{url}/v1", api_key="x").completions.create(
             model=tiny_model_dir.name,
@@ -119,6 +123,8 @@ def test_request_redispatched_when_worker_dies_before_answering(
         )
         took = time.monotonic() - t0
         assert out.usage.completion_tokens == 5
+        # the request went to the frozen worker: what follows tests a failover
+        assert at_hung.is_set(), "the router never sent the request to the frozen worker"
         assert took < (10 if death == "heartbeat_lapses" else 3), took
         redispatched = _metric(url, "conveyor_requests_redispatched_total")
         if death == "declared" or redispatched:
@@ -139,8 +145,8 @@ def test_request_redispatched_when_worker_dies_before_answering(
             ran = f"[{out.id}] length: "
         wait_for(lambda: worker.log.read_text().count(ran) == 1, 10, "the one run", [worker])
     finally:
-        if death == "declared":
-            declarer.join(15)
+        if watcher is not None:
+            watcher.join(15)
         api.stop()
         worker.stop()
         r.flushdb()
@@ -186,7 +192,7 @@ def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
         assert waiting[0]["headers"]["redelivered"] is True and r.hlen("unacked") == 0
 
         listen.subscribe(tokens_channel(abandoned.request_id), tokens_channel(control.request_id))
-        listen.psubscribe("*celeryev*")
+        listen.psubscribe(celery_events(url15))
         worker = start_worker("w-redelivered", "generate", wid,
                               base_env(url15, tiny_model_dir), tmp_path)  # fmt: skip
         frames: dict[str, list[dict]] = {abandoned.request_id: [], control.request_id: []}
