@@ -20,10 +20,12 @@ from prometheus_client.core import (
     Metric,
 )
 
-from kvbm.protocol import PoolQueues, load_key
+from cluster.keys import load_key
+from cluster.ledger import parse_loads
+from cluster.queues import PoolQueues, aqueue_depths
 from tasks.modes import Mode
 from tasks.queues import POOLS, shown
-from tasks.router import Router, parse_loads
+from tasks.router import Router
 
 
 class ClusterCollector:
@@ -39,9 +41,9 @@ class ClusterCollector:
         self._router = router.stats()
         workers: list[dict] = []
         for pool in self.pools:
-            for w in await router.live_workers(pool):
-                workers.append({"worker_id": w.worker_id, "pool": pool, **w.load})
-        depths = shown(await router.queue_depths(POOLS), self.mode)
+            for w in await router.membership.live_workers(pool):
+                workers.append(w.report.flat())  # HeartbeatReport's fields and the counters
+        depths = shown(await aqueue_depths(client, POOLS), self.mode)
         pipe = client.pipeline(transaction=False)
         for pool in self.pools:
             pipe.hgetall(load_key(pool))

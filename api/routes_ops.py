@@ -26,7 +26,7 @@ async def health(request: Request) -> JSONResponse:
     mode = st.settings.serving_mode
     try:
         await st.redis.ping()
-        pools = {p: len(await st.runner.router.live_workers(p)) for p in mode.pools}
+        pools = {p: len(await st.runner.router.membership.live_workers(p)) for p in mode.pools}
     except Exception as e:  # noqa: BLE001 - any failure to reach Redis is "unavailable"
         return JSONResponse({"status": "unavailable", "redis": str(e)}, status_code=503)
     ok = all(pools[p] for p in mode.required_pools)

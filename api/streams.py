@@ -27,7 +27,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from api.resp import PubSubConnection, RedisPyPubSub
-from kvbm.protocol import TOKENS_PREFIX, WORKER_DEATHS_CHANNEL, TokenFrame
+from cluster.keys import WORKER_DEATHS_CHANNEL
+from kvbm.protocol import TOKENS_PREFIX, TokenFrame
 
 log = logging.getLogger(__name__)
 

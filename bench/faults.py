@@ -53,7 +53,7 @@ import httpx  # noqa: E402
 import redis  # noqa: E402
 from common import conveyor_serve, event_error, run_parts  # noqa: E402
 
-from kvbm.protocol import alive_key, worker_key  # noqa: E402
+from cluster.keys import alive_key, worker_key  # noqa: E402
 from tasks.serve_state import ServeState  # noqa: E402
 from tasks.settings import Settings  # noqa: E402
 

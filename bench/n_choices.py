@@ -44,7 +44,7 @@ import redis  # noqa: E402
 from common import conveyor_serve  # noqa: E402
 from sse_client import SSEClient, run_loop  # noqa: E402
 
-from kvbm.protocol import alive_key, worker_key  # noqa: E402
+from cluster.keys import alive_key, worker_key  # noqa: E402
 from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
 from workers.model_init import init_model, is_model_dir  # noqa: E402
 

@@ -26,7 +26,7 @@ counted, never fatal.
 Hit rate = cached tokens / ideal reusable tokens (an infinite cache in arrival order, whole
 engine blocks, never the last prompt token), over the requests that succeeded. Load: every
 50 ms the router's KV blocks per live worker (field ``<worker>:blocks`` of the hash
-``kvbm.protocol.load_key("generate")``). Spread = the busiest worker's time-averaged
+``cluster.keys.load_key("generate")``). Spread = the busiest worker's time-averaged
 blocks / the mean
 worker's; also max/mean per sample with blocks in use, averaged (and p95) over the run.
 """
@@ -68,8 +68,8 @@ from common import (  # noqa: E402
     wait_ready,
 )
 
-from kvbm.protocol import load_key  # noqa: E402
-from workers.registry import live_workers  # noqa: E402
+from cluster.keys import load_key  # noqa: E402
+from cluster.membership import live_workers  # noqa: E402
 
 MODES = ("kv", "round_robin", "random")
 POOL = "generate"

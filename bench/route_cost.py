@@ -51,10 +51,18 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from common import free_ports  # noqa: E402
 
-from kvbm.index import KVIndex  # noqa: E402
-from kvbm.protocol import block_hashes, load_key, namespace_hash  # noqa: E402
+from kvbm.protocol import block_hashes, namespace_hash  # noqa: E402
+
+try:  # the control plane's home since issue 32; earlier trees kept it in kvbm and workers
+    from cluster.index import KVIndex
+    from cluster.keys import load_key
+    from cluster.membership import Heartbeat
+except ImportError:
+    from kvbm.index import KVIndex  # type: ignore[no-redef]
+    from workers.registry import Heartbeat  # type: ignore[no-redef]
+
+    from kvbm.protocol import load_key  # type: ignore[attr-defined,no-redef]
 from tasks.router import Router, RouterConfig, RouteRequest  # noqa: E402
-from workers.registry import Heartbeat  # noqa: E402
 
 POOL = "generate"
 TARGET_P99_MS = 1.0

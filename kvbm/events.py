@@ -3,7 +3,7 @@
 The engine loop hands each step's :class:`kvbm.block_pool.KVEvent` list to
 :meth:`KVEventPublisher.publish`. At most every ``interval_s`` (and whenever the engine
 goes idle) the publisher folds what it holds into one batch, numbers it with the worker's
-next sequence number and writes one script call (:data:`kvbm.index.APPLY_LUA`) through a
+next sequence number and writes one script call (:data:`cluster.index.APPLY_LUA`) through a
 :class:`CommandWriter`: the engine process's frame connection, which pipelines it with the
 step's token frames and reads the reply on a later write, with others (or at once when the
 engine goes idle: nothing would read it for a while then). No thread, and while the engine
@@ -34,8 +34,8 @@ from typing import Protocol
 
 import redis
 
+from cluster.index import Batch, apply_command
 from kvbm.block_pool import KVEvent
-from kvbm.index import Batch, apply_command
 from kvbm.protocol import G1
 
 log = logging.getLogger(__name__)

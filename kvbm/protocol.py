@@ -1,17 +1,13 @@
 """Conveyor's wire contract: everything that crosses a process, named once. torch-free.
 
-The API, the stage tasks, the workers' engine processes and the KV index all take their
-Redis key and channel names, Celery queue names, token frames, stage payloads and
-handles, the liveness rule and block hashes from here. Nothing matches the other side of
-a seam by convention.
+The API, the stage tasks and the workers' engine processes take their data-plane Redis
+names (token channels, transfer keys), token frames, stage payloads and handles, and
+block hashes from here; the cluster's own keys, queues and scripts are :mod:`cluster`'s.
+Nothing matches the other side of a seam by convention.
 
 Public part:
-    keys and channels   tokens_channel, worker_queue, worker_key, alive_key, ... (a
-                        function each: the only place a ``conveyor:`` name is spelled);
-                        queue_lists: the Redis lists behind one Celery queue
-    liveness            LIVE_LUA: the one rule (a worker is live while the expiry its
-                        heartbeat wrote into its pool's ``alive`` ZSET lies ahead of
-                        Redis's clock), used by every reader
+    keys and channels   tokens_channel, cancelled_key, kv_data_key, media_key, ... (a
+                        function each, on cluster.keys's prefix)
     block hashing       block_hashes (chained, seeded, with per-block extra keys),
                         model_namespace, extra_keys_for_spans; images: image_extra_key,
                         image_spans, request_extra_keys
@@ -41,15 +37,13 @@ import orjson
 import xxhash
 from pydantic import BaseModel, Field, model_validator
 
+from cluster.keys import KEY_PREFIX
+
 # ======================================================================================
-# Redis keys and channels, Celery queues
+# Redis keys and channels of the data plane (the cluster's own: cluster.keys)
 # ======================================================================================
-KEY_PREFIX = "conveyor:"
 TOKENS_PREFIX = "tokens:"
 CANCEL_CHANNEL = KEY_PREFIX + "cancel"  # PUBLISH request id: abort it wherever it runs
-# PUBLISH worker id: a worker was declared dead (its engine process saw it die), so every
-# API checks its waiting streams' workers now rather than at its next liveness poll
-WORKER_DEATHS_CHANNEL = KEY_PREFIX + "deaths"
 
 
 def tokens_channel(request_id: str) -> str:
@@ -62,96 +56,12 @@ def cancelled_key(request_id: str) -> str:
     return f"{KEY_PREFIX}cancelled:{request_id}"
 
 
-def worker_queue(pool: str, worker_id: str) -> str:
-    """A worker's own Celery queue: the router sends here to reach exactly this worker."""
-    return f"{pool}.{worker_id}"
-
-
-def pool_queue(pool: str) -> str:
-    """A pool's shared Celery queue: every worker of the pool consumes it. Work bound to no
-    worker goes here (a dead worker's stranded messages are moved here)."""
-    return pool
-
-
-def queue_owners_key(pool: str) -> str:
-    """SET of the worker ids whose own queue may hold messages: every heartbeat adds its
-    worker; a reader of queue depths retires a worker once it is dead and its queue empty
-    (so a departed worker's stranded messages stay in view until they are gone)."""
-    return f"{KEY_PREFIX}queue-owners:{pool}"
-
-
-# kombu's Redis transport keeps a queue's messages of priority 0 in the list named after
-# the queue and those of priority p in ``<queue>\x06\x16<p>``: its default separator and
-# priority steps, which tasks.app leaves alone (a unit test holds these to kombu's).
-QUEUE_PRIORITY_SEP = "\x06\x16"
-QUEUE_PRIORITY_STEPS = (0, 3, 6, 9)
-
-
-def queue_lists(queue: str) -> list[str]:
-    """The Redis lists that hold ``queue``'s messages: its depth is their total length."""
-    return [f"{queue}{QUEUE_PRIORITY_SEP}{p}" if p else queue for p in QUEUE_PRIORITY_STEPS]
-
-
-def worker_key(pool: str, worker_id: str) -> str:
-    """STRING: the worker's last heartbeat report (JSON), expiring with its TTL."""
-    return f"{KEY_PREFIX}worker:{pool}:{worker_id}"
-
-
-def alive_key(pool: str) -> str:
-    """ZSET worker id -> heartbeat expiry (ms, Redis's clock): the pool's members."""
-    return f"{KEY_PREFIX}alive:{pool}"
-
-
-def load_key(pool: str) -> str:
-    """HASH ``<worker id>:reqs|blocks|prefill`` -> the load the routers counted."""
-    return f"{KEY_PREFIX}load:{pool}"
-
-
-def load_totals_key(pool: str) -> str:
-    """HASH ``blocks|prefill`` -> the pool's totals of those fields (the load guard's mean)."""
-    return f"{KEY_PREFIX}loadsum:{pool}"
-
-
-def load_owner_key(pool: str, router_id: str) -> str:
-    """HASH, the fields of :func:`load_key`: the part of the pool's load one router (one
-    API process) counted, so that another can give it back if that process dies."""
-    return f"{KEY_PREFIX}loadby:{pool}:{router_id}"
-
-
-def load_owners_key(pool: str) -> str:
-    """ZSET router id -> the expiry (ms, Redis's clock) of its lease on its counted load,
-    renewed while it runs; a lapsed lease's counts are given back by the other routers."""
-    return f"{KEY_PREFIX}loadowners:{pool}"
-
-
 # KV cache tiers (the KVBM's G1 / G2 / G3), as KV events and the index name them
 G1 = 1  # the engine's own pool (GPU memory, or the CPU pool of the reference engine)
 G2 = 2  # host memory
 G3 = 3  # local disk
 TIERS = (G1, G2, G3)
 TIER_NAMES = {G1: "g1", G2: "g2", G3: "g3"}
-
-
-@dataclass(frozen=True, slots=True)
-class IndexKeys:
-    """One pool's KV-block index in Redis (see :mod:`kvbm.index`)."""
-
-    events: str  # STREAM of event batches (workers') and decisions (approximate routers')
-    worker_blocks: str  # + worker id: SET of hex hashes the worker holds in G1 (snapshot)
-    seq: str  # + worker id: the number of its last applied event batch
-    host_blocks: str  # + worker id: SET of hex hashes the worker holds in G2
-    disk_blocks: str  # + worker id: SET of hex hashes the worker holds in G3
-
-    def tier_blocks(self, tier: int) -> str:
-        """The prefix (+ worker id) of the SET of blocks a worker holds in ``tier``."""
-        return {G1: self.worker_blocks, G2: self.host_blocks, G3: self.disk_blocks}[tier]
-
-
-def index_keys(pool: str) -> IndexKeys:
-    return IndexKeys(
-        f"{KEY_PREFIX}kvev:{pool}", f"{KEY_PREFIX}kvw:{pool}:", f"{KEY_PREFIX}kvseq:{pool}:",
-        f"{KEY_PREFIX}kvw2:{pool}:", f"{KEY_PREFIX}kvw3:{pool}:",
-    )  # fmt: skip
 
 
 def kv_release_channel(worker_id: str) -> str:
@@ -184,98 +94,6 @@ def media_key(image_hash: str) -> str:
     its content hash (:class:`ImageRef`), with a TTL; whoever encodes the image reads it
     here (image bytes never travel inside a Celery message)."""
     return f"{KEY_PREFIX}media:{image_hash}"
-
-
-# ======================================================================================
-# Queue depths, as the registry's script reads them (workers.registry.queue_depths)
-# ======================================================================================
-@dataclass(slots=True)
-class WorkerQueue:
-    """A worker's own queue: a live worker's, or a departed one's still holding messages."""
-
-    pool: str
-    worker_id: str
-    live: bool
-    depth: int  # messages waiting
-
-    @property
-    def queue(self) -> str:
-        return worker_queue(self.pool, self.worker_id)
-
-
-@dataclass(slots=True)
-class PoolQueues:
-    """The depths of one pool's queues at one moment."""
-
-    pool: str
-    shared: int  # messages in the pool's shared queue
-    workers: list[WorkerQueue]
-
-    @property
-    def total(self) -> int:
-        """Everything waiting for the stage: its shared queue and its workers' own."""
-        return self.shared + sum(w.depth for w in self.workers)
-
-    @property
-    def queues(self) -> dict[str, int]:
-        """Queue name -> depth, the shared queue first."""
-        return {pool_queue(self.pool): self.shared, **{w.queue: w.depth for w in self.workers}}
-
-    @property
-    def in_use(self) -> bool:
-        """Whether the pool has workers or messages (a pool outside the mode may)."""
-        return bool(self.workers) or self.shared > 0
-
-
-# ======================================================================================
-# Liveness: one rule for every reader
-# ======================================================================================
-# A heartbeat writes ``now + ttl`` (Redis's clock, ms) as the worker's score in its pool's
-# alive ZSET (and its report under worker_key with the same TTL). A worker is live while
-# its score is above Redis's now. Scripts include this; they define ``now`` with NOW_LUA.
-NOW_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-LIVE_LUA = """
-local function is_live(akey, wid, now)
-  local exp = redis.call('ZSCORE', akey, wid)
-  return exp ~= false and exp ~= nil and tonumber(exp) > now
-end
-local function live_ids(akey, now)
-  local ids = redis.call('ZRANGE', akey, '(' .. now, '+inf', 'BYSCORE')
-  table.sort(ids)
-  return ids
-end
-"""
-
-# ARGV: alive key, worker key prefix -> flat list id1, report1, id2, report2, ... of the
-# pool's live workers (a report may be false if its key expired a moment earlier)
-LIVE_WORKERS_LUA = (
-    NOW_LUA
-    + LIVE_LUA
-    + """
-local out = {}
-for _, id in ipairs(live_ids(ARGV[1], now)) do
-  out[#out + 1] = id
-  out[#out + 1] = redis.call('GET', ARGV[2] .. id)
-end
-return out
-"""
-)
-
-# ARGV: alive key 1, worker id 1, alive key 2, worker id 2, ... -> 1 if every one is live
-ALL_LIVE_LUA = (
-    NOW_LUA
-    + LIVE_LUA
-    + """
-for i = 1, #ARGV, 2 do
-  if not is_live(ARGV[i], ARGV[i + 1], now) then return 0 end
-end
-return 1
-"""
-)
 
 
 # ======================================================================================

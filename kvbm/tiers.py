@@ -7,7 +7,7 @@ reserves a slot (``None``: no room) and pins it, the copy runs on another thread
 ``complete_store`` makes the block visible (or drops it); ``prepare_load`` pins blocks a
 copy reads, ``complete_load`` unpins them. Everything here runs on the engine thread.
 
-Ancestors always stay (the KV router's bisection relies on it, :mod:`kvbm.index`): a tier
+Ancestors always stay (the KV router's bisection relies on it, :mod:`cluster.index`): a tier
 takes a block only if it holds the block's parent already (or is taking it in the same
 batch), and evicts only leaves (blocks none of whose children it holds), least recently
 used first. A sequence's tail therefore goes before its prefix, and every tier, on its

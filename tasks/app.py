@@ -13,7 +13,7 @@ import ssl
 from celery import Celery
 from kombu import Exchange, Queue
 
-from kvbm.protocol import pool_queue
+from cluster.queues import pool_queue
 from tasks.settings import Settings, get_settings
 
 app = Celery("conveyor", include=["tasks.stages"])

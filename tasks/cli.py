@@ -180,7 +180,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     """Run one Celery worker process for POOL (its pool queue + its own queue)."""
     from celery.signals import worker_ready, worker_shutting_down
 
-    from kvbm.protocol import pool_queue, worker_queue
+    from cluster.queues import pool_queue, worker_queue
     from tasks.app import configure as configure_app
     from tasks.heap import freeze_startup_heap
     from workers.engine_api import EngineConfig
@@ -385,7 +385,7 @@ def worker_health(pool: str, redis_url: str | None) -> None:
     """Exit 0 if a live worker of POOL runs on this host, else 1."""
     import redis
 
-    from workers.registry import live_workers
+    from cluster.membership import live_workers
 
     s = configure(redis_url=redis_url)
     try:
@@ -393,7 +393,7 @@ def worker_health(pool: str, redis_url: str | None) -> None:
     except redis.RedisError as e:
         raise click.ClickException(f"redis unreachable: {e}") from e
     host = socket.gethostname()
-    mine = [w for w in workers if w.load.get("host") == host]
+    mine = [w for w in workers if w.report.host == host]
     click.echo(f"{len(mine)} live {pool} worker(s) on {host}")
     sys.exit(0 if mine else 1)
 

@@ -1,7 +1,7 @@
 """Which stage queues an operator sees, and their depths: one view for Flower's broker page,
 ``/metrics`` and ``conveyor queues``.
 
-The queues are read from the worker registry (:func:`workers.registry.queue_depths`), not
+The queues are read from the worker registry (:func:`cluster.queues.queue_depths`), not
 from what the workers last told Flower: every pool of the stage table with its shared
 queue, and each worker's own queue while the worker is live or its queue still holds
 messages. A pool outside this deployment's mode is shown only while it has workers or
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import redis
 
-from kvbm.protocol import PoolQueues
+from cluster.queues import PoolQueues, queue_depths
 from tasks.modes import ALL_POOLS, Mode
-from workers.registry import queue_depths
 
 POOLS = ALL_POOLS  # every pool is read: a worker of another mode's pool is still shown
 

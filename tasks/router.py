@@ -1,15 +1,15 @@
 """Pick the worker (and so the per-worker queue) for each stage of a request.
 
 Each API process's :class:`Router` scores workers in-process. A request's overlap with
-what each worker holds comes from a local index per pool (:class:`kvbm.index.IndexFollower`,
+what each worker holds comes from a local index per pool (:class:`cluster.index.IndexFollower`,
 fed by the workers' KV events through a Redis stream); each worker's load from a local
 view refreshed from Redis every ``refresh_s`` and by this router's own decisions. Redis
-keeps only what routers must share, and a decision costs it one small script
-(:data:`COMMIT_LUA`): it re-checks that the chosen worker is live and, in kv mode, within
-the load guard by the pool's true totals, and counts the request against it, atomically.
-On a conflict (the worker died, or other routers filled it past the guard) the next
-candidate is tried. Any number of API replicas route consistently, and none walks the
-index in Redis's single thread.
+keeps only what routers must share, and a decision costs it one small script (the
+ledger's commit, :data:`cluster.ledger.COMMIT_LUA`): it re-checks that the chosen worker is
+live and, in kv mode, within the load guard by the pool's true totals, and counts the
+request against it, atomically. On a conflict (the worker died, or other routers filled
+it past the guard) the next candidate is tried. Any number of API replicas route
+consistently, and none walks the index in Redis's single thread.
 
 Modes (``CONVEYOR_ROUTER_MODE``):
 
@@ -45,17 +45,13 @@ worker and counts as ``n`` requests (``RouteRequest.choices``; one more than the
 allows still goes to a worker that holds none); each choice gives its one back as it
 ends.
 
-Load, per worker, lives in :func:`kvbm.protocol.load_key` (fields
-``<worker>:reqs|prefill|blocks``) and the pool's totals in
-:func:`kvbm.protocol.load_totals_key`: requests routed and not finished; prompt tokens
-routed and not yet prefilled; and the KV blocks (prompt + one for decoding) of requests
-past their first token. A request counts as prefill work until its first token, then the
-API moves it to decode blocks; it gives everything back when it ends. Each router also
-keeps what it counted in a hash of its own (:func:`kvbm.protocol.load_owner_key`) under a
-lease it renews every second (:func:`kvbm.protocol.load_owners_key`); when an API process
-dies with requests counted, its lease lapses (``lease_s``) and the other routers give
-its counts back (:data:`RECLAIM_LUA`), so it cannot pin load, or requests against the cap,
-on a worker for good.
+Load is counted in the cluster's ledger (:mod:`cluster.ledger`): requests, prompt tokens
+not yet prefilled, and decode blocks per worker, with the pool's totals. A request counts
+as prefill work until its first token, then the API moves it to decode blocks; it gives
+everything back when it ends. This router's counts are kept under its lease, so that when
+an API process dies with requests counted the other routers give them back
+(:data:`cluster.ledger.RECLAIM_LUA`). Liveness and the prune of dead workers are
+:mod:`cluster.membership`'s; the KV index's store and stream :mod:`cluster.index`'s.
 """
 
 from __future__ import annotations
@@ -71,178 +67,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
-from redis.exceptions import ResponseError
 
-from kvbm.index import EVENTS_MAXLEN, PRUNE_LUA, IndexFollower, hex_hashes, prune_argv
-from kvbm.protocol import (
-    ALL_LIVE_LUA,
-    LIVE_LUA,
-    LIVE_WORKERS_LUA,
-    NOW_LUA,
-    PoolQueues,
-    alive_key,
-    index_keys,
-    load_key,
-    load_owner_key,
-    load_owners_key,
-    load_totals_key,
-    worker_key,
-    worker_queue,
-)
+from cluster.index import IndexFollower, decision_args
+from cluster.ledger import COUNTED, DEAD, FULL, GUARDED, Ledger
+from cluster.membership import Membership
+from cluster.queues import worker_queue
 from tasks.settings import Settings
-from workers.registry import (
-    QUEUE_DEPTHS_LUA,
-    WorkerInfo,
-    parse_live,
-    parse_queue_depths,
-    queue_depths_args,
-)
 
 log = logging.getLogger(__name__)
 
-LOAD_TTL_S = 600
 MODES = ("kv", "round_robin", "random")
 MAX_CONFLICTS = 3  # candidates refused by the commit before the least loaded is taken
-FULL, DEAD, GUARDED, COUNTED = -2, -1, 0, 1  # the commit's answers (COMMIT_LUA)
-
-# Count a request against one worker. KEYS: load hash, load totals, alive zset, and the
-# committing router's own load hash (optional: the same counts, kept per router). ARGV:
-# worker, prompt tokens to queue, guard (0/1), guard ratio, guard min blocks, live workers,
-# least load (blocks, as the caller sees it), block size, ttl ms, the most requests a
-# worker may hold (0: no cap), the requests this one counts as (its choices: n), then in
-# approximate mode the pool's stream, the decision's TTL (ms) and the hex hashes (JSON).
-# A request of more choices than the cap still goes to a worker that holds none.
-# Returns {1, blocks, prefill, reqs} counted; {0, blocks, prefill, reqs} over the guard;
-# {-1} dead; {-2, blocks, prefill, reqs} at the request cap.
-COMMIT_LUA = (
-    NOW_LUA
-    + LIVE_LUA
-    + """
-local wid = ARGV[1]
-if not is_live(KEYS[3], wid, now) then return {-1} end
-local v = redis.call('HMGET', KEYS[1], wid .. ':blocks', wid .. ':prefill', wid .. ':reqs')
-local b, q, n = tonumber(v[1] or '0'), tonumber(v[2] or '0'), tonumber(v[3] or '0')
-local cap, k = tonumber(ARGV[10]), tonumber(ARGV[11])
-if cap > 0 and n > 0 and n + k > cap then return {-2, b, q, n} end
-local bs = tonumber(ARGV[8])
-if ARGV[3] == '1' then
-  local tb = tonumber(redis.call('HGET', KEYS[2], 'blocks') or '0')
-  local tq = tonumber(redis.call('HGET', KEYS[2], 'prefill') or '0')
-  local mean = (tb + math.ceil(tq / bs)) / tonumber(ARGV[6])
-  local limit = math.max(tonumber(ARGV[4]) * mean, tonumber(ARGV[7]) + tonumber(ARGV[5]))
-  if b + math.ceil(q / bs) > limit then return {0, b, q, n} end
-end
-local add = tonumber(ARGV[2])
-n = redis.call('HINCRBY', KEYS[1], wid .. ':reqs', k)
-q = redis.call('HINCRBY', KEYS[1], wid .. ':prefill', add)
-redis.call('HINCRBY', KEYS[2], 'prefill', add)
-redis.call('PEXPIRE', KEYS[1], ARGV[9])
-redis.call('PEXPIRE', KEYS[2], ARGV[9])
-if #KEYS > 3 then
-  redis.call('HINCRBY', KEYS[4], wid .. ':reqs', k)
-  redis.call('HINCRBY', KEYS[4], wid .. ':prefill', add)
-  redis.call('PEXPIRE', KEYS[4], ARGV[9])
-end
-if #ARGV > 11 then
-  redis.call('XADD', ARGV[12], 'MAXLEN', '~', ARGV[15], '*', 'w', wid, 'a', ARGV[13],
-             'b', ARGV[14])
-end
-return {1, b, q, n}
-"""
-)
-
-# Take load off workers. KEYS: load hash, load totals, and the router's own load hash
-# (optional). ARGV: (field, amount, total field or '') triples, then the ttl ms. An amount
-# below 0 adds; counts never go below 0, and a total moves by what its field really moved.
-# With the router's own hash, no more is taken than it still holds there: what another
-# router gave back for it (its lease lapsed while it stalled) is not taken a second time.
-GIVE_BACK_LUA = """
-for i = 1, #ARGV - 1, 3 do
-  local n = tonumber(ARGV[i + 1])
-  if #KEYS > 2 and n > 0 then
-    n = math.min(n, tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0'))
-  end
-  if n ~= 0 then
-    local v = redis.call('HINCRBY', KEYS[1], ARGV[i], 0 - n)
-    local moved = n
-    if v < 0 then redis.call('HSET', KEYS[1], ARGV[i], 0); moved = n + v end
-    if ARGV[i + 2] ~= '' and moved ~= 0 then
-      local t = redis.call('HINCRBY', KEYS[2], ARGV[i + 2], 0 - moved)
-      if t < 0 then redis.call('HSET', KEYS[2], ARGV[i + 2], 0) end
-    end
-    if #KEYS > 2 then
-      local o = redis.call('HINCRBY', KEYS[3], ARGV[i], 0 - n)
-      if o <= 0 then redis.call('HDEL', KEYS[3], ARGV[i]) end
-    end
-  end
-end
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[#ARGV]))
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[#ARGV]))
-if #KEYS > 2 then redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[#ARGV])) end
-return 1
-"""
-
-# Renew this router's lease on the load it counted in a pool (and its own hash's TTL),
-# then give back the load of the routers whose lease lapsed (their API process died with
-# requests counted): what each counted comes off the pool's counts and totals, as their
-# releases would have done. A router whose own lease had lapsed too (Redis was away, or
-# this process stalled) only renews: the others may be alive and about to renew theirs.
-# KEYS: owners zset, load hash, load totals. ARGV: router id, lease ms, the owners' hash
-# key prefix (+ id), ttl ms. Returns {requests given back, ids of the routers that held any}.
-RECLAIM_LUA = (
-    NOW_LUA
-    + """
-local mine = redis.call('ZSCORE', KEYS[1], ARGV[1])
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('PEXPIRE', ARGV[3] .. ARGV[1], ARGV[4])
-if not mine or tonumber(mine) <= now then return {0} end
-local out = {0}
-for _, o in ipairs(redis.call('ZRANGE', KEYS[1], '-inf', now, 'BYSCORE')) do
-  local h = ARGV[3] .. o
-  local f = redis.call('HGETALL', h)
-  if #f > 0 then out[#out + 1] = o end  -- a router that ended holding nothing: no news
-  for i = 1, #f, 2 do
-    local n = tonumber(f[i + 1])
-    if n > 0 and redis.call('HEXISTS', KEYS[2], f[i]) == 1 then
-      local v = redis.call('HINCRBY', KEYS[2], f[i], 0 - n)
-      local moved = n
-      if v < 0 then redis.call('HSET', KEYS[2], f[i], 0); moved = n + v end
-      local kind = string.match(f[i], ':(%a+)$')
-      if (kind == 'prefill' or kind == 'blocks') and moved > 0 then
-        local t = redis.call('HINCRBY', KEYS[3], kind, 0 - moved)
-        if t < 0 then redis.call('HSET', KEYS[3], kind, 0) end
-      elseif kind == 'reqs' then
-        out[1] = out[1] + moved
-      end
-    end
-  end
-  redis.call('DEL', h)
-  redis.call('ZREM', KEYS[1], o)
-end
-return out
-"""
-)
-
-# A pool's live workers and their counted load. ARGV: alive zset, load hash, load totals
-# -> {total blocks, total prefill, id1, blocks1, prefill1, reqs1, id2, ...}
-VIEW_LUA = (
-    NOW_LUA
-    + LIVE_LUA
-    + """
-local out = {tonumber(redis.call('HGET', ARGV[3], 'blocks') or '0'),
-             tonumber(redis.call('HGET', ARGV[3], 'prefill') or '0')}
-for _, id in ipairs(live_ids(ARGV[1], now)) do
-  local v = redis.call('HMGET', ARGV[2], id .. ':blocks', id .. ':prefill', id .. ':reqs')
-  out[#out + 1] = id
-  out[#out + 1] = tonumber(v[1] or '0')
-  out[#out + 1] = tonumber(v[2] or '0')
-  out[#out + 1] = tonumber(v[3] or '0')
-end
-return out
-"""
-)
 
 
 @dataclass(slots=True)
@@ -363,10 +198,8 @@ class PoolView:
 class Router:
     """Routes in-process for one API process (see the module's docstring).
 
-    ``fast``, if given, runs the router's scripts (the commit, and the load given back at
-    the first token and at the end): any object whose ``await execute(*commands)`` returns
-    the replies, as ``api.resp.RespConnection`` does, writing the commands before it first
-    yields (docs/performance.md, "API: commands leave before the first await").
+    ``fast``, if given, runs the ledger's scripts (the commit, and the load given back at
+    the first token and at the end): see :class:`cluster.ledger.Ledger`.
     ``follow=False``: no local index and no background refresh (a worker redoing a
     prefill): overlaps count as 0 and the view is read when it is older than
     ``refresh_s``. ``on_decision(pool, seconds)`` hears how long each pick took;
@@ -384,22 +217,15 @@ class Router:
         self._r = client
         self._on_release = on_release
         # who counts this router's load, so others can give it back if this process dies
-        # (RECLAIM_LUA); a router that does not follow holds a count for moments only
+        # (the ledger's reclaim); a router that does not follow holds a count for moments
         self.id = uuid.uuid4().hex[:16] if follow else None
         self.config = config or RouterConfig()
-        self._fast = fast
         self._follow = follow
         self._on_decision = on_decision
-        self._commit = client.register_script(COMMIT_LUA)
-        self._give_back = client.register_script(GIVE_BACK_LUA)
-        self._view_script = client.register_script(VIEW_LUA)
-        self._prune = client.register_script(PRUNE_LUA)
-        self._reclaim = client.register_script(RECLAIM_LUA)
-        self._live = client.register_script(LIVE_WORKERS_LUA)
-        self._all_live = client.register_script(ALL_LIVE_LUA)
+        self.ledger = Ledger(client, self.id, fast)
+        self.membership = Membership(client)
         self._views: dict[str, PoolView] = {}
         self._starting: dict[str, asyncio.Task[PoolView]] = {}
-        self._depths = client.register_script(QUEUE_DEPTHS_LUA)
 
     async def start(self, *pools: str) -> Router:
         """Load the pools' views and indexes now rather than at their first pick."""
@@ -463,7 +289,7 @@ class Router:
             if not room:
                 raise WorkersBusy(v.pool, cap, len(ids))
             ids = room
-        load = {w: self._load(v, w) for w in v.live}  # once per pick: O(workers)
+        load = self._loads(v)  # once per pick: O(workers)
         least = min(load.values(), default=0)
         limit = max(c.guard_ratio * sum(load.values()) / max(len(load), 1),
                     least + c.guard_min_blocks)  # fmt: skip
@@ -509,21 +335,24 @@ class Router:
         the softmax over costs with a temperature); the guarded ones last."""
         c, bs = self.config, self.config.block_size
         w1, w2, w3 = c.tier_weights
+        ow = c.overlap_weight
         nblocks = -(-max(req.prompt_len, 1) // bs)
         costs = {}
         inside: list[str] = []
         outside: list[str] = []
+        loads, pending = v.loads, v.pending
         for w in ids:
-            b, q = v.loads.get(w, (0, 0))
-            q += v.pending.get(w, 0)
+            b, q = loads.get(w, (0, 0))
+            if pending:
+                q += pending.get(w, 0)
             n1, n12, n = tov[w]
             saved = w1 * n1 + w2 * (n12 - n1) + w3 * (n - n12)  # cached blocks, by tier
-            costs[w] = c.overlap_weight * (nblocks - saved + -(-q // bs)) + b
+            costs[w] = ow * (nblocks - saved + -(-q // bs)) + b
             (inside if load.get(w, 0) <= limit else outside).append(w)
         outside.sort(key=lambda w: load.get(w, 0))
         if c.temperature <= 0:
-            random.shuffle(inside)  # ties broken at random (sort is stable)
             inside.sort(key=costs.__getitem__)
+            _shuffle_ties(inside, costs, MAX_CONFLICTS)  # ties broken at random
         else:
             cmin = min(costs[w] for w in inside)
             span = max(max(costs[w] for w in inside) - cmin, 1)
@@ -549,6 +378,15 @@ class Router:
         b, q = v.loads.get(w, (0, 0))
         return b + -(-(q + v.pending.get(w, 0)) // self.config.block_size)
 
+    def _loads(self, v: PoolView) -> dict[str, int]:
+        """:meth:`_load` of every live worker (the pick's hot loop, inlined)."""
+        bs, loads, pending = self.config.block_size, v.loads, v.pending
+        out = {}
+        for w in v.live:
+            b, q = loads.get(w, (0, 0))
+            out[w] = b + -(-(q + pending.get(w, 0)) // bs) if pending else b + -(-q // bs)
+        return out
+
     def _overlaps(self, v: PoolView, ids: list[str], hashes: list[int]) -> dict[str, int]:
         if v.follower is None or not hashes:
             return dict.fromkeys(ids, 0)
@@ -571,19 +409,16 @@ class Router:
         c, bs = self.config, self.config.block_size
         nblocks = -(-max(req.prompt_len, 1) // bs)
         add_prefill = max(req.prompt_len - overlap * bs, 1)
-        args: list = [w, add_prefill, int(guard), c.guard_ratio, c.guard_min_blocks,
-                      max(len(v.live), 1), least, bs, LOAD_TTL_S * 1000,
-                      self._cap(req), req.choices]  # fmt: skip
         approx = c.mode == "kv" and not c.kv_events and bool(req.block_hashes)
-        if approx:
-            ttl_ms = int(c.approx_ttl_s * 1000)
-            args += [index_keys(v.pool).events, ttl_ms, _json_hex(req.block_hashes),
-                     EVENTS_MAXLEN]  # fmt: skip
-        keys = (load_key(v.pool), load_totals_key(v.pool), alive_key(v.pool), *self._own(v.pool))
+        decision = decision_args(v.pool, req.block_hashes, c.approx_ttl_s) if approx else None
         v.pending[w] = v.pending.get(w, 0) + add_prefill
         v.reqs[w] = v.reqs.get(w, 0) + req.choices  # the picks made meanwhile see it
         try:
-            res = await self._run(self._commit, args, keys)
+            res = await self.ledger.commit(
+                v.pool, w, add_prefill, cap=self._cap(req), choices=req.choices,
+                guard=(c.guard_ratio, c.guard_min_blocks, max(len(v.live), 1), least)
+                if guard else None, block_size=bs, decision=decision,
+            )  # fmt: skip
         except BaseException:
             v.reqs[w] = max(v.reqs.get(w, req.choices) - req.choices, 0)
             raise
@@ -593,15 +428,15 @@ class Router:
                 v.pending[w] = left
             else:
                 del v.pending[w]
-        status = int(res[0])
+        status = res.status
         if status == DEAD:
             v.conflicts += 1
             v.reqs.pop(w, None)
             if w in v.live:
                 v.live.remove(w)  # dead: the next refresh confirms it
             return None, status
-        v.loads[w] = [int(res[1]), int(res[2])]
-        v.reqs[w] = int(res[3])
+        v.loads[w] = [res.blocks, res.prefill]
+        v.reqs[w] = res.reqs
         if status != COUNTED:
             v.conflicts += status == GUARDED  # at the cap is admission, not a conflict
             return None, status
@@ -654,68 +489,30 @@ class Router:
         now = time.monotonic()
         if now - v.pruned >= self.config.prune_s:
             v.pruned = now
-            gone = await self._prune(args=prune_argv(v.pool))
+            gone = await self.membership.prune(v.pool)
             if gone:
-                log.info("router: forgot dead workers of %s: %s", v.pool,
-                         ", ".join(_str(g) for g in gone))  # fmt: skip
+                log.info("router: forgot dead workers of %s: %s", v.pool, ", ".join(gone))
             if self.id is not None:  # once per prune: renew the lease, reclaim lapsed ones
-                res = await self._reclaim(
-                    keys=[load_owners_key(v.pool), load_key(v.pool), load_totals_key(v.pool)],
-                    args=[self.id, int(self.config.lease_s * 1000),
-                          load_owner_key(v.pool, ""), LOAD_TTL_S * 1000],
-                )  # fmt: skip
-                if len(res) > 1:
-                    v.leases_reclaimed += len(res) - 1
-                    v.requests_reclaimed += int(res[0])
+                n, owners = await self.ledger.reclaim(v.pool, self.config.lease_s)
+                if owners:
+                    v.leases_reclaimed += len(owners)
+                    v.requests_reclaimed += n
                     log.warning("router: gave back %d requests counted on %s by routers whose "
                                 "lease lapsed (%.0f s; their API process died?): %s",
-                                int(res[0]), v.pool, self.config.lease_s,
-                                ", ".join(_str(g) for g in res[1:]))  # fmt: skip
-        flat = await self._view_script(
-            args=[alive_key(v.pool), load_key(v.pool), load_totals_key(v.pool)]
+                                n, v.pool, self.config.lease_s, ", ".join(owners))  # fmt: skip
+        view = await self.ledger.view(v.pool)
+        v.totals, v.live, v.loads, v.reqs, v.refreshed = (
+            view.totals,
+            view.live,
+            view.loads,
+            view.reqs,
+            now,
         )
-        v.totals = [int(flat[0]), int(flat[1])]
-        live, loads, reqs = [], {}, {}
-        for i in range(2, len(flat), 4):
-            wid = _str(flat[i])
-            live.append(wid)
-            loads[wid] = [int(flat[i + 1]), int(flat[i + 2])]
-            reqs[wid] = int(flat[i + 3])
-        v.live, v.loads, v.reqs, v.refreshed = live, loads, reqs, now
         if v.follower is not None:  # the dead leave the local index
-            for w in v.follower.index.workers - set(live):
+            for w in v.follower.index.workers - set(view.live):
                 v.follower.index.drop(w)
 
     # ----------------------------------------------------------------------------------
-    async def _run(self, script: AsyncScript, args: list, keys: tuple[str, ...] = ()) -> Any:
-        """``script`` on ``keys`` and ``args``, through ``fast`` when there is one."""
-        return (await self._run_all(script, [(keys, args)]))[0]
-
-    async def _run_all(
-        self, script: AsyncScript, calls: list[tuple[tuple[str, ...], list]],
-        before: tuple[tuple, ...] = (),
-    ) -> list[Any]:  # fmt: skip
-        """``script`` once per ``(keys, args)`` of ``calls``, after the commands ``before``;
-        through ``fast``, all of them in one round trip. The scripts' results, in order."""
-        if not calls and not before:
-            return []
-        if self._fast is None:
-            for command in before:
-                await self._r.execute_command(*command)
-            return [await script(keys=list(keys), args=args) for keys, args in calls]
-        try:
-            replies = await self._fast.execute(
-                *before, *(("EVALSHA", script.sha, len(k), *k, *a) for k, a in calls)
-            )
-        except ResponseError as e:
-            if not str(e).startswith("NOSCRIPT"):
-                raise
-            # The script cache was flushed: every EVALSHA failed alike (``before`` ran).
-            return await self._fast.execute(
-                *(("EVAL", script.script, len(k), *k, *a) for k, a in calls)
-            )
-        return replies[len(before) :]
-
     async def prefilled(self, route: Route) -> None:
         """The route's prompt is prefilled: its tokens no longer queue on the worker; its
         blocks count as decode load from now on."""
@@ -724,12 +521,9 @@ class Router:
         route.decoding = True
         n, route.prefill_tokens = route.prefill_tokens, 0
         w = route.worker_id
-        await self._run(
-            self._give_back,
-            [f"{w}:prefill", n, "prefill", f"{w}:blocks", -route.blocks, "blocks",
-             LOAD_TTL_S * 1000],
-            keys=(load_key(route.pool), load_totals_key(route.pool), *self._own(route.pool)),
-        )  # fmt: skip
+        await self.ledger.give_back(
+            self.ledger.give_back_call(route.pool, w, {"prefill": n, "blocks": -route.blocks})
+        )
         self._count(route.pool, w, route.blocks, -n)
 
     async def release(self, *routes: Route, before: tuple[tuple, ...] = (),
@@ -747,13 +541,10 @@ class Router:
             blocks = route.blocks if route.decoding and last else 0
             prefill = route.prefill_tokens if last else 0
             parts.append((route, n, blocks, prefill))
-            calls.append((
-                (load_key(route.pool), load_totals_key(route.pool), *self._own(route.pool)),
-                [f"{w}:reqs", n, "", f"{w}:blocks", blocks, "blocks",
-                 f"{w}:prefill", prefill, "prefill", LOAD_TTL_S * 1000],
-            ))  # fmt: skip
+            calls.append(self.ledger.give_back_call(
+                route.pool, w, {"reqs": n, "blocks": blocks, "prefill": prefill}))  # fmt: skip
         try:
-            await self._run_all(self._give_back, calls, before)
+            await self.ledger.give_back(*calls, before=before)
         finally:
             if self._on_release is not None and routes:
                 self._on_release()
@@ -762,10 +553,6 @@ class Router:
             if route.reqs <= 0:
                 route.prefill_tokens = 0
                 route.decoding = False
-
-    def _own(self, pool: str) -> tuple[str, ...]:
-        """The key of this router's own load counts in ``pool``, if it keeps them."""
-        return () if self.id is None else (load_owner_key(pool, self.id),)
 
     def _count(self, pool: str, w: str, blocks: int, prefill: int, reqs: int = 0) -> None:
         """This router's own change to a worker's load, seen before the next refresh."""
@@ -777,24 +564,9 @@ class Router:
                 v.reqs[w] = max(v.reqs[w] + reqs, 0)
 
     # ----------------------------------------------------------------------------------
-    async def load(self, pool: str, worker_id: str) -> dict[str, int]:
-        """What the routers count on one worker: reqs, blocks, prefill."""
-        names = ("reqs", "blocks", "prefill")
-        raw = await self._r.hmget(load_key(pool), [f"{worker_id}:{n}" for n in names])
-        return {n: int(v or 0) for n, v in zip(names, raw, strict=True)}
-
-    async def loads(self, pool: str) -> dict[str, dict[str, int]]:
-        """Every worker's counts in ``pool`` (workers with no entry are absent)."""
-        return parse_loads(await self._r.hgetall(load_key(pool)))
-
     async def all_live(self, routes: Iterable[Route]) -> bool:
         """Whether every routed worker is still live (one round trip)."""
-        args = [a for r in routes for a in (alive_key(r.pool), r.worker_id)]
-        return not args or bool(await self._run(self._all_live, args))
-
-    async def live_workers(self, pool: str) -> list[WorkerInfo]:
-        """``pool``'s live workers with their last heartbeat reports."""
-        return parse_live(pool, await self._live(args=[alive_key(pool), worker_key(pool, "")]))
+        return await self.membership.all_live((r.pool, r.worker_id) for r in routes)
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per pool: the local index's size and lag, snapshot loads, commit conflicts."""
@@ -815,23 +587,19 @@ class Router:
             }
         return out
 
-    async def queue_depths(self, pools: tuple[str, ...]) -> list[PoolQueues]:
-        """The depths of ``pools``' queues (:func:`workers.registry.queue_depths`)."""
-        return parse_queue_depths(pools, await self._depths(args=queue_depths_args(pools)))
 
-
-def parse_loads(raw: dict) -> dict[str, dict[str, int]]:
-    """The load hash's fields ``<worker id>:<count>`` -> {worker id: {count: value}}."""
-    out: dict[str, dict[str, int]] = {}
-    for k, v in raw.items():
-        wid, _, name = _str(k).rpartition(":")
-        out.setdefault(wid, {})[name] = int(v)
-    return out
-
-
-def _json_hex(hashes: list[int]) -> str:
-    return "[" + ",".join(f'"{h}"' for h in hex_hashes(hashes)) + "]"
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+def _shuffle_ties(order: list[str], costs: dict[str, float], k: int) -> None:
+    """Shuffle, in place, the runs of equal cost among the first ``k`` of ``order``
+    (sorted by cost) and the run the k-th belongs to: only those are tried, so the rest
+    may keep its order (a shuffle of every candidate cost a fifth of a pick)."""
+    n = len(order)
+    i = 0
+    while i < min(k, n):
+        j, c = i + 1, costs[order[i]]
+        while j < n and costs[order[j]] == c:
+            j += 1
+        if j - i > 1:
+            run = order[i:j]
+            random.shuffle(run)
+            order[i:j] = run
+        i = j

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from celery import Task, chain
 
+from cluster.queues import worker_queue
 from kvbm.protocol import (
     EmbeddingRef,
     EncodeHandle,
@@ -21,7 +22,6 @@ from kvbm.protocol import (
     StageSummary,
     block_hashes,
     model_namespace,
-    worker_queue,
 )
 from tasks.app import app, queue, route_to
 

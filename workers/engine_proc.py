@@ -405,7 +405,7 @@ def declare_worker_dead(client: redis.Redis, spec: EngineProcSpec) -> None:
     """The engine (or encoder) process's last word when its worker process died under it."""
     import redis
 
-    from workers.registry import declare_dead
+    from cluster.membership import declare_dead
 
     try:
         declare_dead(client, spec.pool, spec.worker_id)

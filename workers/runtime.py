@@ -18,6 +18,7 @@ from pathlib import Path
 
 import redis
 
+from cluster.membership import Heartbeat, declare_dead
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     EmbeddingRef,
@@ -37,7 +38,6 @@ from workers.engine_proc import (
     EngineProcSpec,
     _Waiter,
 )
-from workers.registry import Heartbeat, declare_dead
 from workers.stream import publish_error_frame
 
 log = logging.getLogger(__name__)

@@ -213,7 +213,7 @@ def test_three_times_capacity_is_served_or_refused_with_retry_after_and_memory_r
         # every slot was given back: nothing is counted on the workers any more
         import redis
 
-        from kvbm.protocol import load_key
+        from cluster.keys import load_key
 
         loads = redis.Redis.from_url(redis_for_admission).hgetall(load_key("generate"))
         assert all(int(v) == 0 for k, v in loads.items() if k.endswith(b":reqs")), loads

@@ -17,7 +17,7 @@ import openai
 import pytest
 import redis
 
-from kvbm.protocol import worker_key
+from cluster.keys import worker_key
 from tests.integration.conftest import (
     Cluster,
     Proc,

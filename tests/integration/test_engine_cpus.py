@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvbm.protocol import worker_key
+from cluster.keys import worker_key
 from tests.integration.conftest import base_env, redis_db, start_worker, wait_for
 
 pytestmark = pytest.mark.integration

@@ -17,6 +17,7 @@ import openai
 import pytest
 import redis
 
+from cluster.membership import Heartbeat
 from tests.integration.conftest import (
     Cluster,
     base_env,
@@ -26,7 +27,6 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
-from workers.registry import Heartbeat
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,8 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbm.protocol import queue_lists
+from cluster.membership import live_workers
+from cluster.queues import queue_lists
 from tests.integration.conftest import (
     BIN,
     Proc,
@@ -33,7 +34,6 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
-from workers.registry import live_workers
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """The KV-block index (workers' sets and the pool's event stream in Redis, each router's
 local index) and the router (local scoring, the commit script), on a real redis-server.
 
-Workers here are registry entries (written by the real :class:`workers.registry.Heartbeat`)
+Workers here are registry entries (written by the real :class:`cluster.membership.Heartbeat`)
 and event batches applied by the real publisher or index code; what is under test — the
 Lua scripts, the followers and the cost model — runs for real.
 """
@@ -18,23 +18,14 @@ import redis
 import redis.asyncio as aioredis
 
 from api.resp import RespConnection
+from cluster.index import KVIndex
+from cluster.keys import alive_key, index_keys, load_key, load_totals_key, worker_key
+from cluster.membership import Heartbeat
 from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
-from kvbm.index import KVIndex
-from kvbm.protocol import (
-    G1,
-    G2,
-    G3,
-    alive_key,
-    block_hashes,
-    index_keys,
-    load_key,
-    load_totals_key,
-    worker_key,
-)
+from kvbm.protocol import G1, G2, G3, block_hashes
 from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
 from tests.integration.conftest import redis_db, wait_for
-from workers.registry import Heartbeat
 from workers.stream import FramePublisher
 
 pytestmark = pytest.mark.integration
@@ -616,12 +607,12 @@ def test_release_gives_back_exactly_what_the_pick_counted(own_redis: str, fast: 
         router = Router(client, RouterConfig(block_size=BS), fast=conn)  # type: ignore[arg-type]
         route = await router.pick(POOL, RouteRequest([], 100))
         assert route is not None
-        during = await router.load(POOL, "a")
+        during = await router.ledger.load(POOL, "a")
         await router.prefilled(route)
-        after_prefill = await router.load(POOL, "a")
+        after_prefill = await router.ledger.load(POOL, "a")
         await client.script_flush()
         await router.release(route, before=(("SET", "test:before", 7),))
-        after = await router.load(POOL, "a")
+        after = await router.ledger.load(POOL, "a")
         assert await client.get("test:before") == b"7"
         await router.aclose()
         await client.aclose()
@@ -651,9 +642,9 @@ def test_one_release_gives_back_every_route_of_a_request(db: str, fast: bool) ->
         router = Router(client, RouterConfig(block_size=BS), fast=conn)  # type: ignore[arg-type]
         routes = [await router.pick(pool, RouteRequest([], 40)) for pool in ("prefill", "decode")]
         assert all(r is not None for r in routes)
-        during = [await router.load(pool, "a") for pool in ("prefill", "decode")]
+        during = [await router.ledger.load(pool, "a") for pool in ("prefill", "decode")]
         await router.release(*routes)  # type: ignore[arg-type]
-        after = [await router.load(pool, "a") for pool in ("prefill", "decode")]
+        after = [await router.ledger.load(pool, "a") for pool in ("prefill", "decode")]
         await asyncio.wait_for(router.release(), 1.0)  # nothing picked: nothing to wait for
         await router.aclose()
         await client.aclose()
@@ -722,7 +713,7 @@ def test_a_capped_worker_takes_requests_again_once_one_is_released(db: str) -> N
         for req in (RouteRequest([], 20), RouteRequest([], 20, pin="a")):
             with pytest.raises(WorkersBusy):
                 await router.pick(POOL, req)
-        assert await router.load(POOL, "a") == {"reqs": 2, "blocks": 0, "prefill": 40}
+        assert await router.ledger.load(POOL, "a") == {"reqs": 2, "blocks": 0, "prefill": 40}
         await router.release(routes[0])  # type: ignore[arg-type]
         assert released == [1]
         assert (await router.pick(POOL, RouteRequest([], 20))) is not None
@@ -730,11 +721,11 @@ def test_a_capped_worker_takes_requests_again_once_one_is_released(db: str) -> N
             await router.pick(POOL, RouteRequest([], 20))
         uncapped = Router(client, RouterConfig(block_size=BS), follow=False)
         assert (await uncapped.pick(POOL, RouteRequest([], 20))) is not None
-        assert (await router.load(POOL, "a"))["reqs"] == 3
+        assert (await router.ledger.load(POOL, "a"))["reqs"] == 3
         # an accepted stream moving on (migration) is not refused by the capped router
         moving = RouteRequest([], 20, admitted=True)
         assert (await router.pick(POOL, moving)) is not None
-        assert (await router.load(POOL, "a"))["reqs"] == 4
+        assert (await router.ledger.load(POOL, "a"))["reqs"] == 4
         await router.aclose()
         await client.aclose()
 
@@ -754,24 +745,24 @@ def test_a_request_of_choices_counts_each_and_gives_them_back_one_at_a_time(db: 
         router = Router(client, RouterConfig(block_size=BS, max_requests=4))
         route = await router.pick(POOL, RouteRequest([], 100, choices=3))
         assert route is not None
-        assert await router.load(POOL, "a") == {"reqs": 3, "blocks": 0, "prefill": 100}
+        assert await router.ledger.load(POOL, "a") == {"reqs": 3, "blocks": 0, "prefill": 100}
         with pytest.raises(WorkersBusy):  # 3 + 2 > 4
             await router.pick(POOL, RouteRequest([], 20, choices=2))
         await router.prefilled(route)
         blocks = -(-100 // BS) + 3  # the prompt's blocks once, one per choice to decode
-        assert await router.load(POOL, "a") == {"reqs": 3, "blocks": blocks, "prefill": 0}
+        assert await router.ledger.load(POOL, "a") == {"reqs": 3, "blocks": blocks, "prefill": 0}
         for left in (2, 1):
             await router.release(route, one=True)
-            assert await router.load(POOL, "a") == {"reqs": left, "blocks": blocks,
+            assert await router.ledger.load(POOL, "a") == {"reqs": left, "blocks": blocks,
                                                     "prefill": 0}  # fmt: skip
         await router.release(route, one=True)
-        assert await router.load(POOL, "a") == {"reqs": 0, "blocks": 0, "prefill": 0}
+        assert await router.ledger.load(POOL, "a") == {"reqs": 0, "blocks": 0, "prefill": 0}
         big = await router.pick(POOL, RouteRequest([], 20, choices=6))
-        assert big is not None and (await router.load(POOL, "a"))["reqs"] == 6
+        assert big is not None and (await router.ledger.load(POOL, "a"))["reqs"] == 6
         with pytest.raises(WorkersBusy):
             await router.pick(POOL, RouteRequest([], 20))
         await router.release(big)  # all of it at once (a plan given up)
-        assert await router.load(POOL, "a") == {"reqs": 0, "blocks": 0, "prefill": 0}
+        assert await router.ledger.load(POOL, "a") == {"reqs": 0, "blocks": 0, "prefill": 0}
         await router.aclose()
         await client.aclose()
 

@@ -17,8 +17,9 @@ import openai
 import pytest
 import redis
 
-from kvbm.index import KVIndex
-from kvbm.protocol import block_hashes, load_key, model_namespace, worker_key
+from cluster.index import KVIndex
+from cluster.keys import load_key, worker_key
+from kvbm.protocol import block_hashes, model_namespace
 from tests.integration.conftest import (
     Cluster,
     Proc,

@@ -23,9 +23,10 @@ import openai
 import pytest
 import redis
 
+from cluster.index import KVIndex
+from cluster.keys import worker_key
 from kvbm.disk import HEADER_BYTES
-from kvbm.index import KVIndex
-from kvbm.protocol import G3, block_hashes, model_namespace, worker_key
+from kvbm.protocol import G3, block_hashes, model_namespace
 from tests.integration.conftest import (
     Proc,
     base_env,

@@ -28,7 +28,8 @@ import pytest
 import redis
 import transformers
 
-from kvbm.protocol import embedding_key, media_key, worker_key
+from cluster.keys import worker_key
+from kvbm.protocol import embedding_key, media_key
 from tasks.modes import get_mode
 from tests.integration.conftest import (
     Proc,

@@ -16,9 +16,10 @@ import redis
 import torch
 from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
-from kvbm.index import KVIndex
-from kvbm.protocol import block_hashes, load_key, model_namespace
-from tasks.router import parse_loads
+from cluster.index import KVIndex
+from cluster.keys import load_key
+from cluster.ledger import parse_loads
+from kvbm.protocol import block_hashes, model_namespace
 from tests.integration.conftest import Cluster, wait_for
 
 pytestmark = pytest.mark.integration

@@ -13,14 +13,9 @@ import httpx
 import pytest
 import redis
 
-from kvbm.protocol import (
-    StagePayload,
-    TokenFrame,
-    alive_key,
-    pool_queue,
-    tokens_channel,
-    worker_queue,
-)
+from cluster.keys import alive_key
+from cluster.queues import pool_queue, worker_queue
+from kvbm.protocol import StagePayload, TokenFrame, tokens_channel
 from tasks.app import declare_queues
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route

@@ -1,4 +1,4 @@
-"""Queue depths from the worker registry (workers.registry.queue_depths, tasks.queues) on a
+"""Queue depths from the worker registry (cluster.queues.queue_depths, tasks.queues) on a
 real redis-server: which queues are listed, what they count, when a departed worker's
 queue goes away. Workers are registry entries written by the real Heartbeat; messages are
 pushed onto the queues' lists as kombu's Redis transport keeps them (nobody consumes them
@@ -12,12 +12,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from kvbm.protocol import alive_key, queue_lists, queue_owners_key, worker_key
+from cluster.keys import alive_key, queue_owners_key, worker_key
+from cluster.membership import Heartbeat
+from cluster.queues import aqueue_depths, queue_depths, queue_lists
 from tasks.modes import MODES, get_mode
 from tasks.queues import format_table, snapshot
-from tasks.router import Router
 from tests.integration.conftest import redis_db
-from workers.registry import Heartbeat, queue_depths
 
 pytestmark = pytest.mark.integration
 
@@ -92,14 +92,14 @@ def test_shown_pools_follow_the_mode_and_pools_in_use(r: redis.Redis) -> None:
     assert [p.pool for p in snapshot(r, agg)] == ["generate", "decode", "prefill"]
 
 
-def test_async_router_reads_the_same_snapshot(r: redis.Redis, redis_url: str) -> None:
+def test_async_face_reads_the_same_snapshot(r: redis.Redis, redis_url: str) -> None:
     beat(r, "decode", "d1")
     push(r, "decode.d1", 4)
 
     async def read() -> list:
         client = aioredis.Redis.from_url(redis_db(redis_url, 15))
         try:
-            return await Router(client).queue_depths(("prefill", "decode"))
+            return await aqueue_depths(client, ("prefill", "decode"))
         finally:
             await client.aclose()
 

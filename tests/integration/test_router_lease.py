@@ -19,10 +19,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from kvbm.protocol import load_key, load_owner_key, load_totals_key
+from cluster.keys import load_key, load_owner_key, load_totals_key
+from cluster.membership import Heartbeat
 from tasks.router import Router, RouterConfig, RouteRequest, WorkersBusy
 from tests.integration.conftest import redis_db
-from workers.registry import Heartbeat
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,10 @@ import httpx
 import pytest
 import redis
 
+from cluster.membership import live_workers
 from tasks.serve_state import ServeState
 from tests.integration.conftest import BIN, Proc, free_port, spawn, wait_for
 from tests.integration.test_serve import _alive, _descendants
-from workers.registry import live_workers
 
 pytestmark = pytest.mark.integration
 

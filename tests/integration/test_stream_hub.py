@@ -100,7 +100,7 @@ def test_a_declared_death_makes_waiting_streams_check_their_workers_at_once(
     import redis as sync_redis
 
     from api.streams import WorkerLost
-    from workers.registry import Heartbeat, declare_dead, live_workers
+    from cluster.membership import Heartbeat, declare_dead, live_workers
 
     async def body(client: aioredis.Redis, hub: StreamHub) -> None:
         url = redis_db(redis_url, 10)

@@ -18,17 +18,10 @@ import openai
 import pytest
 import redis
 
-from kvbm.protocol import (
-    Sampling,
-    StagePayload,
-    alive_key,
-    cancelled_key,
-    load_key,
-    pool_queue,
-    tokens_channel,
-    worker_key,
-    worker_queue,
-)
+from cluster.keys import alive_key, load_key, worker_key
+from cluster.membership import Heartbeat, declare_dead
+from cluster.queues import pool_queue, worker_queue
+from kvbm.protocol import Sampling, StagePayload, cancelled_key, tokens_channel
 from tasks.app import app, declare_queues, queue
 from tasks.pipeline import Plan, build_chain
 from tasks.router import Route
@@ -43,7 +36,6 @@ from tests.integration.conftest import (
     stop_on_error,
     wait_for,
 )
-from workers.registry import Heartbeat, declare_dead
 
 pytestmark = pytest.mark.integration
 

@@ -76,7 +76,7 @@ def offline(model_dir: Path, requests: list[dict], workdir: Path) -> list[dict]:
 
 def worker_info(redis_url: str, pool: str, worker_id: str) -> dict:
     """The worker's last heartbeat (its engine's stats)."""
-    from kvbm.protocol import worker_key
+    from cluster.keys import worker_key
 
     raw = redis.Redis.from_url(redis_url).get(worker_key(pool, worker_id))
     return json.loads(raw) if raw else {}

@@ -27,7 +27,7 @@ import redis
 
 from api.protocol import ChatMessage
 from api.tokenization import PromptBuilder
-from kvbm.index import KVIndex
+from cluster.index import KVIndex
 from kvbm.protocol import block_hashes, model_namespace
 from tests.integration.conftest import (
     Cluster,

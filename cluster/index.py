@@ -1,14 +1,15 @@
 """The KV-block index: which worker holds which cached block, as each router sees it.
 
-Redis keeps only what routers must share (:func:`kvbm.protocol.index_keys`): per worker,
+Redis keeps only what routers must share (:func:`cluster.keys.index_keys`): per worker,
 the set of block hashes it holds in each tier (G1 engine pool, G2 host memory, G3 disk)
 and the number of its last applied event batch; per pool, a stream of event batches. Each
 router (one per API process) keeps a :class:`LocalIndex` per pool, block hash -> holding
 workers (and tiers), fed by that stream (:class:`IndexFollower`), and computes a request's
 overlap in-process: no index read in Redis per routing decision.
 
-Writing (a worker's publisher, :mod:`kvbm.events`): :data:`APPLY_LUA` applies one numbered
-batch to the worker's set and appends it to the pool's stream, atomically:
+Writing (a worker's publisher, :mod:`kvbm.events`, through :func:`apply_command`):
+:data:`APPLY_LUA` applies one numbered batch to the worker's set and appends it to the
+pool's stream, atomically:
 
 * a batch whose number is not above the last applied one is a duplicate: dropped;
 * a batch that skips numbers means events were lost (Redis restarted, a batch was lost):
@@ -19,8 +20,8 @@ Following: a router that starts loads a snapshot (every live worker's set and nu
 the stream's position, in one script), then reads the stream from that position. A batch
 whose number skips one of that worker's means this router missed events (the stream is
 trimmed to ``EVENTS_MAXLEN``): that worker alone is reloaded. Workers whose heartbeat
-lapsed leave the local index at the router's next liveness refresh; :data:`PRUNE_LUA`
-(run by routers) removes their state from Redis.
+lapsed leave the local index at the router's next liveness refresh;
+:data:`cluster.membership.PRUNE_LUA` (run by routers) removes their state from Redis.
 
 Approximate mode (engines that emit no events): routers append their own decisions to the
 same stream with a TTL; every router applies them with an expiry, and one that starts
@@ -34,7 +35,8 @@ G1 (or in G1 or G2, or anywhere) holds blocks 1..k there too, so its overlap wit
 request is found by bisection, once for the union of its tiers and, where lower tiers
 hold blocks, once for G1 and once for G1 + G2 (:meth:`LocalIndex.tier_overlaps`): the
 router weighs each block by the tier it would come from. Block hashes travel as
-lowercase hex (a 64-bit hash is not exact in a Lua number).
+lowercase hex (a 64-bit hash is not exact in a Lua number). Tiers are numbered 1, 2, 3
+as :mod:`kvbm.protocol` numbers G1, G2, G3 (tests/unit/cluster holds them equal).
 """
 
 from __future__ import annotations
@@ -49,23 +51,14 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
-from kvbm.protocol import (
-    G1,
-    G2,
-    G3,
-    LIVE_LUA,
-    NOW_LUA,
-    alive_key,
-    index_keys,
-    load_key,
-    load_totals_key,
-    pool_queue,
-    worker_queue,
-)
+from cluster.keys import alive_key, index_keys
+from cluster.lua import LIVE_LUA, NOW_LUA
+from cluster.membership import prune
 
 log = logging.getLogger(__name__)
 
 EVENTS_MAXLEN = 50_000  # entries a pool's stream keeps (approximately): minutes of events
+G1, G2, G3 = 1, 2, 3  # the tiers as events name them (kvbm.protocol's G1, G2, G3)
 TIER_BIT = {G1: 1, G2: 2, G3: 4}  # a worker's tiers holding a block, as a bit mask
 
 # a batch of events: (kind, hashes) for G1, or (kind, hashes, tier)
@@ -78,7 +71,7 @@ def hex_hashes(hashes: list[int]) -> list[str]:
 
 def encode_batch(events: list[tuple[str, list[int]]] | Batch) -> str:
     """``[(kind, hashes[, tier]), ...]`` -> the JSON the scripts and followers read; kinds
-    are ``stored`` / ``removed`` / ``cleared``; the tier (``kvbm.protocol.G1`` ... ``G3``)
+    are ``stored`` / ``removed`` / ``cleared``; the tier (1 ... 3: G1 ... G3)
     is written only when it is not G1, so a G1 batch reads as it always has."""
     out = []
     for ev in events:
@@ -142,34 +135,6 @@ return out
 """
 )
 
-# Forget every worker whose heartbeat lapsed: its blocks and batch number, its membership,
-# its load (taken out of the pool's totals); the messages stranded on its own queue move
-# to its pool's queue, where any live worker of the pool takes them (oldest first, behind
-# what the pool queue holds). Kombu keeps a queue's messages in a list named after it, and
-# those of priorities 3/6/9 in lists suffixed "\x06\x16" + the priority.
-# ARGV: alive, G1 worker-blocks prefix, seq prefix, pool queue, worker queue prefix, load
-# hash, load totals, G2 and G3 worker-blocks prefixes -> the forgotten ids
-PRUNE_LUA = (
-    NOW_LUA
-    + """
-local alive, wblocks, seqk, pqueue, wqueue, lkey, tkey, w2, w3 = unpack(ARGV, 1, 9)
-local gone = redis.call('ZRANGE', alive, '-inf', now, 'BYSCORE')
-for _, wid in ipairs(gone) do
-  redis.call('DEL', wblocks .. wid, seqk .. wid, w2 .. wid, w3 .. wid)
-  redis.call('ZREM', alive, wid)
-  for _, sfx in ipairs({'', '\\6\\0223', '\\6\\0226', '\\6\\0229'}) do
-    while redis.call('LMOVE', wqueue .. wid .. sfx, pqueue .. sfx, 'RIGHT', 'LEFT') do end
-  end
-  for _, f in ipairs({'blocks', 'prefill'}) do
-    local v = tonumber(redis.call('HGET', lkey, wid .. ':' .. f) or '0')
-    if v > 0 then redis.call('HINCRBY', tkey, f, -v) end
-  end
-  redis.call('HDEL', lkey, wid .. ':reqs', wid .. ':blocks', wid .. ':prefill')
-end
-return gone
-"""
-)
-
 
 def apply_argv(pool: str, worker_id: str, seq: int,
                events: list[tuple[str, list[int]]] | Batch) -> list[str | int]:  # fmt: skip
@@ -195,10 +160,11 @@ def snapshot_argv(pool: str, worker_id: str = "") -> list[str]:
             k.disk_blocks]  # fmt: skip
 
 
-def prune_argv(pool: str) -> list[str]:
-    k = index_keys(pool)
-    return [alive_key(pool), k.worker_blocks, k.seq, pool_queue(pool), worker_queue(pool, ""),
-            load_key(pool), load_totals_key(pool), k.host_blocks, k.disk_blocks]  # fmt: skip
+def decision_args(pool: str, hashes: list[int], ttl_s: float) -> list:
+    """An approximate router's decision as :data:`cluster.ledger.COMMIT_LUA` appends it to
+    the pool's stream: the stream, its TTL (ms), the hex hashes (JSON), the maxlen."""
+    hx = "[" + ",".join(f'"{h}"' for h in hex_hashes(hashes)) + "]"
+    return [index_keys(pool).events, int(ttl_s * 1000), hx, EVENTS_MAXLEN]
 
 
 APPLY_SHA = hashlib.sha1(APPLY_LUA.encode()).hexdigest()
@@ -299,14 +265,25 @@ class LocalIndex:
     def overlaps(self, ids: list[str], hashes: list[int], approx: bool = False) -> dict[str, int]:
         """Each of ``ids``' number of leading blocks of ``hashes`` held, in any tier. By
         bisection, all workers at once: a group known to hold block lo asks who holds
-        block mid, and splits (about log2(blocks) set reads per distinct overlap)."""
+        block mid, and splits (about log2(blocks) set reads per distinct overlap). Those
+        holding the last block are found first: they hold the whole prompt, and need no
+        bisection (the common case of a shared prefix held everywhere)."""
         out = dict.fromkeys(ids, 0)
         n = len(hashes)
         if not n or not ids:
             return out
         now = time.monotonic()
         first = self._held(hashes[0], approx, now)
-        todo = [(1, n, [w for w in ids if w in first])]
+        group = [w for w in ids if w in first]
+        if n > 1 and group:
+            last = self._held(hashes[n - 1], approx, now)
+            rest = [w for w in group if w not in last]
+            if len(rest) < len(group):
+                for w in group:
+                    if w in last:
+                        out[w] = n
+            group, n = rest, n - 1
+        todo = [(1, n, group)]
         while todo:
             lo, hi, group = todo.pop()
             if not group:
@@ -317,8 +294,10 @@ class LocalIndex:
                 continue
             mid = (lo + hi + 1) // 2
             held = self._held(hashes[mid - 1], approx, now)
-            todo.append((mid, hi, [w for w in group if w in held]))
-            todo.append((lo, mid - 1, [w for w in group if w not in held]))
+            inside = [w for w in group if w in held]
+            todo.append((mid, hi, inside))
+            if len(inside) < len(group):
+                todo.append((lo, mid - 1, [w for w in group if w not in held]))
         return out
 
     def tier_overlaps(self, ids: list[str], hashes: list[int]) -> dict[str, tuple[int, int, int]]:
@@ -569,7 +548,6 @@ class KVIndex:
         self.pool = pool
         self._apply = client.register_script(APPLY_LUA)
         self._snapshot = client.register_script(SNAPSHOT_LUA)
-        self._prune = client.register_script(PRUNE_LUA)
 
     def apply(self, worker_id: str, seq: int,
               events: list[tuple[str, list[int]]] | Batch) -> ApplyResult:  # fmt: skip
@@ -577,7 +555,8 @@ class KVIndex:
         return ApplyResult(int(status), int(last))
 
     def prune(self) -> list[str]:
-        return [_str(w) for w in self._prune(args=prune_argv(self.pool))]
+        """Forget the pool's dead workers, as routers do (:func:`cluster.membership.prune`)."""
+        return prune(self._r, self.pool)
 
     def local(self) -> LocalIndex:
         """A :class:`LocalIndex` loaded from a snapshot of the live workers."""

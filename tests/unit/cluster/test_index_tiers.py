@@ -1,4 +1,4 @@
-"""The router's local index with tiers (kvbm.index.LocalIndex): tier-named event batches
+"""The router's local index with tiers (cluster.index.LocalIndex): tier-named event batches
 and snapshots, and per-tier prefix overlaps found by bisection equal a block-by-block walk
 whenever every tier keeps the ancestors of what it holds."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvbm.index import LocalIndex, encode_batch
+from cluster.index import LocalIndex, encode_batch
 from kvbm.protocol import G1, G2, G3, block_hashes
 
 
