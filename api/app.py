@@ -30,7 +30,7 @@ from api import routes_embeddings, routes_openai, routes_ops, routes_responses, 
 from api.admission import ClientLimitMiddleware
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
-from api.media import MediaGuard, MediaLimits
+from api.media import MediaGuard
 from api.metrics import ApiMetrics
 from api.middleware import AccessMiddleware, AuthMiddleware
 from api.runner import Runner
@@ -69,10 +69,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = ApiMetrics()
     cluster = ClusterCollector(s.serving_mode)
     metrics.registry.register(cluster)
-    builder = PromptBuilder(s.model, s.max_model_len, s.model_name)
-    media = MediaGuard(MediaLimits.from_settings(s), metrics)
+    builder = PromptBuilder(s.model, s.engine.max_model_len, s.model_name)
+    media = MediaGuard(s.multimodal, metrics)
     st = ApiState(s, metrics, cluster, builder, media)
-    st.tool_parser = s.tool_call_parser or parser_for_template(builder.template_text)
+    st.tool_parser = s.api.tool_call_parser or parser_for_template(builder.template_text)
     configure_celery(s)
 
     @asynccontextmanager
@@ -98,14 +98,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.state.conveyor = st
     install_error_handlers(app)
-    if s.client_max_requests:  # inside the access counts, so its 429s are counted too
-        app.add_middleware(ClientLimitMiddleware, max_requests=s.client_max_requests,
-                           by_key=bool(s.api_key_list), retry_after_s=s.retry_after_s,
+    if s.admission.client_max_requests:  # inside the access counts, so its 429s are counted too
+        app.add_middleware(ClientLimitMiddleware, max_requests=s.admission.client_max_requests,
+                           by_key=bool(s.api.api_key_list), retry_after_s=s.admission.retry_after_s,
                            metrics=metrics)  # fmt: skip
-    app.add_middleware(AccessMiddleware, max_body_bytes=s.max_body_bytes, metrics=metrics)
-    keys = s.api_key_list
+    app.add_middleware(AccessMiddleware, max_body_bytes=s.api.max_body_bytes, metrics=metrics)
+    keys = s.api.api_key_list
     if keys:  # outermost: an unauthenticated request is answered before anything reads it
-        app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api_keys_protect_ops)
+        app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api.api_keys_protect_ops)
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_embeddings.router)

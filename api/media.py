@@ -41,7 +41,6 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from io import BytesIO
-from pathlib import Path
 from urllib.parse import quote, urljoin, urlsplit
 
 import httpcore
@@ -52,6 +51,7 @@ from redis.exceptions import RedisError
 from api.errors import OpenAIError, bad_request
 from api.metrics import ApiMetrics
 from kvbm.protocol import media_key
+from tasks.settings import MultimodalSettings
 
 log = logging.getLogger(__name__)
 
@@ -83,27 +83,10 @@ class LoadedImage:
     format: str  # one of ALLOWED_FORMATS
 
 
-@dataclass(frozen=True, slots=True)
-class MediaLimits:
-    allow_http: bool = False
-    allow_internal: bool = False
-    max_bytes: int = 20 * 1024 * 1024
-    max_pixels: int = 4096 * 4096
-    fetch_timeout_s: float = 10.0
-    max_images: int = 8
-    ttl_s: int = 600
-    ca_bundle: Path | None = None
-
-    @classmethod
-    def from_settings(cls, s: object) -> MediaLimits:
-        """From the settings' ``media_*`` fields (``tasks.settings.Settings``)."""
-        return cls(**{f: getattr(s, f"media_{f}") for f in cls.__dataclass_fields__})
-
-
 class MediaGuard:
     def __init__(
         self,
-        limits: MediaLimits,
+        limits: MultimodalSettings,
         metrics: ApiMetrics | None = None,
         resolver: Resolver | None = None,
     ) -> None:

@@ -122,7 +122,8 @@ class Runner:
             if settings.broker_fastpath else None  # fmt: skip
         # admission: the router's commit holds each worker to its cap (cluster-wide); the
         # bounded wait for a slot is here (api.admission)
-        self.admission = Admission(settings.admission_wait_s, settings.retry_after_s, metrics)
+        a = settings.admission
+        self.admission = Admission(a.wait_s, a.retry_after_s, metrics)
         config = replace(RouterConfig.from_settings(settings),
                          max_requests=settings.effective_worker_max_requests)  # fmt: skip
         self.router = Router(client, config, fast=self._fast,
@@ -169,7 +170,7 @@ class Runner:
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
             raise OpenAIError(503, "Redis is not answering (token streams are down)",
                               "server_error", None, "redis_unavailable")  # fmt: skip
-        attempts = self.s.dispatch_attempts
+        attempts = self.s.api.dispatch_attempts
         images = images or []
         route_req = self.route_request(prompt_ids, images, pin) if pooling is None \
             else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
@@ -209,7 +210,7 @@ class Runner:
     ) -> RouteRequest:
         """What the router scores: the prompt's block hashes as the workers' block pools
         name them (the model's namespace; an image's key in the blocks it covers)."""
-        bs = self.s.block_size
+        bs = self.s.engine.block_size
         extra = request_extra_keys(images, len(prompt_ids), bs) if images else None
         return RouteRequest(block_hashes(prompt_ids, bs, self._namespace, extra),
                             len(prompt_ids), pin, images=len(images))  # fmt: skip
@@ -378,7 +379,7 @@ class Runner:
         ``migration_limit`` times. Raises ``lost`` when it cannot."""
         assert run.payload is not None
         dead = run.plan.routes[-1]
-        if run.migrations >= self.s.migration_limit or not run.output_ids:
+        if run.migrations >= self.s.api.migration_limit or not run.output_ids:
             raise lost
         t0 = time.perf_counter()
         old = replace(run, migrated=True)  # the lost attempt: cancelled and released
@@ -415,7 +416,7 @@ class Runner:
         self.metrics.migrations.labels(dead.pool, "moved").inc()
         log.warning("[%s] %s after %d tokens: moved to %s as %s (migration %d/%d, %.0f ms)",
                     base, lost, len(run.output_ids), p.routes[0].worker_id, stream_id,
-                    run.migrations, self.s.migration_limit,
+                    run.migrations, self.s.api.migration_limit,
                     (time.perf_counter() - t0) * 1000)  # fmt: skip
 
     def finish(self, run: RunningRequest) -> None:
@@ -431,9 +432,9 @@ class Runner:
         :meth:`api.streams.Subscription.next_frame`), observed for the metrics."""
         first = run.first_frame is None
         frame = await run.subscription.next_frame(
-            self.s.first_frame_timeout_s if first else self.s.frame_timeout_s,
+            self.s.api.first_frame_timeout_s if first else self.s.api.frame_timeout_s,
             run.alive,
-            check_every=min(1.0, self.s.heartbeat_s),
+            check_every=min(1.0, self.s.worker.heartbeat_s),
         )
         self._observe(run, frame)
         return frame

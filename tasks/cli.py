@@ -61,12 +61,13 @@ def _kvbm_tiers(s: Settings) -> tuple[int, int]:
     from workers.checkpoint import TextModelConfig  # torch-free
 
     cfg = TextModelConfig.from_dir(s.model)
-    layout = BlockLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, s.block_size, s.dtype)
-    host, disk = s.kvbm_tier_blocks(layout.block_bytes)
-    if not s.enable_prefix_caching and (host or disk):
+    layout = BlockLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, s.engine.block_size,
+                         s.engine.dtype)  # fmt: skip
+    host, disk = s.kvbm.tier_blocks(layout.block_bytes)
+    if not s.engine.enable_prefix_caching and (host or disk):
         log.warning("KVBM tiers are off: they need prefix caching (CONVEYOR_ENABLE_PREFIX_CACHING)")
         return 0, 0
-    above, above_name = s.num_kv_blocks, "the engine pool (G1)"
+    above, above_name = s.engine.num_kv_blocks, "the engine pool (G1)"
     for blocks, name in ((host, "G2 (host memory)"), (disk, "G3 (disk)")):
         if blocks and blocks < above:
             log.warning("KVBM: %s holds %d blocks, fewer than the %d of %s above it: blocks "
@@ -77,14 +78,14 @@ def _kvbm_tiers(s: Settings) -> tuple[int, int]:
             above, above_name = blocks, name
     if disk:
         try:
-            ensure_writable(s.kvbm_disk_dir)
+            ensure_writable(s.kvbm.disk_dir)
         except OSError as e:
             raise click.ClickException(
-                f"CONVEYOR_KVBM_DISK_DIR {s.kvbm_disk_dir} is not writable: {e.strerror or e}"
+                f"CONVEYOR_KVBM_DISK_DIR {s.kvbm.disk_dir} is not writable: {e.strerror or e}"
             ) from None
     if host or disk:
         log.info("KVBM tiers: G2 %d blocks, G3 %d blocks (%d bytes each)%s", host, disk,
-                 layout.block_bytes, f" in {s.kvbm_disk_dir}" if disk else "")  # fmt: skip
+                 layout.block_bytes, f" in {s.kvbm.disk_dir}" if disk else "")  # fmt: skip
     return host, disk
 
 
@@ -190,17 +191,17 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     from workers.vllm_engine import vllm_argv
 
     s = _configure_with_vllm(worker_id=worker_id, worker_concurrency=concurrency, **kw)
-    missing = engine_missing(s.engine)
+    missing = engine_missing(s.engine.kind)
     if missing is not None:  # a configuration error, not a crash: serve does not restart it
         log.error("%s", missing)
         sys.exit(EXIT_CONFIG)
     moves_kv = any(m.moves_kv(pool) for m in MODES.values())
     encodes = any(m.encodes(pool) for m in MODES.values())
-    if s.engine == "mock" and (moves_kv or encodes):
+    if s.engine.kind == "mock" and (moves_kv or encodes):
         raise click.UsageError(f"the mock engine serves the generate pool only, not {pool}")
     _ensure_model(s)
     host_blocks, disk_blocks = _kvbm_tiers(s)
-    wid = s.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    wid = s.worker.id or f"{socket.gethostname()}-{os.getpid()}"
     own_queue = worker_queue(pool, wid)
     rt = WorkerRuntime(
         model_dir=s.model,
@@ -208,38 +209,28 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         worker_id=wid,
         redis_url=s.effective_redis_url,
         engine_config=EngineConfig(
-            block_size=s.block_size,
-            num_kv_blocks=s.num_kv_blocks,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            max_model_len=s.max_model_len,
-            scheduler_delay_factor=s.scheduler_delay_factor,
-            decode_attention=s.decode_attention,
-            dtype=s.dtype,
-            device=s.device,
-            kv_pin_timeout_s=s.kv_pin_timeout_s,
-            enable_prefix_caching=s.enable_prefix_caching,
+            **s.engine.model_dump(exclude={"kind"}),
             namespace=s.model_name,
             host_cache_blocks=host_blocks,
             disk_cache_blocks=disk_blocks,
-            disk_dir=str(s.kvbm_disk_dir),
-            disk_offload_filter=s.kvbm_disk_offload_filter,
+            disk_dir=str(s.kvbm.disk_dir),
+            disk_offload_filter=s.kvbm.disk_offload_filter,
         ),
-        torch_threads=s.torch_threads,
-        heartbeat_s=s.heartbeat_s,
-        worker_ttl_s=s.worker_ttl_s,
-        kv_transfer=s.kv_transfer if moves_kv else None,
-        kv_transfer_threads=s.kv_transfer_threads,
-        transfer_timeout_s=s.transfer_timeout_s,
-        engine_cpus=parse_cpus(s.engine_cpus),
-        engine=s.engine,
+        torch_threads=s.worker.torch_threads,
+        heartbeat_s=s.worker.heartbeat_s,
+        worker_ttl_s=s.worker.ttl_s,
+        kv_transfer=s.transfer.backend if moves_kv else None,
+        kv_transfer_threads=s.transfer.threads,
+        transfer_timeout_s=s.transfer.timeout_s,
+        engine_cpus=parse_cpus(s.worker.engine_cpus),
+        engine=s.engine.kind,
         mock_timing=s.mock.model_dump(),
         vllm_args=tuple(vllm_argv(s.vllm)),
         fastpath=s.broker_fastpath,
         role="encoder" if encodes else "engine",
-        embedding_transfer=s.kv_transfer,
-        encoder_cache_mb=s.encoder_cache_mb,
-        encoder_max_batch=s.encoder_max_batch,
+        embedding_transfer=s.transfer.backend,
+        encoder_cache_mb=s.multimodal.encoder_cache_mb,
+        encoder_max_batch=s.multimodal.encoder_max_batch,
     )
     app = configure_app(s, extra_queues=[own_queue])
     try:
@@ -250,8 +241,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     # The engine process is up and keeps its niceness; the Celery side (task intake,
     # events, acks: work per request) steps back behind it and any API on this host, whose
     # relay works per token (docs/performance.md, "Worker's Celery side niced").
-    if lower_priority(s.worker_nice):
-        log.info("worker %s: Celery threads at niceness %d", wid, s.worker_nice)
+    if lower_priority(s.worker.nice):
+        log.info("worker %s: Celery threads at niceness %d", wid, s.worker.nice)
 
     # Announce the worker (heartbeat) only once Celery consumes its queues: a router that
     # saw it alive earlier could route to a queue nobody has declared yet.
@@ -275,7 +266,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         "--pool",
         "threads",
         "--concurrency",
-        str(s.worker_concurrency),
+        str(s.worker.concurrency),
         "--task-events",
         "--without-gossip",
         "--without-mingle",
@@ -314,8 +305,8 @@ def api(**kw: object) -> None:
     uvicorn.run(
         "api.app:create_app",
         factory=True,
-        host=s.host,
-        port=s.port,
+        host=s.api.host,
+        port=s.api.port,
         log_level="warning",
         timeout_graceful_shutdown=5,
     )
@@ -336,10 +327,10 @@ def flower(host: str, port: int | None, redis_url: str | None) -> None:
     s = configure(flower_port=port, redis_url=redis_url)
     # tasks.flower builds the app from the settings, which travel in the environment
     env = settings_env(s)
-    if s.flower_basic_auth:  # Flower's own variable: the password stays out of `ps`
-        env["FLOWER_BASIC_AUTH"] = s.flower_basic_auth
+    if s.api.flower_basic_auth:  # Flower's own variable: the password stays out of `ps`
+        env["FLOWER_BASIC_AUTH"] = s.api.flower_basic_auth
     argv = [sys.executable, "-m", "celery", "-A", "tasks.flower", "flower",
-            f"--address={host}", f"--port={s.flower_port}"]  # fmt: skip
+            f"--address={host}", f"--port={s.api.flower_port}"]  # fmt: skip
     os.execvpe(argv[0], argv, env)
 
 
@@ -471,7 +462,7 @@ def serve(no_flower: bool, no_restart: bool, **kw: object) -> None:
 
     s = _configure_with_vllm(serve_restart=False if no_restart else None, **kw)
     m = s.serving_mode
-    if s.engine == "mock" and any(m.moves_kv(p) or m.encodes(p) for p in s.pools):
+    if s.engine.kind == "mock" and any(m.moves_kv(p) or m.encodes(p) for p in s.pools):
         raise click.UsageError(f"the mock engine serves the agg mode only, not {s.mode}")
     _ensure_model(s)
     _kvbm_tiers(s)  # checked once here, before any worker starts
@@ -492,7 +483,7 @@ def status(port: int | None, as_json: bool) -> None:
     s = configure(port=port)
     state = ServeState.read(s.serve_state_file)
     if state is None:
-        click.echo(f"no conveyor serve has used port {s.port} (no {s.serve_state_file})")
+        click.echo(f"no conveyor serve has used port {s.api.port} (no {s.serve_state_file})")
         sys.exit(1)
     if as_json:
         click.echo(s.serve_state_file.read_text())

@@ -44,7 +44,7 @@ _stock: Callable[[BaseHandler], list[str]] = BaseHandler.get_active_queue_names
 
 def install(s: Settings) -> bool:
     """List the registry's queues in Flower (see the module's doc); whether it did."""
-    if not s.flower_registry_queues:
+    if not s.api.flower_registry_queues:
         return False
     if not flower.__version__.startswith(TESTED_FLOWER):
         log.warning(

@@ -81,14 +81,14 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
         for stage in reversed(s.serving_mode.stages):
             if stage.optional:
                 nxt_task, nxt = steps[0]
-                uncached = req.prompt_len - nxt.overlap_blocks * s.block_size
+                uncached = req.prompt_len - nxt.overlap_blocks * s.engine.block_size
                 pin_pending = bool(req.pin) and not pin_used  # the pin may name this pool
                 route, why = None, None
                 if stage.encodes and not req.images:
                     pass  # nothing to encode: not a fallback
                 elif stage.kv_transfer and req.choices > 1:
                     why = "n_choices"
-                elif stage.kv_transfer and uncached < s.disagg_min_prompt_tokens \
+                elif stage.kv_transfer and uncached < s.transfer.disagg_min_prompt_tokens \
                         and not pin_pending:  # fmt: skip
                     why = "short_prompt"
                 else:

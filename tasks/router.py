@@ -72,7 +72,7 @@ from cluster.index import IndexFollower, decision_args
 from cluster.ledger import COUNTED, DEAD, FULL, GUARDED, Ledger
 from cluster.membership import Membership
 from cluster.queues import worker_queue
-from tasks.settings import Settings
+from tasks.settings import EngineSettings, RouterSettings, Settings
 
 log = logging.getLogger(__name__)
 
@@ -95,23 +95,31 @@ class RouteRequest:
     choices: int = 1
 
 
+_AREA = RouterSettings()  # the router settings' defaults, written once in tasks/settings.py
+
+
 @dataclass(slots=True)
 class RouterConfig:
-    mode: str = "kv"
-    kv_events: bool = True
-    approx_ttl_s: float = 120.0
-    overlap_weight: float = 8.0
-    temperature: float = 0.0
-    guard_ratio: float = 1.5
-    guard_min_blocks: int = 256
-    block_size: int = 16
-    tier_weights: tuple[float, float, float] = (1.0, 0.75, 0.25)  # a cached block in G1/G2/G3
+    """The router area (``Settings.router``, whose fields say what each means) plus what
+    the router takes from other areas; built by :meth:`from_settings`."""
+
+    mode: str = _AREA.mode
+    kv_events: bool = _AREA.kv_events
+    approx_ttl_s: float = _AREA.approx_ttl_s
+    overlap_weight: float = _AREA.overlap_weight
+    temperature: float = _AREA.temperature
+    guard_ratio: float = _AREA.guard_ratio
+    guard_min_blocks: int = _AREA.guard_min_blocks
+    block_size: int = EngineSettings().block_size
+    # a cached block in G1/G2/G3
+    tier_weights: tuple[float, float, float] = (_AREA.g1_weight, _AREA.g2_weight,
+                                                _AREA.g3_weight)  # fmt: skip
     refresh_s: float = 0.1  # how often a router re-reads the pools' live workers and load
     prune_s: float = 1.0  # how often it forgets workers whose heartbeat lapsed
     max_requests: int = 0  # requests (running + queued) one worker may hold; 0: no cap
     # a router's lease on the load it counted, renewed every prune: an API process gone
     # this long has its counts given back by the others (a stalled loop is not that long)
-    lease_s: float = 30.0
+    lease_s: float = _AREA.lease_s
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,17 +131,17 @@ class RouterConfig:
     @classmethod
     def from_settings(cls, s: Settings) -> RouterConfig:
         return cls(
-            mode=s.router_mode,
-            kv_events=s.router_kv_events,
-            approx_ttl_s=s.router_approx_ttl_s,
-            overlap_weight=s.router_overlap_weight,
-            temperature=s.router_temperature,
-            guard_ratio=s.router_guard_ratio,
-            guard_min_blocks=s.router_guard_min_blocks,
-            block_size=s.block_size,
-            tier_weights=(s.router_g1_weight, s.router_g2_weight, s.router_g3_weight),
-            prune_s=min(1.0, s.heartbeat_s),
-            lease_s=s.router_lease_s,
+            mode=s.router.mode,
+            kv_events=s.router.kv_events,
+            approx_ttl_s=s.router.approx_ttl_s,
+            overlap_weight=s.router.overlap_weight,
+            temperature=s.router.temperature,
+            guard_ratio=s.router.guard_ratio,
+            guard_min_blocks=s.router.guard_min_blocks,
+            block_size=s.engine.block_size,
+            tier_weights=(s.router.g1_weight, s.router.g2_weight, s.router.g3_weight),
+            prune_s=min(1.0, s.worker.heartbeat_s),
+            lease_s=s.router.lease_s,
         )
 
 

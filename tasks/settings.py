@@ -1,18 +1,36 @@
-"""Conveyor's one settings object.
+"""Conveyor's one settings object, by area.
 
-Every knob is read here, once, from the environment (prefix ``CONVEYOR_``, nested with
-``__``) and from CLI flags that override it. Nothing else in the project reads
-``os.environ``; leaf classes in ``workers/`` and ``kvbm/`` take plain typed arguments.
+Every knob is read here, once, from the environment and from CLI flags that override it.
+``Settings`` holds the deployment-wide fields and one object per area (``s.router``,
+``s.engine``, ...); each component takes its area, or is built from it by one function,
+so a default is written only here. Nothing else in the project reads ``os.environ``;
+leaf classes in ``workers/`` and ``kvbm/`` take plain typed arguments.
+
+Environment names are flat and unchanged from before the areas: ``CONVEYOR_<FLAT NAME>``,
+where a field's flat name is its ``validation_alias`` (``router.mode`` is
+``CONVEYOR_ROUTER_MODE``) or else its own name (``engine.block_size`` is
+``CONVEYOR_BLOCK_SIZE``). The flat names also work as keyword arguments:
+``Settings(block_size=32)``, ``configure(router_mode="random")`` (CLI flags). The two
+mappings, ``vllm`` and ``mock``, nest with ``__``: ``CONVEYOR_VLLM__MAX_NUM_SEQS=8``.
+``python -m tasks.settings --markdown`` writes docs/configuration.md.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from tasks.modes import MODE_NAMES, Mode, get_mode
 
@@ -20,6 +38,24 @@ DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava
 DEFAULT_SERVE_DIR = Path.home() / ".cache" / "conveyor" / "serve"
 DEFAULT_KVBM_DIR = Path.home() / ".cache" / "conveyor" / "kvbm"
 GB = 1 << 30  # the KVBM sizes' "GB", as Dynamo's KVBM reads them
+
+
+def _expand(v: object) -> object:
+    return Path(v).expanduser() if isinstance(v, str) else v
+
+
+UserPath = Annotated[Path, BeforeValidator(_expand)]  # "~/x" is the user's home
+
+
+def _flat(name: str, default: Any, **kw: Any) -> Any:
+    """A field whose flat name (environment, keyword argument) differs from its own."""
+    return Field(default, validation_alias=name, **kw)
+
+
+class _Area(BaseModel):
+    """One area's settings; set by its own field names or by the flat names."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
 
 
 class MockTimingSettings(BaseModel):
@@ -40,25 +76,11 @@ class MockTimingSettings(BaseModel):
     )
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="CONVEYOR_", env_nested_delimiter="__", extra="ignore"
-    )
+class ApiSettings(_Area):
+    """The HTTP front: bind address, auth, limits, stream timeouts; Flower."""
 
-    # --- front ---------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address the API binds to.")
     port: int = Field(8000, description="API port.")
-    flower_port: int = Field(5555, description="Flower port (conveyor serve).")
-    flower_basic_auth: str | None = Field(
-        None, description="user:password for Flower's basic auth (off when unset)."
-    )
-    flower_registry_queues: bool = Field(
-        True,
-        description="Flower's broker page lists the stage queues the worker registry knows "
-        "(every pool's, each live worker's own, a departed worker's until it is empty); "
-        "false: Flower's stock list (the queues the workers reported when Flower last "
-        "inspected them).",
-    )
     api_keys: str | None = Field(
         None,
         description="API keys clients must send as 'Authorization: Bearer <key>': comma-"
@@ -66,9 +88,6 @@ class Settings(BaseSettings):
     )
     api_keys_protect_ops: bool = Field(
         False, description="Require an API key for /health and /metrics too."
-    )
-    served_model_name: str | None = Field(
-        None, description="Model id clients send; default: the model directory's name."
     )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,
@@ -83,12 +102,6 @@ class Settings(BaseSettings):
     frame_timeout_s: float = Field(
         30.0, description="Seconds the API waits between two frames of one stream."
     )
-    broker_fastpath: bool = Field(
-        True,
-        description="Use Conveyor's fast paths through kombu, Celery and redis-py (batched "
-        "acks and events, deferred sends, hand-written RESP for frames and routing); "
-        "false: the libraries' stock behaviour.",
-    )
     dispatch_attempts: int = Field(
         3, ge=1, description="Tries to start a request when its worker dies before answering."
     )
@@ -99,8 +112,32 @@ class Settings(BaseSettings):
         "worker of the pool (which recomputes prompt + tokens so far and carries on); 0: "
         "the stream ends with worker_lost.",
     )
+    flower_port: int = Field(5555, description="Flower port (conveyor serve).")
+    flower_basic_auth: str | None = Field(
+        None, description="user:password for Flower's basic auth (off when unset)."
+    )
+    flower_registry_queues: bool = Field(
+        True,
+        description="Flower's broker page lists the stage queues the worker registry knows "
+        "(every pool's, each live worker's own, a departed worker's until it is empty); "
+        "false: Flower's stock list (the queues the workers reported when Flower last "
+        "inspected them).",
+    )
 
-    # --- admission (api/admission.py; the cap is checked in the router's commit) -------
+    @property
+    def api_key_list(self) -> list[str]:
+        """The configured API keys (``api_keys``, or the lines of the file it names)."""
+        raw = self.api_keys or ""
+        if raw.startswith("@"):
+            lines = Path(raw[1:]).expanduser().read_text().splitlines()
+        else:
+            lines = raw.split(",")
+        return [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+
+
+class AdmissionSettings(_Area):
+    """Admission (api/admission.py; the per-worker cap is checked in the router's commit)."""
+
     worker_max_requests: int | None = Field(
         None,
         ge=0,
@@ -109,7 +146,8 @@ class Settings(BaseSettings):
         "gets 503. Unset: 2 x max_num_seqs (a full batch running, one more waiting); 0: no "
         "cap.",
     )
-    admission_wait_s: float = Field(
+    wait_s: float = _flat(
+        "admission_wait_s",
         10.0,
         ge=0,
         description="How long a request waits for a worker under its cap before the API "
@@ -125,170 +163,90 @@ class Settings(BaseSettings):
         1, ge=0, description="Retry-After (seconds) of the 503 and 429 admission answers."
     )
 
-    # --- media (image parts: the API's media guard, api/media.py) ----------------------
-    media_allow_http: bool = Field(
-        False, description="Also fetch http:// image URLs (default: https:// and data: only)."
-    )
-    media_allow_internal: bool = Field(
-        False,
-        description="Fetch from loopback, private, link-local, multicast, reserved and "
-        "unspecified addresses too (default: refused after DNS resolution; tests, "
-        "in-cluster image stores).",
-    )
-    media_max_bytes: int = Field(
-        20 * 1024 * 1024, ge=1, description="Largest image (encoded bytes) fetched or decoded."
-    )
-    media_max_pixels: int = Field(
-        4096 * 4096, ge=1, description="Largest image in pixels (width x height)."
-    )
-    media_fetch_timeout_s: float = Field(
-        10.0, gt=0, description="Limit of one image URL's fetch: DNS, redirects and body."
-    )
-    media_max_images: int = Field(8, ge=0, description="Most images in one request.")
-    media_ttl_s: int = Field(
-        600,
-        ge=1,
-        description="How long an image's bytes stay in Redis for the workers (a request "
-        "must start within it).",
-    )
-    media_ca_bundle: Path | None = Field(
-        None, description="CA bundle (PEM) for https image URLs; unset: the system's."
-    )
 
-    # --- deployment ----------------------------------------------------------------------
-    model: Path = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
-    mode: str = Field(
-        "agg", description=f"Serving mode, a row of the stage table: {', '.join(MODE_NAMES)}."
-    )
-    workers: int = Field(1, ge=0, description="Worker processes per pool (conveyor serve).")
-    encode_workers: int | None = Field(
-        None,
-        ge=0,
-        description="Encode workers in the e-pd and e-p-d modes (serve); default: workers.",
-    )
-    prefill_workers: int | None = Field(
-        None, ge=0, description="Prefill workers in disagg mode (serve); default: workers."
-    )
-    decode_workers: int | None = Field(
-        None, ge=0, description="Decode workers in disagg mode (serve); default: workers."
-    )
-    redis_url: str | None = Field(
-        None, description="External Redis; unset: `serve` starts an embedded redis-server."
-    )
-    redis_port: int = Field(6390, description="Port of the embedded Redis (conveyor serve).")
-    redis_password: str | None = Field(
-        None,
-        description="Password of the embedded Redis (serve); unset: serve generates one and "
-        "keeps it in its data dir (mode 0600), where the tools on this host find it.",
-    )
-    redis_appendonly: bool = Field(
-        False,
-        description="Embedded Redis keeps an append-only file in its data dir, so queued "
-        "messages survive a restart of it (fsync every second).",
-    )
+class RouterSettings(_Area):
+    """How the API picks a worker for each stage (tasks/router.py)."""
 
-    # --- serve supervision ---------------------------------------------------------------
-    serve_restart: bool = Field(
-        True,
-        description="conveyor serve restarts a process that exits on its own; false: stop "
-        "everything instead (debugging).",
+    mode: Literal["kv", "round_robin", "random"] = _flat(
+        "router_mode", "kv", description="How the API picks a worker for each stage."
     )
-    serve_restart_backoff_s: float = Field(
-        1.0, gt=0, description="Delay before the first restart; doubles with each early exit."
-    )
-    serve_restart_backoff_max_s: float = Field(
-        30.0, gt=0, description="Longest delay between an exit and its restart."
-    )
-    serve_crash_loop_exits: int = Field(
-        5, ge=1, description="This many early exits in a row of one process stop serve."
-    )
-    serve_crash_loop_window_s: float = Field(
-        60.0, gt=0, description="An exit this soon after its start is early (crash loops, backoff)."
-    )
-    serve_state_dir: Path = Field(
-        DEFAULT_SERVE_DIR,
-        description="Where serve writes its process table (<api port>.json, read by "
-        "conveyor status) and the embedded Redis's data dir (redis-<port>/).",
-    )
-
-    # --- routing -------------------------------------------------------------------------
-    router_mode: Literal["kv", "round_robin", "random"] = Field(
-        "kv", description="How the API picks a worker for each stage."
-    )
-    router_kv_events: bool = Field(
+    kv_events: bool = _flat(
+        "router_kv_events",
         True,
         description="kv mode: use the index the workers' KV events feed; false: approximate "
         "mode (the router's own past decisions stand for cache contents, for a TTL).",
     )
-    router_approx_ttl_s: float = Field(
-        120.0, gt=0, description="How long the approximate index remembers a decision."
+    approx_ttl_s: float = _flat(
+        "router_approx_ttl_s",
+        120.0,
+        gt=0,
+        description="How long the approximate index remembers a decision.",
     )
     # the default, chosen on the trace replay (docs/performance.md, "Router: a block to
     # prefill weighs 8")
-    router_overlap_weight: float = Field(
+    overlap_weight: float = _flat(
+        "router_overlap_weight",
         8.0,
         ge=0,
         description="Weight of a prompt block still to prefill against a block of running "
         "decode in the cost (prefill work is what delays a first token).",
     )
-    router_temperature: float = Field(
-        0.0, ge=0, description="0: lowest cost wins; >0: softmax sampling over costs."
+    temperature: float = _flat(
+        "router_temperature",
+        0.0,
+        ge=0,
+        description="0: lowest cost wins; >0: softmax sampling over costs.",
     )
-    router_guard_ratio: float = Field(
+    guard_ratio: float = _flat(
+        "router_guard_ratio",
         1.5,
         ge=1,
         description="Load guard: a worker with more than ratio x the mean active blocks "
         "(and router_guard_min_blocks above the least loaded) gets no cache-affine traffic.",
     )
-    router_guard_min_blocks: int = Field(
-        256, ge=0, description="Load guard: imbalance in blocks tolerated regardless of ratio."
+    guard_min_blocks: int = _flat(
+        "router_guard_min_blocks",
+        256,
+        ge=0,
+        description="Load guard: imbalance in blocks tolerated regardless of ratio.",
     )
-    router_lease_s: float = Field(
+    lease_s: float = _flat(
+        "router_lease_s",
         30.0,
         ge=2,
         description="An API process's lease on the load (and request-cap slots) it counted "
         "on workers, renewed every second: one gone this long (killed) has its counts given "
         "back by the other API processes. Longer than any stall of a live one.",
     )
-    router_g1_weight: float = Field(
-        1.0, ge=0, description="Prefill a cached block saves when it is in the engine pool (G1)."
+    g1_weight: float = _flat(
+        "router_g1_weight",
+        1.0,
+        ge=0,
+        description="Prefill a cached block saves when it is in the engine pool (G1).",
     )
-    router_g2_weight: float = Field(
-        0.75, ge=0, description="... when it is in the worker's host memory (G2: onboarded)."
+    g2_weight: float = _flat(
+        "router_g2_weight",
+        0.75,
+        ge=0,
+        description="... when it is in the worker's host memory (G2: onboarded).",
     )
-    router_g3_weight: float = Field(
-        0.25, ge=0, description="... when it is on the worker's disk (G3: read back)."
-    )
-
-    # --- KVBM tiers (per worker; Dynamo KVBM's names) ----------------------------------
-    kvbm_cpu_cache_gb: float = Field(
-        0.0, ge=0, description="G2: host memory for KV blocks offloaded from the engine pool, "
-        "in GB (2^30 bytes); 0: off."
-    )  # fmt: skip
-    kvbm_cpu_cache_blocks: int | None = Field(
-        None, ge=0, description="G2 size in blocks (overrides kvbm_cpu_cache_gb)."
-    )
-    kvbm_disk_cache_gb: float = Field(
-        0.0, ge=0, description="G3: local disk for KV blocks, in GB (2^30 bytes); 0: off."
-    )
-    kvbm_disk_cache_blocks: int | None = Field(
-        None, ge=0, description="G3 size in blocks (overrides kvbm_disk_cache_gb)."
-    )
-    kvbm_disk_dir: Path = Field(
-        DEFAULT_KVBM_DIR,
-        description="G3's files: <dir>/<model namespace>/slot-<k>/, one slot per live worker; "
-        "a worker restarted on the same host takes over a slot's blocks.",
-    )
-    kvbm_disk_offload_filter: bool = Field(
-        True,
-        description="G3 admits a block once it was stored and hit twice (Dynamo's frequency "
-        "filter); false: every block offloaded to G2 is written to G3 too.",
+    g3_weight: float = _flat(
+        "router_g3_weight",
+        0.25,
+        ge=0,
+        description="... when it is on the worker's disk (G3: read back).",
     )
 
-    # --- worker / engine -----------------------------------------------------------------
-    worker_id: str | None = Field(None, description="Worker id; default: generated.")
-    worker_concurrency: int = Field(
-        64, ge=1, description="Celery task threads per worker (requests it can hold)."
+
+class WorkerSettings(_Area):
+    """One `conveyor worker` process: its Celery side, heartbeat and CPUs."""
+
+    id: str | None = _flat("worker_id", None, description="Worker id; default: generated.")
+    concurrency: int = _flat(
+        "worker_concurrency",
+        64,
+        ge=1,
+        description="Celery task threads per worker (requests it can hold).",
     )
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads per worker.")
     engine_cpus: str | None = Field(
@@ -297,7 +255,8 @@ class Settings(BaseSettings):
         "the API, Redis and Celery off the engine's cores. Unset: no pinning.",
     )
     # niced by default (docs/performance.md, "Worker's Celery side niced")
-    worker_nice: int = Field(
+    nice: int = _flat(
+        "worker_nice",
         10,
         ge=0,
         le=19,
@@ -305,6 +264,22 @@ class Settings(BaseSettings):
         "once its engine process runs (which keeps the niceness it started with). On a "
         "host it shares with the API, its per-request bursts then no longer hold up the "
         "per-token relay; 0: leave it alone.",
+    )
+    heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
+    ttl_s: float = _flat(
+        "worker_ttl_s", 10.0, gt=0, description="A worker silent this long is dead."
+    )
+
+
+class EngineSettings(_Area):
+    """The engine in each worker's engine process: its kind, pool and batch limits."""
+
+    kind: Literal["reference", "mock", "vllm"] = _flat(
+        "engine",
+        "reference",
+        description="reference: the torch engine; mock: real scheduler and KV blocks, "
+        "simulated step times and placeholder tokens (routing studies; agg mode); vllm: "
+        "vLLM's async engine in the engine process (its own install: docs/vllm.md).",
     )
     device: str = Field("cpu", description="torch device for the reference engine.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -331,13 +306,143 @@ class Settings(BaseSettings):
         "reads KV blocks in place; float32 on CPU; built with the host's cc on first use), "
         "torch (gather the blocks, then SDPA), auto (the kernel where it builds, else torch).",
     )
-    kv_transfer: Literal["auto", "nixl", "redis"] = Field(
-        "auto", description="How prefill KV reaches decode workers (auto: NIXL, else Redis)."
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse cached KV blocks of shared prompt prefixes (by block hash)."
     )
-    kv_transfer_threads: int = Field(
+    kv_pin_timeout_s: float = Field(
+        60.0, gt=0, description="Prefilled KV no decode worker pulled is freed after this."
+    )
+
+
+class KvbmSettings(_Area):
+    """KVBM tiers below each worker's engine pool (Dynamo KVBM's names)."""
+
+    cpu_cache_gb: float = _flat(
+        "kvbm_cpu_cache_gb",
+        0.0,
+        ge=0,
+        description="G2: host memory for KV blocks offloaded from the engine pool, in GB "
+        "(2^30 bytes); 0: off.",
+    )
+    cpu_cache_blocks: int | None = _flat(
+        "kvbm_cpu_cache_blocks",
+        None,
+        ge=0,
+        description="G2 size in blocks (overrides kvbm_cpu_cache_gb).",
+    )
+    disk_cache_gb: float = _flat(
+        "kvbm_disk_cache_gb",
+        0.0,
+        ge=0,
+        description="G3: local disk for KV blocks, in GB (2^30 bytes); 0: off.",
+    )
+    disk_cache_blocks: int | None = _flat(
+        "kvbm_disk_cache_blocks",
+        None,
+        ge=0,
+        description="G3 size in blocks (overrides kvbm_disk_cache_gb).",
+    )
+    disk_dir: UserPath = _flat(
+        "kvbm_disk_dir",
+        DEFAULT_KVBM_DIR,
+        description="G3's files: <dir>/<model namespace>/slot-<k>/, one slot per live worker; "
+        "a worker restarted on the same host takes over a slot's blocks.",
+    )
+    disk_offload_filter: bool = _flat(
+        "kvbm_disk_offload_filter",
+        True,
+        description="G3 admits a block once it was stored and hit twice (Dynamo's frequency "
+        "filter); false: every block offloaded to G2 is written to G3 too.",
+    )
+
+    def tier_blocks(self, block_bytes: int) -> tuple[int, int]:
+        """(G2 blocks, G3 blocks) for blocks of ``block_bytes``: the block counts where
+        given, else the GB sizes; 0 = tier off."""
+        if block_bytes < 1:
+            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
+        host = self.cpu_cache_blocks
+        disk = self.disk_cache_blocks
+        if host is None:
+            host = int(self.cpu_cache_gb * GB // block_bytes)
+        if disk is None:
+            disk = int(self.disk_cache_gb * GB // block_bytes)
+        return host, disk
+
+
+class TransferSettings(_Area):
+    """Disaggregated serving: how prefilled KV (and image embeddings) move between workers."""
+
+    backend: Literal["auto", "nixl", "redis"] = _flat(
+        "kv_transfer",
+        "auto",
+        description="How prefill KV reaches decode workers (auto: NIXL, else Redis).",
+    )
+    threads: int = _flat(
+        "kv_transfer_threads",
         2,
         ge=1,
         description="NIXL: threads that pull one transfer's blocks in parallel (16 MiB and up).",
+    )
+    timeout_s: float = _flat(
+        "transfer_timeout_s",
+        10.0,
+        gt=0,
+        description="Limit of one KV pull (below frame_timeout_s, so a stuck pull "
+        "is retried before the client gives up).",
+    )
+    prefill_retries: int = Field(
+        2, ge=0, description="Re-prefills after a failed KV pull before the request fails."
+    )
+    disagg_min_prompt_tokens: int = Field(
+        256, ge=0, description="Shorter prompts are prefilled on the decode worker itself."
+    )
+
+
+class MultimodalSettings(_Area):
+    """Image parts: the API's media guard (api/media.py) and the encode workers."""
+
+    allow_http: bool = _flat(
+        "media_allow_http",
+        False,
+        description="Also fetch http:// image URLs (default: https:// and data: only).",
+    )
+    allow_internal: bool = _flat(
+        "media_allow_internal",
+        False,
+        description="Fetch from loopback, private, link-local, multicast, reserved and "
+        "unspecified addresses too (default: refused after DNS resolution; tests, "
+        "in-cluster image stores).",
+    )
+    max_bytes: int = _flat(
+        "media_max_bytes",
+        20 * 1024 * 1024,
+        ge=1,
+        description="Largest image (encoded bytes) fetched or decoded.",
+    )
+    max_pixels: int = _flat(
+        "media_max_pixels",
+        4096 * 4096,
+        ge=1,
+        description="Largest image in pixels (width x height).",
+    )
+    fetch_timeout_s: float = _flat(
+        "media_fetch_timeout_s",
+        10.0,
+        gt=0,
+        description="Limit of one image URL's fetch: DNS, redirects and body.",
+    )
+    max_images: int = _flat("media_max_images", 8, ge=0, description="Most images in one request.")
+    ttl_s: int = _flat(
+        "media_ttl_s",
+        600,
+        ge=1,
+        description="How long an image's bytes stay in Redis for the workers (a request "
+        "must start within it).",
+    )
+    ca_bundle: UserPath | None = _flat(
+        "media_ca_bundle",
+        None,
+        description="CA bundle (PEM) for https image URLs; unset: the system's.",
     )
     encoder_cache_mb: int = Field(
         256,
@@ -351,29 +456,186 @@ class Settings(BaseSettings):
         description="Images an encode worker puts through its vision tower in one forward "
         "(the images of the requests waiting, up to this many); 1: no batching.",
     )
-    disagg_min_prompt_tokens: int = Field(
-        256, ge=0, description="Shorter prompts are prefilled on the decode worker itself."
+
+
+class ServeSettings(_Area):
+    """`conveyor serve`: the processes it starts, its embedded Redis and its supervision."""
+
+    workers: int = Field(1, ge=0, description="Worker processes per pool (conveyor serve).")
+    encode_workers: int | None = Field(
+        None,
+        ge=0,
+        description="Encode workers in the e-pd and e-p-d modes (serve); default: workers.",
     )
-    kv_pin_timeout_s: float = Field(
-        60.0, gt=0, description="Prefilled KV no decode worker pulled is freed after this."
+    prefill_workers: int | None = Field(
+        None, ge=0, description="Prefill workers in disagg mode (serve); default: workers."
     )
-    transfer_timeout_s: float = Field(
-        10.0,
+    decode_workers: int | None = Field(
+        None, ge=0, description="Decode workers in disagg mode (serve); default: workers."
+    )
+    redis_appendonly: bool = Field(
+        False,
+        description="Embedded Redis keeps an append-only file in its data dir, so queued "
+        "messages survive a restart of it (fsync every second).",
+    )
+    restart: bool = _flat(
+        "serve_restart",
+        True,
+        description="conveyor serve restarts a process that exits on its own; false: stop "
+        "everything instead (debugging).",
+    )
+    restart_backoff_s: float = _flat(
+        "serve_restart_backoff_s",
+        1.0,
         gt=0,
-        description="Limit of one KV pull (below frame_timeout_s, so a stuck pull "
-        "is retried before the client gives up).",
+        description="Delay before the first restart; doubles with each early exit.",
     )
-    prefill_retries: int = Field(
-        2, ge=0, description="Re-prefills after a failed KV pull before the request fails."
+    restart_backoff_max_s: float = _flat(
+        "serve_restart_backoff_max_s",
+        30.0,
+        gt=0,
+        description="Longest delay between an exit and its restart.",
     )
-    enable_prefix_caching: bool = Field(
-        True, description="Reuse cached KV blocks of shared prompt prefixes (by block hash)."
+    crash_loop_exits: int = _flat(
+        "serve_crash_loop_exits",
+        5,
+        ge=1,
+        description="This many early exits in a row of one process stop serve.",
     )
-    engine: Literal["reference", "mock", "vllm"] = Field(
-        "reference",
-        description="reference: the torch engine; mock: real scheduler and KV blocks, "
-        "simulated step times and placeholder tokens (routing studies; agg mode); vllm: "
-        "vLLM's async engine in the engine process (its own install: docs/vllm.md).",
+    crash_loop_window_s: float = _flat(
+        "serve_crash_loop_window_s",
+        60.0,
+        gt=0,
+        description="An exit this soon after its start is early (crash loops, backoff).",
+    )
+    state_dir: UserPath = _flat(
+        "serve_state_dir",
+        DEFAULT_SERVE_DIR,
+        description="Where serve writes its process table (<api port>.json, read by "
+        "conveyor status) and the embedded Redis's data dir (redis-<port>/).",
+    )
+
+    def workers_in(self, pool: str) -> int:
+        """How many workers ``conveyor serve`` starts for ``pool``."""
+        own = {"encode": self.encode_workers, "prefill": self.prefill_workers,
+               "decode": self.decode_workers}.get(pool)  # fmt: skip
+        return self.workers if own is None else own
+
+
+AREAS: dict[str, type[_Area]] = {
+    "api": ApiSettings,
+    "admission": AdmissionSettings,
+    "router": RouterSettings,
+    "worker": WorkerSettings,
+    "engine": EngineSettings,
+    "kvbm": KvbmSettings,
+    "transfer": TransferSettings,
+    "multimodal": MultimodalSettings,
+    "serve": ServeSettings,
+}
+
+
+def _flat_names() -> dict[str, tuple[str, str]]:
+    """flat name -> (area, field) for every area field."""
+    out = {}
+    for area, cls in AREAS.items():
+        for name, f in cls.model_fields.items():
+            flat = f.validation_alias if isinstance(f.validation_alias, str) else name
+            assert flat not in out, f"two settings share the flat name {flat!r}"
+            out[flat] = (area, name)
+    return out
+
+
+FLAT = _flat_names()
+
+
+def field_info(flat: str) -> FieldInfo:
+    """The field whose flat name (``CONVEYOR_<FLAT>``) is ``flat``; KeyError if none."""
+    if flat in FLAT:
+        area, name = FLAT[flat]
+        return AREAS[area].model_fields[name]
+    if flat in AREAS or flat not in Settings.model_fields:
+        raise KeyError(flat)
+    return Settings.model_fields[flat]
+
+
+class _FlatEnvSource(EnvSettingsSource):
+    """The environment, with every area field under its flat name (``CONVEYOR_PORT``,
+    ``CONVEYOR_ROUTER_MODE``); the top-level fields as pydantic-settings reads them."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        if field_name in AREAS:
+            return None, field_name, False
+        return super().get_field_value(field, field_name)
+
+    def prepare_field_value(self, field_name: str, field: FieldInfo, value: Any,
+                            value_is_complex: bool) -> Any:  # fmt: skip
+        if field_name in AREAS:
+            return None
+        return super().prepare_field_value(field_name, field, value, value_is_complex)
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        for flat, (area, name) in FLAT.items():
+            value = self.env_vars.get(f"conveyor_{flat}")
+            if value is not None:
+                data.setdefault(area, {})[name] = value
+        return data
+
+
+class _FlatInit(PydanticBaseSettingsSource):
+    """Keyword arguments, flat names (``block_size=32``) nested into their areas, so they
+    merge with (and win over) the environment's values of the same areas."""
+
+    def __init__(self, settings_cls: type[BaseSettings], inner: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self.inner = inner
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ reads the keyword arguments
+
+    def __call__(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        flat: dict[str, Any] = {}
+        for key, value in self.inner().items():
+            # "engine" names an area and a flat field (engine.kind): a mapping is the area
+            if key in FLAT and not (key in AREAS and isinstance(value, dict | BaseModel)):
+                flat[key] = value
+            else:
+                data[key] = value.model_dump() if isinstance(value, _Area) else value
+        for key, value in flat.items():
+            area, name = FLAT[key]
+            data[area] = {**data.get(area, {}), name: value}
+        return data
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="CONVEYOR_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    # --- deployment-wide (every process) ---------------------------------------------
+    model: UserPath = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
+    served_model_name: str | None = Field(
+        None, description="Model id clients send; default: the model directory's name."
+    )
+    mode: str = Field(
+        "agg", description=f"Serving mode, a row of the stage table: {', '.join(MODE_NAMES)}."
+    )
+    redis_url: str | None = Field(
+        None, description="External Redis; unset: `serve` starts an embedded redis-server."
+    )
+    redis_port: int = Field(6390, description="Port of the embedded Redis (conveyor serve).")
+    redis_password: str | None = Field(
+        None,
+        description="Password of the embedded Redis (serve); unset: serve generates one and "
+        "keeps it in its data dir (mode 0600), where the tools on this host find it.",
+    )
+    broker_fastpath: bool = Field(
+        True,
+        description="Use Conveyor's fast paths through kombu, Celery and redis-py (batched "
+        "acks and events, deferred sends, hand-written RESP for frames and routing); "
+        "false: the libraries' stock behaviour.",
     )
     vllm: dict[str, Any] = Field(
         default_factory=dict,
@@ -386,20 +648,55 @@ class Settings(BaseSettings):
         default_factory=MockTimingSettings,
         description="Mock engine timing; CONVEYOR_MOCK__DECODE_STEP_MS=5 and so on.",
     )
-    heartbeat_s: float = Field(2.0, gt=0, description="Worker heartbeat period.")
-    worker_ttl_s: float = Field(10.0, gt=0, description="A worker silent this long is dead.")
 
-    @field_validator("model", "serve_state_dir", "media_ca_bundle", "kvbm_disk_dir",
-                     mode="before")  # fmt: skip
+    # --- areas -------------------------------------------------------------------------
+    api: ApiSettings = Field(default_factory=ApiSettings, description="The HTTP front.")
+    admission: AdmissionSettings = Field(
+        default_factory=AdmissionSettings, description="Admission."
+    )
+    router: RouterSettings = Field(default_factory=RouterSettings, description="Routing.")
+    worker: WorkerSettings = Field(default_factory=WorkerSettings, description="Workers.")
+    engine: EngineSettings = Field(default_factory=EngineSettings, description="Engine.")
+    kvbm: KvbmSettings = Field(default_factory=KvbmSettings, description="KVBM tiers.")
+    transfer: TransferSettings = Field(default_factory=TransferSettings, description="KV transfer.")
+    multimodal: MultimodalSettings = Field(
+        default_factory=MultimodalSettings, description="Images."
+    )
+    serve: ServeSettings = Field(default_factory=ServeSettings, description="conveyor serve.")
+
     @classmethod
-    def _expand(cls, v: object) -> object:
-        return Path(v).expanduser() if isinstance(v, str) else v
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        env = _FlatEnvSource(settings_cls)
+        return _FlatInit(settings_cls, init_settings), env, file_secret_settings
 
     @field_validator("mode")
     @classmethod
     def _known_mode(cls, v: str) -> str:
         get_mode(v)  # ValueError listing the known modes
         return v
+
+    def to_env(self) -> dict[str, str]:
+        """Every field that is set, as the ``CONVEYOR_*`` variable that sets it (how
+        ``conveyor serve`` hands its settings to the processes it starts)."""
+        values: dict[str, Any] = {n: getattr(self, n) for n in type(self).model_fields
+                                  if n not in AREAS}  # fmt: skip
+        values |= {flat: getattr(getattr(self, a), n) for flat, (a, n) in FLAT.items()}
+        out = {}
+        for flat, value in values.items():
+            if isinstance(value, BaseModel):
+                value = value.model_dump()
+            if value is not None:
+                out[f"CONVEYOR_{flat.upper()}"] = (
+                    json.dumps(value) if isinstance(value, dict) else str(value)
+                )
+        return out
 
     # --- derived -------------------------------------------------------------------------
     @property
@@ -426,19 +723,9 @@ class Settings(BaseSettings):
     @property
     def effective_worker_max_requests(self) -> int:
         """``worker_max_requests``, else two full batches (``max_num_seqs``) per worker."""
-        if self.worker_max_requests is None:
-            return 2 * self.max_num_seqs
-        return self.worker_max_requests
-
-    @property
-    def api_key_list(self) -> list[str]:
-        """The configured API keys (``api_keys``, or the lines of the file it names)."""
-        raw = self.api_keys or ""
-        if raw.startswith("@"):
-            lines = Path(raw[1:]).expanduser().read_text().splitlines()
-        else:
-            lines = raw.split(",")
-        return [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+        if self.admission.worker_max_requests is None:
+            return 2 * self.engine.max_num_seqs
+        return self.admission.worker_max_requests
 
     @property
     def redis_password_file(self) -> Path:
@@ -447,13 +734,13 @@ class Settings(BaseSettings):
 
     @property
     def serve_state_file(self) -> Path:
-        """The process table of the ``conveyor serve`` whose API listens on ``port``."""
-        return self.serve_state_dir / f"{self.port}.json"
+        """The process table of the ``conveyor serve`` whose API listens on ``api.port``."""
+        return self.serve.state_dir / f"{self.api.port}.json"
 
     @property
     def redis_data_dir(self) -> Path:
         """The embedded Redis's working directory (its append-only file, if any)."""
-        return self.serve_state_dir / f"redis-{self.redis_port}"
+        return self.serve.state_dir / f"redis-{self.redis_port}"
 
     @property
     def model_name(self) -> str:
@@ -467,25 +754,6 @@ class Settings(BaseSettings):
     @property
     def pools(self) -> tuple[str, ...]:
         return self.serving_mode.pools
-
-    def kvbm_tier_blocks(self, block_bytes: int) -> tuple[int, int]:
-        """(G2 blocks, G3 blocks) for blocks of ``block_bytes``: the block counts where
-        given, else the GB sizes; 0 = tier off."""
-        if block_bytes < 1:
-            raise ValueError(f"block_bytes must be >= 1, got {block_bytes}")
-        host = self.kvbm_cpu_cache_blocks
-        disk = self.kvbm_disk_cache_blocks
-        if host is None:
-            host = int(self.kvbm_cpu_cache_gb * GB // block_bytes)
-        if disk is None:
-            disk = int(self.kvbm_disk_cache_gb * GB // block_bytes)
-        return host, disk
-
-    def workers_in(self, pool: str) -> int:
-        """How many workers ``conveyor serve`` starts for ``pool``."""
-        own = {"encode": self.encode_workers, "prefill": self.prefill_workers,
-               "decode": self.decode_workers}.get(pool)  # fmt: skip
-        return self.workers if own is None else own
 
 
 _settings: Settings | None = None
@@ -505,3 +773,82 @@ def configure(**overrides: object) -> Settings:
     global _settings
     _settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     return _settings
+
+
+# ----------------------------------------------------------------------------------------
+# docs/configuration.md
+# ----------------------------------------------------------------------------------------
+def _type_name(t: Any) -> str:
+    """A field's type for the table: ``int``, ``kv / round_robin / random``, ``Path``."""
+    origin, args = get_origin(t), get_args(t)
+    if origin is Literal:
+        return " / ".join(str(a) for a in args)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin in (Union, UnionType):
+        return " or ".join(_type_name(a) for a in args if a is not type(None))
+    if origin is dict:
+        return "mapping"
+    return getattr(t, "__name__", str(t))
+
+
+def _default_text(f: FieldInfo) -> str:
+    if f.default_factory is not None:
+        value = f.default_factory()  # type: ignore[call-arg]
+        value = value.model_dump() if isinstance(value, BaseModel) else value
+    else:
+        value = f.default
+    if value is None:
+        return "unset"
+    if isinstance(value, Path):
+        value = str(value).replace(str(Path.home()), "~")
+    return f"`{json.dumps(value) if isinstance(value, dict) else value}`"
+
+
+def _rows(fields: dict[str, FieldInfo], env: dict[str, str]) -> list[str]:
+    rows = ["| Environment variable | Field | Type | Default | Description |",
+            "|---|---|---|---|---|"]  # fmt: skip
+    for name, f in fields.items():
+        desc = (f.description or "").replace("|", "\\|")
+        rows.append(f"| `{env[name]}` | `{name}` | {_type_name(f.annotation)} "
+                    f"| {_default_text(f)} | {desc} |")  # fmt: skip
+    return rows
+
+
+def markdown() -> str:
+    """docs/configuration.md: every setting by area, with its environment variable, type,
+    default and description (tests/unit/tasks/test_settings.py keeps the file in step)."""
+    out = [
+        "# Configuration",
+        "",
+        "<!-- generated by `python -m tasks.settings --markdown > docs/configuration.md` "
+        "from tasks/settings.py; edit the Field descriptions there, not this file -->",
+        "",
+        "Every setting is an environment variable (`CONVEYOR_...`); the `conveyor` "
+        "commands' flags set the same fields and win over the environment. In code, a "
+        "setting is `Settings().<area>.<field>` (the deployment-wide ones: "
+        "`Settings().<field>`).",
+        "",
+        "## Deployment-wide",
+        "",
+    ]
+    top = {n: f for n, f in Settings.model_fields.items()
+           if n not in AREAS and n not in ("vllm", "mock")}  # fmt: skip
+    out += _rows(top, {n: f"CONVEYOR_{n.upper()}" for n in top})
+    for area, cls in AREAS.items():
+        env = {name: f"CONVEYOR_{flat.upper()}" for flat, (a, name) in FLAT.items() if a == area}
+        out += ["", f"## {area}", "", (cls.__doc__ or "").strip(), ""]
+        out += _rows(dict(cls.model_fields), env)
+    out += ["", "## vllm", "", Settings.model_fields["vllm"].description or "", ""]
+    out += ["## mock", "", (MockTimingSettings.__doc__ or "").strip(), ""]
+    mock = dict(MockTimingSettings.model_fields)
+    out += _rows(mock, {n: f"CONVEYOR_MOCK__{n.upper()}" for n in mock})
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m tasks.settings --markdown > docs/configuration.md")
+    sys.stdout.write(markdown())

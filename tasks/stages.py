@@ -119,7 +119,7 @@ def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> Sta
     from tasks.settings import get_settings
 
     s = get_settings()
-    if req.attempt >= s.prefill_retries:
+    if req.attempt >= s.transfer.prefill_retries:
         msg = f"KV transfer failed {req.attempt + 1} time(s), giving up: {why}"
         rt.fail(req.request_id, msg, "kv_transfer_failed", seq=1)
         return StageSummary(request_id=req.request_id, finish_reason="error", error=msg)
@@ -130,7 +130,7 @@ def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> Sta
         log.warning("[%s] %s; no other prefill worker: running it here", req.request_id, why)
         return rt.generate(redo)
     log.warning("[%s] %s; prefilling again on %s (attempt %d/%d)", req.request_id, why,
-                target, redo.attempt, s.prefill_retries)  # fmt: skip
+                target, redo.attempt, s.transfer.prefill_retries)  # fmt: skip
     chain(
         prefill.si(redo.model_dump()).set(queue=queue(worker_queue("prefill", target))),
         decode.s(redo.model_dump()).set(**route_to(worker_queue(rt.pool, rt.worker_id))),
@@ -148,7 +148,7 @@ def _pick_prefill(req: StagePayload, exclude: str) -> str | None:
     from tasks.settings import get_settings
 
     s = get_settings()
-    hashes = block_hashes(req.prompt_token_ids, s.block_size, model_namespace(req.model))
+    hashes = block_hashes(req.prompt_token_ids, s.engine.block_size, model_namespace(req.model))
 
     async def pick() -> str | None:
         client = aioredis.Redis.from_url(s.effective_redis_url)

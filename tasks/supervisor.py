@@ -26,7 +26,6 @@ generated for its data dir), and the Redis answering on its port must be the pro
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -73,12 +72,8 @@ def settings_env(s: Settings) -> dict[str, str]:
     # every worker (and every restart of one) makes its own id: a fixed one would be
     # shared by the whole pool and reused by a restarted worker
     env.pop("CONVEYOR_WORKER_ID", None)
-    for name, value in s.model_dump().items():
-        if value is None or name == "worker_id":
-            continue
-        env[f"CONVEYOR_{name.upper()}"] = (
-            json.dumps(value) if isinstance(value, dict) else str(value)
-        )
+    env |= s.to_env()
+    env.pop("CONVEYOR_WORKER_ID", None)
     env["CONVEYOR_REDIS_URL"] = s.effective_redis_url
     return env
 
@@ -123,7 +118,7 @@ class Supervisor:
         if other is not None and other.state in ("running", "stopping") and other.supervisor_alive:
             # its API holds the port: ours would only crash-loop, and its table be overwritten
             log.error("conveyor serve (pid %d) already serves on port %d: set --port",
-                      other.supervisor_pid, self.s.port)  # fmt: skip
+                      other.supervisor_pid, self.s.api.port)  # fmt: skip
             return 1
         taken = self._taken_port()
         if taken is not None:
@@ -140,17 +135,17 @@ class Supervisor:
             env = settings_env(self.s)
             me = [sys.executable, "-m", "tasks.cli"]
             for pool in self.s.pools:
-                for i in range(self.s.workers_in(pool)):
+                for i in range(self.s.serve.workers_in(pool)):
                     self._add(f"worker-{pool}-{i}", [*me, "worker", "--pool", pool], env)
             self._add("api", [*me, "api"], env)
             if self.flower:
-                self._add("flower", [*me, "flower", "--port", str(self.s.flower_port)], env)
+                self._add("flower", [*me, "flower", "--port", str(self.s.api.flower_port)], env)
             log.info(
                 "serving %s on http://%s:%d (flower on :%d); Ctrl-C stops everything",
                 self.s.model_name,
-                self.s.host,
-                self.s.port,
-                self.s.flower_port,
+                self.s.api.host,
+                self.s.api.port,
+                self.s.api.flower_port,
             )
             self._write_state()
             while not self._stop:
@@ -194,7 +189,7 @@ class Supervisor:
         """Schedule ``c``'s restart; ``False`` when it must not be restarted (stop all)."""
         pid = c.proc.pid if c.proc is not None else 0
         c.last_exit, c.since = describe_exit(rc), time.time()
-        if not self.s.serve_restart:
+        if not self.s.serve.restart:
             self._fail(c, f"{c.name} (pid {pid}) {c.last_exit}: stopping everything "
                           "(restarts are off)")  # fmt: skip
             return False
@@ -205,16 +200,16 @@ class Supervisor:
         # A process that ran a full window has proven itself: its exit starts a new count.
         # One that dies sooner continues the count, however long it took to die (a worker
         # whose engine fails 35 s into every start is still crash-looping).
-        window = self.s.serve_crash_loop_window_s
+        window = self.s.serve.crash_loop_window_s
         c.early_exits = c.early_exits + 1 if now - c.started < window else 1
-        if c.early_exits >= self.s.serve_crash_loop_exits:
+        if c.early_exits >= self.s.serve.crash_loop_exits:
             self._fail(c, f"{c.name} is crash-looping ({c.early_exits} exits in a row, each "
                           f"within {window:g} s of its start, last: {c.last_exit}): "
                           "stopping everything")  # fmt: skip
             return False
         delay = min(
-            self.s.serve_restart_backoff_max_s,
-            self.s.serve_restart_backoff_s * 2 ** (c.early_exits - 1),
+            self.s.serve.restart_backoff_max_s,
+            self.s.serve.restart_backoff_s * 2 ** (c.early_exits - 1),
         )
         c.state, c.restart_at = "backoff", now + delay
         log.warning("%s (pid %d) %s; restarting it in %.1f s (restart %d)",
@@ -235,9 +230,9 @@ class Supervisor:
 
     def _taken_port(self) -> str | None:
         """Why ``serve`` cannot start (a port it needs is taken), or ``None``."""
-        wanted = [(self.s.host, self.s.port, "the API", "--port / CONVEYOR_PORT")]
+        wanted = [(self.s.api.host, self.s.api.port, "the API", "--port / CONVEYOR_PORT")]
         if self.flower:
-            wanted.append(("127.0.0.1", self.s.flower_port, "Flower",
+            wanted.append(("127.0.0.1", self.s.api.flower_port, "Flower",
                            "--flower-port / CONVEYOR_FLOWER_PORT"))  # fmt: skip
         if self.s.redis_url is None:
             wanted.append(("127.0.0.1", self.s.redis_port, "the embedded Redis",
@@ -311,7 +306,7 @@ class Supervisor:
             "--bind", "127.0.0.1",
             "--dir", str(data),
             "--save", "",
-            *(persist if self.s.redis_appendonly else ["--appendonly", "no"]),
+            *(persist if self.s.serve.redis_appendonly else ["--appendonly", "no"]),
             "--protected-mode", "yes",
         ]  # fmt: skip
         self._redis = _Child("redis", argv, stdout=subprocess.DEVNULL)
@@ -350,7 +345,7 @@ class Supervisor:
                 time.sleep(0.1)
 
     def _write_state(self) -> None:
-        state = ServeState(os.getpid(), self._state, f"http://{self.s.host}:{self.s.port}",
+        state = ServeState(os.getpid(), self._state, f"http://{self.s.api.host}:{self.s.api.port}",
                            self._started, [c.record() for c in self._table()],
                            self._reason)  # fmt: skip
         try:

@@ -53,26 +53,27 @@ log = logging.getLogger(__name__)
 class EngineProcSpec:
     """Everything the engine process needs; plain data, picklable."""
 
+    # built by WorkerRuntime from the settings (tasks.settings): no defaults restated here
     model_dir: str
     engine_config: dict
     redis_url: str
-    worker_id: str = "worker"
-    pool: str = "generate"  # the worker pool, for the KV-block index
-    engine: str = "reference"  # reference | mock | vllm
-    mock: dict = field(default_factory=dict)  # MockTiming fields (engine == "mock")
-    vllm_args: tuple[str, ...] = ()  # vLLM engine flags (engine == "vllm"), `vllm serve`'s
-    kv_transfer: str | None = None  # None: this pool moves no KV; else auto | nixl | redis
-    kv_transfer_threads: int = 2  # NIXL: threads pulling one large transfer
-    transfer_timeout_s: float = 30.0
-    torch_threads: int = 1
-    cpus: tuple[int, ...] | None = None  # pin the engine process to these CPUs
-    stats_period_s: float = 0.25
-    log_level: int = logging.INFO
-    fastpath: bool = True  # frames on a raw connection (workers.stream); else redis-py's
-    role: str = "engine"  # engine: the text model; encoder: the vision tower alone (encode pool)
-    embedding_transfer: str = "auto"  # how image embeddings move between workers
-    encoder_cache_mb: int = 256  # the image embedding cache
-    encoder_max_batch: int = 16  # images per vision-tower forward on an encode worker
+    worker_id: str
+    pool: str  # the worker pool, for the KV-block index
+    engine: str  # reference | mock | vllm
+    mock: dict  # MockTiming fields (engine == "mock")
+    vllm_args: tuple[str, ...]  # vLLM engine flags (engine == "vllm"), `vllm serve`'s
+    kv_transfer: str | None  # None: this pool moves no KV; else auto | nixl | redis
+    kv_transfer_threads: int  # NIXL: threads pulling one large transfer
+    transfer_timeout_s: float
+    torch_threads: int
+    cpus: tuple[int, ...] | None  # pin the engine process to these CPUs
+    stats_period_s: float
+    log_level: int
+    fastpath: bool  # frames on a raw connection (workers.stream); else redis-py's
+    role: str  # engine: the text model; encoder: the vision tower alone (encode pool)
+    embedding_transfer: str  # how image embeddings move between workers
+    encoder_cache_mb: int  # the image embedding cache
+    encoder_max_batch: int  # images per vision-tower forward on an encode worker
 
 
 @dataclass(slots=True)

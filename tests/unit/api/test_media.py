@@ -19,11 +19,11 @@ from api.media import (
     ImageInput,
     LoadedImage,
     MediaGuard,
-    MediaLimits,
     forbidden_reason,
     image_hash,
 )
 from api.metrics import ApiMetrics
+from tasks.settings import MultimodalSettings
 from tests.media_server import ImageServer, encode, make_cert, picture, png_bomb
 
 PIC = picture()
@@ -43,7 +43,7 @@ FILES = {
     "bomb.png": (png_bomb(12_000), "image/png"),
     "big.png": (encode(picture(300, 300), "PNG"), "image/png"),
 }
-OPEN = MediaLimits(allow_http=True, allow_internal=True)  # the success path's settings
+OPEN = MultimodalSettings(allow_http=True, allow_internal=True)  # the success path's settings
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def server() -> Iterator[ImageServer]:
         yield s
 
 
-def load(limits: MediaLimits, *urls: str, **kw: object) -> list[LoadedImage]:
+def load(limits: MultimodalSettings, *urls: str, **kw: object) -> list[LoadedImage]:
     async def main() -> list[LoadedImage]:
         guard = MediaGuard(limits, **kw)  # type: ignore[arg-type]
         try:
@@ -64,7 +64,7 @@ def load(limits: MediaLimits, *urls: str, **kw: object) -> list[LoadedImage]:
     return asyncio.run(main())
 
 
-def refused(limits: MediaLimits, *urls: str, **kw: object) -> OpenAIError:
+def refused(limits: MultimodalSettings, *urls: str, **kw: object) -> OpenAIError:
     with pytest.raises(OpenAIError) as info:
         load(limits, *urls, **kw)
     e = info.value
@@ -91,7 +91,7 @@ def test_every_allowed_format_over_http_and_as_a_data_url(server: ImageServer) -
     lossless = {got[i].hash for i in (0, 2, 4, 5)}
     assert lossless == {image_hash(PIC)}
     assert got[1].hash != got[0].hash  # JPEG is lossy: other pixels, another hash
-    [inline] = load(MediaLimits(), data_url(PNG))  # data URLs need no fetch settings
+    [inline] = load(MultimodalSettings(), data_url(PNG))  # data URLs need no fetch settings
     assert inline.hash == got[0].hash and inline.data == PNG
 
 
@@ -149,7 +149,7 @@ def test_a_host_is_resolved_once_and_connected_to_as_resolved_keeping_its_name(
     assert server.seen[-2][1] == f"a.images.test:{server.port}"
     assert server.seen[-1] == ("/img/a.png", f"b.images.test:{server.port}")
     # the same stub with the check on: the name resolves to loopback, so it is refused
-    e = refused(MediaLimits(allow_http=True), first, resolver=resolver)
+    e = refused(MultimodalSettings(allow_http=True), first, resolver=resolver)
     assert e.code == "image_url_forbidden" and "a.images.test" in e.message
 
 
@@ -158,7 +158,7 @@ def test_https_verifies_the_urls_host_name_on_the_checked_address(tmp_path: Path
     if tls is None:
         pytest.skip("no openssl binary to make a test certificate")
     with ImageServer(FILES).running(tls) as s:
-        ca = MediaLimits(allow_internal=True, ca_bundle=tls[0])  # https only (the default)
+        ca = MultimodalSettings(allow_internal=True, ca_bundle=tls[0])  # https only (the default)
         [got] = load(ca, s.url("/img/a.png", host="localhost"))
         assert got.data == PNG
 
@@ -170,7 +170,7 @@ def test_https_verifies_the_urls_host_name_on_the_checked_address(tmp_path: Path
         e = refused(ca, s.url("/img/a.png", host="other.test"), resolver=resolver)
         assert e.code == "image_fetch_failed"
         # without the CA bundle the self-signed certificate is not trusted
-        e = refused(MediaLimits(allow_internal=True), s.url("/img/a.png", host="localhost"))
+        e = refused(MultimodalSettings(allow_internal=True), s.url("/img/a.png", host="localhost"))
         assert e.code == "image_fetch_failed"
         # a redirect hop is checked like the first: https -> http is refused by default
         down = s.url("/redirect?to=http://localhost:1/img/a.png", host="localhost")
@@ -190,7 +190,7 @@ def test_https_verifies_the_urls_host_name_on_the_checked_address(tmp_path: Path
 )  # fmt: skip
 def test_internal_addresses_are_refused_after_resolution(host: str, why: str) -> None:
     # nothing listens on these (the refusal comes before any connection)
-    e = refused(MediaLimits(allow_http=True), f"http://{host}:9/img.png")
+    e = refused(MultimodalSettings(allow_http=True), f"http://{host}:9/img.png")
     assert e.code == "image_url_forbidden"
     assert f"a {why} address" in e.message and "CONVEYOR_MEDIA_ALLOW_INTERNAL" in e.message
 
@@ -209,12 +209,12 @@ def test_only_https_and_data_urls_by_default(server: ImageServer) -> None:
     for url, word in [(server.url("/img/a.png"), "CONVEYOR_MEDIA_ALLOW_HTTP"),
                       ("file:///etc/passwd", "file"), ("ftp://example.com/a.png", "ftp"),
                       ("/relative.png", "relative")]:  # fmt: skip
-        e = refused(MediaLimits(allow_internal=True), url)
+        e = refused(MultimodalSettings(allow_internal=True), url)
         assert e.code == "image_url_forbidden" and word in e.message, e.message
 
 
 def test_a_fetch_that_takes_too_long(server: ImageServer) -> None:
-    limits = MediaLimits(allow_http=True, allow_internal=True, fetch_timeout_s=0.5)
+    limits = MultimodalSettings(allow_http=True, allow_internal=True, fetch_timeout_s=0.5)
     t = time.monotonic()
     e = refused(limits, server.url("/slow?s=3"))
     assert e.code == "image_fetch_timeout" and "0.5 s" in e.message
@@ -222,21 +222,21 @@ def test_a_fetch_that_takes_too_long(server: ImageServer) -> None:
 
 
 def test_bodies_over_the_byte_limit(server: ImageServer) -> None:
-    limits = MediaLimits(allow_http=True, allow_internal=True, max_bytes=100_000,
+    limits = MultimodalSettings(allow_http=True, allow_internal=True, max_bytes=100_000,
                          fetch_timeout_s=20)  # fmt: skip
     # a body with no end: only reading it as a stream and stopping at the limit ends it
     e = refused(limits, server.url("/endless"))
     assert e.code == "image_too_large" and "100000 bytes" in e.message
     e = refused(limits, server.url("/declared-big"))  # refused on its Content-Length
     assert e.code == "image_too_large"
-    small = MediaLimits(max_bytes=len(PNG) - 1)
+    small = MultimodalSettings(max_bytes=len(PNG) - 1)
     e = refused(small, data_url(PNG))
     assert e.code == "image_too_large" and "CONVEYOR_MEDIA_MAX_BYTES" in e.message
-    assert load(MediaLimits(max_bytes=len(PNG)), data_url(PNG))[0].data == PNG
+    assert load(MultimodalSettings(max_bytes=len(PNG)), data_url(PNG))[0].data == PNG
 
 
 def test_too_many_pixels_and_a_decompression_bomb(server: ImageServer) -> None:
-    limits = MediaLimits(allow_http=True, allow_internal=True, max_pixels=200 * 200)
+    limits = MultimodalSettings(allow_http=True, allow_internal=True, max_pixels=200 * 200)
     e = refused(limits, server.url("/img/big.png"))
     assert e.code == "image_too_large" and "300x300" in e.message
     assert "CONVEYOR_MEDIA_MAX_PIXELS" in e.message
@@ -246,7 +246,7 @@ def test_too_many_pixels_and_a_decompression_bomb(server: ImageServer) -> None:
         e = refused(OPEN, server.url("/img/bomb.png"))  # our limit, before decoding
     assert e.code == "image_too_large" and "CONVEYOR_MEDIA_MAX_PIXELS" in e.message
     # a limit set above Pillow's bomb limit does not switch that one off
-    lax = MediaLimits(allow_http=True, allow_internal=True, max_pixels=10**9)
+    lax = MultimodalSettings(allow_http=True, allow_internal=True, max_pixels=10**9)
     with pytest.warns(Image.DecompressionBombWarning):
         e = refused(lax, server.url("/img/bomb.png"))
     assert e.code == "image_too_large" and "decompression-bomb limit" in e.message
@@ -275,7 +275,7 @@ def test_unsupported_types(server: ImageServer, tmp_path: Path) -> None:
 
 def test_too_many_images_refused_before_any_fetch(server: ImageServer) -> None:
     n = len(server.seen)
-    e = refused(MediaLimits(allow_http=True, allow_internal=True, max_images=2),
+    e = refused(MultimodalSettings(allow_http=True, allow_internal=True, max_images=2),
                 *[server.url("/img/a.png")] * 3)  # fmt: skip
     assert e.code == "too_many_images" and e.param == "messages"
     assert "at most 2" in e.message
@@ -297,7 +297,7 @@ def test_metrics(server: ImageServer) -> None:
     m = ApiMetrics()
     load(OPEN, server.url("/img/a.png"), data_url(PNG), metrics=m)
     refused(OPEN, server.url("/img/page.html"), metrics=m)
-    refused(MediaLimits(), server.url("/img/a.png"), metrics=m)
+    refused(MultimodalSettings(), server.url("/img/a.png"), metrics=m)
 
     def value(name: str, **labels: str) -> float:
         return m.registry.get_sample_value(name, labels) or 0.0

@@ -18,11 +18,11 @@ from tasks.settings import GB, Settings
 
 def test_sizes_from_gb_or_blocks_and_zero_is_off() -> None:
     s = Settings(kvbm_cpu_cache_gb=0.5, kvbm_disk_cache_gb=2)
-    assert s.kvbm_tier_blocks(65536) == (GB // 2 // 65536, 2 * GB // 65536)
+    assert s.kvbm.tier_blocks(65536) == (GB // 2 // 65536, 2 * GB // 65536)
     s = Settings(kvbm_cpu_cache_gb=0.5, kvbm_cpu_cache_blocks=100, kvbm_disk_cache_blocks=0,
                  kvbm_disk_cache_gb=3)  # fmt: skip
-    assert s.kvbm_tier_blocks(65536) == (100, 0)  # a block count wins, 0 included
-    assert Settings().kvbm_tier_blocks(65536) == (0, 0)  # both off by default
+    assert s.kvbm.tier_blocks(65536) == (100, 0)  # a block count wins, 0 included
+    assert Settings().kvbm.tier_blocks(65536) == (0, 0)  # both off by default
 
 
 def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,9 +32,9 @@ def test_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("CONVEYOR_KVBM_DISK_OFFLOAD_FILTER", "false")
     monkeypatch.setenv("CONVEYOR_ROUTER_G3_WEIGHT", "0.1")
     s = Settings()
-    assert s.kvbm_cpu_cache_gb == 1.5 and s.kvbm_disk_cache_blocks == 4096
-    assert s.kvbm_disk_dir == Path("~/kv").expanduser() and not s.kvbm_disk_offload_filter
-    assert (s.router_g1_weight, s.router_g2_weight, s.router_g3_weight) == (1.0, 0.75, 0.1)
+    assert s.kvbm.cpu_cache_gb == 1.5 and s.kvbm.disk_cache_blocks == 4096
+    assert s.kvbm.disk_dir == Path("~/kv").expanduser() and not s.kvbm.disk_offload_filter
+    assert (s.router.g1_weight, s.router.g2_weight, s.router.g3_weight) == (1.0, 0.75, 0.1)
 
 
 def test_a_tier_smaller_than_the_one_above_is_a_warning(

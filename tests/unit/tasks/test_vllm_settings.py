@@ -15,7 +15,7 @@ def test_env_options_become_vllm_serve_flags(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("CONVEYOR_VLLM__ENABLE_CHUNKED_PREFILL", "false")
     monkeypatch.setenv("CONVEYOR_VLLM__KV_TRANSFER_CONFIG", '{"kv_connector": "NixlConnector"}')
     s = _configure_with_vllm((), engine="vllm")
-    assert s.engine == "vllm"
+    assert s.engine.kind == "vllm"
     assert sorted(vllm_argv(s.vllm)) == sorted([
         "--max-num-seqs=8", "--enforce-eager", "--no-enable-chunked-prefill",
         '--kv-transfer-config={"kv_connector": "NixlConnector"}',

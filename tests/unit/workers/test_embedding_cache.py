@@ -94,6 +94,6 @@ def test_threads_keep_the_budget() -> None:
 
 
 def test_setting_default_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert Settings().encoder_cache_mb == 256
+    assert Settings().multimodal.encoder_cache_mb == 256
     monkeypatch.setenv("CONVEYOR_ENCODER_CACHE_MB", "8")
-    assert Settings().encoder_cache_mb == 8
+    assert Settings().multimodal.encoder_cache_mb == 8

@@ -1,0 +1,157 @@
+"""Settings by area: every environment name from before the areas still sets its field,
+flat keyword arguments (CLI flags) win over the environment, ``to_env`` hands settings to
+a child process unchanged, and docs/configuration.md is in step with the code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
+
+import pytest
+from pydantic.fields import FieldInfo
+
+from tasks.settings import AREAS, FLAT, Settings, field_info, markdown
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# The flat settings before they moved into areas (issue 32): each must keep its name.
+OLD_NAMES = """
+admission_wait_s api_keys api_keys_protect_ops block_size broker_fastpath
+client_max_requests decode_attention decode_workers device disagg_min_prompt_tokens
+dispatch_attempts dtype enable_prefix_caching encode_workers encoder_cache_mb
+encoder_max_batch engine engine_cpus first_frame_timeout_s flower_basic_auth flower_port
+flower_registry_queues frame_timeout_s heartbeat_s host kv_pin_timeout_s kv_transfer
+kv_transfer_threads kvbm_cpu_cache_blocks kvbm_cpu_cache_gb kvbm_disk_cache_blocks
+kvbm_disk_cache_gb kvbm_disk_dir kvbm_disk_offload_filter max_body_bytes max_model_len
+max_num_batched_tokens max_num_seqs media_allow_http media_allow_internal media_ca_bundle
+media_fetch_timeout_s media_max_bytes media_max_images media_max_pixels media_ttl_s
+migration_limit mode model num_kv_blocks port prefill_retries prefill_workers
+redis_appendonly redis_password redis_port redis_url retry_after_s router_approx_ttl_s
+router_g1_weight router_g2_weight router_g3_weight router_guard_min_blocks
+router_guard_ratio router_kv_events router_lease_s router_mode router_overlap_weight
+router_temperature scheduler_delay_factor serve_crash_loop_exits serve_crash_loop_window_s
+serve_restart serve_restart_backoff_max_s serve_restart_backoff_s serve_state_dir
+served_model_name tool_call_parser torch_threads transfer_timeout_s worker_concurrency
+worker_id worker_max_requests worker_nice worker_ttl_s workers
+""".split()
+
+
+def _other_value(f: FieldInfo) -> tuple[str, Any]:
+    """An environment string for ``f`` that is not its default, and the value it gives."""
+    t = f.annotation
+    if get_origin(t) in (Union, UnionType):
+        t = next(a for a in get_args(t) if a is not type(None))
+    if get_origin(t) is Literal:
+        v = next(a for a in get_args(t) if a != f.default)
+        return v, v
+    if t is bool:
+        return str(not f.default).lower(), not f.default
+    if t is int:
+        v = (f.default or 0) + 1
+        return str(v), v
+    if t is float:
+        v = (f.default or 0.0) + 1.5
+        return str(v), v
+    if t is str:
+        return "1-2", "1-2"
+    return "/tmp/conveyor-settings-test", Path("/tmp/conveyor-settings-test")  # a Path
+
+
+def _get(s: Settings, flat: str) -> Any:
+    area, name = FLAT.get(flat, (None, flat))
+    return getattr(getattr(s, area) if area else s, name)
+
+
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for k in list(os.environ):
+        if k.upper().startswith("CONVEYOR_"):
+            monkeypatch.delenv(k)
+
+
+@pytest.mark.parametrize("flat", OLD_NAMES)
+def test_every_old_environment_name_sets_its_field(
+    flat: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clean_env(monkeypatch)
+    f = field_info(flat)
+    raw, want = ("disagg", "disagg") if flat == "mode" else _other_value(f)
+    assert _get(Settings(), flat) != want
+    monkeypatch.setenv(f"CONVEYOR_{flat.upper()}", raw)
+    assert _get(Settings(), flat) == want
+    # a flat keyword argument (a CLI flag) wins over the environment
+    default = Settings.model_fields["mode"].default if flat == "mode" else f.default
+    assert _get(Settings(**{flat: default}), flat) == default
+
+
+def test_the_flat_names_are_exactly_the_old_ones_plus_nothing_lost() -> None:
+    top = {n for n in Settings.model_fields if n not in AREAS and n not in ("vllm", "mock")}
+    assert sorted(set(FLAT) | top) == sorted(OLD_NAMES)
+
+
+def test_keyword_arguments_and_the_environment_merge_within_an_area(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("CONVEYOR_ENGINE", "mock")
+    monkeypatch.setenv("CONVEYOR_BLOCK_SIZE", "32")
+    s = Settings(num_kv_blocks=64)
+    assert (s.engine.kind, s.engine.block_size, s.engine.num_kv_blocks) == ("mock", 32, 64)
+    s = Settings(engine="vllm")  # the flat name of engine.kind, not the area
+    assert (s.engine.kind, s.engine.block_size) == ("vllm", 32)
+    assert Settings(engine={"kind": "reference"}).engine.kind == "reference"
+
+
+def test_to_env_hands_every_setting_to_a_child_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clean_env(monkeypatch)
+    s = Settings(
+        port=9001,
+        router_mode="random",
+        engine="mock",
+        kvbm_disk_dir="/tmp/kv",
+        transfer_timeout_s=4.0,
+        vllm={"max_num_seqs": 8},
+        mock={"speedup": 2.0},
+    )
+    for k, v in s.to_env().items():
+        monkeypatch.setenv(k, v)
+    assert Settings() == s
+
+
+def test_the_transfer_timeout_default_is_below_the_frame_timeout() -> None:
+    # a stuck KV pull is retried before the client's stream gives up
+    s = Settings()
+    assert s.transfer.timeout_s == 10.0 < s.api.frame_timeout_s
+
+
+def test_docs_configuration_md_is_generated_from_the_settings() -> None:
+    doc = ROOT / "docs" / "configuration.md"
+    assert doc.read_text() == markdown(), (
+        "docs/configuration.md is out of step with tasks/settings.py: run "
+        "`python -m tasks.settings --markdown > docs/configuration.md`"
+    )
+    for flat in OLD_NAMES:
+        assert f"`CONVEYOR_{flat.upper()}`" in doc.read_text()
+
+
+def test_the_markdown_command_prints_the_document() -> None:
+    p = subprocess.run([sys.executable, "-m", "tasks.settings", "--markdown"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    assert p.stdout == markdown()
+
+
+def test_engine_config_defaults_are_the_engine_settings_defaults() -> None:
+    # workers/ cannot import tasks/, so EngineConfig (built by `conveyor worker` from
+    # s.engine, and by the unit tests directly) keeps its own defaults: they must agree
+    from dataclasses import fields
+
+    from workers.engine_api import EngineConfig
+
+    area = Settings.model_fields["engine"].default_factory()  # type: ignore[misc]
+    shared = {f.name: f.default for f in fields(EngineConfig) if f.name in type(area).model_fields}
+    assert set(shared) == set(type(area).model_fields) - {"kind"}
+    assert shared == {n: getattr(area, n) for n in shared}
