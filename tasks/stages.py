@@ -41,6 +41,7 @@ def encode(self: Task, payload: dict) -> dict:
     """Encode stage: the request's images through the vision tower; the handle (which
     Celery hands to the chain's next task) says where their embeddings are."""
     cmd = stage_command("encode", (payload,))
+    assert not isinstance(cmd, StagePayload), "an encode task's command encodes"
     return _guarded(cmd.payload, lambda rt: rt.encode(cmd)).model_dump()
 
 
@@ -74,6 +75,7 @@ def embed(self: Task, payload: dict) -> dict:
     """Embedding: the prompt's pooled hidden states, computed on this worker and sent back
     as the request's one frame (the payload's ``pooling`` says how)."""
     cmd = stage_command("embed", (payload,))
+    assert not isinstance(cmd, StagePayload), "an embed task's command embeds"
     return _guarded(cmd.payload, lambda rt: rt.embed(cmd)).model_dump()
 
 

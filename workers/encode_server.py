@@ -24,7 +24,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from kvbm.protocol import EncodeHandle, ImageRef, choice_request_id
-from workers.engine_ipc import Abort, Command, Completion, Done, Encode, Reply, Stats
+from workers.engine_ipc import Abort, Completion, Done, Encode, Reply, Run, Stats
 from workers.images import ImageUnavailable, export
 from workers.stream import publish_error_frame
 
@@ -59,7 +59,7 @@ class EncodeServer:
         self._thread.start()
         threading.Thread(target=self._report, name="stats", daemon=True).start()
 
-    def handle(self, cmd: Command) -> None:
+    def handle(self, cmd: Run | Abort) -> None:
         if isinstance(cmd, Encode):
             with self._cv:
                 self._queue.append((cmd.request_id, list(cmd.payload.images)))
@@ -107,7 +107,8 @@ class EncodeServer:
     def _take(self, max_images: int) -> list[tuple[str, list[ImageRef]]]:
         """The waiting requests, oldest first, up to ``max_images`` images (at least one
         request, however many images it has). Holds the condition's lock."""
-        batch, n = [], 0
+        batch: list[tuple[str, list[ImageRef]]] = []
+        n = 0
         while self._queue and (not batch or n + len(self._queue[0][1]) <= max_images):
             rid, ims = self._queue.popleft()
             batch.append((rid, ims))

@@ -278,7 +278,7 @@ class EngineClient:
 
 def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     """Entry point of the engine process."""
-    # Only the worker process stops this one: a "stop" message, or its end closing the
+    # Only the worker process stops this one: a Stop message, or its end closing the
     # pipe. Ctrl-C or a SIGTERM sent to the whole process group (a terminal, `docker stop`,
     # a supervisor's killpg) would otherwise kill the engine under its worker mid-step, and
     # the worker would report an engine crash while shutting down on purpose.
@@ -550,7 +550,7 @@ class _EngineServer:
         return st
 
     # ----------------------------------------------------------------------------------
-    def handle(self, cmd: Command) -> None:
+    def handle(self, cmd: Run | Abort) -> None:
         if isinstance(cmd, Abort):
             if self.embeddings.abort(cmd.request_id):  # an embedding's, else the engine's
                 return

@@ -217,9 +217,10 @@ class WorkerRuntime:
             waiter = self.engine.run(cmd)
         out = self._wait(request_id, waiter)
         if out.handle is not None:
+            assert isinstance(out.handle, PrefillHandle), "a prefill's result hands over its KV"
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
                      out.prompt_tokens, out.handle.backend)  # fmt: skip
-            return out.handle  # type: ignore[return-value]
+            return out.handle
         # finished on its first token (or failed): the stream is complete already
         return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
                              finished=True, finish_reason=out.finish_reason,
