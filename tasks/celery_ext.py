@@ -109,16 +109,17 @@ def _begin(stage: str, message: Any) -> str | None:
     try:
         if message.content_type != "application/json":
             return None
-        from tasks.stages import stage_args
+        from kvbm.protocol import StagePayload
+        from tasks.stages import stage_command
 
-        req, refs, failed = stage_args(tuple(loads(message.body)[0]))
-        if failed:
+        cmd = stage_command(stage, tuple(loads(message.body)[0]))
+        if isinstance(cmd, StagePayload):
             return None  # its encode task failed: the task says so, nothing to run
-        get_runtime().begin(stage, req, refs)
+        get_runtime().begin(cmd)  # type: ignore[arg-type]  # generate, prefill or embed
     except Exception as e:  # noqa: BLE001 - the task meets the same problem and reports it
         log.debug("message %s left to its task: %s", headers.get("id"), e)
         return None
-    return req.request_id
+    return cmd.request_id
 
 
 def _forget(request_id: str) -> None:

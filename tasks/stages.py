@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from celery import Task, chain
 
 from cluster.queues import worker_queue
 from kvbm.protocol import (
-    EmbeddingRef,
     EncodeHandle,
     PrefillHandle,
     StagePayload,
@@ -24,6 +24,9 @@ from kvbm.protocol import (
     model_namespace,
 )
 from tasks.app import app, queue, route_to
+
+if TYPE_CHECKING:  # imported where used: the API process imports this module, not workers
+    from workers.engine_ipc import Run
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +40,9 @@ BEGIN_ON_RECEIPT = "tasks.celery_ext:begin_on_receipt"
 def encode(self: Task, payload: dict) -> dict:
     """Encode stage: the request's images through the vision tower; the handle (which
     Celery hands to the chain's next task) says where their embeddings are."""
-    req = StagePayload.model_validate(payload)
-    return _guarded(req, lambda rt: rt.encode(req)).model_dump()
+    cmd = stage_command("encode", (payload,))
+    assert not isinstance(cmd, StagePayload), "an encode task's command encodes"
+    return _guarded(cmd.payload, lambda rt: rt.encode(cmd)).model_dump()
 
 
 @app.task(name="conveyor.generate", bind=True, acks_late=True, ignore_result=True,
@@ -46,10 +50,10 @@ def encode(self: Task, payload: dict) -> dict:
 def generate(self: Task, *args: dict) -> dict:
     """Aggregated stage: prefill and decode the request on this worker, streaming tokens
     (``args``: the payload, after an encode task's handle in the e-pd mode)."""
-    req, refs, failed = stage_args(args)
-    if failed:
-        return _ended(req)
-    return _guarded(req, lambda rt: rt.generate(req, refs)).model_dump()
+    cmd = stage_command("generate", args)
+    if isinstance(cmd, StagePayload):
+        return _ended(cmd)
+    return _guarded(cmd.payload, lambda rt: rt.generate(cmd)).model_dump()
 
 
 @app.task(name="conveyor.prefill", bind=True, acks_late=True, ignore_result=True,
@@ -57,12 +61,12 @@ def generate(self: Task, *args: dict) -> dict:
 def prefill(self: Task, *args: dict) -> dict:
     """Prefill stage: stream the first token, pin the KV, return the handle (which Celery
     hands to the chain's decode task)."""
-    req, refs, failed = stage_args(args)
-    if failed:
-        h = PrefillHandle(request_id=req.request_id, prefill_worker="", finished=True,
+    cmd = stage_command("prefill", args)
+    if isinstance(cmd, StagePayload):
+        h = PrefillHandle(request_id=cmd.request_id, prefill_worker="", finished=True,
                           finish_reason="error", error="encoding failed")  # fmt: skip
         return h.model_dump()
-    return _guarded(req, lambda rt: rt.prefill(req, refs)).model_dump()
+    return _guarded(cmd.payload, lambda rt: rt.prefill(cmd)).model_dump()
 
 
 @app.task(name="conveyor.embed", bind=True, acks_late=True, ignore_result=True,
@@ -70,22 +74,34 @@ def prefill(self: Task, *args: dict) -> dict:
 def embed(self: Task, payload: dict) -> dict:
     """Embedding: the prompt's pooled hidden states, computed on this worker and sent back
     as the request's one frame (the payload's ``pooling`` says how)."""
-    req = StagePayload.model_validate(payload)
-    return _guarded(req, lambda rt: rt.embed(req)).model_dump()
+    cmd = stage_command("embed", (payload,))
+    assert not isinstance(cmd, StagePayload), "an embed task's command embeds"
+    return _guarded(cmd.payload, lambda rt: rt.embed(cmd)).model_dump()
 
 
-def stage_args(args: tuple[dict, ...]) -> tuple[StagePayload, list[EmbeddingRef], bool]:
-    """A generate or prefill task's arguments (the payload alone, or an encode task's handle
-    then the payload) as the payload, the embeddings the encode task made of its images
-    (none for a text request) and whether that encode task failed (it has ended the stream
-    then: nothing is left to run)."""
+def stage_command(stage: str, args: tuple[dict, ...]) -> Run | StagePayload:
+    """A stage task's Celery arguments as its engine command (workers.engine_ipc): built
+    here only, for the task and for tasks.celery_ext's begin on receipt. ``args``: the
+    payload last; before it, a decode's prefill handle, or in the e-pd mode a generate's or
+    prefill's encode handle. The payload alone comes back when that encode task failed (it
+    has ended the stream then: nothing is left to run)."""
+    from workers.engine_ipc import Decode, Embed, Encode, Generate, Prefill
+
     req = StagePayload.model_validate(args[-1])
-    if len(args) == 2:
+    if stage == "decode":
+        return Decode(req, PrefillHandle.model_validate(args[0]))
+    if stage in ("encode", "embed"):
+        return (Encode if stage == "encode" else Embed)(req)
+    if stage not in ("generate", "prefill"):
+        raise ValueError(f"stage must be generate, prefill, decode, encode or embed, "
+                         f"not {stage!r}")  # fmt: skip
+    run = Generate if stage == "generate" else Prefill
+    if len(args) == 2:  # after an encode task
         enc = EncodeHandle.model_validate(args[0])
         if enc.error is not None:
-            return req, [], True
-        return req, enc.embeddings, False
-    return req, [], False
+            return req
+        return run(req, enc.embeddings)
+    return run(req)
 
 
 def _ended(req: StagePayload) -> dict:
@@ -103,16 +119,17 @@ def decode(self: Task, handle: dict, payload: dict) -> dict:
     the client already has, up to ``prefill_retries`` times; with no other prefill worker
     alive it is redone here, aggregated. Past the limit the stream ends with an error
     frame."""
+    from workers.engine_ipc import Decode
     from workers.runtime import KVPullFailed, get_runtime
 
-    req = StagePayload.model_validate(payload)
-    h = PrefillHandle.model_validate(handle)
-    if h.finished:
+    cmd = stage_command("decode", (handle, payload))
+    assert isinstance(cmd, Decode), "a decode task's command decodes"
+    if cmd.handle.finished:
         return handle  # the request ended on its first token; the stream is complete
     try:
-        return _guarded(req, lambda rt: rt.decode(req, h)).model_dump()
+        return _guarded(cmd.payload, lambda rt: rt.decode(cmd)).model_dump()
     except KVPullFailed as e:
-        return _redo_prefill(get_runtime(), req, h, str(e)).model_dump()
+        return _redo_prefill(get_runtime(), cmd.payload, cmd.handle, str(e)).model_dump()
 
 
 def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> StageSummary:  # type: ignore[no-untyped-def]
@@ -128,7 +145,9 @@ def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> Sta
     target = _pick_prefill(req, exclude=handle.prefill_worker)
     if target is None:
         log.warning("[%s] %s; no other prefill worker: running it here", req.request_id, why)
-        return rt.generate(redo)
+        from workers.engine_ipc import Generate
+
+        return rt.generate(Generate(redo))
     log.warning("[%s] %s; prefilling again on %s (attempt %d/%d)", req.request_id, why,
                 target, redo.attempt, s.transfer.prefill_retries)  # fmt: skip
     chain(

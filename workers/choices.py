@@ -27,7 +27,7 @@ from kvbm.protocol import choice_seed, choice_stream_id
 
 if TYPE_CHECKING:
     from workers.engine_api import EngineRequest
-    from workers.engine_proc import Completion
+    from workers.engine_ipc import Completion
 
 
 class ChoiceGroups:

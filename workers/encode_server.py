@@ -9,48 +9,47 @@ whose image cannot be encoded (its bytes expired, or do not decode) ends its str
 choice's, for n > 1) with an error frame, and its handle says so; the others of the batch
 go on.
 
-Speaks the same pipe protocol as the text engine's process (:mod:`workers.engine_proc`):
-``encode``, ``abort``, ``stop`` in; ``ready``, ``done``, ``stats`` out.
+Speaks the same pipe protocol as the text engine's process (:mod:`workers.engine_ipc`):
+``Encode`` and ``Abort`` in, ``Done`` and ``Stats`` out; :mod:`workers.engine_proc` starts
+it, with its tower and transfer backend, and runs the pipe.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 from dataclasses import asdict
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-import redis
-
 from kvbm.protocol import EncodeHandle, ImageRef, choice_request_id
-from workers.images import ImageEncoder, ImageUnavailable, export
+from workers.engine_ipc import Abort, Completion, Done, Encode, Reply, Run, Stats
+from workers.images import ImageUnavailable, export
 from workers.stream import publish_error_frame
-from workers.transfer.embeddings import make_embedding_transfer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from workers.engine_proc import EngineCommand, EngineProcSpec
+    import redis
+
+    from workers.images import ImageEncoder
+    from workers.transfer.embeddings import EmbeddingTransfer
 
 log = logging.getLogger(__name__)
 
 
 class EncodeServer:
-    def __init__(self, spec: EngineProcSpec, client: redis.Redis,
-                 send: Callable[[tuple], None]) -> None:  # fmt: skip
-        cfg = spec.engine_config
-        self.spec = spec
+    def __init__(self, client: redis.Redis, send: Callable[[Reply], None],
+                 encoder: ImageEncoder, transfer: EmbeddingTransfer, worker_id: str,
+                 max_batch: int, stats_period_s: float) -> None:  # fmt: skip
         self.redis = client
         self.send = send
-        dtype, device = cfg.get("dtype", "float32"), cfg.get("device", "cpu")
-        self.encoder = ImageEncoder(spec.model_dir, client, spec.encoder_cache_mb, dtype, device)
-        hold_s = cfg.get("kv_pin_timeout_s", 60.0)
-        self.transfer = make_embedding_transfer(spec.embedding_transfer, client, spec.worker_id,
-                                                hold_s=hold_s)  # fmt: skip
+        self.encoder = encoder
+        self.transfer = transfer
+        self.worker_id = worker_id
+        self.max_batch = max_batch  # images per vision-tower forward
+        self.stats_period_s = stats_period_s
         self._queue: deque[tuple[str, list[ImageRef]]] = deque()
         self._streams: dict[str, list[str]] = {}  # request -> its streams (n > 1: choices')
         self._cv = threading.Condition()
@@ -60,16 +59,14 @@ class EncodeServer:
         self._thread.start()
         threading.Thread(target=self._report, name="stats", daemon=True).start()
 
-    def handle(self, kind: str, payload: object) -> None:
-        if kind == "run":
-            cmd: EngineCommand = payload  # type: ignore[assignment]
-            assert cmd.kind == "encode", f"an encode worker runs encode commands, not {cmd.kind}"
+    def handle(self, cmd: Run | Abort) -> None:
+        if isinstance(cmd, Encode):
             with self._cv:
                 self._queue.append((cmd.request_id, list(cmd.payload.images)))
                 self._streams[cmd.request_id] = cmd.payload.stream_ids
                 self._cv.notify()
-        elif kind == "abort":  # a request still waiting is dropped; one in the tower ends
-            rid = choice_request_id(payload) or payload  # type: ignore[arg-type]
+        elif isinstance(cmd, Abort):  # a request still waiting is dropped; one in the tower ends
+            rid = choice_request_id(cmd.request_id) or cmd.request_id
             with self._cv:  # (the next stage skips it: the API has marked it cancelled)
                 gone = [e for e in self._queue if e[0] == rid]
                 for e in gone:
@@ -77,7 +74,9 @@ class EncodeServer:
                 for e in gone:
                     self._streams.pop(e[0], None)
             for rid, _ in gone:
-                self.send(("done", [_done(rid, "abort")]))
+                self.send(Done([Completion(rid, "abort")]))
+        else:
+            raise AssertionError(f"an encode worker runs encode commands, not {cmd!r}")
 
     def stats(self) -> dict:
         cache = asdict(self.encoder.cache.stats())
@@ -102,13 +101,14 @@ class EncodeServer:
                     self._cv.wait()
                 if self._stop:
                     return
-                batch = self._take(self.spec.encoder_max_batch)
+                batch = self._take(self.max_batch)
             self._encode(batch)
 
     def _take(self, max_images: int) -> list[tuple[str, list[ImageRef]]]:
         """The waiting requests, oldest first, up to ``max_images`` images (at least one
         request, however many images it has). Holds the condition's lock."""
-        batch, n = [], 0
+        batch: list[tuple[str, list[ImageRef]]] = []
+        n = 0
         while self._queue and (not batch or n + len(self._queue[0][1]) <= max_images):
             rid, ims = self._queue.popleft()
             batch.append((rid, ims))
@@ -137,55 +137,18 @@ class EncodeServer:
                 code = "image_unavailable" if isinstance(e, ImageUnavailable) else "encode_failed"
                 for sid in streams:  # a request of n > 1 choices: every choice's stream
                     publish_error_frame(self.redis, sid, f"encoding failed: {e}", code, 0)
-                handle = EncodeHandle(request_id=rid, encode_worker=self.spec.worker_id,
+                handle = EncodeHandle(request_id=rid, encode_worker=self.worker_id,
                                       error=str(e))  # fmt: skip
-                self.send(("done", [_done(rid, "error", handle, str(e))]))
+                self.send(Done([Completion(rid, "error", error=str(e), handle=handle)]))
                 continue
-            handle = EncodeHandle(request_id=rid, encode_worker=self.spec.worker_id,
+            handle = EncodeHandle(request_id=rid, encode_worker=self.worker_id,
                                   embeddings=refs)  # fmt: skip
-            self.send(("done", [_done(rid, None, handle)]))
+            self.send(Done([Completion(rid, None, handle=handle)]))
 
     def _report(self) -> None:
         while not self._stop:
-            time.sleep(self.spec.stats_period_s)
+            time.sleep(self.stats_period_s)
             try:
-                self.send(("stats", self.stats()))
+                self.send(Stats(self.stats()))
             except OSError:
                 return
-
-
-def _done(rid: str, reason: str | None, handle: EncodeHandle | None = None,
-          error: str | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
-    from workers.engine_proc import Completion
-
-    return Completion(rid, reason, error=error, handle=handle)
-
-
-def serve_encoder(spec: EngineProcSpec, conn: Connection, send: Callable[[tuple], None]) -> None:
-    """Entry point of an encode worker's engine process (after the common set-up)."""
-    try:
-        import torch
-
-        torch.set_num_threads(spec.torch_threads)
-        client = redis.Redis.from_url(spec.redis_url)
-        client.ping()
-        server = EncodeServer(spec, client, send)
-    except Exception as e:  # noqa: BLE001 - report the reason to the parent
-        log.exception("encoder process failed to start")
-        send(("error", f"{type(e).__name__}: {e}"))
-        return
-    send(("ready", server.stats()))
-    log.info("encoder process %d serving %s (embeddings via %s)", os.getpid(), spec.model_dir,
-             server.transfer.name)  # fmt: skip
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):  # the worker process died under us: say so now
-            from workers.engine_proc import declare_worker_dead
-
-            declare_worker_dead(client, spec)
-            break
-        if kind == "stop":
-            break
-        server.handle(kind, payload)
-    server.close()

@@ -4,10 +4,10 @@ see of an engine, and the types that cross it. torch-free.
 An engine runs requests in steps (continuous batching): ``add_request`` queues one,
 ``step`` computes one step for every running request and returns their outputs. A request
 runs whole (aggregated), or stops after its first token holding its prompt's KV for a
-decode worker to pull (``prefill_only``), or starts decoding on KV imported into blocks it
-reserved (``imported``), or waits in a "loading KV" state while its KV comes in (blocks of
-its prefix onboarded from the lower KVBM tiers, or a disaggregated prefill's KV pulled by a
-:class:`KVSource`) as the others keep running. Implementations:
+decode worker to pull (``prefill_only``), or decodes after a prefill worker's first token
+(``imported``); a request waits in a "loading KV" state while its KV comes in (blocks of
+its prefix onboarded from the lower KVBM tiers, or a disaggregated prefill's KV pulled by
+its :class:`KVSource`) as the others keep running. Implementations:
 :class:`workers.engine.Engine` (the torch reference) and
 :class:`workers.mock_engine.MockEngine` (simulated time), both built on
 :class:`workers.engine_core.EngineCore`, and
@@ -45,8 +45,8 @@ class KVSource(Protocol):
 @dataclass(slots=True)
 class ImportedPrefill:
     """Decode side of disaggregation: the prompt's first token was sampled (and streamed)
-    by the prefill worker, and its KV is either in the request's reserved blocks already
-    (``source`` None) or comes from ``source`` once the engine has blocks for it."""
+    by the prefill worker, and its KV comes from ``source`` once the engine has blocks for
+    it (``None`` only for an engine whose own connector brings the KV: vLLM's)."""
 
     first_token: int
     emitted_chars: int  # characters of text the prefill worker already released
@@ -273,15 +273,7 @@ class Engine(Protocol):
         """Prefilled KV waits for a decode worker (expire it now and then)."""
 
     # --- disaggregation: KV handed from a prefill engine to a decode engine ----------------
-    def reserve(
-        self, request_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
-    ) -> list[int] | None:
-        """Decode side: blocks to import ``num_tokens`` of KV into (``None``: no room),
-        named with ``extra_keys`` (the prompt's images) once their KV is in."""
-
-    def cancel_reservation(self, request_id: str) -> None:
-        """Decode side: the import failed or was abandoned; free the reserved blocks."""
-
+    # (the decode side imports it as a request's ImportedPrefill, through its KVSource)
     def release_pinned(self, request_id: str) -> bool:
         """Prefill side: the decode worker has the KV (or gave up); free its blocks."""
 

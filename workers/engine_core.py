@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 from kvbm.block_pool import KVEvent
 from kvbm.disk import BlockLayout, BlockStore, FileBlockStore, claim_dir
 from kvbm.offload import BlockCopier, OffloadManager
-from kvbm.protocol import ExtraKeys, Sampling, model_namespace
+from kvbm.protocol import Sampling, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import (
     EngineConfig,
@@ -183,11 +183,8 @@ class EngineCore:
         if req.fork_of is not None and self.scheduler.park(seq, req.fork_of):
             return None  # starts when its first choice has computed the prompt
         if req.imported is not None:
-            if req.imported.source is None:
-                if not self.scheduler.take_reservation(rid):  # cancelled while pulling
-                    return finished(seq, [], "", "abort")
-                seq.num_computed = n  # the prompt's KV is in the reserved blocks
-                seq.matched = True
+            assert req.imported.source is not None, \
+                "an imported request names where its KV comes from (a KVSource)"  # fmt: skip
             first = req.imported.first_token
             seq.num_cached = req.imported.cached_tokens
             seq.token_ids.append(first)
@@ -208,8 +205,6 @@ class EngineCore:
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        if self.scheduler.abort_reservation(request_id):
-            return None
         if self.structured is not None and (req := self.structured.drop(request_id)):
             return RequestOutput(request_id, [], "", finished=True, finish_reason="abort",
                                  num_prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
@@ -280,14 +275,6 @@ class EngineCore:
             out.error = message
             outs.append(out)
         return outs
-
-    def reserve(
-        self, request_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
-    ) -> list[int] | None:
-        return self.scheduler.reserve(request_id, num_tokens, extra_keys)
-
-    def cancel_reservation(self, request_id: str) -> None:
-        self.scheduler.cancel_reservation(request_id)
 
     def release_pinned(self, request_id: str) -> bool:
         return self.scheduler.release_pinned(request_id)

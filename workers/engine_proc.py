@@ -7,10 +7,13 @@ EngineCore, the engine runs in a child process that owns the model, the KV pool 
 frame publisher; the Celery process only forwards commands and waits for completions.
 
     Celery process (EngineClient)            engine process (_serve)
-      run(EngineCommand)           ─pipe─>     EngineLoop.submit(EngineRequest)
-      abort(rid)                   ─pipe─>     EngineLoop.abort
-      waiter woken             <─pipe─  done   FramePublisher -> Redis  tokens:{rid}
-      stats() (for heartbeats) <─pipe─  stats  every stats_period_s
+      run(Generate | Prefill | ...) ─pipe─>    EngineLoop.submit(EngineRequest)
+      abort(rid)             ─pipe─>  Abort    EngineLoop.abort
+      waiter woken           <─pipe─  Done     FramePublisher -> Redis  tokens:{rid}
+      stats() (heartbeats)   <─pipe─  Stats    every stats_period_s
+
+What crosses the pipe is typed in :mod:`workers.engine_ipc`. An encode worker's engine
+process runs :class:`workers.encode_server.EncodeServer` instead of an engine.
 
 If the engine process dies, the client marks itself dead and fails every waiter; the worker
 then exits so its heartbeat stops and the API moves the requests elsewhere.
@@ -30,21 +33,34 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbm.protocol import (
-    EmbeddingRef,
-    EncodeHandle,
-    PrefillHandle,
-    StagePayload,
-    kv_release_channel,
-)
+from kvbm.protocol import PrefillHandle, kv_release_channel
 from workers.choices import ChoiceGroups
+from workers.engine_ipc import (
+    Abort,
+    Command,
+    Completion,
+    Decode,
+    Done,
+    Embed,
+    Generate,
+    Prefill,
+    Ready,
+    Reply,
+    Run,
+    StartFailed,
+    Stats,
+    Stop,
+)
 from workers.start_errors import killed_while_starting, out_of_memory
 
 if TYPE_CHECKING:
     import redis
 
+    from workers.encode_server import EncodeServer
     from workers.engine_api import Engine, EngineRequest
+    from workers.images import ImageEncoder
     from workers.pooling import EmbeddingRunner
+    from workers.transfer.embeddings import EmbeddingTransfer
 
 log = logging.getLogger(__name__)
 
@@ -74,46 +90,6 @@ class EngineProcSpec:
     embedding_transfer: str  # how image embeddings move between workers
     encoder_cache_mb: int  # the image embedding cache
     encoder_max_batch: int  # images per vision-tower forward on an encode worker
-
-
-@dataclass(slots=True)
-class Completion:
-    """How a request ended, as the engine process reports it."""
-
-    request_id: str
-    finish_reason: str | None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    handle: PrefillHandle | EncodeHandle | None = None  # what the next stage pulls from
-    transfer_failed: bool = False  # decode: the KV could not be pulled
-    engine_died: bool = False  # the engine process is gone; the request is lost with it
-
-
-@dataclass(slots=True)
-class EngineCommand:
-    """One request for the engine process, as it crosses the pipe (pickled whole): the
-    stage payload as the task received it, and what the stage before handed over."""
-
-    kind: str  # submit (aggregated) | prefill | decode | encode | embed
-    payload: StagePayload
-    refs: list[EmbeddingRef] = field(default_factory=list)  # embeddings an encode worker made
-    handle: PrefillHandle | None = None  # decode: where the prefill's KV is
-
-    def __post_init__(self) -> None:
-        if self.kind not in COMMAND_KINDS:
-            raise ValueError(f"kind must be one of {', '.join(COMMAND_KINDS)}, not {self.kind!r}")
-        assert (self.kind == "decode") == (self.handle is not None), \
-            "a decode command, and only it, carries the prefill's handle"  # fmt: skip
-        assert self.kind in ("submit", "encode") or self.payload.sampling.n == 1, \
-            "a request of n > 1 choices runs aggregated (tasks.pipeline plans it so)"  # fmt: skip
-
-    @property
-    def request_id(self) -> str:
-        return self.payload.request_id
-
-
-COMMAND_KINDS = ("submit", "prefill", "decode", "encode", "embed")
 
 
 @dataclass(slots=True)
@@ -170,19 +146,20 @@ class EngineClient:
                 self._proc.kill()
                 raise EngineDied(f"engine process did not start within {timeout:.0f}s")
             try:
-                kind, payload = parent.recv()
+                reply: Reply = parent.recv()
             except EOFError:
                 self._proc.join(5)
                 why = killed_while_starting(self.spec.engine, self._proc.exitcode)
                 why = why or "engine process exited while starting (see its log)"
                 raise EngineDied(why) from None
-            if kind != "ready":
-                raise EngineDied(f"engine process failed to start: {payload}")
+            if isinstance(reply, StartFailed):
+                raise EngineDied(f"engine process failed to start: {reply.reason}")
+            assert isinstance(reply, Ready), f"engine process started with {reply!r}"
         except EngineDied:
             self._proc.join(5)
             self._kill_engine_group()
             raise
-        self._stats = payload
+        self._stats = reply.stats
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
         log.info("engine process %d ready", self._proc.pid)
@@ -193,7 +170,7 @@ class EngineClient:
         if self._proc is None:
             return
         try:
-            self._send(("stop", None))
+            self._send(Stop())
         except (EngineDied, OSError):
             pass
         self._proc.join(timeout)
@@ -222,17 +199,12 @@ class EngineClient:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def run(self, cmd: EngineCommand) -> _Waiter:
+    def run(self, cmd: Run) -> _Waiter:
         """Start ``cmd`` in the engine process; its waiter is woken when the request ends
         (a prefill's result carries the handle for the decode side, an encode's where the
-        embeddings are)."""
-        return self._submit(cmd)
+        embeddings are).
 
-    def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
-    def _submit(self, cmd: EngineCommand) -> _Waiter:
-        """A request already running here (the broker redelivered its task: acks are late,
+        A request already running here (the broker redelivered its task: acks are late,
         so a consumer that lost its connection puts its unacked tasks back) is not run
         twice: the new task waits for the run in progress, and both end together."""
         request_id = cmd.request_id
@@ -247,8 +219,11 @@ class EngineClient:
             log.warning("[%s] delivered again while it runs here (%s); waiting for that run",
                         request_id, cmd.kind)  # fmt: skip
             return running
-        self._send(("run", cmd))
+        self._send(cmd)
         return waiter
+
+    def abort(self, request_id: str) -> None:
+        self._send(Abort(request_id))
 
     def is_pending(self, request_id: str) -> bool:
         with self._lock:
@@ -259,7 +234,7 @@ class EngineClient:
             return len(self._waiters)
 
     # ----------------------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: Command) -> None:
         assert self._conn is not None, "EngineClient used before start()"
         with self._send_lock:
             try:
@@ -271,18 +246,18 @@ class EngineClient:
         assert self._conn is not None
         while True:
             try:
-                kind, payload = self._conn.recv()
+                reply: Reply = self._conn.recv()
             except (EOFError, OSError):
                 break
-            if kind == "done":
-                for c in payload:
+            if isinstance(reply, Done):
+                for c in reply.completions:
                     with self._lock:
                         waiter = self._waiters.pop(c.request_id, None)
                     if waiter is not None:
                         waiter.result = c
                         waiter.event.set()
-            elif kind == "stats":
-                self._stats = payload
+            elif isinstance(reply, Stats):
+                self._stats = reply.stats
         self._died()
 
     def _died(self) -> None:
@@ -308,7 +283,7 @@ class EngineClient:
 
 def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     """Entry point of the engine process."""
-    # Only the worker process stops this one: a "stop" message, or its end closing the
+    # Only the worker process stops this one: a Stop message, or its end closing the
     # pipe. Ctrl-C or a SIGTERM sent to the whole process group (a terminal, `docker stop`,
     # a supervisor's killpg) would otherwise kill the engine under its worker mid-step, and
     # the worker would report an engine crash while shutting down on purpose.
@@ -320,13 +295,9 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     )
     import redis
 
-    from kvbm.events import KVEventPublisher
-    from workers.engine_loop import EngineLoop
-    from workers.stream import FramePublisher, StockFramePublisher
-
     send_lock = threading.Lock()
 
-    def send(msg: tuple) -> None:
+    def send(msg: Reply) -> None:
         with send_lock:
             conn.send(msg)
 
@@ -335,40 +306,56 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
             os.sched_setaffinity(0, spec.cpus)
             log.info("engine process pinned to CPUs %s", ",".join(map(str, spec.cpus)))
         if spec.role == "encoder":
-            from workers.encode_server import serve_encoder
-
-            serve_encoder(spec, conn, send)
-            return
-        engine = _make_engine(spec)
-        client = redis.Redis.from_url(spec.redis_url)
-        client.ping()
-        images = emb_transfer = None
-        if spec.engine != "mock" and _is_multimodal(spec.model_dir):
-            from workers.images import ImageEncoder
-            from workers.transfer.embeddings import make_embedding_transfer
-
-            images = ImageEncoder(spec.model_dir, client, spec.encoder_cache_mb,
-                                  spec.engine_config.get("dtype", "float32"),
-                                  spec.engine_config.get("device", "cpu"))  # fmt: skip
-            emb_transfer = make_embedding_transfer(
-                spec.embedding_transfer, client, spec.worker_id,
-                hold_s=spec.engine_config.get("kv_pin_timeout_s", 60.0))  # fmt: skip
-        transfer = None
-        if spec.kv_transfer and spec.engine != "vllm":  # vLLM moves KV with its connector
-            from workers.transfer import make_transfer  # torch: not for the mock engine
-
-            memory = engine.kv_memory()
-            if memory is None:
-                raise RuntimeError(f"the {spec.engine} engine keeps no KV to transfer")
-            transfer = make_transfer(spec.kv_transfer, memory, client, spec.worker_id,
-                                     spec.kv_transfer_threads)  # fmt: skip
+            client = redis.Redis.from_url(spec.redis_url)
+            server: _EngineServer | EncodeServer = _start_encoder(spec, client, send)
+        else:
+            engine = _make_engine(spec)
+            client = redis.Redis.from_url(spec.redis_url)
+            server = _start_engine(spec, engine, client, send)
     except Exception as e:  # noqa: BLE001 - report the reason to the parent
         why = out_of_memory(spec.engine, f"{type(e).__name__}: {e}")  # a known cause: one line
         if why is None:
             log.exception("engine process failed to start")
-        send(("error", why or f"{type(e).__name__}: {e}"))
+        send(StartFailed(why or f"{type(e).__name__}: {e}"))
         return
+    send(Ready(server.stats()))
+    while True:
+        try:
+            msg: Command = conn.recv()
+        except (EOFError, OSError):
+            # the worker process is gone (killed: it would have said "stop"). Say so in
+            # Redis now, so its streams move on at once instead of after its heartbeat TTL.
+            declare_worker_dead(client, spec)
+            break
+        if isinstance(msg, Stop):
+            break
+        server.handle(msg)
+    t0 = time.monotonic()
+    server.close()
+    log.info("engine process stopped in %.2fs", time.monotonic() - t0)
 
+
+def _start_engine(spec: EngineProcSpec, engine: Engine, client: redis.Redis,
+                  send: Callable[[Reply], None]) -> _EngineServer:  # fmt: skip
+    """The text engine's server: the engine loop, its frame and KV-event publishers, the
+    KV transfer backend and the image side, all started."""
+    from kvbm.events import KVEventPublisher
+    from workers.engine_loop import EngineLoop
+    from workers.stream import FramePublisher, StockFramePublisher
+
+    client.ping()
+    images = emb_transfer = None
+    if spec.engine != "mock" and _is_multimodal(spec.model_dir):
+        images, emb_transfer = _image_side(spec, client)
+    transfer = None
+    if spec.kv_transfer and spec.engine != "vllm":  # vLLM moves KV with its connector
+        from workers.transfer import make_transfer  # torch: not for the mock engine
+
+        memory = engine.kv_memory()
+        if memory is None:
+            raise RuntimeError(f"the {spec.engine} engine keeps no KV to transfer")
+        transfer = make_transfer(spec.kv_transfer, memory, client, spec.worker_id,
+                                 spec.kv_transfer_threads)  # fmt: skip
     server = _EngineServer(spec, engine, client, transfer, send, images, emb_transfer)
     publisher = (FramePublisher if spec.fastpath else StockFramePublisher)(
         client, server.on_published
@@ -383,23 +370,41 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     loop = EngineLoop(engine, publisher.publish_outputs,
                       event_sink=events.publish if events else None).start()  # fmt: skip
     server.attach(loop, publisher, events)
-    send(("ready", server.stats()))
     log.info("engine process %d serving %s (kv transfer: %s)", os.getpid(), spec.model_dir,
              transfer.name if transfer else "none")  # fmt: skip
-    while True:
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):
-            # the worker process is gone (killed: it would have said "stop"). Say so in
-            # Redis now, so its streams move on at once instead of after its heartbeat TTL.
-            declare_worker_dead(client, spec)
-            break
-        if kind == "stop":
-            break
-        server.handle(kind, payload)
-    t0 = time.monotonic()
-    server.close()
-    log.info("engine process stopped in %.2fs", time.monotonic() - t0)
+    return server
+
+
+def _start_encoder(spec: EngineProcSpec, client: redis.Redis,
+                   send: Callable[[Reply], None]) -> EncodeServer:  # fmt: skip
+    """An encode worker's server: the vision tower alone, no text model."""
+    import torch
+
+    from workers.encode_server import EncodeServer
+
+    torch.set_num_threads(spec.torch_threads)
+    client.ping()
+    encoder, transfer = _image_side(spec, client)
+    server = EncodeServer(client, send, encoder, transfer, spec.worker_id,
+                          spec.encoder_max_batch, spec.stats_period_s)  # fmt: skip
+    log.info("encoder process %d serving %s (embeddings via %s)", os.getpid(), spec.model_dir,
+             transfer.name)  # fmt: skip
+    return server
+
+
+def _image_side(
+    spec: EngineProcSpec, client: redis.Redis
+) -> tuple[ImageEncoder, EmbeddingTransfer]:
+    """The vision tower (with its embedding cache) and the embeddings' transfer backend."""
+    from workers.images import ImageEncoder
+    from workers.transfer.embeddings import make_embedding_transfer
+
+    cfg = spec.engine_config
+    encoder = ImageEncoder(spec.model_dir, client, spec.encoder_cache_mb,
+                           cfg.get("dtype", "float32"), cfg.get("device", "cpu"))  # fmt: skip
+    transfer = make_embedding_transfer(spec.embedding_transfer, client, spec.worker_id,
+                                       hold_s=cfg.get("kv_pin_timeout_s", 60.0))  # fmt: skip
+    return encoder, transfer
 
 
 def declare_worker_dead(client: redis.Redis, spec: EngineProcSpec) -> None:
@@ -415,9 +420,9 @@ def declare_worker_dead(client: redis.Redis, spec: EngineProcSpec) -> None:
         log.warning("worker %s died; could not say so in Redis (%s)", spec.worker_id, e)
 
 
-def engine_request(cmd: EngineCommand, **extra: object) -> EngineRequest:
-    """The engine's request for ``cmd`` (``extra``: what this process added: the images'
-    embeddings, an imported prefill's KV source, ...)."""
+def engine_request(cmd: Generate | Prefill | Decode, **extra: object) -> EngineRequest:
+    """The engine's request for ``cmd``, made here only (``extra``: what this process
+    added: the images' embeddings, an imported prefill's KV source, ...)."""
     from workers.engine_api import EngineRequest, ResumedOutput
 
     p = cmd.payload
@@ -425,7 +430,7 @@ def engine_request(cmd: EngineCommand, **extra: object) -> EngineRequest:
     if p.resume is not None:  # a migrated stream: what the client already has
         resumed = ResumedOutput(list(p.resume.output_token_ids), p.resume.emitted_chars)
     return EngineRequest(p.request_id, p.prompt_token_ids, p.sampling,
-                         prefill_only=cmd.kind == "prefill",
+                         prefill_only=isinstance(cmd, Prefill),
                          forced_first_token=p.forced_first_token, resumed=resumed,
                          **extra)  # type: ignore[arg-type]  # fmt: skip
 
@@ -552,27 +557,26 @@ class _EngineServer:
         return st
 
     # ----------------------------------------------------------------------------------
-    def handle(self, kind: str, payload: object) -> None:
-        if kind == "abort":
-            assert isinstance(payload, str), "an abort names its request"
-            if self.embeddings.abort(payload):  # an embedding's, else the engine's
+    def handle(self, cmd: Run | Abort) -> None:
+        if isinstance(cmd, Abort):
+            if self.embeddings.abort(cmd.request_id):  # an embedding's, else the engine's
                 return
-            for rid in self.choices.targets(payload):  # a request of choices: all of them
+            for rid in self.choices.targets(cmd.request_id):  # a request of choices: all
                 self.loop.abort(rid)
             return
-        assert kind == "run" and isinstance(payload, EngineCommand), f"unknown command {kind!r}"
-        cmd, p = payload, payload.payload
-        if cmd.kind == "embed":
+        p = cmd.payload
+        if isinstance(cmd, Embed):
             assert p.pooling is not None, "an embed command carries its pooling parameters"
             self.embeddings.submit(p.request_id, p.prompt_token_ids, p.pooling)
             return
+        assert isinstance(cmd, Generate | Prefill | Decode), f"not for a text engine: {cmd!r}"
         if p.resume is not None:  # the stream carries on where the lost worker left it
             self.publisher.start_at(p.request_id, p.resume.next_seq)
         if p.images and self.images is not None:
             self.mm_pool.submit(self._with_images, cmd)
-        elif cmd.kind == "decode" and self.spec.engine == "vllm":
+        elif isinstance(cmd, Decode) and self.spec.engine == "vllm":
             self._vllm_decode(cmd)
-        elif cmd.kind == "decode":
+        elif isinstance(cmd, Decode):
             self.pool.submit(self._pull_and_decode, cmd)
         else:
             self._submit(engine_request(cmd))
@@ -582,33 +586,32 @@ class _EngineServer:
         for r in self.choices.expand(req):
             self.loop.submit(r)
 
-    def _with_images(self, cmd: EngineCommand) -> None:
+    def _with_images(self, cmd: Generate | Prefill | Decode) -> None:
         """Get the request's image embeddings (pulled or encoded here), then run it."""
         from kvbm.protocol import request_extra_keys
         from workers.images import ImageUnavailable, prepare
 
         p, rid = cmd.payload, cmd.request_id
-        refs = list(cmd.refs)
-        if cmd.handle is not None:
-            refs += cmd.handle.embeddings  # what the prefill worker used
+        # an encode worker's embeddings, or those the prefill worker used
+        refs = cmd.handle.embeddings if isinstance(cmd, Decode) else cmd.refs
         try:
             inputs = prepare(p.images, refs, self.images, self.emb_transfer,
                              self.spec.transfer_timeout_s)  # fmt: skip
         except ImageUnavailable as e:
             log.warning("[%s] %s", rid, e)
-            if cmd.kind == "decode":
+            if isinstance(cmd, Decode):
                 self.publisher.start_at(rid, 1)  # the prefill worker streamed frame 0
             for sid in p.stream_ids:  # a request of choices listens on each choice's
                 self.publisher.publish_error(sid, str(e), code="image_unavailable")
             if p.sampling.n > 1:  # its stage task waits for the request, not the choices
-                self.send(("done", [Completion(rid, "error", error=str(e))]))
+                self.send(Done([Completion(rid, "error", error=str(e))]))
             return
         extra = request_extra_keys(p.images, len(p.prompt_token_ids),
                                    self.engine.config.block_size)  # fmt: skip
-        if cmd.kind == "decode":
+        if isinstance(cmd, Decode):
             self._pull_and_decode(cmd, inputs, extra)
             return
-        if cmd.kind == "prefill":
+        if isinstance(cmd, Prefill):
             self.mm_used[rid] = (p.images, [m.embeds for m in inputs])
         self._submit(engine_request(cmd, mm_inputs=inputs, block_extra_keys=extra))
 
@@ -624,7 +627,7 @@ class _EngineServer:
         if done and len(self.choices):  # a choice's end counts into its request's
             done = self.choices.collect(done)
         if done:
-            self.send(("done", done))
+            self.send(Done(done))
         for o in outs:
             if o.prefilled:
                 self.pool.submit(self._export, o)
@@ -642,8 +645,8 @@ class _EngineServer:
         except Exception as e:  # noqa: BLE001
             log.exception("[%s] KV export failed", rid)
             self.loop.call(lambda e_: e_.release_pinned(rid))
-            self.send(("done", [Completion(rid, "error", out.num_prompt_tokens, 1,
-                                           f"KV export failed: {e}")]))  # fmt: skip
+            self.send(Done([Completion(rid, "error", out.num_prompt_tokens, 1,
+                                       f"KV export failed: {e}")]))  # fmt: skip
             return
         self.exports[rid] = meta
         embeddings = []
@@ -665,32 +668,30 @@ class _EngineServer:
             transfer=meta,
             embeddings=embeddings,
         )
-        self.send(("done", [Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
+        self.send(Done([Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
 
-    def _pull_and_decode(self, cmd: EngineCommand, mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]
+    def _pull_and_decode(self, cmd: Decode, mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]
         """The decode request joins the engine at once and waits there, in the loading
         state, for blocks and then for its pull (a loader thread runs ``_KVPull.load``)
         while the others keep decoding."""
         from workers.engine_api import ImportedPrefill
 
         handle = cmd.handle
-        assert handle is not None and handle.first_token is not None, \
-            "a handle to pull from names its first token"  # fmt: skip
+        assert handle.first_token is not None, "a handle to pull from names its first token"
         source = _KVPull(self, cmd.request_id, handle)
         imported = ImportedPrefill(handle.first_token, handle.emitted_chars, source,
                                    handle.cached_tokens)  # fmt: skip
         self.loop.submit(engine_request(cmd, imported=imported, mm_inputs=mm_inputs,
                                         block_extra_keys=extra))  # fmt: skip
 
-    def _vllm_decode(self, cmd: EngineCommand) -> None:
+    def _vllm_decode(self, cmd: Decode) -> None:
         """Decode on vLLM: its connector pulls the KV the handle names (a failed pull is
         recomputed inside vLLM); the first token, which the prefill worker streamed, is
         not streamed again."""
         from workers.engine_api import ImportedPrefill
 
         handle = cmd.handle
-        assert handle is not None and handle.first_token is not None, \
-            "a handle to decode from names its first token"  # fmt: skip
+        assert handle.first_token is not None, "a handle to decode from names its first token"
         self.publisher.start_at(cmd.request_id, 1)
         self.loop.submit(engine_request(cmd, imported=ImportedPrefill(handle.first_token,
                                                                       handle.emitted_chars),
@@ -698,7 +699,7 @@ class _EngineServer:
 
     def _transfer_failed(self, rid: str, why: str) -> None:
         log.warning("[%s] %s", rid, why)
-        self.send(("done", [Completion(rid, "error", error=why, transfer_failed=True)]))
+        self.send(Done([Completion(rid, "error", error=why, transfer_failed=True)]))
 
     def _listen_releases(self) -> None:
         """Prefill side: decode workers tell us when they have pulled a request's KV."""
@@ -722,7 +723,7 @@ class _EngineServer:
     def _report(self) -> None:
         while not self._stop.wait(self.spec.stats_period_s):
             try:
-                self.send(("stats", self.stats()))
+                self.send(Stats(self.stats()))
             except OSError:
                 return
 

@@ -21,23 +21,15 @@ import redis
 from cluster.membership import Heartbeat, declare_dead
 from kvbm.protocol import (
     CANCEL_CHANNEL,
-    EmbeddingRef,
     EncodeHandle,
     PrefillHandle,
-    StagePayload,
     StageSummary,
     cancelled_key,
     choice_request_id,
 )
 from workers.engine_api import EngineConfig
-from workers.engine_proc import (
-    Completion,
-    EngineClient,
-    EngineCommand,
-    EngineDied,
-    EngineProcSpec,
-    _Waiter,
-)
+from workers.engine_ipc import Completion, Decode, Embed, Encode, Generate, Prefill
+from workers.engine_proc import EngineClient, EngineDied, EngineProcSpec, _Waiter
 from workers.stream import publish_error_frame
 
 log = logging.getLogger(__name__)
@@ -151,13 +143,11 @@ class WorkerRuntime:
             "engine_pid": self.engine.pid,
         }
 
-    def generate(self, payload: StagePayload, refs: list[EmbeddingRef] | None = None,
-                 kind: str = "submit") -> StageSummary:  # fmt: skip
-        """Run one request to completion; frames are published as it goes. ``refs``: the
-        embeddings an encode worker made of its images; ``kind``: the engine command
-        (``embed``: an embedding request, see :meth:`embed`)."""
+    def generate(self, cmd: Generate | Embed) -> StageSummary:
+        """Run one request to completion; frames are published as it goes (an embedding
+        request's one frame, see :meth:`embed`)."""
         t0 = time.perf_counter()
-        request_id = payload.request_id
+        request_id = cmd.request_id
         # A request not begun on receipt (a redelivered task, among others) is skipped if
         # the API is done with it. The API sets the cancelled key before it publishes a
         # cancel, so checking it after submitting too (in _wait) closes the window where a
@@ -166,7 +156,7 @@ class WorkerRuntime:
         if begun is None:
             if self._abandoned(request_id):
                 return StageSummary(request_id=request_id, finish_reason="abort")
-            waiter = self.engine.run(EngineCommand(kind, payload, refs or []))
+            waiter = self.engine.run(cmd)
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
@@ -181,13 +171,12 @@ class WorkerRuntime:
         )
         return _summary(request_id, out)
 
-    def embed(self, payload: StagePayload) -> StageSummary:
+    def embed(self, cmd: Embed) -> StageSummary:
         """Embedding request: its prompt's pooled hidden states, sent as the stream's one
         frame (workers.pooling)."""
-        return self.generate(payload, kind="embed")
+        return self.generate(cmd)
 
-    def begin(self, stage: str, payload: StagePayload,
-              refs: list[EmbeddingRef] | None = None) -> None:  # fmt: skip
+    def begin(self, cmd: Generate | Prefill | Embed) -> None:
         """Start a ``generate``, ``prefill`` or ``embed`` request in the engine now, ahead of
         its stage task, which then waits for this run (:meth:`generate`, :meth:`prefill`).
 
@@ -197,11 +186,9 @@ class WorkerRuntime:
         hand-over on a worker whose Celery side runs niced on a busy core
         (docs/performance.md, "Celery: requests begin on receipt"). Every request begun must
         reach its task or :meth:`forget`."""
-        kind = {"prefill": "prefill", "embed": "embed"}.get(stage, "submit")
         with self._begun_lock:  # held while submitting: the task cannot miss the waiter
-            if payload.request_id not in self._begun:
-                cmd = EngineCommand(kind, payload, refs or [])
-                self._begun[payload.request_id] = self.engine.run(cmd)
+            if cmd.request_id not in self._begun:
+                self._begun[cmd.request_id] = self.engine.run(cmd)
 
     def forget(self, request_id: str) -> None:
         """A request begun whose task will not run (revoked, or refused by Celery): abort
@@ -219,36 +206,35 @@ class WorkerRuntime:
         1: only the prefill worker's first token was)."""
         publish_error_frame(self.redis, request_id, message, code, seq)
 
-    def prefill(self, payload: StagePayload, refs: list[EmbeddingRef] | None = None
-                ) -> PrefillHandle:  # fmt: skip
+    def prefill(self, cmd: Prefill) -> PrefillHandle:
         """Prefill stage: run the prompt, stream the first token, pin the KV; returns the
         handle the decode stage pulls it with."""
-        request_id = payload.request_id
+        request_id = cmd.request_id
         waiter = self._take_begun(request_id)
         if waiter is None:  # not begun on receipt: skipped if abandoned, as in generate
             if self._abandoned(request_id):
                 return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
                                      finished=True, finish_reason="abort")  # fmt: skip
-            waiter = self.engine.run(EngineCommand("prefill", payload, refs or []))
+            waiter = self.engine.run(cmd)
         out = self._wait(request_id, waiter)
         if out.handle is not None:
+            assert isinstance(out.handle, PrefillHandle), "a prefill's result hands over its KV"
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
                      out.prompt_tokens, out.handle.backend)  # fmt: skip
-            return out.handle  # type: ignore[return-value]
+            return out.handle
         # finished on its first token (or failed): the stream is complete already
         return PrefillHandle(request_id=request_id, prefill_worker=self.worker_id,
                              finished=True, finish_reason=out.finish_reason,
                              error=out.error)  # fmt: skip
 
-    def decode(self, payload: StagePayload, handle: PrefillHandle) -> StageSummary:
+    def decode(self, cmd: Decode) -> StageSummary:
         """Decode stage: pull the prefilled KV, then generate from the second token on.
         Raises :class:`KVPullFailed` when the KV could not be pulled (nothing streamed)."""
         t0 = time.perf_counter()
-        request_id = payload.request_id
+        request_id, handle = cmd.request_id, cmd.handle
         if self._abandoned(request_id):
             return StageSummary(request_id=request_id, finish_reason="abort")
-        out = self._wait(request_id, self.engine.run(EngineCommand("decode", payload,
-                                                                   handle=handle)))  # fmt: skip
+        out = self._wait(request_id, self.engine.run(cmd))
         if out.transfer_failed:
             raise KVPullFailed(out.error or "KV pull failed")
         log.info("[%s] %s: decoded %d tokens after a %s pull in %.3fs", request_id,
@@ -256,19 +242,19 @@ class WorkerRuntime:
                  time.perf_counter() - t0)  # fmt: skip
         return _summary(request_id, out)
 
-    def encode(self, payload: StagePayload) -> EncodeHandle:
+    def encode(self, cmd: Encode) -> EncodeHandle:
         """Encode stage: the images through the vision tower; the handle says where their
         embeddings are (or that encoding failed: the stream has ended then)."""
         t0 = time.perf_counter()
-        request_id = payload.request_id
+        request_id = cmd.request_id
         if self._abandoned(request_id):
             return EncodeHandle(request_id=request_id, encode_worker=self.worker_id,
                                 error="abandoned")  # fmt: skip
-        out = self._wait(request_id, self.engine.run(EngineCommand("encode", payload)))
+        out = self._wait(request_id, self.engine.run(cmd))
         if not isinstance(out.handle, EncodeHandle):
             why = out.error or f"not encoded ({out.finish_reason})"
             return EncodeHandle(request_id=request_id, encode_worker=self.worker_id, error=why)
-        log.info("[%s] %d image(s) encoded in %.3fs%s", request_id, len(payload.images),
+        log.info("[%s] %d image(s) encoded in %.3fs%s", request_id, len(cmd.payload.images),
                  time.perf_counter() - t0,
                  f": {out.handle.error}" if out.handle.error else "")  # fmt: skip
         return out.handle

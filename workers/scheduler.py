@@ -13,8 +13,7 @@ full blocks, a copy of its partial last one, and the logits of its first token),
 prompt is computed once.
 
 For disaggregation the scheduler also keeps a prefilled request's blocks pinned until a
-decode worker has pulled them (or a timeout), and, on the decode side, blocks reserved
-for KV being pulled.
+decode worker has pulled them (or a timeout); on the decode side the pull is a load (below).
 
 **Loading KV.** A request whose KV comes from elsewhere waits, holding its blocks, in a
 loading state while the others keep running: blocks of its prefix found in the KVBM's
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from kvbm.block_pool import KVCacheManager, KVEvent
 from kvbm.offload import OffloadManager, OnboardJob
-from kvbm.protocol import G1, ExtraKeys, model_namespace
+from kvbm.protocol import G1, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, EngineStats, KVSource
 
@@ -122,8 +121,6 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.pinned: dict[str, float] = {}  # prefilled request -> deadline (monotonic)
-        self.reserved: set[str] = set()  # decode side: blocks taken, KV being pulled
-        self.reserved_aborted: set[str] = set()  # aborted mid-pull: freed once it ends
         self.loads: dict[str, _Load] = {}  # requests in the loading state
         self.dropped: list[Seq] = []  # aborted while loading, to end with an abort output
         self.parked: dict[str, Seq] = {}  # a later choice (n > 1) -> the seq it forks from
@@ -358,40 +355,7 @@ class Scheduler:
         self.waiting.extend(parent.forks)
         parent.forks = []
 
-    # --- disaggregation -------------------------------------------------------------------
-    def reserve(
-        self, request_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
-    ) -> list[int] | None:
-        alloc = self.kv.allocate_slots(request_id, num_tokens, extra_keys)
-        if alloc is None:
-            return None
-        self.reserved.add(request_id)
-        return list(alloc.block_ids)
-
-    def take_reservation(self, request_id: str) -> bool:
-        """The imported request is starting: its reservation becomes its blocks. False if
-        it was aborted while its KV was being pulled (the blocks are freed then)."""
-        assert request_id in self.reserved, "imported KV without a reservation"
-        if request_id in self.reserved_aborted:
-            self.cancel_reservation(request_id)
-            return False
-        self.reserved.discard(request_id)
-        return True
-
-    def cancel_reservation(self, request_id: str) -> None:
-        self.reserved_aborted.discard(request_id)
-        if request_id in self.reserved:
-            self.reserved.discard(request_id)
-            self.kv.free(request_id)
-
-    def abort_reservation(self, request_id: str) -> bool:
-        """An abort for a request whose KV is being pulled: its blocks are freed only when
-        the pull ends, since the transfer may still be writing into them."""
-        if request_id not in self.reserved:
-            return False
-        self.reserved_aborted.add(request_id)
-        return True
-
+    # --- disaggregation, prefill side (the decode side's pull is a load) ---------------------
     def release_pinned(self, request_id: str) -> bool:
         if self.pinned.pop(request_id, None) is None:
             return False

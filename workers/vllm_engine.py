@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbm.block_pool import KVEvent
-from kvbm.protocol import G1, ExtraKeys, StructuredOutput, model_namespace
+from kvbm.protocol import G1, StructuredOutput, model_namespace
 from workers.engine_api import (
     FEATURES,
     EngineConfig,
@@ -389,14 +389,6 @@ class VllmEngine:
         return False  # prefilled KV waits in vLLM's connector, which times it out itself
 
     # --- disaggregation: vLLM's KV connector moves the KV, not a Conveyor backend --------
-    def reserve(
-        self, request_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
-    ) -> list[int] | None:
-        raise NotImplementedError("the vLLM engine imports KV through its own connector")
-
-    def cancel_reservation(self, request_id: str) -> None:
-        pass
-
     def release_pinned(self, request_id: str) -> bool:
         return False
 

@@ -16,7 +16,8 @@ import pytest
 import tasks.celery_ext as intake
 from kvbm.protocol import Sampling, StagePayload, cancelled_key
 from workers import runtime as runtime_mod
-from workers.engine_proc import Completion, EngineCommand, _Waiter
+from workers.engine_ipc import Completion, Generate, Prefill, Run
+from workers.engine_proc import _Waiter
 from workers.runtime import WorkerRuntime
 
 PAYLOAD = {"request_id": "cmpl-x", "model": "m", "prompt_token_ids": [5, 6, 7],
@@ -25,10 +26,10 @@ PAYLOAD = {"request_id": "cmpl-x", "model": "m", "prompt_token_ids": [5, 6, 7],
 
 class FakeEngine:
     def __init__(self) -> None:
-        self.calls: list[EngineCommand] = []
+        self.calls: list[Run] = []
         self.aborted: list[str] = []
 
-    def run(self, cmd: EngineCommand) -> _Waiter:
+    def run(self, cmd: Run) -> _Waiter:
         self.calls.append(cmd)
         w = _Waiter()
         w.result = Completion(cmd.request_id, "length", prompt_tokens=3, completion_tokens=2)
@@ -87,10 +88,10 @@ def test_the_request_starts_before_celery_handles_the_message(monkeypatch, rt) -
     on_message(msg, None, None, None, [])
     assert seen == [msg] and started_first == [1]
     # the payload whole, as the task would have it (defaults filled in), on the pipe
-    assert rt.engine.calls == [EngineCommand("submit", StagePayload.model_validate(PAYLOAD))]
+    assert rt.engine.calls == [Generate(StagePayload.model_validate(PAYLOAD))]
     assert rt.engine.calls[0].payload.sampling == Sampling(temperature=0)
     # the task then waits for that run: no second submit
-    out = rt.generate(StagePayload.model_validate(PAYLOAD))
+    out = rt.generate(Generate(StagePayload.model_validate(PAYLOAD)))
     assert out.completion_tokens == 2 and len(rt.engine.calls) == 1
     assert rt._begun == {}
 
@@ -98,7 +99,7 @@ def test_the_request_starts_before_celery_handles_the_message(monkeypatch, rt) -
 def test_a_prefill_message_starts_a_prefill(monkeypatch, rt) -> None:  # type: ignore[no-untyped-def]
     on_message, _ = strategy(monkeypatch, name="conveyor.prefill")
     on_message(message(), None, None, None, [])
-    assert [c.kind for c in rt.engine.calls] == ["prefill"]
+    assert [type(c) for c in rt.engine.calls] == [Prefill]
 
 
 def test_a_message_delivered_twice_starts_one_run(monkeypatch, rt) -> None:  # type: ignore[no-untyped-def]
@@ -130,11 +131,12 @@ def test_messages_left_to_celery_alone(monkeypatch, rt, msg) -> None:  # type: i
 @pytest.mark.parametrize("stage", ["generate", "prefill"])
 def test_a_task_not_begun_for_an_abandoned_request_never_reaches_the_engine(rt, stage) -> None:  # type: ignore[no-untyped-def]
     rt.redis = SimpleNamespace(exists=lambda key: int(key == cancelled_key("cmpl-x")))
-    out = getattr(rt, stage)(StagePayload.model_validate(PAYLOAD))
+    run = {"generate": Generate, "prefill": Prefill}[stage]
+    out = getattr(rt, stage)(run(StagePayload.model_validate(PAYLOAD)))
     assert out.finish_reason == "abort" and rt.engine.calls == [] and rt.engine.aborted == []
     # one the API still waits for
-    rt.generate(StagePayload.model_validate({**PAYLOAD, "request_id": "cmpl-y"}))
-    assert [(c.kind, c.request_id) for c in rt.engine.calls] == [("submit", "cmpl-y")]
+    rt.generate(Generate(StagePayload.model_validate({**PAYLOAD, "request_id": "cmpl-y"})))
+    assert [(type(c), c.request_id) for c in rt.engine.calls] == [(Generate, "cmpl-y")]
 
 
 def test_a_rate_limited_task_keeps_celerys_strategy(monkeypatch, rt) -> None:  # type: ignore[no-untyped-def]

@@ -16,7 +16,7 @@ from workers.choices import ChoiceGroups
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
 from workers.engine_core import EngineCore
-from workers.engine_proc import Completion
+from workers.engine_ipc import Completion
 from workers.llama import LlamaModel
 from workers.mock_engine import MockEngine, MockTiming
 

@@ -27,15 +27,10 @@ import transformers
 from PIL import Image
 
 from kvbm.protocol import Sampling, extra_keys_for_spans, image_extra_key
+from tests.unit.workers.test_disagg_engine import imported
 from workers import paged_kernel
 from workers.engine import Engine
-from workers.engine_api import (
-    EngineConfig,
-    EngineRequest,
-    ImportedPrefill,
-    MMInput,
-    RequestOutput,
-)
+from workers.engine_api import EngineConfig, EngineRequest, MMInput, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
 from workers.model_init import IMAGE, PRESETS, init_model
 from workers.vision import VisionEncoder
@@ -321,9 +316,10 @@ def test_matches_hf_under_preemption(
 def _prefill_and_import(
     prefill: Engine, decode: Engine, cases: list[MMCase], decode_mm: bool
 ) -> dict[str, list[int]]:
-    """Prefill every image request on one engine, copy its KV into the other engine's
-    reserved blocks (as a pull would) and add it there as imported, with or without its
-    embeddings. Returns each request's first token (from the prefill engine)."""
+    """Prefill every image request on one engine and add it to the other as imported, with
+    or without its embeddings: its KV source (a pull) copies the prefill's pinned blocks
+    into the blocks the decode engine allocates for it. Returns each request's first
+    token (from the prefill engine); the prefill engine keeps the blocks pinned."""
     first: dict[str, list[int]] = {}
     for i, c in enumerate(cases):
         r = c.request(str(i))
@@ -332,15 +328,8 @@ def _prefill_and_import(
     while prefill.has_unfinished:
         for o in prefill.step():
             assert o.prefilled and o.kv_block_ids, o
-            c = cases[int(o.request_id)]
-            dst = decode.reserve(o.request_id, len(c.prompt))
-            assert dst is not None
-            src, dst_t = torch.tensor(o.kv_block_ids), torch.tensor(dst)
-            decode.kv.k[:, dst_t] = prefill.kv.k[:, src]
-            decode.kv.v[:, dst_t] = prefill.kv.v[:, src]
-            assert prefill.release_pinned(o.request_id)
-            r = c.request(o.request_id)
-            r.imported = ImportedPrefill(o.token_ids[0], len(o.text))
+            r = cases[int(o.request_id)].request(o.request_id)
+            _, r.imported = imported(o, prefill, decode)
             if not decode_mm:
                 r.mm_inputs = None
             assert decode.add_request(r) is None
@@ -370,6 +359,7 @@ def test_prefill_then_decode_with_preemption(tiny_model_dir: Path, cases: list[M
             outs[o.request_id] = outs[o.request_id] + o.token_ids
     assert decode.stats().preemptions > 0
     assert [outs[str(i)] for i in range(len(sub))] == [c.hf for c in sub]
+    assert all(prefill.release_pinned(rid) for rid in first)  # every one pulled
     assert decode.stats().blocks_used == 0 and prefill.stats().blocks_used == 0
 
     decode = Engine.from_model_dir(tiny_model_dir, _decode_pool(sub))

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvbm.disk import HEADER_BYTES
 from kvbm.protocol import G3, Sampling
+from tests.unit.workers.test_disagg_engine import Pull
 from tests.unit.workers.test_engine_parity import _write_gqa_llama
 from workers.engine import Engine
 from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill, RequestOutput
@@ -222,24 +222,6 @@ def test_a_restarted_engine_serves_its_first_request_from_its_disk(
 # ------------------------------------------------------------------------- disaggregated
 
 
-class Pull:
-    """A decode engine's KV source: the prefill engine's pinned blocks, copied (what a
-    transfer backend does between worker processes)."""
-
-    def __init__(self, prefill: Engine, decode: Engine, rid: str, blocks: list[int]) -> None:
-        self.prefill, self.decode, self.rid, self.blocks = prefill, decode, rid, blocks
-        self.deadline = time.monotonic() + 30
-        self.why: str | None = None
-
-    def load(self, block_ids: list[int]) -> None:
-        assert len(block_ids) == len(self.blocks)
-        src, dst = torch.tensor(self.blocks), torch.tensor(block_ids)
-        self.decode.kv.data[dst] = self.prefill.kv.data[src]
-
-    def failed(self, why: str) -> None:
-        self.why = why
-
-
 def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
     model_dir: Path, tmp_path: Path
 ) -> None:
@@ -278,7 +260,7 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
 
 def test_an_import_with_no_room_fails_after_its_deadline(tiny_model_dir: Path) -> None:
     decode = Engine.from_model_dir(tiny_model_dir, EngineConfig(**BASE))
-    hog = decode.reserve("hog", 40 * 16)  # every block
+    hog = decode.scheduler.kv.allocate_slots("hog", 40 * 16)  # every block
     assert hog is not None
     pull = Pull(decode, decode, "x", [0])
     pull.deadline = time.monotonic() + 0.05
@@ -287,7 +269,7 @@ def test_an_import_with_no_room_fails_after_its_deadline(tiny_model_dir: Path) -
     time.sleep(0.1)
     assert decode.step() == [] and pull.why == "no free KV blocks to receive the prefill"
     assert not decode.has_unfinished
-    decode.cancel_reservation("hog")
+    decode.scheduler.kv.free("hog")
     assert decode.stats().blocks_used == 0
 
 

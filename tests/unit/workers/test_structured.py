@@ -18,11 +18,11 @@ import torch
 from tokenizers import Tokenizer
 
 from kvbm.protocol import Sampling, StructuredOutput
+from tests.unit.workers.test_disagg_engine import imported
 from workers.engine import Engine
 from workers.engine_api import (
     EngineConfig,
     EngineRequest,
-    ImportedPrefill,
     RequestOutput,
     ResumedOutput,
 )
@@ -242,12 +242,9 @@ def test_prefill_decode_forced_and_resumed_runs_continue_the_grammar(make, tok) 
     # prefill -> decode: the first token crosses with the prompt's KV
     (first,) = _run(pre, [_req("r", prompt, spec, temperature=0, prefill_only=True)])["r"]
     assert first.prefilled and first.token_ids == want[:1]
-    dst = dec.reserve("r", len(prompt))
-    src, dst_t = torch.tensor(first.kv_block_ids), torch.tensor(dst)
-    dec.kv.k[:, dst_t], dec.kv.v[:, dst_t] = pre.kv.k[:, src], pre.kv.v[:, src]
-    assert pre.release_pinned("r")
-    imported = ImportedPrefill(first.token_ids[0], len(first.text))
-    rest = _run(dec, [_req("r", prompt, spec, temperature=0, imported=imported)])["r"]
+    pull, imp = imported(first, pre, dec)  # the decode engine pulls the prefill's KV
+    rest = _run(dec, [_req("r", prompt, spec, temperature=0, imported=imp)])["r"]
+    assert pull.loaded and pre.release_pinned("r")
     assert first.token_ids + _toks(rest) == want
     jsonschema.validate(json.loads(first.text + _text(rest)), schema)
     # a re-prefill keeps the token already streamed (the matcher accepts it)
