@@ -13,14 +13,8 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from api.resp import RespConnection, encode
+from api.resp import RespConnection
 from tests.integration.conftest import free_port, redis_db, start_redis
-
-
-def test_encode_is_resp_arrays_of_bulk_strings() -> None:
-    assert encode([("SET", "k", b"v\r\n"), ("SELECT", 3)]) == (
-        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n*2\r\n$6\r\nSELECT\r\n$1\r\n3\r\n"
-    )
 
 
 def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> None:
