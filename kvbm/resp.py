@@ -17,7 +17,7 @@ from typing import Any
 try:
     from hiredis import pack_command as _pack  # hiredis >= 2.0
 except ImportError:  # redis[hiredis] brings it; the encoder below stands in without
-    _pack = None
+    _pack = None  # type: ignore[assignment]
 
 Command = Sequence[Any]  # str, bytes, memoryview, int or float arguments
 
@@ -30,7 +30,9 @@ def bulk(arg: bytes | str | int | float | memoryview) -> bytes:
         arg = arg.encode()
     elif isinstance(arg, int | float) and not isinstance(arg, bool):
         arg = repr(arg).encode()
-    elif not isinstance(arg, bytes | memoryview):
+    elif isinstance(arg, memoryview):
+        arg = arg.tobytes()
+    elif not isinstance(arg, bytes):  # a subclass of bytes passes
         raise TypeError(f"a Redis argument must be str, bytes, int or float, not {arg!r}")
     return b"$%d\r\n%b\r\n" % (len(arg), arg)
 
