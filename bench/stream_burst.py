@@ -1,7 +1,10 @@
 """A burst of SSE streams opened at once by one httpx client, against ``conveyor serve``
 with the mock engine: how many complete, and how the others ended.
 
-    python bench/stream_burst.py --model DIR [--streams 1000] [--runs 3]
+    python bench/stream_burst.py --model DIR [--streams 1000] [--runs 3] [--conveyor EXE]
+
+``--conveyor``: serve through a wrapper, e.g. a script that runs ``ulimit -Sn 1024`` and
+execs ``conveyor`` (the API's open-files soft limit at start, as on many hosts).
 
 One ``httpx.AsyncClient`` whose connection limit admits every stream, each a streamed
 chat completion read to ``[DONE]``: the way a user's load generator opens them (the
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import conveyor_serve
+from common import CONVEYOR, conveyor_serve
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, tokens: int) -> int:
@@ -80,6 +83,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--engine", default="mock", choices=["mock", "reference"])
+    p.add_argument("--conveyor", default=CONVEYOR, help="the conveyor executable to serve with")
     p.add_argument("--gap", type=float, default=5.0, help="seconds between bursts")
     args = p.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -94,7 +98,8 @@ def main() -> int:
     log = Path(tempfile.mkdtemp(prefix="stream_burst-")) / "serve.log"
     model = Path(args.model).name
     serve = ["--model", args.model, "--engine", args.engine, "--workers", str(args.workers)]
-    with conveyor_serve(serve, log, {"generate": args.workers}, env=env) as (url, _):
+    with conveyor_serve(serve, log, {"generate": args.workers}, env=env,
+                        conveyor=args.conveyor) as (url, _):  # fmt: skip
         rows = asyncio.run(bursts(url, model, args))
     print(f"\n{args.streams} streams x {args.tokens} tokens, one httpx client (serve log: {log})")
     print(f"{'run':>3} {'s':>6} {'complete':>8} {'failed':>6}  errors")
