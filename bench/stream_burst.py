@@ -52,7 +52,11 @@ async def burst(client: httpx.AsyncClient, url: str, model: str, streams: int,
     out: collections.Counter = collections.Counter()
     for r in results:
         if isinstance(r, BaseException):
-            out[f"{type(r).__name__}: {str(r)[:200]}"] += 1
+            root: BaseException = r  # httpx's errors wrap httpcore's, which wrap the socket's
+            while (inner := root.__cause__ or root.__context__) is not None:
+                root = inner
+            why = f"{type(r).__name__}: {str(r)[:200]}"
+            out[why + (f" ({type(root).__name__}: {root})" if root is not r else "")] += 1
         else:
             out["complete" if r == tokens else f"{r} tokens"] += 1
     return out
