@@ -13,7 +13,7 @@ its own.
 URLs as redis-py reads them: ``redis://``, ``rediss://`` (TLS: ``ssl_cert_reqs``,
 ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` in the query) and ``unix://``, with
 user, password and db. No redis-py internals: replies are parsed by hiredis (its public
-``Reader``), written by :func:`encode`. :class:`RedisPyPubSub` is the stock alternative of
+``Reader``), written by :func:`kvbm.resp.encode`. :class:`RedisPyPubSub` is the stock alternative of
 :class:`PubSubConnection` (``CONVEYOR_BROKER_FASTPATH=false``), on redis-py's asyncio
 ``PubSub``.
 """
@@ -33,23 +33,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
+from kvbm.resp import encode
+
 log = logging.getLogger(__name__)
 
 Command = tuple[Any, ...]
-
-
-def encode(commands: tuple[Command, ...] | list[Command]) -> bytes:
-    """RESP arrays of bulk strings, one per command."""
-    out: list[bytes] = []
-    for command in commands:
-        out.append(b"*%d\r\n" % len(command))
-        for arg in command:
-            if isinstance(arg, str):
-                arg = arg.encode()
-            elif isinstance(arg, int | float):
-                arg = repr(arg).encode()
-            out.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
-    return b"".join(out)
 
 
 def parse_redis_url(url: str) -> dict[str, Any]:

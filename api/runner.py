@@ -104,6 +104,26 @@ class ChoiceGroup:
     cancelled: bool = False  # counted in the cancelled requests already
 
 
+async def wait_answer(fut: asyncio.Future, deadline: float) -> None:
+    """Wait for the broker's replies ``fut`` up to ``deadline`` (loop time); TimeoutError if
+    they have not come, the error reply's exception if one was an error.
+
+    The reply's future is looked at, not raced: in a burst one turn of the loop can take
+    most of a second, and a turn runs its due timers before the callbacks of the replies
+    read in the turn before (and uvloop runs them before it reads the sockets). A deadline
+    that cancelled the wait (``asyncio.timeout``) failed sends whose answer had come: 137
+    to 661 of a 1,000-stream burst on a loaded 2-core box, as 503s (bench/stream_burst.py).
+    Past the deadline the loop polls its sockets once more before giving up."""
+    if not fut.done():
+        await asyncio.wait((fut,), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+    if not fut.done():
+        await asyncio.sleep(0)  # the loop polls its sockets before this resumes
+    if not fut.done():
+        fut.cancel()  # its replies, if they come, are dropped (RespConnection._reply)
+        raise TimeoutError(f"the broker did not answer in {SEND_TIMEOUT_S} s")
+    fut.result()
+
+
 class Runner:
     def __init__(
         self,
@@ -322,17 +342,20 @@ class Runner:
             # writes go to the same Redis as the pick. Empty when the broker's transport
             # sent the message itself (a broker neither redis:// nor rediss://: tasks.broker).
             if writes:
-                async with asyncio.timeout(SEND_TIMEOUT_S):  # inline, unlike wait_for
-                    await self._send_writes(self._fast, writes)
+                deadline = asyncio.get_running_loop().time() + SEND_TIMEOUT_S
+                async with asyncio.timeout_at(deadline):  # inline, unlike wait_for
+                    answer = await self._send_writes(self._fast, writes)
+                await wait_answer(answer, deadline)
         except (KombuOperationalError, RedisError, OSError, TimeoutError) as e:
             raise OpenAIError(503, f"the broker did not take the request: {e}",
                               "server_error", None, "broker_unavailable") from e  # fmt: skip
 
     @staticmethod
-    async def _send_writes(broker: RespConnection, writes: list[tuple]) -> None:
+    async def _send_writes(broker: RespConnection, writes: list[tuple]) -> asyncio.Future:
         """The writes leave before the first ``await`` (:class:`api.resp.RespConnection`);
         a broker not connected is tried as often and as briefly as SEND_RETRY_POLICY says.
-        Once written, a lost connection is not retried: the message may have landed."""
+        Returns the future of their replies. Once written, a lost connection is not
+        retried: the message may have landed."""
         for attempt in range(SEND_RETRY_POLICY["max_retries"] + 1):
             if broker.connected:
                 break
@@ -342,7 +365,7 @@ class Runner:
                 if attempt == SEND_RETRY_POLICY["max_retries"]:
                     raise
                 await asyncio.sleep(SEND_RETRY_POLICY["interval_step"])
-        await broker.send(*writes)
+        return broker.send(*writes)
 
     async def batches(self, run: RunningRequest) -> AsyncIterator[list[TokenFrame]]:
         """A started request's frames, the first included, up to the terminal one, in

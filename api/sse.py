@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from importlib.metadata import version
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.types import Message, Send
 
 from kvbm.protocol import Usage
 
+# The sse-starlette versions whose private ``_send_with_timeout`` LeanSSEResponse overrides
+# (tested: 3.7.0; pyproject.toml pins the same range). Another version gets the stock
+# response: a changed private method must not change how streams are sent.
+SSE_STARLETTE_TESTED = ((3, 7), (3, 8))  # [from, to)
 
-class SSEResponse(EventSourceResponse):
+
+class LeanSSEResponse(EventSourceResponse):
     """sse-starlette's response, minus a cancel scope per chunk when no send timeout is set
     (its default): a deadline that never fires, for a measurable share of the API's CPU
     (docs/performance.md, "API: SSE without a cancel scope per chunk"). With a
@@ -22,6 +28,22 @@ class SSEResponse(EventSourceResponse):
             await send(message)
         else:
             await super()._send_with_timeout(send, message)
+
+
+def lean_fits(installed: str) -> bool:
+    """Whether sse-starlette ``installed`` is a version LeanSSEResponse was tested on."""
+    try:
+        major_minor = tuple(int(p) for p in installed.split(".")[:2])
+    except ValueError:  # a version string of another shape: not one tested
+        return False
+    low, high = SSE_STARLETTE_TESTED
+    return low <= major_minor < high and hasattr(EventSourceResponse, "_send_with_timeout")
+
+
+# what the routes answer streams with
+SSEResponse: type[EventSourceResponse] = (
+    LeanSSEResponse if lean_fits(version("sse-starlette")) else EventSourceResponse
+)
 
 
 def json_line(obj: object) -> str:

@@ -302,6 +302,7 @@ def api(**kw: object) -> None:
     import uvicorn
 
     s = configure(**kw)
+    _raise_open_files_limit()
     uvicorn.run(
         "api.app:create_app",
         factory=True,
@@ -310,6 +311,25 @@ def api(**kw: object) -> None:
         log_level="warning",
         timeout_graceful_shutdown=5,
     )
+
+
+def _raise_open_files_limit() -> None:
+    """The API holds a socket per stream, and a soft limit of 1024 open files (a common
+    default) runs out in a burst of ~1,000: uvloop then closes the connections waiting to be
+    accepted (the client sees a reset) and opening anything else fails (503s). So the soft
+    limit goes up to the hard one, as the embedded Redis does for itself
+    (bench/stream_burst.py)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as e:  # macOS: a hard limit of "unlimited" is not settable
+        log.warning("open files: could not raise the soft limit of %d to %s: %s", soft, hard, e)
+        return
+    log.info("open files: soft limit raised from %d to %d", soft, hard)
 
 
 # ----------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from kvbm.protocol import TokenFrame, Usage, tokens_channel
+from kvbm.resp import bulk, command_head, encode
 
 if TYPE_CHECKING:  # keep this module torch-free
     from workers.engine_api import RequestOutput
@@ -54,13 +55,11 @@ def publish_error_frame(
     client.publish(tokens_channel(request_id), TokenFrame.failure(seq, message, code).encode())
 
 
-def _bulk(b: bytes) -> bytes:
-    return b"$%d\r\n%s\r\n" % (len(b), b)
-
-
 def _publish_head(request_id: str) -> bytes:
-    """``PUBLISH tokens:{request_id}``, less the message."""
-    return _PUBLISH + _bulk(tokens_channel(request_id).encode())
+    """``PUBLISH tokens:{request_id}``, less the message (kept per stream: a cached head
+    and one ``bulk`` per frame cost less than packing the whole command; docs/performance.md,
+    "RESP: one encoder")."""
+    return command_head(3, "PUBLISH", tokens_channel(request_id))
 
 
 # Replies owed before a write reads those that have come. Looking costs several system
@@ -75,9 +74,8 @@ DRAIN_AFTER = 16
 # after a silence, none while frames flow.
 IDLE_CHECK_S = 1.0
 
-_PUBLISH = b"*3\r\n$7\r\nPUBLISH\r\n"
-_REPLY_OFF = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$3\r\nOFF\r\n"
-_REPLY_ON = b"*3\r\n$6\r\nCLIENT\r\n$5\r\nREPLY\r\n$2\r\nON\r\n"
+_REPLY_OFF = encode([("CLIENT", "REPLY", "OFF")])
+_REPLY_ON = encode([("CLIENT", "REPLY", "ON")])
 
 
 class FramePublisher:
@@ -154,7 +152,7 @@ class FramePublisher:
     def _send_frames(self, items: list[tuple[bytes, bytes]]) -> bool:
         """Write one step's frames (each its stream's PUBLISH head and its JSON); False if
         they were dropped (the API notices the gap or times out)."""
-        parts = [head + _bulk(frame) for head, frame in items]
+        parts = [head + bulk(frame) for head, frame in items]
         self._check_idle()
         if not self._connected and not self._connect(len(parts)):
             return False
@@ -173,7 +171,7 @@ class FramePublisher:
         reads it."""
         with self._lock:
             self._check_idle()
-            self._write(b"".join(self._conn.pack_command(*args)), [on_reply])
+            self._write(encode([args]), [on_reply])
 
     def wait_replies(self, timeout: float) -> bool:
         """Read every reply still owed, waiting up to ``timeout`` s; False if some are not."""

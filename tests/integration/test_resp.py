@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,16 +14,11 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from api.resp import RespConnection, encode
+from api.resp import RespConnection
+from api.runner import wait_answer
 from tests.integration.conftest import free_port, redis_db, start_redis
 
 pytestmark = pytest.mark.integration
-
-
-def test_encode_is_resp_arrays_of_bulk_strings() -> None:
-    assert encode([("SET", "k", b"v\r\n"), ("SELECT", 3)]) == (
-        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\nv\r\n\r\n*2\r\n$6\r\nSELECT\r\n$1\r\n3\r\n"
-    )
 
 
 def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> None:
@@ -60,6 +56,45 @@ def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> 
     assert order[0] == "sent"  # the sends did not wait for the loop's next turn
     assert r.llen("l") == 50
     r.flushdb()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_answer_read_after_a_late_turn_of_the_loop_still_counts(
+    redis_url: str, loop: str
+) -> None:
+    """The burst case (api.runner.wait_answer): the loop is busy past a send's deadline
+    while Redis answers; the next turn runs the deadline's timer before the reply's
+    callbacks. The answer counts; a cancelling deadline (``asyncio.timeout``, as the
+    runner had) fails the same send, and a broker that does not answer still times out."""
+    url = redis_db(redis_url, 11)
+
+    async def late_turn(naive: bool) -> None:
+        ev = asyncio.get_running_loop()
+        conn = RespConnection(url)
+        await conn.connect()
+        try:
+            deadline = ev.time() + 0.1
+            fut = conn.send(("PING",))
+            time.sleep(0.3)  # the rest of a long turn (other requests): past the deadline
+            if naive:
+                async with asyncio.timeout_at(deadline):
+                    await fut
+            else:
+                await wait_answer(fut, deadline)
+            assert fut.result() == [b"PONG"]
+            with pytest.raises(TimeoutError):  # no answer for 0.3 s: a silent broker
+                await wait_answer(conn.send(("BLPOP", "nothing", "0.3")), ev.time() + 0.05)
+        finally:
+            conn.close()
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        run = uvloop.run
+    else:
+        run = asyncio.run
+    run(late_turn(naive=False))
+    with pytest.raises(TimeoutError):
+        run(late_turn(naive=True))
 
 
 def test_a_dropped_connection_fails_its_waiters_and_reconnects(own_redis: str) -> None:
