@@ -13,9 +13,9 @@ its own.
 URLs as redis-py reads them: ``redis://``, ``rediss://`` (TLS: ``ssl_cert_reqs``,
 ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile`` in the query) and ``unix://``, with
 user, password and db. No redis-py internals: replies are parsed by hiredis (its public
-``Reader``), written by :func:`kvbm.resp.encode`. :class:`RedisPyPubSub` is the stock alternative of
-:class:`PubSubConnection` (``CONVEYOR_BROKER_FASTPATH=false``), on redis-py's asyncio
-``PubSub``.
+``Reader``), written by :func:`cluster.resp.encode`. :class:`RedisPyPubSub` is the stock
+alternative of :class:`PubSubConnection` (``CONVEYOR_BROKER_FASTPATH=false``), on
+redis-py's asyncio ``PubSub``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from kvbm.resp import encode
+from cluster.resp import encode
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""RESP encoding cost on the two hot paths (kvbm.resp): a request's commands on the API
+"""RESP encoding cost on the two hot paths (cluster.resp): a request's commands on the API
 (the routing pick's EVALSHA, the Celery message's LPUSH, the task-sent PUBLISH) and one
 token frame's PUBLISH in the engine. Best of 40 interleaved rounds, one process.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import timeit
 
-from kvbm.resp import _encode_py, bulk, command_head, encode
+from cluster.resp import _encode_py, bulk, command_head, encode
 
 MSG = json.dumps({"body": "x" * 1500, "headers": {"id": "abc" * 10}}).encode()
 REQUEST = [

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import redis
 
+from cluster.resp import bulk, command_head, encode
 from kvbm.protocol import TokenFrame, Usage, tokens_channel
-from kvbm.resp import bulk, command_head, encode
 
 if TYPE_CHECKING:  # keep this module torch-free
     from workers.engine_api import RequestOutput

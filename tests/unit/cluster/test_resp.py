@@ -1,4 +1,4 @@
-"""kvbm.resp: hiredis' packer and the Python encoder write the same bytes, exact RESP, and
+"""cluster.resp: hiredis' packer and the Python encoder write the same bytes, exact RESP, and
 refuse the same arguments; a command built from its head and a bulk is the whole command."""
 
 from __future__ import annotations
