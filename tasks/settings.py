@@ -767,7 +767,7 @@ def get_settings() -> Settings:
     return _settings
 
 
-def configure(**overrides: object) -> Settings:
+def configure(**overrides: Any) -> Settings:
     """Build the process-wide settings from the environment plus explicit overrides
     (CLI flags); ``None`` values are ignored so an absent flag leaves the env value."""
     global _settings
