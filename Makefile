@@ -108,8 +108,9 @@ test-vllm: install-vllm
 test-compose: install-test
 	scripts/compose/test-compose.sh $(PYTEST_ARGS)
 
+# ruff, then mypy (its settings and the packages it checks: pyproject.toml, [tool.mypy])
 lint: install-test
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
 bench: install-test redis
 	$(PY) bench/serve_latency.py --start-server
