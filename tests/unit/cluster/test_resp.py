@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbm import resp
+from cluster import resp
 
 COMMANDS = [
     ("SET", "k", b"v\r\n"),
