@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -223,8 +224,8 @@ class LocalIndex:
         self._seq[worker_id] = seq
         return True
 
-    def load(self, worker_id: str, seq: int, hashes: list[int], host: list[int] = (),  # type: ignore[assignment]
-             disk: list[int] = ()) -> None:  # type: ignore[assignment]  # fmt: skip
+    def load(self, worker_id: str, seq: int, hashes: list[int], host: Sequence[int] = (),
+             disk: Sequence[int] = ()) -> None:  # fmt: skip
         """Replace what this index knows of a worker with a snapshot (its blocks in G1,
         and in G2 and G3)."""
         self.drop(worker_id)

@@ -9,7 +9,7 @@ tokens travel over Redis pub/sub, not through a result backend.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery
@@ -56,7 +56,7 @@ def broker_tls(url: str) -> dict | None:
     return {"ssl_cert_reqs": ssl.CERT_REQUIRED}
 
 
-def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
+def configure(settings: Settings | None = None, extra_queues: Sequence[str] = ()) -> Celery:
     s = settings or get_settings()
     names = [*(pool_queue(p) for p in s.pools), *extra_queues]
     # the fast path: kombu's Redis transport, minus its per-message costs (tasks.broker),
