@@ -116,4 +116,4 @@ bench: install-test redis
 	$(PY) bench/serve_latency.py --start-server
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
