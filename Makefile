@@ -108,11 +108,12 @@ test-vllm: install-vllm
 test-compose: install-test
 	scripts/compose/test-compose.sh $(PYTEST_ARGS)
 
+# ruff, then mypy (its settings and the packages it checks: pyproject.toml, [tool.mypy])
 lint: install-test
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy
 
 bench: install-test redis
 	$(PY) bench/serve_latency.py --start-server
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

@@ -9,6 +9,8 @@ broker that refuses the request, 503; a worker that never answers 504; admission
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -58,7 +60,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        first: dict[str, Any] = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         param = _loc_to_param(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid request")
         if param:

@@ -200,8 +200,8 @@ def _guided(name: str, value: object) -> StructuredOutput:
         if name == "guided_json":
             return StructuredOutput(json_schema=checked_schema(value, name), param=name)
         if name == "guided_choice":
-            return StructuredOutput(choice=value, param=name)  # type: ignore[arg-type]
-        return StructuredOutput(**{name.removeprefix("guided_"): value},  # type: ignore[arg-type]
+            return StructuredOutput(choice=value, param=name)
+        return StructuredOutput(**{name.removeprefix("guided_"): value},
                                 param=name)  # fmt: skip
     except ValueError as e:
         raise bad_request(f"{name}: {e}", name) from None

@@ -145,7 +145,7 @@ class RespConnection:
             transport, protocol = await asyncio.wait_for(opening, self._connect_timeout)
         except (OSError, TimeoutError) as e:
             raise RedisConnectionError(f"cannot connect to {self._where}: {e}") from e
-        self._transport, self._protocol = transport, protocol  # type: ignore[assignment]
+        self._transport, self._protocol = transport, protocol
         if self._setup:
             try:
                 await asyncio.wait_for(self.send(*self._setup), self._connect_timeout)

@@ -183,7 +183,7 @@ class OutputItems:
         if self._open is not None and self._open["type"] == "message":
             return self._open
         self._close(out)
-        msg = {
+        msg: dict[str, Any] = {
             "id": "msg_" + secrets.token_hex(12),
             "type": "message",
             "status": "in_progress",

@@ -75,7 +75,6 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
     inputs = embedding_inputs(req, st.builder)
     pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-    assert st.hub is not None, "the API's stream hub is started by its lifespan"
     rid = st.hub.new_request_id("embd")
     n_tokens = sum(len(ids) for ids in inputs)
     m = st.metrics
@@ -161,7 +160,7 @@ def embedding_inputs(req: EmbeddingRequest, builder: PromptBuilder) -> list[list
         assert inp is not None
         items: list[str | list[int]]
         if isinstance(inp, str) or (inp and isinstance(inp[0], int)):
-            items = [inp]  # type: ignore[list-item]  # one input: a string or token ids
+            items = [inp]  # one input: a string or token ids
         else:
             items = list(inp)  # type: ignore[arg-type]  # several: strings or id lists
         if not items:

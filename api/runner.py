@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import TypedDict
 
 import redis.asyncio as aioredis
 from kombu.exceptions import OperationalError as KombuOperationalError
@@ -57,12 +58,20 @@ from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
 
+
+class _RetryPolicy(TypedDict):  # kombu's retry_policy
+    max_retries: int
+    interval_start: float
+    interval_step: float
+    interval_max: float
+
+
 CANCELLED_TTL_S = 3 * 3600  # longer than the broker's visibility timeout (1 h)
 # What is left synchronous of a send runs on the event loop (see Runner._send): a broker
 # that fails must not hold it long, so two quick retries instead of Celery's default
 # 3 x 0.2 s (and instead of kombu's 2 s + 4 s back-off when a queue is declared first).
-SEND_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.05,
-                     "interval_max": 0.05}  # fmt: skip
+SEND_RETRY_POLICY: _RetryPolicy = {"max_retries": 2, "interval_start": 0,
+                                   "interval_step": 0.05, "interval_max": 0.05}  # fmt: skip
 SEND_TIMEOUT_S = 2.0  # the asynchronous part of a send: the broker's answer, retries included
 HUB_READY_TIMEOUT_S = 5.0  # a request waits up to this for the token streams' subscription
 

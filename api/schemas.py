@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 import json
 
-from jsonschema.exceptions import SchemaError  # type: ignore[import-untyped]
-from jsonschema.validators import Draft202012Validator, validator_for  # type: ignore[import-untyped]
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
 
 from api.errors import OpenAIError, bad_request
 

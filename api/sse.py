@@ -93,8 +93,8 @@ class Formatter:
             probe = "\x00"
             body = json_line(self.chunk(self.text_delta(probe), None, include_usage,
                                         index=index))  # fmt: skip
-            head, tail = body.split(json_line(probe))
-            template = b"data: " + head.encode(), tail.encode() + b"\r\n\r\n"
+            before, after = body.split(json_line(probe))
+            template = b"data: " + before.encode(), after.encode() + b"\r\n\r\n"
             self._text_events[index] = template
         head, tail = template
         return head + json_line(text).encode() + tail

@@ -25,9 +25,10 @@ class ApiState:
     cluster: ClusterCollector
     builder: PromptBuilder
     media: MediaGuard
-    redis: aioredis.Redis | None = None
-    hub: StreamHub | None = None
-    runner: Runner | None = None
+    # set by the app's lifespan, before the first request is served
+    redis: aioredis.Redis = field(init=False)
+    hub: StreamHub = field(init=False)
+    runner: Runner = field(init=False)
     created: int = 0  # when the API started serving (the model's ``created``)
     tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
     strings: TokenStrings = field(init=False)  # token ids as logprobs show them

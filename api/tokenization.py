@@ -251,12 +251,12 @@ class PromptBuilder:
                         "prompt",
                         "unsupported_parameter",
                     )
-                prompt = prompt[0]  # type: ignore[assignment]
+                prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True).ids
-        ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+        ids = [int(t) for t in prompt]
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -332,7 +332,7 @@ class _Generation(Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser):  # type: ignore[no-untyped-def]
+    def parse(self, parser):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return nodes.Scope(body).set_lineno(lineno)

@@ -108,17 +108,17 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
         return plan
     if isinstance(choice, dict) and choice.get("type") == "function":
         fn = choice.get("function")
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str):
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(named, str):
             raise bad_request(
                 "tool_choice.function.name must name a function", "tool_choice.function.name"
             )
-        if name not in schemas:
+        if named not in schemas:
             raise bad_request(
-                f"tool_choice names {name!r}, which is not in `tools` ({', '.join(schemas)})",
+                f"tool_choice names {named!r}, which is not in `tools` ({', '.join(schemas)})",
                 "tool_choice.function.name",
             )
-        plan.choice, plan.name = "named", name
+        plan.choice, plan.name = "named", named
         return plan
     raise bad_request(
         "tool_choice must be 'none', 'auto', 'required' or "

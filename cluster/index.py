@@ -46,7 +46,9 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 import redis.asyncio as aioredis
@@ -56,6 +58,10 @@ from cluster.lua import LIVE_LUA, NOW_LUA
 from cluster.membership import prune
 
 log = logging.getLogger(__name__)
+
+# a stream's entries as our clients read them (RESP2, bytes); redis-py types the replies
+# for RESP3 and text clients too
+_Entries = list[tuple[bytes, dict[bytes, bytes]]]
 
 EVENTS_MAXLEN = 50_000  # entries a pool's stream keeps (approximately): minutes of events
 G1, G2, G3 = 1, 2, 3  # the tiers as events name them (kvbm.protocol's G1, G2, G3)
@@ -76,8 +82,8 @@ def encode_batch(events: list[tuple[str, list[int]]] | Batch) -> str:
     out = []
     for ev in events:
         item: list = [ev[0][0], hex_hashes(ev[1])]
-        if len(ev) > 2 and ev[2] != G1:  # type: ignore[misc]
-            item.append(ev[2])  # type: ignore[misc]
+        if len(ev) > 2 and ev[2] != G1:
+            item.append(ev[2])
         out.append(item)
     return json.dumps(out)
 
@@ -218,8 +224,8 @@ class LocalIndex:
         self._seq[worker_id] = seq
         return True
 
-    def load(self, worker_id: str, seq: int, hashes: list[int], host: list[int] = (),  # type: ignore[assignment]
-             disk: list[int] = ()) -> None:  # type: ignore[assignment]  # fmt: skip
+    def load(self, worker_id: str, seq: int, hashes: list[int], host: Sequence[int] = (),
+             disk: Sequence[int] = ()) -> None:  # fmt: skip
         """Replace what this index knows of a worker with a snapshot (its blocks in G1,
         and in G2 and G3)."""
         self.drop(worker_id)
@@ -465,7 +471,8 @@ class IndexFollower:
             w.load_into(index)
         if self._approx_ttl_s > 0:
             since = int((time.time() - self._approx_ttl_s) * 1000)
-            for entry_id, fields in await self._r.xrange(self._key, f"{since}-0", pos):
+            entries = cast(_Entries, await self._r.xrange(self._key, f"{since}-0", pos))
+            for entry_id, fields in entries:
                 self._apply_entry(index, _str(entry_id), fields, replay=True)
         self.index = index
         self._pos = pos
@@ -484,7 +491,7 @@ class IndexFollower:
         """Apply what the stream holds past our position; returns the entries applied."""
         reply = await self._r.xread({self._key: self._pos}, count=1000)
         applied = 0
-        for _, entries in reply or ():
+        for _, entries in cast("list[tuple[bytes, _Entries]] | None", reply) or ():
             for entry_id, fields in entries:
                 eid = _str(entry_id)
                 gap = self._apply_entry(self.index, eid, fields)

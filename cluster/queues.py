@@ -157,5 +157,5 @@ def queue_depths(client: redis.Redis, pools: tuple[str, ...] | list[str]) -> lis
 async def aqueue_depths(client: aioredis.Redis,
                         pools: tuple[str, ...] | list[str]) -> list[PoolQueues]:  # fmt: skip
     """:func:`queue_depths` on an asyncio client."""
-    reply = await client.eval(QUEUE_DEPTHS_LUA, 0, *queue_depths_args(pools))  # type: ignore[misc]
+    reply = await client.eval(QUEUE_DEPTHS_LUA, 0, *queue_depths_args(pools))
     return parse_queue_depths(pools, reply)

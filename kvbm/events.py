@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import redis
@@ -143,7 +144,7 @@ class KVEventPublisher:
         self.events_sent += len(batch)
         cmd = apply_command(self.pool, self.worker_id, seq, batch, load=not self._script_loaded)
         self._script_loaded = True
-        self._writer.send_command(cmd, lambda reply, seq=seq: self._on_reply(seq, reply))
+        self._writer.send_command(cmd, partial(self._on_reply, seq))
 
     def _on_reply(self, seq: int, reply: Reply) -> None:
         """Runs on whichever thread reads the reply: it only sets flags."""

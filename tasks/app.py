@@ -9,6 +9,8 @@ tokens travel over Redis pub/sub, not through a result backend.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from celery import Celery
 from kombu import Exchange, Queue
@@ -31,7 +33,7 @@ def route_to(name: str) -> dict:
     return {"exchange": name, "routing_key": name}
 
 
-def declare_queues(names: list[str], retry_policy: dict | None = None) -> None:
+def declare_queues(names: list[str], retry_policy: Mapping[str, Any] | None = None) -> None:
     """Make sure queues (and their bindings) exist in the broker. ``retry_policy`` (the
     keys of Celery's publish retry policy: max_retries, interval_start/step/max) bounds
     the connection attempts; by default they back off for seconds."""
@@ -54,7 +56,7 @@ def broker_tls(url: str) -> dict | None:
     return {"ssl_cert_reqs": ssl.CERT_REQUIRED}
 
 
-def configure(settings: Settings | None = None, extra_queues: list[str] = ()) -> Celery:  # type: ignore[assignment]
+def configure(settings: Settings | None = None, extra_queues: Sequence[str] = ()) -> Celery:
     s = settings or get_settings()
     names = [*(pool_queue(p) for p in s.pools), *extra_queues]
     # the fast path: kombu's Redis transport, minus its per-message costs (tasks.broker),

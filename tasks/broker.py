@@ -205,6 +205,10 @@ class Channel(kombu_redis.Channel):
     _sync_client = None
     _multi_pop: bool | None = None  # BLMPOP in place of BRPOP (decided on first use)
     _popping_many = False  # the command in flight on the consumer's connection is BLMPOP
+    # kombu's class defaults type these as bool and None; its own code stores the
+    # connection being polled (or None) and a monotonic time in them
+    _in_poll: Any = False
+    _brpop_sent_at: float | None = None  # type: ignore[assignment]  # kombu's None default
 
     def _brpop_start(self, timeout: int | None = None) -> None:
         """Wait for the next messages: kombu sends ``BRPOP`` on every queue, one message per
@@ -279,7 +283,7 @@ class Channel(kombu_redis.Channel):
                     pool.release(conn)
         return self._multi_pop
 
-    def _create_client(self, asynchronous: bool = False):  # type: ignore[no-untyped-def]
+    def _create_client(self, asynchronous: bool = False):
         if asynchronous:  # the consumer's BRPOP client: kombu keeps that one itself
             return super()._create_client(asynchronous=True)
         if self._sync_client is None:
@@ -287,7 +291,7 @@ class Channel(kombu_redis.Channel):
         return self._sync_client
 
     @contextmanager
-    def conn_or_acquire(self, client=None):  # type: ignore[no-untyped-def]
+    def conn_or_acquire(self, client=None):
         out = _deferred.get()
         if client is not None or out is None:
             yield client or self._create_client()

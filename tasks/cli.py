@@ -20,6 +20,7 @@ import shutil
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -92,20 +93,20 @@ def _kvbm_tiers(s: Settings) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------
 # Shared options
 # ----------------------------------------------------------------------------------------
-def _model_opt(f):  # type: ignore[no-untyped-def]
+def _model_opt(f):
     return click.option(
         "--model", type=click.Path(path_type=Path), help="HF model dir [CONVEYOR_MODEL]"
     )(f)
 
 
-def _tool_parser_opt(f):  # type: ignore[no-untyped-def]
+def _tool_parser_opt(f):
     return click.option(
         "--tool-call-parser", type=click.Choice(["hermes", "llama3_json"]),
         help="Reads tool_choice 'auto' calls [CONVEYOR_TOOL_CALL_PARSER] (from the template)",
     )(f)  # fmt: skip
 
 
-def _redis_opt(f):  # type: ignore[no-untyped-def]
+def _redis_opt(f):
     return click.option("--redis-url", help="Redis URL [CONVEYOR_REDIS_URL]")(f)
 
 
@@ -121,7 +122,7 @@ def _configure_with_vllm(vllm_arg: tuple[str, ...], **kw: object) -> Settings:
     return s
 
 
-def _engine_opts(f):  # type: ignore[no-untyped-def]
+def _engine_opts(f):
     opts = [
         click.option("--torch-threads", type=int, help="[CONVEYOR_TORCH_THREADS] (1)"),
         click.option("--device", help="torch device [CONVEYOR_DEVICE] (cpu)"),
@@ -177,7 +178,7 @@ _WORKER_HELP = (
 @_model_opt
 @_redis_opt
 @_engine_opts
-def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: object) -> None:
+def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any) -> None:
     """Run one Celery worker process for POOL (its pool queue + its own queue)."""
     from celery.signals import worker_ready, worker_shutting_down
 
@@ -475,7 +476,7 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
 @_model_opt
 @_redis_opt
 @_engine_opts
-def serve(no_flower: bool, no_restart: bool, **kw: object) -> None:
+def serve(no_flower: bool, no_restart: bool, **kw: Any) -> None:
     """Run Redis (embedded unless --redis-url), the worker pools, the API and Flower;
     restart any of them that exits (see `conveyor status`)."""
     from tasks.supervisor import Supervisor

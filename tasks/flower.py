@@ -26,9 +26,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import flower  # type: ignore[import-untyped]
+import flower
 import redis
-from flower.views import BaseHandler  # type: ignore[import-untyped]
+from flower.views import BaseHandler
 
 from tasks.app import configure
 from tasks.queues import queue_names, snapshot
@@ -65,11 +65,11 @@ def install(s: Settings) -> bool:
             log.warning("worker registry unreadable (%s): Flower's own queue list", e)
             return _stock(handler)
 
-    BaseHandler.get_active_queue_names = get_active_queue_names  # type: ignore[method-assign]
+    BaseHandler.get_active_queue_names = get_active_queue_names
     return True
 
 
-def _flower_app(s: Settings):  # type: ignore[no-untyped-def]
+def _flower_app(s: Settings):
     app = configure(s.model_copy(update={"broker_fastpath": False}))
     install(s)
     return app

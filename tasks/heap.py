@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+from collections.abc import Callable
+from typing import Literal
 
 log = logging.getLogger(__name__)
 
@@ -46,4 +48,5 @@ def trim_heap() -> bool:
     return True
 
 
-_malloc_trim = None
+# glibc's malloc_trim once looked up; False where there is none
+_malloc_trim: Callable[[int], int] | Literal[False] | None = None

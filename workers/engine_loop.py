@@ -17,6 +17,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import cast
 
 from kvbm.block_pool import KVEvent
 from workers.engine_api import Engine, EngineRequest, RequestOutput
@@ -72,7 +73,7 @@ class EngineLoop:
         self._post(("call", (fn, fut)))
         return fut
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, object]:
         """The engine's counters and the loop's time spent in steps (read from any thread:
         a snapshot of plain counters, a step may be under way)."""
         return {**self.engine.stats().as_dict(),
@@ -95,9 +96,10 @@ class EngineLoop:
         while self._inbox:
             kind, arg = self._inbox.popleft()
             if kind == "add":
-                out = self.engine.add_request(arg)  # type: ignore[arg-type]
+                assert isinstance(arg, EngineRequest), "an 'add' command carries a request"
+                out = self.engine.add_request(arg)
             elif kind == "call":
-                fn, fut = arg  # type: ignore[misc]
+                fn, fut = cast("tuple[Callable[[Engine], object], Future]", arg)
                 try:
                     fut.set_result(fn(self.engine))
                 except Exception as e:  # noqa: BLE001 - hand it to the caller
@@ -106,7 +108,8 @@ class EngineLoop:
             elif kind == "wake":
                 out = None  # the step below collects what ended
             else:
-                out = self.engine.abort(arg)  # type: ignore[arg-type]
+                assert isinstance(arg, str), "an 'abort' command carries a request id"
+                out = self.engine.abort(arg)
             if out is not None:
                 outs.append(out)
         return outs

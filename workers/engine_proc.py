@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
+from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,10 +57,13 @@ from workers.start_errors import killed_while_starting, out_of_memory
 if TYPE_CHECKING:
     import redis
 
+    from kvbm.events import KVEventPublisher
     from workers.encode_server import EncodeServer
     from workers.engine_api import Engine, EngineRequest
+    from workers.engine_loop import EngineLoop
     from workers.images import ImageEncoder
     from workers.pooling import EmbeddingRunner
+    from workers.stream import FramePublisher
     from workers.transfer.embeddings import EmbeddingTransfer
 
 log = logging.getLogger(__name__)
@@ -182,9 +186,10 @@ class EngineClient:
     def _kill_engine_group(self) -> None:
         """The vLLM engine process leads a process group with vLLM's own processes
         (workers.vllm_engine): if it is gone, they must not outlive it."""
-        if self.spec.engine == "vllm" and self._proc is not None and not self._proc.is_alive():
+        proc = self._proc
+        if self.spec.engine == "vllm" and proc is not None and proc.pid and not proc.is_alive():
             try:
-                os.killpg(self._proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
@@ -349,10 +354,11 @@ def _start_engine(spec: EngineProcSpec, engine: Engine, client: redis.Redis,
         images, emb_transfer = _image_side(spec, client)
     transfer = None
     if spec.kv_transfer and spec.engine != "vllm":  # vLLM moves KV with its connector
-        from workers.transfer import make_transfer  # torch: not for the mock engine
+        from workers.llama import PagedKVCache  # torch: not for the mock engine
+        from workers.transfer import make_transfer
 
         memory = engine.kv_memory()
-        if memory is None:
+        if not isinstance(memory, PagedKVCache):
             raise RuntimeError(f"the {spec.engine} engine keeps no KV to transfer")
         transfer = make_transfer(spec.kv_transfer, memory, client, spec.worker_id,
                                  spec.kv_transfer_threads)  # fmt: skip
@@ -497,7 +503,7 @@ class _EngineServer:
     """The engine process's command handlers (runs in the engine process only)."""
 
     def __init__(self, spec: EngineProcSpec, engine, client, transfer, send, images=None,
-                 emb_transfer=None) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+                 emb_transfer=None) -> None:  # fmt: skip
         from concurrent.futures import ThreadPoolExecutor
 
         self.spec = spec
@@ -517,12 +523,14 @@ class _EngineServer:
         self.mm_used: dict[str, tuple[list, list]] = {}
         self.choices = ChoiceGroups()  # requests of n > 1 choices: n engine requests each
         self._stop = threading.Event()
-        self.loop = None
-        self.publisher = None
-        self.events = None
-        self.embeddings: EmbeddingRunner = None  # type: ignore[assignment]  # set by attach
+        # set by attach(), before the server is handed out (the publisher the loop feeds
+        # needs on_published first)
+        self.loop: EngineLoop
+        self.publisher: FramePublisher
+        self.events: KVEventPublisher | None = None
+        self.embeddings: EmbeddingRunner
 
-    def attach(self, loop, publisher, events) -> None:  # type: ignore[no-untyped-def]
+    def attach(self, loop, publisher, events) -> None:
         from workers.pooling import CHUNK_TOKENS, EmbeddingRunner
 
         self.loop = loop
@@ -615,7 +623,7 @@ class _EngineServer:
             self.mm_used[rid] = (p.images, [m.embeds for m in inputs])
         self._submit(engine_request(cmd, mm_inputs=inputs, block_extra_keys=extra))
 
-    def on_published(self, outs) -> None:  # type: ignore[no-untyped-def]
+    def on_published(self, outs) -> None:
         """Frames are out: report finished requests; export prefilled ones' KV."""
         done = [
             Completion(
@@ -635,7 +643,7 @@ class _EngineServer:
                 self.mm_used.pop(o.request_id, None)
 
     # ----------------------------------------------------------------------------------
-    def _export(self, out) -> None:  # type: ignore[no-untyped-def]
+    def _export(self, out) -> None:
         rid = out.request_id
         try:
             if out.kv_transfer_params is not None:  # vLLM's connector holds the KV
@@ -670,7 +678,7 @@ class _EngineServer:
         )
         self.send(Done([Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
 
-    def _pull_and_decode(self, cmd: Decode, mm_inputs=None, extra=None) -> None:  # type: ignore[no-untyped-def]
+    def _pull_and_decode(self, cmd: Decode, mm_inputs=None, extra=None) -> None:
         """The decode request joins the engine at once and waits there, in the loading
         state, for blocks and then for its pull (a loader thread runs ``_KVPull.load``)
         while the others keep decoding."""
@@ -716,7 +724,7 @@ class _EngineServer:
                 continue
             rid = msg["data"].decode()
             meta = self.exports.pop(rid, None)
-            self.loop.call(lambda e, r=rid: e.release_pinned(r))
+            self.loop.call(methodcaller("release_pinned", rid))
             if meta is not None:
                 self.pool.submit(self.transfer.discard, rid, meta)
 

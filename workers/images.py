@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import redis
 import torch
@@ -102,7 +103,8 @@ class ImageEncoder:
         return [out[im.hash] for im in images]
 
     def _run(self, images: list[ImageRef]) -> list[torch.Tensor]:
-        raws = self._r.mget([media_key(im.hash) for im in images])
+        # a binary client (decode_responses=False): bytes
+        raws = cast("list[bytes | None]", self._r.mget([media_key(im.hash) for im in images]))
         pils = []
         for im, raw in zip(images, raws, strict=True):
             if raw is None:
@@ -120,7 +122,7 @@ class ImageEncoder:
             self.stats.encode_batches += 1
         return [e.contiguous() for e in embeds]
 
-    def _tower(self):  # type: ignore[no-untyped-def]
+    def _tower(self):
         if self._encoder is None:
             from workers.vision import VisionEncoder
 

@@ -50,7 +50,7 @@ class TorchBlockCopier:
         else:
             assert tier == G1
             block = self.kv.data[index].cpu()
-        return memoryview(block.view(torch.uint8).numpy()).cast("B")
+        return block.view(torch.uint8).numpy().data.cast("B")
 
     def write_g1(self, block_id: int, data: bytearray | None) -> None:
         assert data is not None, "a G3 block read back without its bytes"

@@ -267,7 +267,7 @@ class WorkerRuntime:
             return True
         return False
 
-    def _wait(self, request_id: str, waiter) -> Completion:  # type: ignore[no-untyped-def]
+    def _wait(self, request_id: str, waiter) -> Completion:
         if self.redis.exists(cancelled_key(request_id)):
             log.info("[%s] cancelled before it started", request_id)
             self.engine.abort(request_id)

@@ -86,6 +86,13 @@ class Seq:
         return imp is not None and imp.source is not None and self.num_preemptions == 0
 
     @property
+    def import_source(self) -> KVSource:
+        """Where an importing sequence's prompt KV comes from."""
+        imp = self.req.imported
+        assert imp is not None and imp.source is not None, f"{self.id} imports no KV"
+        return imp.source
+
+    @property
     def id(self) -> str:
         return self.req.request_id
 
@@ -437,7 +444,7 @@ class Scheduler:
         if alloc is None:
             return False
         seq.matched = True
-        source = seq.req.imported.source  # type: ignore[union-attr]
+        source = seq.import_source
         self._start_load(_Load(seq, source=source, block_ids=list(alloc.block_ids)))
         return True
 
@@ -450,7 +457,7 @@ class Scheduler:
         prefills again elsewhere)."""
         now = time.monotonic()
         for seq in [s for s in self.waiting if s.importing and not s.matched]:
-            source = seq.req.imported.source  # type: ignore[union-attr]
+            source = seq.import_source
             if now > source.deadline:
                 self.waiting.remove(seq)
                 self.kv.free(seq.id)

@@ -67,7 +67,7 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error":
 def engine_args(
     model_dir: str | Path, config: EngineConfig, vllm_args: Sequence[str],
     kv_events: dict | None = None, kv_role: str | None = None,
-):  # type: ignore[no-untyped-def]  # fmt: skip
+):  # fmt: skip
     """vLLM's ``AsyncEngineArgs`` for serving ``model_dir``: the Conveyor settings that
     mean the same in vLLM first, then ``vllm_args`` (``vllm serve`` flags: they win), then
     Conveyor's KV event publisher (``kv_events``: the router's index depends on it).
@@ -235,23 +235,23 @@ class VllmEngine:
                  self.vllm_block_size, config.block_size, self.num_blocks,
                  self.max_model_len)  # fmt: skip
 
-    async def _create(self):  # type: ignore[no-untyped-def]
+    async def _create(self):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         return AsyncLLM.from_engine_args(self.args, stat_loggers=[self._stat_logger])
 
-    def _stat_logger(self, vllm_config, engine_index: int = 0):  # type: ignore[no-untyped-def]
+    def _stat_logger(self, vllm_config, engine_index: int = 0):
         """vLLM's per-engine stat logger factory: ours keeps the last scheduler stats."""
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         engine = self
 
         class _Keep(StatLoggerBase):
-            def __init__(self, vllm_config, engine_index: int = 0) -> None:  # type: ignore[no-untyped-def]
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
-                       engine_idx: int = 0) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+                       engine_idx: int = 0) -> None:  # fmt: skip
                 if scheduler_stats is not None:
                     engine._sched = scheduler_stats
                     if scheduler_stats.kv_connector_stats:
@@ -270,13 +270,13 @@ class VllmEngine:
             handler.cancel()
             await asyncio.gather(handler, return_exceptions=True)
 
-    def _call(self, coro):  # type: ignore[no-untyped-def]
+    def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._aloop)
 
     # --- the engine loop's side ----------------------------------------------------------
-    def set_waker(self, wake: Callable[[], None]) -> None:
-        """``wake`` rouses the engine loop (KV events came while it idles)."""
-        self._wake_loop = wake
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """``waker`` rouses the engine loop (KV events came while it idles)."""
+        self._wake_loop = waker or (lambda: None)
 
     def wake(self) -> None:
         """The loop has commands: return from :meth:`step` now."""
@@ -479,7 +479,7 @@ class VllmEngine:
             self._reader.close()
 
     # ----------------------------------------------------------------------------------
-    def _sampling(self, req: EngineRequest, st: _Req):  # type: ignore[no-untyped-def]
+    def _sampling(self, req: EngineRequest, st: _Req):
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         p = req.params
@@ -558,7 +558,7 @@ class VllmEngine:
                 prompt["multi_modal_uuids"] = {"image": uuids}
         return prompt
 
-    async def _run(self, rid: str, prompt: dict, sp) -> None:  # type: ignore[no-untyped-def]
+    async def _run(self, rid: str, prompt: dict, sp) -> None:
         try:
             async for out in self.llm.generate(prompt, sp, rid):
                 self._push(rid, out)
@@ -636,7 +636,7 @@ class VllmEngine:
         self._wake_loop()
 
 
-def _structured(spec: StructuredOutput | None):  # type: ignore[no-untyped-def]
+def _structured(spec: StructuredOutput | None):
     """vLLM's structured-output parameters for a request's constraint: the grammar the
     reference engine enforces for it (workers.structured: JSON's whitespace as the request
     says, and the fixes to xgrammar 0.2.8's JSON strings vLLM's own conversion lacks), as

@@ -98,13 +98,14 @@ class KVEventTranslator:
         return len(self._blocks)
 
     # ----------------------------------------------------------------------------------
-    def _stored(self, ev) -> list[KVEvent]:  # type: ignore[no-untyped-def]
+    def _stored(self, ev) -> list[KVEvent]:
         hashes, tokens = list(ev.block_hashes), list(ev.token_ids)
         if not hashes:
             return []
         per = len(tokens) // len(hashes)
         extra = list(ev.extra_keys or [])
         parent_key = ev.parent_block_hash
+        leftover: tuple[int, ...]
         if parent_key is None:
             last, leftover = ROOT_PARENT, ()
         else:
@@ -145,7 +146,7 @@ class KVEventTranslator:
             parent_key = h
         return [KVEvent("stored", stored)] if stored else []
 
-    def _image_keys(self, keys, lo: int, bs: int) -> tuple[str, ...]:  # type: ignore[no-untyped-def]
+    def _image_keys(self, keys, lo: int, bs: int) -> tuple[str, ...]:
         """The extra keys of the Conveyor block at ``[lo, lo + bs)`` of a vLLM block whose
         event keys are ``keys``: each image (an ``(identifier, offset)`` pair, the offset
         relative to the vLLM block's start) whose placeholder span overlaps it."""

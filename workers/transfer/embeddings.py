@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from typing import cast
 
 import redis
 import torch
@@ -97,7 +98,7 @@ class RedisEmbeddingTransfer(EmbeddingTransfer):
 
     def pull(self, meta: dict, timeout: float) -> torch.Tensor:
         t0 = time.perf_counter()
-        raw = self._r.getdel(meta["key"])
+        raw = cast("bytes | None", self._r.getdel(meta["key"]))  # a binary client
         if raw is None:
             raise TransferError(f"embedding {meta['key']} is gone from Redis (expired?)")
         if len(raw) != meta["nbytes"]:
