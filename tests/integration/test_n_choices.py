@@ -356,7 +356,14 @@ def test_every_choice_carries_its_own_logprobs(cluster: Cluster) -> None:
     for c in out.choices:
         entries = c.logprobs.content
         assert len(entries) == 12 and all(len(e.top_logprobs) == 2 for e in entries)
-        assert "".join(e.token for e in entries) == c.message.content
+        # a token's string is its own text, as vLLM gives it: U+FFFD where the token ends
+        # inside a UTF-8 character, so the strings join into the text up to the first such
+        joined = "".join(e.token for e in entries)
+        cut = joined.find("\ufffd")
+        if cut < 0:
+            assert joined == c.message.content
+        else:
+            assert c.message.content.startswith(joined[:cut]), (joined, c.message.content)
         whole[c.index] = [(e.token, round(e.logprob, 5)) for e in entries]
     assert len({tuple(v) for v in whole.values()}) > 1  # seeded choices differ
     streamed: dict[int, list] = {i: [] for i in range(N)}
