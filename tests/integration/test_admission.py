@@ -119,7 +119,7 @@ def _settle(dep: Deployment, redis_url: str) -> None:
     request in flight or waiting in any API, every slot given back to the workers."""
     import redis
 
-    from kvbm.protocol import load_key
+    from cluster.keys import load_key
 
     r = redis.Redis.from_url(redis_url)
 
