@@ -24,7 +24,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # fixtures that do: every such test carries the `integration` marker (`-m "not integration"`
 # is then the quick suite), and a test that lacks it stops the collection.
 PROCESS_DIRS = ("integration", "vllm", "compose")
-PROCESS_FIXTURES = frozenset({"redis_url", "cluster", "own_redis", "vllm_redis"})
+PROCESS_FIXTURES = frozenset(
+    {"redis_url", "redis_dbs", "fresh_db", "cluster", "own_redis", "vllm_dbs"}
+)
 
 
 def unmarked_process_tests(items: list[pytest.Item]) -> list[str]:

@@ -8,6 +8,7 @@ No eager Celery, no fake Redis.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import signal
@@ -83,9 +84,10 @@ def wait_for(cond, timeout: float, what: str, procs: list[Proc] = ()) -> None:  
 
 
 async def async_wait_for(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    """``wait_for`` inside an event loop: poll ``cond`` until it holds or ``timeout``."""
+    """``wait_for`` inside an event loop: poll ``cond`` (a function, or a coroutine
+    function such as a Redis query) until it holds or ``timeout``."""
     deadline = time.monotonic() + timeout
-    while not cond():
+    while not (await ok if inspect.isawaitable(ok := cond()) else ok):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
@@ -105,11 +107,74 @@ def start_redis(d: Path, *extra: str, auth: str = "") -> tuple[Proc, str]:
     return p, url
 
 
+# databases of the session's redis-server: one per test that deploys (RedisDbs)
+DATABASES = 512
+
+
+class RedisDbs:
+    """Hands out the databases of one redis-server, each flushed, none twice: a test (or
+    a module's fixture) that deploys workers gets a database no other test or module
+    uses. Database 0 is the session ``cluster``'s."""
+
+    def __init__(self, url: str) -> None:
+        self.base = url.rsplit("/", 1)[0]
+        r = redis.Redis.from_url(url)
+        self.count = int(r.config_get("databases")["databases"])
+        self.owners: dict[int, str] = {0: "the session cluster"}
+
+    def take(self, owner: str) -> str:
+        """A fresh, flushed database for ``owner`` (a test's or module's node id)."""
+        n = max(self.owners) + 1
+        assert n < self.count, (
+            f"all {self.count} databases of the session's redis-server are handed out "
+            "(raise DATABASES in tests/integration/conftest.py)"
+        )
+        self.owners[n] = owner
+        url = f"{self.base}/{n}"
+        redis.Redis.from_url(url).flushdb()
+        return url
+
+    def strays(self) -> list[int]:
+        """Databases that hold keys but were never handed out: a test that picked its
+        number by hand, and may share it with another module."""
+        keyspace = redis.Redis.from_url(f"{self.base}/0").info("keyspace")
+        return sorted(int(k[2:]) for k in keyspace if int(k[2:]) not in self.owners)
+
+
+def session_redis(d: Path) -> Iterator[tuple[str, RedisDbs]]:
+    """The session's redis-server with ``DATABASES`` databases and their allocator; at the
+    end, no database that the allocator did not hand out may hold keys."""
+    p, url = start_redis(d, "--databases", str(DATABASES))
+    dbs = RedisDbs(url)
+    yield url, dbs
+    try:
+        strays = dbs.strays()
+        assert not strays, f"dbs {strays} were used without RedisDbs.take (fresh_db)"
+    finally:
+        p.stop()
+
+
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    p, url = start_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    p.stop()
+def _session_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, RedisDbs]]:
+    yield from session_redis(tmp_path_factory.mktemp("redis"))
+
+
+@pytest.fixture(scope="session")
+def redis_url(_session_redis: tuple[str, RedisDbs]) -> str:
+    """The session's redis-server, database 0: the session ``cluster``'s."""
+    return _session_redis[0]
+
+
+@pytest.fixture(scope="session")
+def redis_dbs(_session_redis: tuple[str, RedisDbs]) -> RedisDbs:
+    """Fresh databases for module-scoped fixtures: ``redis_dbs.take(request.node.nodeid)``."""
+    return _session_redis[1]
+
+
+@pytest.fixture
+def fresh_db(redis_dbs: RedisDbs, request: pytest.FixtureRequest) -> str:
+    """A database of this test's own, flushed: the test's fixtures and its body share it."""
+    return redis_dbs.take(request.node.nodeid)
 
 
 @pytest.fixture
@@ -197,11 +262,6 @@ def celery_at(redis_url: str, **settings: object) -> None:
     configure(Settings(redis_url=redis_url, **settings))
     app.close()
     app.amqp._producer_pool = None
-
-
-def redis_db(redis_url: str, n: int) -> str:
-    """The same redis-server, database ``n``: an isolated deployment for one test."""
-    return redis_url.rsplit("/", 1)[0] + f"/{n}"
 
 
 def start_worker(name: str, pool: str, worker_id: str, env: dict[str, str], logdir: Path) -> Proc:

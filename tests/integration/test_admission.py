@@ -114,6 +114,26 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return float(m[1]) if m else 0.0
 
 
+def _settle(dep: Deployment, redis_url: str) -> None:
+    """Wait until the round is over everywhere (the RSS is compared in this state): no
+    request in flight or waiting in any API, every slot given back to the workers."""
+    import redis
+
+    from cluster.keys import load_key
+
+    r = redis.Redis.from_url(redis_url)
+
+    def idle() -> bool:
+        loads = r.hgetall(load_key("generate"))
+        return all(int(v) == 0 for k, v in loads.items() if k.endswith(b":reqs")) and all(
+            _metric(u, "conveyor_requests_in_flight") == 0
+            and _metric(u, "conveyor_admission_waiting") == 0
+            for u in dep.urls
+        )
+
+    wait_for(idle, 30, "the round's requests all ended and given back", dep.apis)
+
+
 def _rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -198,9 +218,9 @@ def test_three_times_capacity_is_served_or_refused_with_retry_after_and_memory_r
             # refused after the wait, well before an accepted stream would have ended
             assert max(o.took for o in refused) < 5.0, [o.took for o in refused]
             if i == 0:
-                time.sleep(1.0)
+                _settle(dep, redis_for_admission)
                 baseline = [_rss_kb(p.popen.pid) for p in dep.apis]
-        time.sleep(1.0)
+        _settle(dep, redis_for_admission)
         after = [_rss_kb(p.popen.pid) for p in dep.apis]
         print(f"\nAPI RSS after round 1: {baseline} kB, after round 5: {after} kB")
         for b, a in zip(baseline, after, strict=True):

@@ -14,7 +14,6 @@ from tests.integration.conftest import (
     BIN,
     base_env,
     free_port,
-    redis_db,
     spawn,
     start_worker,
     stop_on_error,
@@ -32,11 +31,11 @@ REFUSED = [
 
 @pytest.mark.parametrize("protect_ops", [False, True])
 def test_requests_need_a_configured_key(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, protect_ops: bool
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, protect_ops: bool
 ) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# one per line\nsk-first\n\nsk-second\n")
-    env = base_env(redis_db(redis_url, 13), tiny_model_dir, CONVEYOR_ENGINE="mock",
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_ENGINE="mock",
                    CONVEYOR_MOCK__SPEEDUP="20", CONVEYOR_API_KEYS=f"@{keys}",
                    CONVEYOR_API_KEYS_PROTECT_OPS=str(protect_ops).lower())  # fmt: skip
     worker = start_worker("keys-worker", "generate", "keys-w", env, tmp_path)

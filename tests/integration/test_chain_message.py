@@ -29,12 +29,12 @@ from tasks.router import Route, RouteRequest
 from tasks.settings import Settings
 from tests.fakes import FakeHub
 from tests.integration.conftest import (
+    async_wait_for,
     base_env,
     celery_at,
     celery_events,
     free_port,
     needs_redis,
-    redis_db,
     start_api,
     start_redis,
     start_worker,
@@ -47,12 +47,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("steps", [["generate"], ["prefill", "decode"]])
 def test_the_message_carries_the_payload_and_no_repr_of_the_token_ids(
-    redis_url: str, steps: list[str]
+    fresh_db: str, steps: list[str]
 ) -> None:
-    url = redis_db(redis_url, 14)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    celery_at(url)
+    r = redis.Redis.from_url(fresh_db)
+    celery_at(fresh_db)
     pools = {"generate": "generate", "prefill": "prefill", "decode": "decode"}
     plan = Plan(steps=[(n, Route(pools[n], f"w-{n}", {})) for n in steps])
     declare_queues([route.queue for route in plan.routes])
@@ -86,17 +84,15 @@ def _png_url() -> str:
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, mode: str
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, mode: str
 ) -> None:
     """What Flower shows as a task's arguments: the ``args`` of the task-received event
     each stage's worker emits. For a 400-token prompt they name the request and its
     prompt length, not a repr of 400 token ids, for the task the API sends and for the
     ones a worker sends on down the chain (an image request where the mode encodes, so
     that every stage runs)."""
-    url = redis_db(redis_url, 1)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    env = base_env(url, tiny_model_dir, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER="redis",
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER="redis",
                    CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
     procs = [start_worker(f"w-{pool}", pool, f"events-{pool}", env, tmp_path)
              for pool in MODES[mode].pools]  # fmt: skip
@@ -108,7 +104,7 @@ def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
         pools = MODES[mode].pools
         wait_for(lambda: all(httpx.get(f"{http}/health").json()["workers"][p] >= 1
                              for p in pools), 90, "workers", procs)  # fmt: skip
-        events.psubscribe(celery_events(url))
+        events.psubscribe(celery_events(fresh_db))
         assert events.get_message(timeout=2)["type"] == "psubscribe"
         client = openai.OpenAI(base_url=f"{http}/v1", api_key="x", max_retries=0)
         if any(stage.encodes for stage in MODES[mode].stages):
@@ -146,17 +142,15 @@ def test_flower_shows_a_stage_task_by_its_request_not_its_token_ids(
 
 
 def test_the_api_declares_a_queue_once_then_sends_without_declaring(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, fresh_db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Runner._send declares each queue the first time it sends there and never again per
     message (kombu's own check per publish was a third of a send's CPU); the messages
     still land on the queue, whole."""
     import kombu.messaging
 
-    url = redis_db(redis_url, 11)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    celery_at(url)
+    r = redis.Redis.from_url(fresh_db)
+    celery_at(fresh_db)
     checks: list[object] = []
     real = kombu.messaging.maybe_declare
 
@@ -167,8 +161,8 @@ def test_the_api_declares_a_queue_once_then_sends_without_declaring(
     monkeypatch.setattr(kombu.messaging, "maybe_declare", spy)
 
     async def main() -> None:
-        client = aioredis.Redis.from_url(url)
-        runner = Runner(Settings(redis_url=url), client, None, ApiMetrics())  # type: ignore[arg-type]
+        client = aioredis.Redis.from_url(fresh_db)
+        runner = Runner(Settings(redis_url=fresh_db), client, None, ApiMetrics())  # type: ignore[arg-type]
         plan = Plan(steps=[("generate", Route("generate", "w-once", {}))])
         try:
             for i in range(3):
@@ -176,7 +170,8 @@ def test_the_api_declares_a_queue_once_then_sends_without_declaring(
                                           prompt_token_ids=[i, 7], sampling={},
                                           created=0.0)  # fmt: skip
                 await runner._send(plan, payload)
-            await asyncio.sleep(0.1)  # the writes' round trip
+            # the sends return before their writes' round trip: wait for the messages
+            await async_wait_for(lambda: r.llen("generate.w-once") == 3, 5, "3 messages queued")
         finally:
             await runner.aclose()
             await client.aclose()
@@ -283,16 +278,14 @@ def test_a_broker_that_dies_after_connecting_fails_the_send_fast_with_503(
 
 @pytest.mark.parametrize("transport", ["tasks.broker:Transport", "redis"])
 def test_deferred_publishes_record_the_writes_and_send_nothing(
-    redis_url: str, transport: str
+    redis_url: str, fresh_db: str, transport: str
 ) -> None:
     """tasks.broker.deferred_publishes: inside the block a chain's send reaches Redis not
     at all, and the recorded writes, sent later, put the same message on the queue and
     the task-sent event on its channel. Kombu's own transport (for rediss://, sentinel://)
     ignores the block and sends at once."""
-    url = redis_db(redis_url, 12)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    celery_at(url)
+    r = redis.Redis.from_url(fresh_db)
+    celery_at(fresh_db)
     app.conf.broker_transport = transport
     try:
         plan = Plan(steps=[("generate", Route("generate", "w-deferred", {}))])
@@ -301,7 +294,7 @@ def test_deferred_publishes_record_the_writes_and_send_nothing(
         payload = StagePayload(request_id="cmpl-deferred", model="m",
                                   prompt_token_ids=[7, 8, 9], sampling={}, created=0.0)  # fmt: skip
         events = r.pubsub()
-        events.psubscribe(celery_events(url))
+        events.psubscribe(celery_events(fresh_db))
         assert events.get_message(timeout=1)["type"] == "psubscribe"
         with deferred_publishes() as writes:
             build_chain(plan, payload).apply_async()
@@ -328,11 +321,10 @@ def test_deferred_publishes_record_the_writes_and_send_nothing(
         r.flushdb()
 
 
-def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:
+def test_the_broker_channel_keeps_one_redis_client(fresh_db: str) -> None:
     """tasks.broker: publishes and acks reuse the channel's client (kombu's own transport
     builds a new one per call); messages still land, and a closed channel lets it go."""
-    url = redis_db(redis_url, 13)
-    celery_at(url)
+    celery_at(fresh_db)
     with app.connection_for_write() as conn:
         channel = conn.default_channel
         assert isinstance(channel, Channel)
@@ -341,24 +333,22 @@ def test_the_broker_channel_keeps_one_redis_client(redis_url: str) -> None:
         q = "generate.w-one-client"
         declare_queues([q])
         _publish(conn, q, range(3))
-        assert redis.Redis.from_url(url).llen(q) == 3
+        assert redis.Redis.from_url(fresh_db).llen(q) == 3
         channel.close()
         assert channel._sync_client is None
-    redis.Redis.from_url(url).flushdb()
 
 
 def test_a_worker_batches_its_unacked_bookkeeping_and_writes_it_before_closing(
     redis_url: str,
+    fresh_db: str,
 ) -> None:
     """tasks.broker.QoS on a worker's event loop: a message received is handed on before
     its record reaches the unacked hash (written when the loop turn ends); an ack frees
     its prefetch slot at once but leaves the message in the hash until the batch is
     written (ACK_FLUSH_S), one transaction for everything pending; closing the channel
     writes what is held back. Without an event loop both are written at once."""
-    url = redis_db(redis_url, 14)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    celery_at(url)
+    r = redis.Redis.from_url(fresh_db)
+    celery_at(fresh_db)
     q = "generate.w-acks"
     declare_queues([q])
     try:

@@ -21,9 +21,9 @@ from cluster.keys import worker_key
 from tests.integration.conftest import (
     Cluster,
     Proc,
+    RedisDbs,
     base_env,
     celery_at,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -129,22 +129,20 @@ def _start_disagg(
 @pytest.fixture(scope="module", params=["redis", "nixl"])
 def disagg(
     request: pytest.FixtureRequest,
-    redis_url: str,
+    redis_dbs: RedisDbs,
     tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Disagg]:
     backend = request.param
     if backend == "nixl":
         pytest.importorskip("nixl._api", reason="nixl not installed: NIXL path not tested")
-    db = {"redis": 10, "nixl": 11}[backend]
-    url = redis_db(redis_url, db)
+    url = redis_dbs.take(f"{__name__}[{backend}]")
     d = _start_disagg(
         f"dis-{backend}", url, tiny_model_dir, tmp_path_factory.mktemp(backend), backend
     )
     yield d
     for p in (d.api, d.prefill, d.decode):
         p.stop()
-    redis.Redis.from_url(url).flushdb()
 
 
 async def _complete_all(url: str, model: str, prompts: list[list[int]], outs: list[int]) -> list:
@@ -465,11 +463,10 @@ def test_short_prompt_prefills_on_decode_worker(
 
 
 def test_no_prefill_pool_runs_aggregated_on_decode(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, agg_reference: list
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, agg_reference: list
 ) -> None:
-    url12 = redis_db(redis_url, 12)
     env = base_env(
-        url12, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0"
+        fresh_db, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0"
     )
     dec = start_worker("solo-decode", "decode", "solo-d", env, tmp_path)
     with stop_on_error(dec):
@@ -489,4 +486,3 @@ def test_no_prefill_pool_runs_aggregated_on_decode(
     finally:
         api.stop()
         dec.stop()
-        redis.Redis.from_url(url12).flushdb()

@@ -8,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from tests.integration.conftest import redis_db, wait_for
+from tests.integration.conftest import wait_for
 from workers.transfer.base import TransferError
 from workers.transfer.embeddings import (
     NixlEmbeddingTransfer,
@@ -27,8 +27,8 @@ def _embeds(seed: int, shape: tuple[int, ...] = (16, 128)) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_redis_moves_each_embedding_once(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_db(redis_url, 12))
+def test_redis_moves_each_embedding_once(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     enc, pd = RedisEmbeddingTransfer(r), RedisEmbeddingTransfer(r)
     a, b = _embeds(1), _embeds(2, (576, 64)).to(torch.bfloat16)
     ma, mb = enc.export("req", "aa", a), enc.export("req", "bb", b)
@@ -40,8 +40,8 @@ def test_redis_moves_each_embedding_once(redis_url: str) -> None:
 
 
 @needs_nixl
-def test_nixl_reads_from_the_encode_workers_arena_and_frees_it(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_db(redis_url, 12))
+def test_nixl_reads_from_the_encode_workers_arena_and_frees_it(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     enc = NixlEmbeddingTransfer(r, "enc-w", arena_mb=4)
     pd = NixlEmbeddingTransfer(r, "pd-w", arena_mb=4)
     try:
@@ -62,8 +62,8 @@ def test_nixl_reads_from_the_encode_workers_arena_and_frees_it(redis_url: str) -
 
 
 @needs_nixl
-def test_nixl_frees_an_embedding_nobody_pulled(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_db(redis_url, 12))
+def test_nixl_frees_an_embedding_nobody_pulled(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     enc = NixlEmbeddingTransfer(r, "enc-x", arena_mb=1, pin_timeout_s=0.5)
     try:
         full = enc._arena.free_bytes
@@ -74,8 +74,8 @@ def test_nixl_frees_an_embedding_nobody_pulled(redis_url: str) -> None:
         enc.close()
 
 
-def test_redis_a_declined_embedding_is_deleted(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_db(redis_url, 12))
+def test_redis_a_declined_embedding_is_deleted(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     enc, pd = RedisEmbeddingTransfer(r), RedisEmbeddingTransfer(r)
     m = enc.export("req", "cc", _embeds(4))
     assert r.exists(m["key"])
@@ -84,8 +84,8 @@ def test_redis_a_declined_embedding_is_deleted(redis_url: str) -> None:
 
 
 @needs_nixl
-def test_nixl_a_declined_embedding_frees_its_slot_now(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_db(redis_url, 12))
+def test_nixl_a_declined_embedding_frees_its_slot_now(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     enc = NixlEmbeddingTransfer(r, "enc-y", arena_mb=1, pin_timeout_s=600)
     pd = NixlEmbeddingTransfer(r, "pd-y", arena_mb=1)
     try:
@@ -108,14 +108,14 @@ def test_arena_slots_coalesce() -> None:
     assert arena.alloc(4096 * 9) == 12288  # three neighbours merged back into one run
 
 
-def test_auto_picks_a_backend(redis_url: str) -> None:
-    t = make_embedding_transfer("auto", redis.Redis.from_url(redis_db(redis_url, 12)), "w")
+def test_auto_picks_a_backend(fresh_db: str) -> None:
+    t = make_embedding_transfer("auto", redis.Redis.from_url(fresh_db), "w")
     try:
         assert t.name == ("nixl" if nixl_available() else "redis")
     finally:
         t.close()
     with pytest.raises(ValueError):
-        make_embedding_transfer("carrier-pigeon", redis.Redis.from_url(redis_url), "w")
+        make_embedding_transfer("carrier-pigeon", redis.Redis.from_url(fresh_db), "w")
 
 
 _CHOOSE = """
@@ -140,7 +140,7 @@ for t in made:
 
 
 @pytest.mark.parametrize("nixl", ["hide", "load"])
-def test_auto_says_once_which_backend_and_why(redis_url: str, nixl: str) -> None:
+def test_auto_says_once_which_backend_and_why(fresh_db: str, nixl: str) -> None:
     """CONVEYOR_KV_TRANSFER=auto: NIXL where it loads, else Redis; the log says once per
     process, for KV and for embeddings, which one and why (with the import's error and how
     to install it when NIXL does not load)."""
@@ -149,7 +149,7 @@ def test_auto_says_once_which_backend_and_why(redis_url: str, nixl: str) -> None
 
     if nixl == "load" and not nixl_available():
         pytest.skip("nixl is not installed here")
-    out = subprocess.run([sys.executable, "-c", _CHOOSE, redis_db(redis_url, 12), nixl],
+    out = subprocess.run([sys.executable, "-c", _CHOOSE, fresh_db, nixl],
                          capture_output=True, text=True, timeout=120).stdout  # fmt: skip
     lines = [ln for ln in out.splitlines() if " transfer: " in ln]
     want = "redis" if nixl == "hide" else "nixl"

@@ -14,14 +14,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import redis
 import torch
 from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
 from tests.integration.conftest import (
     Cluster,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -158,13 +156,11 @@ def test_tokenize_and_detokenize_match_the_tokenizer(cluster: Cluster, hf: tuple
         assert r.json()["error"]["param"] == param, r.text
 
 
-def test_a_mock_engine_refuses_embeddings(redis_url: str, tiny_model_dir: Path,
+def test_a_mock_engine_refuses_embeddings(fresh_db: str, tiny_model_dir: Path,
                                           tmp_path: Path) -> None:  # fmt: skip
     """Through the real pipeline: the mock engine's worker ends the request with a refusal
     that the API answers 400, naming the endpoint; the API stays serving."""
-    url = redis_db(redis_url, 6)
-    redis.Redis.from_url(url).flushdb()
-    env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock", CONVEYOR_MOCK__SPEEDUP="50")
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_ENGINE="mock", CONVEYOR_MOCK__SPEEDUP="50")
     worker = start_worker("emb-mock-w", "generate", "emb-mock-w", env, tmp_path)
     with stop_on_error(worker):
         api, api_url = start_api("emb-mock-api", env, tmp_path)
@@ -184,13 +180,11 @@ def test_a_mock_engine_refuses_embeddings(redis_url: str, tiny_model_dir: Path,
         worker.stop()
 
 
-def test_disagg_mode_embeds_on_the_decode_pool(redis_url: str, tiny_model_dir: Path,
+def test_disagg_mode_embeds_on_the_decode_pool(fresh_db: str, tiny_model_dir: Path,
                                                tmp_path: Path, hf: tuple) -> None:  # fmt: skip
     """In the P/D mode an embedding runs whole on a decode worker (the pool that runs whole
     requests), with the same vectors; the prefill worker never sees it."""
-    url = redis_db(redis_url, 6)
-    redis.Redis.from_url(url).flushdb()
-    env = base_env(url, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_KV_TRANSFER="redis",
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_KV_TRANSFER="redis",
                    CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
     pre = start_worker("emb-pd-p", "prefill", "emb-pd-p", env, tmp_path)
     dec = start_worker("emb-pd-d", "decode", "emb-pd-d", env, tmp_path)
@@ -208,4 +202,3 @@ def test_disagg_mode_embeds_on_the_decode_pool(redis_url: str, tiny_model_dir: P
     finally:
         for p in (api, dec, pre):
             p.stop()
-        redis.Redis.from_url(url).flushdb()

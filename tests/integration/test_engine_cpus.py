@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from cluster.keys import worker_key
-from tests.integration.conftest import base_env, redis_db, start_worker, wait_for
+from tests.integration.conftest import base_env, start_worker, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -33,12 +33,10 @@ def _affinity(pid: int) -> dict[int, set[int]]:
     reason="needs Linux and CPUs 0 and 1",
 )
 def test_the_engine_process_runs_only_on_the_cpus_it_is_given(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    url = redis_db(redis_url, 2)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE_CPUS="0")
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_ENGINE_CPUS="0")
     worker = start_worker("w-pinned", "generate", "pinned", env, tmp_path)
     try:
         key = worker_key("generate", "pinned")

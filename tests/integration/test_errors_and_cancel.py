@@ -20,8 +20,8 @@ import redis
 from cluster.membership import Heartbeat
 from tests.integration.conftest import (
     Cluster,
+    RedisDbs,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -156,9 +156,8 @@ def test_metrics_exposed(cluster: Cluster) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def test_no_live_worker_503(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    url5 = redis_db(redis_url, 5)
-    api, url = start_api("api-noworkers", base_env(url5, tiny_model_dir), tmp_path)
+def test_no_live_worker_503(fresh_db: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    api, url = start_api("api-noworkers", base_env(fresh_db, tiny_model_dir), tmp_path)
     try:
         h = httpx.get(f"{url}/health")
         assert h.status_code == 503
@@ -172,14 +171,13 @@ def test_no_live_worker_503(redis_url: str, tiny_model_dir: Path, tmp_path: Path
 
 
 def test_worker_that_never_answers_gives_504(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """A worker registered as alive that never consumes (hung): the client gets a timeout
     error, not a hung request — both non-stream and stream."""
-    url6 = redis_db(redis_url, 6)
-    r6 = redis.Redis.from_url(url6)
+    r6 = redis.Redis.from_url(fresh_db)
     Heartbeat(r6, "generate", "hung", lambda: {"host": "x"}, ttl_s=120).beat()
-    env = base_env(url6, tiny_model_dir, CONVEYOR_FIRST_FRAME_TIMEOUT_S="2")
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_FIRST_FRAME_TIMEOUT_S="2")
     api, url = start_api("api-hung", env, tmp_path)
     try:
         body = {"model": tiny_model_dir.name, "prompt": "hi", "max_tokens": 3}
@@ -206,14 +204,13 @@ STEP_MS = 20  # a decode step: a 1500-token request runs for 30 s
 
 @pytest.fixture(scope="module")
 def slow(
-    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     """One worker and an API on a Redis database of their own. The worker runs the mock
     engine (the reference engine's scheduler, block pool and frame publisher; simulated
     step times) at STEP_MS a decode step, so a long request outlives every bound below;
     the API gives up on a stream silent for 2 s, and a heartbeat lasts 60 s."""
-    url = redis_db(redis_url, 3)
-    redis.Redis.from_url(url).flushdb()
+    url = redis_dbs.take(__name__)
     logdir = tmp_path_factory.mktemp("slow")
     env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock",
                    CONVEYOR_MOCK__DECODE_STEP_MS=str(STEP_MS), CONVEYOR_FRAME_TIMEOUT_S="2",
@@ -227,7 +224,6 @@ def slow(
     yield Cluster(http, url, tiny_model_dir, tiny_model_dir.name, [worker], api)
     api.stop()
     worker.stop()
-    redis.Redis.from_url(url).flushdb()
 
 
 def _blocks_used(cluster: Cluster) -> int:

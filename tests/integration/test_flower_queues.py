@@ -25,9 +25,9 @@ from cluster.queues import queue_lists
 from tests.integration.conftest import (
     BIN,
     Proc,
+    RedisDbs,
     base_env,
     free_port,
-    redis_db,
     spawn,
     start_api,
     start_worker,
@@ -78,10 +78,9 @@ def flower_queues(url: str) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def dep(
-    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    url = redis_db(redis_url, 3)
-    redis.Redis.from_url(url).flushdb()
+    url = redis_dbs.take(__name__)
     logdir = tmp_path_factory.mktemp("flower")
     env = base_env(
         url, tiny_model_dir,
@@ -111,7 +110,6 @@ def dep(
     yield d
     for p in (fl, api, pre, dec):
         p.stop()
-    redis.Redis.from_url(url).flushdb()
 
 
 def _metrics(url: str) -> dict[tuple[str, tuple], float]:

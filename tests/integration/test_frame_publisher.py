@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
 import redis
 
-from tests.integration.conftest import needs_redis, redis_db
+from tests.integration.conftest import needs_redis, wait_for
 from workers.engine_api import RequestOutput
 from workers.stream import DRAIN_AFTER, IDLE_CHECK_S, FramePublisher
 
@@ -24,8 +25,8 @@ def _next(sub: redis.client.PubSub, timeout: float = 2.0) -> dict | None:
     return None
 
 
-def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_db(redis_url, 8))
+def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     sub = r.pubsub(ignore_subscribe_messages=True)
     sub.subscribe("tokens:a", "tokens:b")
     published: list[str] = []
@@ -60,11 +61,11 @@ def test_frames_are_numbered_delivered_and_survive_a_dropped_connection(redis_ur
         sub.close()
 
 
-def test_a_connection_closed_while_idle_loses_no_frame(redis_url: str) -> None:
+def test_a_connection_closed_while_idle_loses_no_frame(fresh_db: str) -> None:
     """Redis closes the connection while no frame flows (a restart of Redis): the socket
     would take the next write without an error and lose it. After IDLE_CHECK_S of silence
     the publisher notices first and writes the very next frame on a new connection."""
-    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    r = redis.Redis.from_url(fresh_db)
     sub = r.pubsub(ignore_subscribe_messages=True)
     sub.subscribe("tokens:idle")
     pub = FramePublisher(r)
@@ -73,7 +74,7 @@ def test_a_connection_closed_while_idle_loses_no_frame(redis_url: str) -> None:
         pub.send_command(("CLIENT", "ID"), ids.append)
         assert pub.wait_replies(2.0) and isinstance(ids[0], int)
         r.client_kill_filter(_id=ids[0])
-        time.sleep(IDLE_CHECK_S + 0.2)
+        time.sleep(IDLE_CHECK_S + 0.2)  # the silence itself is what the publisher must notice
         pub.publish_outputs([RequestOutput("idle", [1], "first")])
         got = _next(sub)
         assert got is not None and (got["seq"], got["text"]) == (0, "first")
@@ -103,10 +104,10 @@ def test_a_publish_never_waits_for_replies(own_redis: str) -> None:
         pub.stop()
 
 
-def test_replies_are_read_in_batches_not_after_every_write(redis_url: str) -> None:
+def test_replies_are_read_in_batches_not_after_every_write(fresh_db: str) -> None:
     """Looking for replies costs the engine thread system calls: a write reads those that
     have come only once DRAIN_AFTER are owed, and then all of them."""
-    r = redis.Redis.from_url(redis_db(redis_url, 8))
+    r = redis.Redis.from_url(fresh_db)
     pub = FramePublisher(r)
     got: list[object] = []
     try:
@@ -114,13 +115,19 @@ def test_replies_are_read_in_batches_not_after_every_write(redis_url: str) -> No
         for i in range(DRAIN_AFTER - 2):
             pub.publish_outputs([RequestOutput("d", [i], "x")])
         assert pub.quiet  # one reply owed per step
-        time.sleep(0.3)  # every reply has come by now; none was read
-        assert got == [] and len(pub._owed) == DRAIN_AFTER - 1
+        wait_for(lambda: _replies_waiting(pub) == DRAIN_AFTER - 1, 5, "every reply to come")
+        assert got == [] and len(pub._owed) == DRAIN_AFTER - 1  # none was read
         pub.publish_outputs([RequestOutput("d", [99], "y")])  # the DRAIN_AFTER-th
         assert got == [b"PONG"] and len(pub._owed) <= 1
         assert pub.wait_replies(2.0) and pub.publish_errors == 0
     finally:
         pub.stop()
+
+
+def _replies_waiting(pub: FramePublisher) -> int:
+    """The replies come and unread on the publisher's socket (one line each: +PONG, +OK)."""
+    sock = pub._conn._sock  # type: ignore[attr-defined]
+    return sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT).count(b"\r\n")
 
 
 def _calls(r: redis.Redis, command: str) -> int:

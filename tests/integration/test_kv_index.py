@@ -25,7 +25,7 @@ from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
 from kvbm.protocol import G1, G2, G3, block_hashes
 from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
-from tests.integration.conftest import redis_db, wait_for
+from tests.integration.conftest import async_wait_for, wait_for
 from workers.stream import FramePublisher
 
 pytestmark = pytest.mark.integration
@@ -35,10 +35,8 @@ BS = 16
 
 
 @pytest.fixture
-def db(redis_url: str) -> str:
-    url = redis_db(redis_url, 9)
-    redis.Redis.from_url(url).flushdb()
-    return url
+def db(fresh_db: str) -> str:
+    return fresh_db
 
 
 def register(url: str, *ids: str, ttl_s: float = 30.0, pool: str = POOL) -> None:
@@ -488,7 +486,7 @@ def test_approximate_mode_remembers_its_own_decisions_for_a_ttl(db: str) -> None
     for _ in range(3):
         assert pick(db, req, kv_events=False, approx_ttl_s=1.0) == [first]
         asyncio.run(_release_all(db))
-    time.sleep(1.2)
+    time.sleep(1.2)  # the TTL's passing is what is tested: the remembered picks lapse
 
     async def approx_overlaps() -> dict[str, int]:  # what a router starting now counts
         client = aioredis.Redis.from_url(db)
@@ -568,7 +566,8 @@ def test_a_router_starting_late_loads_the_snapshot_and_follows(db: str) -> None:
             await router.release(route)
             # a batch follows through the stream
             idx.apply("b", 0, [("cleared", []), ("stored", h)])
-            await _until(lambda: f.index.overlaps(["a", "b"], h)["b"] == 10)
+            await async_wait_for(lambda: f.index.overlaps(["a", "b"], h)["b"] == 10, 5,
+                                 "b's 10 blocks in the index")  # fmt: skip
             # a's next batch is lost before this router reads it (trimmed away, say): all
             # synchronous, so the follower cannot read it in between
             idx.apply("a", 1, [("stored", h[6:8])])
@@ -576,7 +575,7 @@ def test_a_router_starting_late_loads_the_snapshot_and_follows(db: str) -> None:
             newest = r.xrevrange(index_keys(POOL).events, count=1)
             r.xdel(index_keys(POOL).events, newest[0][0])
             idx.apply("a", 2, [("removed", [h[7]])])
-            await _until(lambda: f.stats.worker_reloads == 1)
+            await async_wait_for(lambda: f.stats.worker_reloads == 1, 5, "a reloaded after its gap")
             assert f.index.overlaps(["a", "b"], h) == {"a": 7, "b": 10}
             assert f.index.seq("a") == 2
         finally:
@@ -584,13 +583,6 @@ def test_a_router_starting_late_loads_the_snapshot_and_follows(db: str) -> None:
             await client.aclose()
 
     asyncio.run(go())
-
-
-async def _until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize("fast", [False, True])

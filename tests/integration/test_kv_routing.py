@@ -23,9 +23,9 @@ from kvbm.protocol import block_hashes, model_namespace
 from tests.integration.conftest import (
     Cluster,
     Proc,
+    RedisDbs,
     async_wait_for,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -39,11 +39,10 @@ N_WORKERS = 3
 
 @pytest.fixture(scope="module")
 def mock_cluster(
-    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("kv-routing")
-    url = redis_db(redis_url, 5)
-    redis.Redis.from_url(url).flushdb()
+    url = redis_dbs.take(__name__)
     env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock", CONVEYOR_MOCK__SPEEDUP="20")
     workers = [
         start_worker(f"mock{i}", "generate", f"mock-w{i}", env, logdir) for i in range(N_WORKERS)
@@ -191,15 +190,13 @@ def test_mock_workers_never_load_torch(mock_cluster: Cluster) -> None:
 
 
 def test_two_api_processes_share_load_through_redis(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Two API replicas route at the same time over real HTTP: each sees the requests the
     other placed, so 8 long requests (4 per replica) land 4 and 4 on the two workers."""
     import asyncio
 
-    url = redis_db(redis_url, 4)
-    redis.Redis.from_url(url).flushdb()
-    env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock",
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_ENGINE="mock",
                    CONVEYOR_MOCK__DECODE_STEP_MS="40")  # fmt: skip
     workers = [start_worker(f"w{i}", "generate", f"pair-w{i}", env, tmp_path) for i in range(2)]
     procs: list[Proc] = list(workers)
@@ -219,7 +216,7 @@ def test_two_api_processes_share_load_through_redis(
                 for i in range(8)
             ]  # fmt: skip
             tasks = [asyncio.create_task(c) for c in calls]
-            r = redis.Redis.from_url(url)
+            r = redis.Redis.from_url(fresh_db)
 
             def counted() -> list[int]:
                 return [int(r.hget(load_key("generate"), f"pair-w{i}:reqs") or 0)
@@ -234,7 +231,7 @@ def test_two_api_processes_share_load_through_redis(
             return reqs
 
         assert asyncio.run(fire()) == [4, 4]
-        r = redis.Redis.from_url(url)
+        r = redis.Redis.from_url(fresh_db)
         # each API gives a request's load back in its clean-up, a task of its own that
         # may still be running when the client has read the last byte
         wait_for(lambda: [int(r.hget(load_key("generate"), f"pair-w{i}:reqs") or 0)

@@ -29,8 +29,8 @@ from kvbm.disk import HEADER_BYTES
 from kvbm.protocol import G3, block_hashes, model_namespace
 from tests.integration.conftest import (
     Proc,
+    RedisDbs,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -107,10 +107,9 @@ def _tier_env(redis_url: str, model_dir: Path, disk_dir: Path, **extra: str) -> 
 
 @pytest.fixture(scope="module")
 def agg(
-    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    url = redis_db(redis_url, 13)
-    redis.Redis.from_url(url).flushdb()
+    url = redis_dbs.take(__name__)
     logdir = tmp_path_factory.mktemp("kvbm-agg")
     disk = tmp_path_factory.mktemp("kvbm-disk")
     env = _tier_env(url, tiny_model_dir, disk)
@@ -123,7 +122,6 @@ def agg(
                  90, "tier worker", [w, api])  # fmt: skip
     yield d
     d.stop()
-    redis.Redis.from_url(url).flushdb()
 
 
 def _disk_path(d: Deployment, prompt: list[int], block: int) -> Path:
@@ -234,10 +232,9 @@ def test_a_restarted_worker_serves_its_first_request_from_its_disk(agg: Deployme
 
 @pytest.fixture(scope="module")
 def disagg(
-    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
-    url = redis_db(redis_url, 14)
-    redis.Redis.from_url(url).flushdb()
+    url = redis_dbs.take(__name__)
     logdir = tmp_path_factory.mktemp("kvbm-disagg")
     disk = tmp_path_factory.mktemp("kvbm-disagg-disk")
     env = _tier_env(url, tiny_model_dir, disk, CONVEYOR_MODE="disagg",
@@ -253,7 +250,6 @@ def disagg(
                  == {"prefill": 1, "decode": 1}, 90, "disagg workers", [pre, dec, api])  # fmt: skip
     yield d
     d.stop()
-    redis.Redis.from_url(url).flushdb()
 
 
 def test_disaggregated_prefill_onboards_and_answers_as_the_cold_run(

@@ -26,7 +26,6 @@ from cluster.keys import worker_key
 from tests.integration.conftest import (
     Proc,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -97,12 +96,10 @@ def _metric(url: str, name: str) -> float:
 @pytest.mark.parametrize(("mode", "kill"), [("agg", "worker"), ("agg", "engine"),
                                             ("ep-d", "worker")])  # fmt: skip
 def test_streams_of_a_killed_worker_finish_on_the_other_one(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, mode: str, kill: str
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, mode: str, kill: str
 ) -> None:
-    url_db = redis_db(redis_url, 12)
-    r = redis.Redis.from_url(url_db)
-    r.flushdb()
-    env = base_env(url_db, tiny_model_dir, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER="redis",
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER="redis",
                    CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
     pool = "generate" if mode == "agg" else "decode"
     workers = [start_worker(f"mig-{pool}{i}", pool, f"mig-{pool}{i}", env, tmp_path)
@@ -162,14 +159,12 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
 
 
 def test_no_worker_left_ends_the_stream_with_worker_lost(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """With the pool's only worker dead there is nowhere to move: the stream ends with a
     worker_lost error event after the text it had (never a hang)."""
-    url_db = redis_db(redis_url, 13)
-    r = redis.Redis.from_url(url_db)
-    r.flushdb()
-    env = base_env(url_db, tiny_model_dir)
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir)
     worker = start_worker("mig-lone", "generate", "mig-lone", env, tmp_path)
     procs = [worker]
     try:

@@ -34,7 +34,6 @@ from tasks.modes import get_mode
 from tests.integration.conftest import (
     Proc,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -74,13 +73,11 @@ def hf_texts(tiny_model_dir: Path) -> list[str]:
 
 @contextmanager
 def deployment(
-    redis_url: str, model: Path, logdir: Path, mode: str, backend: str, db: int,
+    url: str, model: Path, logdir: Path, mode: str, backend: str,
     encoders: int = 1, **extra: str,
 ) -> Iterator[tuple[str, list[Proc], str]]:  # fmt: skip
     """One worker per pool of ``mode`` (``encoders`` in the encode pool) and an API, on
-    their own Redis database."""
-    url = redis_db(redis_url, db)
-    redis.Redis.from_url(url).flushdb()
+    the Redis database ``url`` (the test's fresh_db)."""
     env = base_env(url, model, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER=backend,
                    CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0", CONVEYOR_MEDIA_ALLOW_INTERNAL="true",
                    **extra)  # fmt: skip
@@ -136,10 +133,10 @@ def _idle(url: str) -> bool:
 
 @pytest.mark.parametrize(("mode", "backend"), DEPLOYMENTS, ids=lambda x: x)
 def test_every_mode_and_backend_gives_hf_tokens(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, hf_texts: list[str], mode: str,
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, hf_texts: list[str], mode: str,
     backend: str,
 ) -> None:  # fmt: skip
-    with deployment(redis_url, tiny_model_dir, tmp_path, mode, backend, 6) as (url, procs, rurl):
+    with deployment(fresh_db, tiny_model_dir, tmp_path, mode, backend) as (url, procs, rurl):
 
         async def run_all() -> list[tuple[str, dict]]:
             return await asyncio.gather(*(_chat(url, tiny_model_dir.name, p, n)
@@ -196,10 +193,10 @@ def test_every_mode_and_backend_gives_hf_tokens(
 
 
 def test_the_same_image_hits_both_caches_and_another_image_hits_neither(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     text = "Describe this picture in a few words, please, as precisely as you can."
-    with deployment(redis_url, tiny_model_dir, tmp_path, "e-pd", "redis", 7) as (url, procs, rurl):
+    with deployment(fresh_db, tiny_model_dir, tmp_path, "e-pd", "redis") as (url, procs, rurl):
         model = tiny_model_dir.name
         a1, u1 = asyncio.run(_chat(url, model, ["@png", text], 8))
         a2, u2 = asyncio.run(_chat(url, model, ["@png", text], 8))
@@ -216,13 +213,13 @@ def test_the_same_image_hits_both_caches_and_another_image_hits_neither(
 
 
 def test_a_failed_encode_ends_the_request_with_an_error(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """The image's bytes in Redis do not decode by the time the encode worker reads them:
     the request ends with an error saying so, and the deployment goes on serving."""
     from api.media import image_hash
 
-    with deployment(redis_url, tiny_model_dir, tmp_path, "e-pd", "redis", 8) as (url, procs, rurl):
+    with deployment(fresh_db, tiny_model_dir, tmp_path, "e-pd", "redis") as (url, procs, rurl):
         r = redis.Redis.from_url(rurl)
         r.set(media_key(image_hash(IMAGES["jpeg"].open())), b"not an image any more", ex=600)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
@@ -247,9 +244,9 @@ def test_a_failed_encode_ends_the_request_with_an_error(
 
 
 def test_no_live_encode_worker_the_pd_worker_encodes(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, hf_texts: list[str]
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, hf_texts: list[str]
 ) -> None:
-    with deployment(redis_url, tiny_model_dir, tmp_path, "e-pd", "redis", 9) as (url, procs, rurl):
+    with deployment(fresh_db, tiny_model_dir, tmp_path, "e-pd", "redis") as (url, procs, rurl):
         encode = next(p for p in procs if p.name.endswith("-encode"))
         encode.stop()
         wait_for(lambda: httpx.get(f"{url}/health").json()["workers"]["encode"] == 0, 30,
@@ -261,7 +258,7 @@ def test_no_live_encode_worker_the_pd_worker_encodes(
 
 
 def test_a_frozen_encode_worker_its_requests_go_to_another(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, hf_texts: list[str]
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, hf_texts: list[str]
 ) -> None:
     """One of two encode workers stops answering (SIGSTOP: it holds its tasks, its heartbeat
     lapses) and is then killed: the requests it held are sent again and answered by the
@@ -269,7 +266,7 @@ def test_a_frozen_encode_worker_its_requests_go_to_another(
     import os
     import signal
 
-    with deployment(redis_url, tiny_model_dir, tmp_path, "e-pd", "redis", 10,
+    with deployment(fresh_db, tiny_model_dir, tmp_path, "e-pd", "redis",
                     encoders=2) as (url, procs, rurl):  # fmt: skip
         wait_for(lambda: httpx.get(f"{url}/health").json()["workers"]["encode"] == 2, 60,
                  "two encode workers", procs)  # fmt: skip
@@ -295,10 +292,10 @@ def test_a_frozen_encode_worker_its_requests_go_to_another(
 
 
 def test_cancelled_image_requests_free_their_kv_and_embeddings(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """E/P/D: clients that go away after the first tokens leave nothing held anywhere."""
-    with deployment(redis_url, tiny_model_dir, tmp_path, "e-p-d", "redis", 11) as (
+    with deployment(fresh_db, tiny_model_dir, tmp_path, "e-p-d", "redis") as (
         url,
         procs,
         rurl,

@@ -25,7 +25,6 @@ from tests.integration.conftest import (
     Cluster,
     Proc,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -236,12 +235,10 @@ MIG_TOKENS = 600  # long enough that both choices are mid-stream at the kill
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 77}])
 def test_a_killed_worker_hands_both_choices_on(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, sampling: dict
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, sampling: dict
 ) -> None:
-    url_db = redis_db(redis_url, 12)
-    r = redis.Redis.from_url(url_db)
-    r.flushdb()
-    env = base_env(url_db, tiny_model_dir)
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir)
     workers = [start_worker(f"nmig{i}", "generate", f"nmig{i}", env, tmp_path) for i in range(2)]
     procs: list[Proc] = list(workers)
     model = tiny_model_dir.name
@@ -284,11 +281,9 @@ def test_a_killed_worker_hands_both_choices_on(
 # P/D: a request of choices runs on the decode worker, prefilled once there
 # ----------------------------------------------------------------------------------------
 def test_disagg_gives_agg_s_choices(
-    cluster: Cluster, redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    cluster: Cluster, fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    url_db = redis_db(redis_url, 10)
-    redis.Redis.from_url(url_db).flushdb()
-    env = base_env(url_db, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_KV_TRANSFER="redis",
+    env = base_env(fresh_db, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_KV_TRANSFER="redis",
                    CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
     pre = start_worker("nd-prefill", "prefill", "nd-p", env, tmp_path)
     dec = start_worker("nd-decode", "decode", "nd-d", env, tmp_path)
@@ -315,7 +310,6 @@ def test_disagg_gives_agg_s_choices(
     finally:
         for p in procs:
             p.stop()
-        redis.Redis.from_url(url_db).flushdb()
 
 
 def test_choices_each_follow_the_requests_json_schema(cluster: Cluster) -> None:

@@ -10,7 +10,6 @@ import pytest
 import redis
 import torch
 
-from tests.integration.conftest import redis_db
 from workers.llama import PagedKVCache
 from workers.transfer import nixl_kv
 from workers.transfer.base import TransferError
@@ -32,8 +31,8 @@ def _cache(fill: bool) -> PagedKVCache:
     return kv
 
 
-def test_pulls_blocks_in_any_order_and_reconnects(redis_url: str) -> None:
-    r = redis.Redis.from_url(redis_db(redis_url, 11))
+def test_pulls_blocks_in_any_order_and_reconnects(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     src_kv, dst_kv = _cache(True), _cache(False)
     pre, dec = NixlKVTransfer(src_kv, r, "pre"), NixlKVTransfer(dst_kv, r, "dec")
     try:
@@ -61,10 +60,10 @@ def test_pulls_blocks_in_any_order_and_reconnects(redis_url: str) -> None:
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_a_large_pull_is_split_across_threads(
-    redis_url: str, threads: int, monkeypatch: pytest.MonkeyPatch
+    fresh_db: str, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(nixl_kv, "PARALLEL_MIN_BYTES", 0)  # these blocks are tiny
-    r = redis.Redis.from_url(redis_db(redis_url, 11))
+    r = redis.Redis.from_url(fresh_db)
     src_kv, dst_kv = _cache(True), _cache(False)
     pre = NixlKVTransfer(src_kv, r, "pre", threads=1)
     dec = NixlKVTransfer(dst_kv, r, "dec", threads=threads)

@@ -22,7 +22,6 @@ from tasks.router import Route
 from tests.integration.conftest import (
     base_env,
     celery_at,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -33,19 +32,17 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_dead_workers_stranded_message_is_served_by_its_pool(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    url = redis_db(redis_url, 10)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
-    env = base_env(url, tiny_model_dir)
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir)
     worker = start_worker("pq-worker", "generate", "pq-live", env, tmp_path)
     with stop_on_error(worker):
         api, api_url = start_api("pq-api", env, tmp_path)
     try:
         wait_for(lambda: httpx.get(f"{api_url}/health", timeout=1).status_code == 200, 90,
                  "a live worker", [worker, api])  # fmt: skip
-        celery_at(url)
+        celery_at(fresh_db)
         ghost = Route("generate", "ghost")
         declare_queues([ghost.queue])
         payload = StagePayload(request_id="stranded-1", model=tiny_model_dir.name,

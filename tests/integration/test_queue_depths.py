@@ -17,16 +17,13 @@ from cluster.membership import Heartbeat
 from cluster.queues import aqueue_depths, queue_depths, queue_lists
 from tasks.modes import MODES, get_mode
 from tasks.queues import format_table, snapshot
-from tests.integration.conftest import redis_db
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def r(redis_url: str) -> redis.Redis:
-    client = redis.Redis.from_url(redis_db(redis_url, 15))
-    client.flushdb()
-    return client
+def r(fresh_db: str) -> redis.Redis:
+    return redis.Redis.from_url(fresh_db)
 
 
 def beat(r: redis.Redis, pool: str, wid: str) -> Heartbeat:
@@ -92,12 +89,12 @@ def test_shown_pools_follow_the_mode_and_pools_in_use(r: redis.Redis) -> None:
     assert [p.pool for p in snapshot(r, agg)] == ["generate", "decode", "prefill"]
 
 
-def test_async_face_reads_the_same_snapshot(r: redis.Redis, redis_url: str) -> None:
+def test_async_face_reads_the_same_snapshot(r: redis.Redis, fresh_db: str) -> None:
     beat(r, "decode", "d1")
     push(r, "decode.d1", 4)
 
     async def read() -> list:
-        client = aioredis.Redis.from_url(redis_db(redis_url, 15))
+        client = aioredis.Redis.from_url(fresh_db)  # r's database: the fixture's fresh_db
         try:
             return await aqueue_depths(client, ("prefill", "decode"))
         finally:

@@ -16,19 +16,17 @@ from redis.exceptions import ResponseError
 
 from api.resp import RespConnection
 from api.runner import wait_answer
-from tests.integration.conftest import free_port, redis_db, start_redis
+from tests.integration.conftest import free_port, start_redis
 
 pytestmark = pytest.mark.integration
 
 
-def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> None:
-    url = redis_db(redis_url, 11)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
+def test_send_writes_before_the_next_await_and_replies_match(fresh_db: str) -> None:
+    r = redis.Redis.from_url(fresh_db)
     order: list[str] = []
 
     async def main() -> None:
-        conn = RespConnection(url)
+        conn = RespConnection(fresh_db)
         await conn.connect()
         loop = asyncio.get_running_loop()
         loop.call_soon(order.append, "another callback")
@@ -60,17 +58,16 @@ def test_send_writes_before_the_next_await_and_replies_match(redis_url: str) -> 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_an_answer_read_after_a_late_turn_of_the_loop_still_counts(
-    redis_url: str, loop: str
+    fresh_db: str, loop: str
 ) -> None:
     """The burst case (api.runner.wait_answer): the loop is busy past a send's deadline
     while Redis answers; the next turn runs the deadline's timer before the reply's
     callbacks. The answer counts; a cancelling deadline (``asyncio.timeout``, as the
     runner had) fails the same send, and a broker that does not answer still times out."""
-    url = redis_db(redis_url, 11)
 
     async def late_turn(naive: bool) -> None:
         ev = asyncio.get_running_loop()
-        conn = RespConnection(url)
+        conn = RespConnection(fresh_db)
         await conn.connect()
         try:
             deadline = ev.time() + 0.1

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -22,7 +21,6 @@ import redis.asyncio as aioredis
 from cluster.keys import load_key, load_owner_key, load_totals_key
 from cluster.membership import Heartbeat
 from tasks.router import Router, RouterConfig, RouteRequest, WorkersBusy
-from tests.integration.conftest import redis_db
 
 pytestmark = pytest.mark.integration
 
@@ -72,13 +70,10 @@ except BaseException:
 
 
 @pytest.fixture
-def db(redis_url: str) -> Iterator[str]:
-    url = redis_db(redis_url, 9)
-    r = redis.Redis.from_url(url)
-    r.flushdb()
+def db(fresh_db: str) -> str:
+    r = redis.Redis.from_url(fresh_db)
     Heartbeat(r, POOL, "a", dict, ttl_s=120).beat()
-    yield url
-    r.flushdb()  # worker "a" must not outlive the test: a later test on db 9 would route to it
+    return fresh_db
 
 
 class Picker:

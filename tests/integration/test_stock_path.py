@@ -14,12 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from tests.integration.conftest import (
     Cluster,
+    RedisDbs,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -43,11 +42,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(
-    redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("stock-logs")
-    url = redis_db(redis_url, 9)
-    redis.Redis.from_url(url).flushdb()  # no worker another test registered here
+    url = redis_dbs.take(__name__)
     env = base_env(url, tiny_model_dir, CONVEYOR_BROKER_FASTPATH="false")
     workers = [start_worker(f"stock{i}", "generate", f"itest-w{i}", env, logdir) for i in range(2)]
     with stop_on_error(*workers):

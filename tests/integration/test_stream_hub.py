@@ -16,7 +16,7 @@ from api.streams import StreamGap, StreamHub
 from kvbm.protocol import tokens_channel
 from tasks.pipeline import Plan
 from tasks.settings import Settings
-from tests.integration.conftest import redis_db
+from tests.integration.conftest import async_wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -28,16 +28,8 @@ def _frame(seq: int, text: str, done: bool = False) -> str:
     return json.dumps(f)
 
 
-async def _until(pred, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
-def _run(redis_url: str, body, **hub_kw) -> None:  # type: ignore[no-untyped-def]
+def _run(url: str, body, **hub_kw) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
-        url = redis_db(redis_url, 10)
         client = aioredis.Redis.from_url(url)
         hub = StreamHub(url, **hub_kw)
         await hub.start()
@@ -50,7 +42,7 @@ def _run(redis_url: str, body, **hub_kw) -> None:  # type: ignore[no-untyped-def
     asyncio.run(main())
 
 
-def test_own_request_ids_need_no_subscribe_of_their_own(redis_url: str) -> None:
+def test_own_request_ids_need_no_subscribe_of_their_own(fresh_db: str) -> None:
     async def body(client: aioredis.Redis, hub: StreamHub) -> None:
         rid = hub.new_request_id("chatcmpl")
         assert rid.startswith(f"chatcmpl-{hub.tag}") and len(rid) == len("chatcmpl-") + 32
@@ -70,10 +62,10 @@ def test_own_request_ids_need_no_subscribe_of_their_own(redis_url: str) -> None:
         await client.publish(channel, _frame(2, "late"))  # nobody listens: dropped
         assert sub.pending == 0
 
-    _run(redis_url, body)
+    _run(fresh_db, body)
 
 
-def test_a_foreign_channel_is_subscribed_and_confirmed(redis_url: str) -> None:
+def test_a_foreign_channel_is_subscribed_and_confirmed(fresh_db: str) -> None:
     async def body(client: aioredis.Redis, hub: StreamHub) -> None:
         channel = tokens_channel("made-elsewhere-1")
         assert not hub.covers(channel)
@@ -82,17 +74,18 @@ def test_a_foreign_channel_is_subscribed_and_confirmed(redis_url: str) -> None:
         await client.publish(channel, _frame(0, "x", done=True))
         assert (await sub.next_frame(5.0)).text == "x"
         await sub.close()
-        end = time.monotonic() + 5
-        while await client.pubsub_numsub(channel) != [(channel.encode(), 0)]:
-            assert time.monotonic() < end, "still subscribed"
-            await asyncio.sleep(0.01)
 
-    _run(redis_url, body)
+        async def unsubscribed() -> bool:
+            return await client.pubsub_numsub(channel) == [(channel.encode(), 0)]
+
+        await async_wait_for(unsubscribed, 5, "the foreign channel unsubscribed")
+
+    _run(fresh_db, body)
 
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_declared_death_makes_waiting_streams_check_their_workers_at_once(
-    redis_url: str, fast: bool
+    fresh_db: str, fast: bool
 ) -> None:
     """declare_dead publishes the worker's id; the hub wakes every reader waiting for a
     frame to ask its alive() now: the dead worker's stream raises WorkerLost within
@@ -103,8 +96,7 @@ def test_a_declared_death_makes_waiting_streams_check_their_workers_at_once(
     from cluster.membership import Heartbeat, declare_dead, live_workers
 
     async def body(client: aioredis.Redis, hub: StreamHub) -> None:
-        url = redis_db(redis_url, 10)
-        r = sync_redis.Redis.from_url(url)
+        r = sync_redis.Redis.from_url(fresh_db)
         for wid in ("w-dead", "w-live"):
             Heartbeat(r, "generate", wid, dict, ttl_s=60.0).beat()
         checks: dict[str, int] = {"w-dead": 0, "w-live": 0}
@@ -119,38 +111,38 @@ def test_a_declared_death_makes_waiting_streams_check_their_workers_at_once(
         subs = {w: await hub.subscribe(tokens_channel(hub.new_request_id(w))) for w in checks}
         waits = {w: asyncio.ensure_future(subs[w].next_frame(60.0, alive_of(w), check_every=30.0))
                  for w in checks}  # fmt: skip
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a quiet while: nothing may wake the streams in it
         assert checks == {"w-dead": 0, "w-live": 0} and not any(t.done() for t in waits.values())
         t0 = time.monotonic()
         await asyncio.to_thread(declare_dead, r, "generate", "w-dead")
         with pytest.raises(WorkerLost):
             await asyncio.wait_for(waits["w-dead"], 5.0)
         assert time.monotonic() - t0 < 1.0, "the death notice did not wake the stream"
-        await _until(lambda: checks["w-live"] >= 1)
+        await async_wait_for(lambda: checks["w-live"] >= 1, 5, "the live stream checked")
         assert hub.deaths_heard == 1 and not waits["w-live"].done()
         waits["w-live"].cancel()
         r.close()
 
-    _run(redis_url, body, fast=fast)
+    _run(fresh_db, body, fast=fast)
 
 
-def test_poll_takes_what_arrived_in_order_and_drops_duplicates(redis_url: str) -> None:
+def test_poll_takes_what_arrived_in_order_and_drops_duplicates(fresh_db: str) -> None:
     async def body(client: aioredis.Redis, hub: StreamHub) -> None:
         channel = tokens_channel(hub.new_request_id("cmpl"))
         sub = await hub.subscribe(channel)
         assert sub.poll() is None  # nothing yet, and it does not wait
         for raw in (_frame(0, "a"), _frame(0, "a"), _frame(1, "b"), _frame(3, "d")):
             await client.publish(channel, raw)
-        await _until(lambda: sub.pending == 4)
+        await async_wait_for(lambda: sub.pending == 4, 5, "4 frames pending")
         assert (await sub.next_frame(1.0)).seq == 0
         assert sub.poll().seq == 1  # type: ignore[union-attr]  # the duplicate 0 is dropped
         with pytest.raises(StreamGap, match="frames 2..2 were lost"):
             sub.poll()
 
-    _run(redis_url, body)
+    _run(fresh_db, body)
 
 
-def test_a_stream_that_fell_behind_catches_up_in_one_batch(redis_url: str) -> None:
+def test_a_stream_that_fell_behind_catches_up_in_one_batch(fresh_db: str) -> None:
     """Runner.batches: frames that arrived while the API was busy come as one batch (one
     SSE chunk); a frame that is waited for comes alone; the terminal frame ends it."""
 
@@ -162,37 +154,37 @@ def test_a_stream_that_fell_behind_catches_up_in_one_batch(redis_url: str) -> No
         run = RunningRequest(rid, sub, Plan(steps=[]), time.perf_counter())
         for i, t in enumerate("abcd"):
             await client.publish(channel, _frame(i, t))
-        await _until(lambda: sub.pending == 4)
+        await async_wait_for(lambda: sub.pending == 4, 5, "4 frames pending")
         run.first_frame = await runner._next(run)
         batches = runner.batches(run)
         first = await anext(batches)
         assert [f.text for f in first] == ["a", "b", "c", "d"]
         assert run.last_frame_at is not None and not run.finished
         later = asyncio.ensure_future(anext(batches))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a while with no frame: the batch must still be waiting
         assert not later.done()  # waits for the next frame, not for a timeout
         await client.publish(channel, _frame(4, "e"))
         assert [f.text for f in await later] == ["e"]
         await client.publish(channel, _frame(5, "f"))
         await client.publish(channel, _frame(6, "g", done=True))
         await client.publish(channel, _frame(7, "never"))  # after the terminal frame
-        await _until(lambda: sub.pending == 3)
+        await async_wait_for(lambda: sub.pending == 3, 5, "3 frames pending")
         last = await anext(batches)
         assert [f.text for f in last] == ["f", "g"] and last[-1].done
         assert run.finished and run.usage is not None and run.usage.completion_tokens == 7
         with pytest.raises(StopAsyncIteration):
             await anext(batches)
 
-    _run(redis_url, body)
+    _run(fresh_db, body)
 
 
 async def _both_subscribed(client: aioredis.Redis, hub: StreamHub, foreign: str) -> None:
-    end = time.monotonic() + 5
-    while await client.pubsub_numpat() < 1 or await client.pubsub_numsub(foreign) != [
-        (foreign.encode(), 1)
-    ]:
-        assert time.monotonic() < end, "not subscribed again"
-        await asyncio.sleep(0.01)
+    async def both() -> bool:
+        return await client.pubsub_numpat() >= 1 and await client.pubsub_numsub(foreign) == [
+            (foreign.encode(), 1)
+        ]
+
+    await async_wait_for(both, 5, "the pattern and the foreign channel subscribed again")
 
 
 async def _frames_flow(client: aioredis.Redis, subs: list, channels: list[str], seq: int) -> None:
@@ -211,7 +203,7 @@ def test_the_hub_reconnects_and_resubscribes_after_a_drop(own_redis: str) -> Non
         subs = [await hub.subscribe(own), await hub.subscribe(foreign)]
         await _frames_flow(client, subs, [own, foreign], 0)
         assert await client.client_kill_filter(_type="pubsub") >= 1
-        await _until(lambda: hub.reconnects >= 1)
+        await async_wait_for(lambda: hub.reconnects >= 1, 5, "the hub reconnected")
         await _both_subscribed(client, hub, foreign)
         await _frames_flow(client, subs, [own, foreign], 1)
 
@@ -227,7 +219,7 @@ def test_a_connection_gone_silent_is_reopened_by_the_health_check(own_redis: str
         foreign = tokens_channel("made-elsewhere-3")
         subs = [await hub.subscribe(own), await hub.subscribe(foreign)]
         await client.execute_command("CLIENT", "PAUSE", 800, "ALL")
-        await _until(lambda: hub.reconnects >= 1, timeout=3.0)
+        await async_wait_for(lambda: hub.reconnects >= 1, 3, "the hub reconnected")
         assert await client.ping()  # answered once the pause is over
         await _both_subscribed(client, hub, foreign)
         await _frames_flow(client, subs, [own, foreign], 0)

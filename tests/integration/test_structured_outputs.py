@@ -36,8 +36,8 @@ from cluster.keys import worker_key
 from tests.integration.conftest import (
     Cluster,
     Proc,
+    RedisDbs,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -75,10 +75,9 @@ class PD:
 
 
 @pytest.fixture(scope="module")
-def pd(redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+def pd(redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
        ) -> Iterator[PD]:  # fmt: skip
-    url = redis_db(redis_url, 14)
-    redis.Redis.from_url(url).flushdb()
+    url = redis_dbs.take(__name__)
     # every request through both workers: with the default threshold, a prompt the decode
     # worker finds mostly cached (the same system message, a second run) prefills there
     env = base_env(url, tiny_model_dir, CONVEYOR_MODE="disagg", CONVEYOR_KV_TRANSFER="redis",
@@ -96,7 +95,6 @@ def pd(redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFa
     yield d
     for p in d.procs:
         p.stop()
-    redis.Redis.from_url(url).flushdb()
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
@@ -268,15 +266,13 @@ MIGRATION_SCHEMA = {"type": "array", "minItems": 12, "maxItems": 12, "items": {
 
 
 def test_a_migrated_constrained_stream_finishes_as_uninterrupted_and_validates(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Eight constrained streams on two workers; one worker is SIGKILLed mid-stream: the
     streams it held move to the other one, whose matcher replays what they had, and every
     stream ends with the uninterrupted run's text, which validates."""
-    url_db = redis_db(redis_url, 12)
-    r = redis.Redis.from_url(url_db)
-    r.flushdb()
-    env = base_env(url_db, tiny_model_dir)
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir)
     workers = [start_worker(f"so-mig{i}", "generate", f"so-mig{i}", env, tmp_path)
                for i in range(2)]  # fmt: skip
     procs: list[Proc] = list(workers)

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from cluster.keys import alive_key, load_key, worker_key
-from cluster.membership import Heartbeat, declare_dead
+from cluster.membership import Heartbeat, declare_dead, live_workers
 from cluster.queues import pool_queue, worker_queue
 from kvbm.protocol import Sampling, StagePayload, cancelled_key, tokens_channel
 from tasks.app import app, declare_queues, queue
@@ -29,7 +29,6 @@ from tests.integration.conftest import (
     base_env,
     celery_at,
     celery_events,
-    redis_db,
     start_api,
     start_redis,
     start_worker,
@@ -72,7 +71,7 @@ def _long_stream(url: str, model: str, max_tokens: int, stream_options: dict | N
 
 @pytest.mark.parametrize("death", ["heartbeat_lapses", "declared"])
 def test_request_redispatched_when_worker_dies_before_answering(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path, death: str
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path, death: str
 ) -> None:
     """A worker that registered and then froze: the real one looks busy, so the router
     picks the frozen one. "declared": its death is announced (as its engine process does
@@ -81,20 +80,20 @@ def test_request_redispatched_when_worker_dies_before_answering(
     first recovers the request: the API's liveness check (it re-sends the request) or a
     router's prune (it moves the stranded message to the pool's queue, where the live
     worker runs it). Either way it runs once and completes."""
-    url7 = redis_db(redis_url, 7)
-    r = redis.Redis.from_url(url7)
-    env = base_env(url7, tiny_model_dir)
+    r = redis.Redis.from_url(fresh_db)
+    env = base_env(fresh_db, tiny_model_dir)
     worker = start_worker("w-real", "generate", "zzz-real", env, tmp_path)
+    with stop_on_error(worker):
+        wait_for(lambda: [w.worker_id for w in live_workers(r, "generate")] == ["zzz-real"], 60,
+                 "the real worker", [worker])  # fmt: skip
+    # the frozen worker and the real one's load are in Redis before the API starts, so its
+    # router's first view holds them (no waiting for a refresh of the view)
+    Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=60.0).beat()
+    r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
     with stop_on_error(worker):
         api, url = start_api("api-failover", env, tmp_path)
     watcher: threading.Thread | None = None
     try:
-        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
-        # 3 s: on a loaded machine the pick itself may come a second late
-        ttl = 3.0 if death == "heartbeat_lapses" else 60.0
-        Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=ttl).beat()
-        r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
-        time.sleep(0.5)  # the API's router reads workers and load every 100 ms
         stranded = worker_queue("generate", "aaa-hung")
         at_hung = threading.Event()
 
@@ -103,6 +102,8 @@ def test_request_redispatched_when_worker_dies_before_answering(
             at_hung.set()
             if death == "declared":  # ... then its death is announced
                 declare_dead(r, "generate", "aaa-hung")
+            else:  # ... or its last heartbeat lapses, 3 s from now
+                Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=3.0).beat()
 
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -151,7 +152,7 @@ def _payload(request_id: str, model: str, prompt: list[int], max_tokens: int) ->
 
 
 def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    redis_url: str, fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """docs/operations.md: "Abandoned requests are marked in Redis, so a task the broker redelivers
     later is skipped." A generate task, sent as the API sends it, for a request the API is
@@ -159,9 +160,7 @@ def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
     redelivery (a consumer took it and went away without acking it). The worker acks it
     without running it: its engine never sees the prompt and nothing is streamed for it,
     while a request sent after it is served."""
-    url15 = redis_db(redis_url, 15)
-    r = redis.Redis.from_url(url15)
-    r.flushdb()
+    r = redis.Redis.from_url(fresh_db)
     wid, model = "redelivered", tiny_model_dir.name
     q = worker_queue("generate", wid)
     plan = Plan(steps=[("generate", Route("generate", wid, {}))])
@@ -169,7 +168,7 @@ def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
     control = _payload("cmpl-control", model, [1] + [11 + i % 200 for i in range(39)], 6)
     listen = r.pubsub()
     worker = None
-    celery_at(url15)
+    celery_at(fresh_db)
     try:
         declare_queues([q])
         r.set(cancelled_key(abandoned.request_id), 1, ex=3600)  # as the API's clean-up does
@@ -184,9 +183,9 @@ def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
         assert waiting[0]["headers"]["redelivered"] is True and r.hlen("unacked") == 0
 
         listen.subscribe(tokens_channel(abandoned.request_id), tokens_channel(control.request_id))
-        listen.psubscribe(celery_events(url15))
+        listen.psubscribe(celery_events(fresh_db))
         worker = start_worker("w-redelivered", "generate", wid,
-                              base_env(url15, tiny_model_dir), tmp_path)  # fmt: skip
+                              base_env(fresh_db, tiny_model_dir), tmp_path)  # fmt: skip
         frames: dict[str, list[dict]] = {abandoned.request_id: [], control.request_id: []}
         done: dict[str, str] = {}  # request id -> the result its task-succeeded event shows
 
@@ -234,10 +233,9 @@ def test_a_redelivered_task_of_an_abandoned_request_is_skipped(
 
 
 def test_worker_killed_mid_stream_ends_stream_with_error(
-    redis_url: str, tiny_model_dir: Path, tmp_path: Path
+    fresh_db: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    url8 = redis_db(redis_url, 8)
-    worker, api, url = _worker_and_api(url8, tiny_model_dir, tmp_path, "doomed")
+    worker, api, url = _worker_and_api(fresh_db, tiny_model_dir, tmp_path, "doomed")
     try:
         stream = _long_stream(url, tiny_model_dir.name, 2000)
         got = 0
@@ -253,7 +251,6 @@ def test_worker_killed_mid_stream_ends_stream_with_error(
     finally:
         api.stop()
         worker.stop()
-        redis.Redis.from_url(url8).flushdb()
 
 
 def test_a_lost_broker_connection_does_not_run_a_request_twice(
@@ -300,13 +297,12 @@ def test_a_lost_broker_connection_does_not_run_a_request_twice(
         rp.stop()
 
 
-def test_sigterm_drains_the_worker(redis_url: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sigterm_drains_the_worker(fresh_db: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     """SIGTERM to the worker's whole process group (as `docker stop` or a supervisor sends
     it): the worker leaves the pool at once, so no new request is routed to it, while the
     stream it holds runs to its end; its engine process is not killed under it."""
-    url13 = redis_db(redis_url, 13)
-    r = redis.Redis.from_url(url13)
-    worker, api, url = _worker_and_api(url13, tiny_model_dir, tmp_path, "drain")
+    r = redis.Redis.from_url(fresh_db)
+    worker, api, url = _worker_and_api(fresh_db, tiny_model_dir, tmp_path, "drain")
     try:
         stream = _long_stream(url, tiny_model_dir.name, 1500, {"include_usage": True})
         chunks, left_while_streaming, usage, reason = 0, False, None, None

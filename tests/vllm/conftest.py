@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.integration.conftest import Proc, base_env, start_redis
+from tests.integration.conftest import Proc, RedisDbs, base_env, session_redis
 from workers.model_init import PRESETS, init_model
 
 # the engine options both sides use (`vllm serve` flags without dashes)
@@ -50,10 +50,11 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    p, url = start_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    p.stop()
+def vllm_dbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisDbs]:
+    """This suite's redis-server: each module's deployment takes a database of its own
+    (``vllm_dbs.take(__name__)``)."""
+    for _url, dbs in session_redis(tmp_path_factory.mktemp("redis")):
+        yield dbs
 
 
 def vllm_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:

@@ -31,7 +31,7 @@ from cluster.index import KVIndex
 from kvbm.protocol import block_hashes, model_namespace
 from tests.integration.conftest import (
     Cluster,
-    redis_db,
+    RedisDbs,
     start_api,
     start_worker,
     stop_on_error,
@@ -63,11 +63,10 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def cluster(
-    vllm_redis: str, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_dbs: RedisDbs, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("vllm-agg")
-    url = redis_db(vllm_redis, 1)
-    redis.Redis.from_url(url).flushdb()
+    url = vllm_dbs.take(__name__)
     env = vllm_env(url, llama_dir)
     workers = [start_worker(w, "generate", w, env, logdir) for w in WORKERS]
     with stop_on_error(*workers):

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
-from tests.integration.conftest import Cluster, redis_db, start_api, start_worker, stop_on_error
+from tests.integration.conftest import Cluster, RedisDbs, start_api, start_worker, stop_on_error
 from tests.integration.conftest import wait_for as wait
 from tests.vllm.conftest import has_cuda, offline, vllm_env, worker_info
 
@@ -59,12 +58,11 @@ def reference(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list
 
 @pytest.fixture(scope="module")
 def disagg(
-    reference: list[dict], vllm_redis: str, llama_dir: Path,
+    reference: list[dict], vllm_dbs: RedisDbs, llama_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:  # fmt: skip
     logdir = tmp_path_factory.mktemp("vllm-disagg")
-    url = redis_db(vllm_redis, 2)
-    redis.Redis.from_url(url).flushdb()
+    url = vllm_dbs.take(__name__)
     env = vllm_env(url, llama_dir, CONVEYOR_MODE="disagg", CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0",
                    CONVEYOR_KV_TRANSFER="nixl", CONVEYOR_WORKER_TTL_S="30")  # fmt: skip
     pre = start_worker("vllm-prefill", "prefill", "vllm-p0", env, logdir)

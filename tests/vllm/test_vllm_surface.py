@@ -26,12 +26,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import redis
 
 from tests.integration.conftest import (
     Cluster,
+    RedisDbs,
     base_env,
-    redis_db,
     start_api,
     start_worker,
     stop_on_error,
@@ -46,7 +45,6 @@ PROMPTS = [[1, 22, 301, 17, 96, 450, 9, 31, 77], [1, 5] * 20, [1] + list(range(4
 
 
 def _deploy(url: str, model: Path, env: dict[str, str], logdir: Path, name: str) -> Cluster:
-    redis.Redis.from_url(url).flushdb()
     worker = start_worker(f"{name}-w", "generate", f"{name}-w", env, logdir)
     with stop_on_error(worker):
         api, api_url = start_api(f"{name}-api", env, logdir)
@@ -59,10 +57,10 @@ def _deploy(url: str, model: Path, env: dict[str, str], logdir: Path, name: str)
 
 @pytest.fixture(scope="module")
 def vllm_cluster(
-    vllm_redis: str, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_dbs: RedisDbs, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("vllm-surface")
-    url = redis_db(vllm_redis, 5)
+    url = vllm_dbs.take(__name__)
     c = _deploy(url, llama_dir, vllm_env(url, llama_dir), logdir, "vllm")
     yield c
     for p in (c.api, *c.workers):
@@ -71,10 +69,10 @@ def vllm_cluster(
 
 @pytest.fixture(scope="module")
 def ref_cluster(
-    vllm_redis: str, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    vllm_dbs: RedisDbs, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("ref-surface")
-    url = redis_db(vllm_redis, 6)
+    url = vllm_dbs.take(__name__)
     c = _deploy(url, llama_dir, base_env(url, llama_dir), logdir, "ref")
     yield c
     for p in (c.api, *c.workers):
