@@ -21,9 +21,10 @@ for :meth:`Engine.kv_memory` (what a KV transfer backend moves) and :meth:`Engin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from cluster.stats import EngineStats
 from kvbm.block_pool import KVEvent
 from kvbm.protocol import ExtraKeys, Sampling
 
@@ -205,36 +206,6 @@ class EngineConfig:
     disk_cache_blocks: int = 0  # G3, files under disk_dir
     disk_dir: str | None = None
     disk_offload_filter: bool = True  # G3 admits a block once stored and hit twice
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """An engine's counters, for the worker's heartbeat and the router's metrics."""
-
-    running: int = 0
-    waiting: int = 0
-    blocks_used: int = 0
-    blocks_total: int = 0
-    blocks_cached: int = 0
-    blocks_pinned: int = 0  # prefilled requests whose KV awaits a pull
-    prompt_tokens_seen: int = 0  # prefix-cache hit rate = cached / seen
-    prompt_tokens_cached: int = 0
-    # prompt tokens run through the model: a prefix-cache hit, an imported prefill or a
-    # choice forked from its request's first choice (n > 1) computes none of its own
-    prompt_tokens_computed: int = 0
-    pins_expired: int = 0
-    preemptions: int = 0
-    steps: int = 0
-    loading: int = 0  # requests waiting for their KV (onboarding, a disagg pull)
-    # KVBM tiers: occupancy, and kvbm.offload.OffloadManager.report() (empty: tiers off)
-    host_blocks_used: int = 0
-    host_blocks_total: int = 0
-    disk_blocks_used: int = 0
-    disk_blocks_total: int = 0
-    kvbm: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @runtime_checkable

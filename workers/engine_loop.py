@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from cluster.stats import EngineStats
 from kvbm.block_pool import KVEvent
 from workers.engine_api import Engine, EngineRequest, RequestOutput
 
@@ -72,11 +73,12 @@ class EngineLoop:
         self._post(("call", (fn, fut)))
         return fut
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         """The engine's counters and the loop's time spent in steps (read from any thread:
         a snapshot of plain counters, a step may be under way)."""
-        return {**self.engine.stats().as_dict(),
-                "step_seconds": round(self.step_seconds_total, 3)}  # fmt: skip
+        st = self.engine.stats()
+        st.step_seconds = round(self.step_seconds_total, 3)
+        return st
 
     # ----------------------------------------------------------------------------------
     def _post(self, item: tuple[str, object]) -> None:

@@ -30,6 +30,7 @@ import redis
 import torch
 from PIL import Image
 
+from cluster.stats import ImageCounters
 from kvbm.protocol import EmbeddingRef, ImageRef, media_key
 from workers.embedding_cache import EmbeddingCache
 from workers.engine_api import MMInput
@@ -50,9 +51,6 @@ class ImageStats:
     encode_batches: int = 0
     images_pulled: int = 0  # embeddings pulled from another worker
     pull_fallbacks: int = 0  # pulls that failed: encoded here instead
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def load_image(raw: bytes) -> Image.Image:
@@ -76,6 +74,13 @@ class ImageEncoder:
         self._lock = threading.Lock()  # one batch through the tower at a time
         self.cache = EmbeddingCache(cache_mb << 20)
         self.stats = ImageStats()
+
+    def counters(self) -> ImageCounters:
+        """The tower's and the cache's counters, for the heartbeat."""
+        c = self.cache.stats()
+        return ImageCounters(**asdict(self.stats), cache_hits=c.hits, cache_misses=c.misses,
+                             cache_evictions=c.evictions, cache_entries=c.entries,
+                             cache_bytes=c.bytes, cache_max_bytes=c.max_bytes)  # fmt: skip
 
     def encode(self, images: Sequence[ImageRef]) -> list[torch.Tensor]:
         """Each image's embedding ``[num_tokens, hidden]``: from the cache, or through the

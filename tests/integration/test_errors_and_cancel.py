@@ -178,7 +178,7 @@ def test_worker_that_never_answers_gives_504(
     error, not a hung request — both non-stream and stream."""
     url6 = redis_db(redis_url, 6)
     r6 = redis.Redis.from_url(url6)
-    Heartbeat(r6, "generate", "hung", lambda: {"host": "x"}, ttl_s=120).beat()
+    Heartbeat(r6, "generate", "hung", ttl_s=120).beat()
     env = base_env(url6, tiny_model_dir, CONVEYOR_FIRST_FRAME_TIMEOUT_S="2")
     api, url = start_api("api-hung", env, tmp_path)
     try:

@@ -76,7 +76,7 @@ def db(redis_url: str) -> Iterator[str]:
     url = redis_db(redis_url, 9)
     r = redis.Redis.from_url(url)
     r.flushdb()
-    Heartbeat(r, POOL, "a", dict, ttl_s=120).beat()
+    Heartbeat(r, POOL, "a", ttl_s=120).beat()
     yield url
     r.flushdb()  # worker "a" must not outlive the test: a later test on db 9 would route to it
 

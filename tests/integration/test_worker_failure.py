@@ -92,7 +92,7 @@ def test_request_redispatched_when_worker_dies_before_answering(
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "worker", [worker])
         # 3 s: on a loaded machine the pick itself may come a second late
         ttl = 3.0 if death == "heartbeat_lapses" else 60.0
-        Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=ttl).beat()
+        Heartbeat(r, "generate", "aaa-hung", ttl_s=ttl).beat()
         r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
         time.sleep(0.5)  # the API's router reads workers and load every 100 ms
         stranded = worker_queue("generate", "aaa-hung")

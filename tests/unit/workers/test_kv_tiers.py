@@ -137,10 +137,11 @@ def test_onboarded_prefixes_give_the_recomputed_tokens(
     cached = [again[f"b{i}"].num_cached_tokens for i in range(4)]
     assert cached[0] >= 144 and all(c >= 112 for c in cached), cached
     kv = e.stats().kvbm
+    assert kv is not None
     direction = "h2d" if tier == "g2" else "d2d"
-    assert kv["onboard_blocks"][direction] >= 7
-    assert kv["matched_tokens"][tier] >= 112
-    assert sum(kv["onboard_latency_counts"]) >= 1
+    assert kv.onboard_blocks[direction] >= 7
+    assert kv.matched_tokens[tier] >= 112
+    assert sum(kv.onboard_latency_counts) >= 1
     steady(e)
     e.close()
 
@@ -192,7 +193,7 @@ def test_damaged_disk_blocks_are_counted_misses_with_the_same_tokens(
     assert out.token_ids == want
     assert out.num_cached_tokens == 3 * 16  # blocks 0-2 came from disk, the rest recomputed
     kv = e.stats().kvbm
-    assert kv["onboard_failures"] == 1 and kv["onboard_blocks"]["d2d"] == 3
+    assert kv is not None and kv.onboard_failures == 1 and kv.onboard_blocks["d2d"] == 3
     # the bad block left G3 (with what it held below it) and is written again
     settle(e)
     assert e.scheduler.offload.disk.slot(hs[3]) is not None
@@ -214,7 +215,7 @@ def test_a_restarted_engine_serves_its_first_request_from_its_disk(
     out = run(e2, [EngineRequest("b", PROMPTS[1], params(OUT[1]))])["b"]
     assert out.token_ids == want
     assert out.num_cached_tokens == (len(PROMPTS[1]) // 16) * 16
-    assert e2.stats().kvbm["matched_tokens"]["g3"] == out.num_cached_tokens
+    assert e2.stats().kvbm.matched_tokens["g3"] == out.num_cached_tokens  # type: ignore[union-attr]
     steady(e2)
     e2.close()
 
@@ -251,7 +252,7 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
         assert got == want, wave
         cached = [rest[f"{wave}{i}"].num_cached_tokens for i in range(4)]
         if wave == "b":  # the usage the decode side reports counts the prefill's onboarding
-            assert prefill.stats().kvbm["onboard_blocks"]["h2d"] >= 7
+            assert prefill.stats().kvbm.onboard_blocks["h2d"] >= 7  # type: ignore[union-attr]
             assert all(c >= 112 for c in cached), cached
     steady(prefill)
     assert decode.stats().blocks_used == 0
@@ -328,7 +329,7 @@ def test_a_request_cancelled_while_loading_gives_every_block_back(
         time.sleep(0.005)
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("c", True, "abort")]
     steady(e)
-    assert e.stats().kvbm["disk_blocks_pinned"] == 0
+    assert e.stats().kvbm.disk_blocks_pinned == 0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("abort_first", [False, True])
