@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 
 from tasks.modes import ALL_POOLS, MODE_NAMES, MODES
-from tasks.settings import DEFAULT_MODEL_DIR, Settings, configure
+from tasks.settings import DEFAULT_MODEL_DIR, Settings, configure, engine_config
 
 log = logging.getLogger("conveyor")
 
@@ -184,7 +184,6 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
     from cluster.queues import pool_queue, worker_queue
     from tasks.app import configure as configure_app
     from tasks.heap import freeze_startup_heap
-    from workers.engine_api import EngineConfig
     from workers.engine_proc import EngineDied, parse_cpus
     from workers.runtime import WorkerRuntime, lower_priority, set_runtime
     from workers.start_errors import EXIT_CONFIG, engine_missing
@@ -208,13 +207,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: obje
         pool=pool,
         worker_id=wid,
         redis_url=s.effective_redis_url,
-        engine_config=EngineConfig(
-            **s.engine.model_dump(exclude={"kind"}),
-            namespace=s.model_name,
-            host_cache_blocks=host_blocks,
-            disk_cache_blocks=disk_blocks,
-            disk_dir=str(s.kvbm.disk_dir),
-            disk_offload_filter=s.kvbm.disk_offload_filter,
+        engine_config=engine_config(
+            s, namespace=s.model_name, host_cache_blocks=host_blocks, disk_cache_blocks=disk_blocks
         ),
         torch_threads=s.worker.torch_threads,
         heartbeat_s=s.worker.heartbeat_s,

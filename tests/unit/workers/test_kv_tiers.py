@@ -16,10 +16,11 @@ import pytest
 
 from kvbm.disk import HEADER_BYTES
 from kvbm.protocol import G3, Sampling
+from tasks.settings import engine_config
 from tests.unit.workers.test_disagg_engine import Pull
 from tests.unit.workers.test_engine_parity import _write_gqa_llama
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill, RequestOutput
+from workers.engine_api import EngineRequest, ImportedPrefill, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
 
 BASE = dict(num_kv_blocks=40, block_size=16, max_model_len=256, max_num_batched_tokens=96)
@@ -93,14 +94,14 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Path:
 
 
 def recompute(model_dir: Path) -> list[list[int]]:
-    e = Engine.from_model_dir(model_dir, EngineConfig(**BASE, enable_prefix_caching=False))
+    e = Engine.from_model_dir(model_dir, engine_config(**BASE, enable_prefix_caching=False))
     outs = run(e, [EngineRequest(str(i), p, params(n)) for i, (p, n) in
                    enumerate(zip(PROMPTS, OUT, strict=True))])  # fmt: skip
     return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
 
 
 def tiered(model_dir: Path, tier: str, disk_dir: Path) -> Engine:
-    cfg = EngineConfig(**BASE, host_cache_blocks=120 if tier == "g2" else 0,
+    cfg = engine_config(**BASE, host_cache_blocks=120 if tier == "g2" else 0,
                        disk_cache_blocks=120 if tier == "g3" else 0, disk_dir=str(disk_dir),
                        disk_offload_filter=False)  # fmt: skip
     return Engine.from_model_dir(model_dir, cfg)
@@ -151,7 +152,7 @@ def test_onboarded_prefixes_give_the_recomputed_logprobs(model_dir: Path, tmp_pa
     lp_params = Sampling(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     reqs = lambda tag: [EngineRequest(f"{tag}{i}", p, lp_params)  # noqa: E731
                         for i, p in enumerate(PROMPTS)]  # fmt: skip
-    fresh = Engine.from_model_dir(model_dir, EngineConfig(**BASE, enable_prefix_caching=False))
+    fresh = Engine.from_model_dir(model_dir, engine_config(**BASE, enable_prefix_caching=False))
     want = run(fresh, reqs("w"))
     e = tiered(model_dir, "g2", tmp_path)
     run(e, reqs("a"))
@@ -228,7 +229,7 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
 ) -> None:
     want = recompute(model_dir)
     prefill = tiered(model_dir, "g2", tmp_path)
-    decode = Engine.from_model_dir(model_dir, EngineConfig(**BASE))
+    decode = Engine.from_model_dir(model_dir, engine_config(**BASE))
     for wave in ("a", "b"):
         if wave == "b":
             evict_g1(prefill)  # the prefill side onboards the prompts from G2 this time
@@ -260,7 +261,7 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
 
 
 def test_an_import_with_no_room_fails_after_its_deadline(tiny_model_dir: Path) -> None:
-    decode = Engine.from_model_dir(tiny_model_dir, EngineConfig(**BASE))
+    decode = Engine.from_model_dir(tiny_model_dir, engine_config(**BASE))
     hog = decode.scheduler.kv.allocate_slots("hog", 40 * 16)  # every block
     assert hog is not None
     pull = Pull(decode, decode, "x", [0])
@@ -280,7 +281,7 @@ def test_an_import_with_no_room_fails_after_its_deadline(tiny_model_dir: Path) -
 def mock(tmp: Path, tokenizer_dir: Path, disk_us: float) -> MockEngine:
     timing = MockTiming(prefill_us_per_token=0, decode_step_ms=1, host_copy_us_per_block=10,
                         disk_us_per_block=disk_us)  # fmt: skip
-    cfg = EngineConfig(**BASE, disk_cache_blocks=120, disk_dir=str(tmp),
+    cfg = engine_config(**BASE, disk_cache_blocks=120, disk_dir=str(tmp),
                        disk_offload_filter=False)  # fmt: skip
     return MockEngine.from_model_dir(tokenizer_dir, cfg, timing)
 
