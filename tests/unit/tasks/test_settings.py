@@ -183,3 +183,26 @@ def test_engine_config_takes_its_settings_from_the_areas_alone() -> None:
     got = engine_config(s, namespace="m", max_num_seqs=3)
     want = (77, "/opt/k", "m", 3)
     assert (got.num_kv_blocks, got.kernel_dir, got.namespace, got.max_num_seqs) == want
+
+
+def test_the_cli_help_shows_each_settings_default_from_settings() -> None:
+    # every flag that names a setting shows that setting's default (none: nothing), as
+    # Settings has it, so the help cannot drift from it
+    import re
+
+    import click
+
+    from tasks.cli import main
+
+    seen = 0
+    for cmd in main.commands.values():
+        for p in cmd.params:
+            m = re.search(r"\[CONVEYOR_([A-Z_]+)\](?: \((.*)\))?$", getattr(p, "help", "") or "")
+            if m is None or m.group(1).lower() not in {*FLAT, *Settings.model_fields}:
+                continue
+            default = field_info(m.group(1).lower()).get_default(call_default_factory=True)
+            if default is not None:
+                assert m.group(2) == str(default).replace(str(Path.home()), "~"), p.name
+            seen += 1
+            assert isinstance(p, click.Option)
+    assert seen >= 40  # every command's setting flags (45 today)
