@@ -336,7 +336,7 @@ def test_engine_loop_threads(make_engine) -> None:
     assert got["long"][-1].finish_reason == "abort"
     assert len(_toks(got["long"])) < 200
     assert engine.stats().blocks_used == 0
-    assert loop.stats()["blocks_used"] == 0
+    assert loop.stats().blocks_used == 0
 
 
 def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
