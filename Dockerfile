@@ -105,7 +105,8 @@ RUN --mount=type=secret,id=pip_ca pip-install "${INDEX_URL}" --no-deps .
 # differs, the stand-in refuses, and the engine falls back to torch's path (never runs
 # instructions the CPU lacks).
 ENV CONVEYOR_KERNEL_DIR=/opt/conveyor/kernels
-RUN python -c "from workers import paged_kernel; paged_kernel.load()" \
+RUN python -c "from tasks.settings import Settings; from workers import paged_kernel; \
+    paged_kernel.load(Settings().engine.kernel_path())" \
     && mkdir -p /opt/conveyor/bin \
     && cc --version | head -n 1 > /opt/conveyor/kernels/cc-version \
     && printf '%s\n' '#!/bin/sh' \

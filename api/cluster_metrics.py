@@ -10,7 +10,7 @@ replica exports the same cluster view.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import redis.asyncio as aioredis
 from prometheus_client.core import (
@@ -22,7 +22,9 @@ from prometheus_client.core import (
 
 from cluster.keys import load_key
 from cluster.ledger import parse_loads
+from cluster.membership import HeartbeatReport
 from cluster.queues import PoolQueues, aqueue_depths
+from cluster.stats import ImageCounters, TransferTotals
 from tasks.modes import Mode
 from tasks.queues import POOLS, shown
 from tasks.router import Router
@@ -32,23 +34,22 @@ class ClusterCollector:
     def __init__(self, mode: Mode) -> None:
         self.pools = mode.pools
         self.mode = mode
-        self._workers: list[dict] = []
+        self._workers: list[HeartbeatReport] = []
         self._depths: list[PoolQueues] = []  # the queues tasks.queues shows, with depths
         self._loads: dict[str, dict[str, dict[str, int]]] = {}  # pool -> worker -> counts
         self._router: dict[str, dict[str, float]] = {}  # pool -> this API's router stats
 
     async def refresh(self, client: aioredis.Redis, router: Router) -> None:
         self._router = router.stats()
-        workers: list[dict] = []
+        workers: list[HeartbeatReport] = []
         for pool in self.pools:
-            for w in await router.membership.live_workers(pool):
-                workers.append(w.report.flat())  # HeartbeatReport's fields and the counters
+            workers += [w.report for w in await router.membership.live_workers(pool)]
         depths = shown(await aqueue_depths(client, POOLS), self.mode)
         pipe = client.pipeline(transaction=False)
         for pool in self.pools:
             pipe.hgetall(load_key(pool))
         res = await pipe.execute()
-        live = {(w.get("pool"), w.get("worker_id")) for w in workers}
+        live = {(w.pool, w.worker_id) for w in workers}
         self._loads = {
             pool: {w: c for w, c in parse_loads(raw).items() if (pool, w) in live}
             for pool, raw in zip(self.pools, res, strict=True)
@@ -60,18 +61,16 @@ class ClusterCollector:
         yield from self._queue_depths()
         live = GaugeMetricFamily("conveyor_workers_live", "Live workers per pool", labels=["pool"])
         for pool in self.pools:
-            live.add_metric([pool], sum(w.get("pool") == pool for w in self._workers))
+            live.add_metric([pool], sum(w.pool == pool for w in self._workers))
         yield live
-        fams = {
-            "blocks_used": GaugeMetricFamily("conveyor_worker_kv_blocks_used",
-                                             "KV blocks in use", labels=["pool", "worker"]),
-            "blocks_pinned": GaugeMetricFamily("conveyor_worker_kv_blocks_pinned",
-                                               "Prefilled requests whose KV awaits a pull",
-                                               labels=["pool", "worker"]),
-            "active": GaugeMetricFamily("conveyor_worker_active_requests",
-                                        "Requests running or waiting in the engine",
-                                        labels=["pool", "worker"]),
-        }  # fmt: skip
+        used = GaugeMetricFamily("conveyor_worker_kv_blocks_used", "KV blocks in use",
+                                 labels=["pool", "worker"])  # fmt: skip
+        pinned = GaugeMetricFamily("conveyor_worker_kv_blocks_pinned",
+                                   "Prefilled requests whose KV awaits a pull",
+                                   labels=["pool", "worker"])  # fmt: skip
+        active = GaugeMetricFamily("conveyor_worker_active_requests",
+                                   "Requests running or waiting in the engine",
+                                   labels=["pool", "worker"])  # fmt: skip
         kv_moved = _transfer_families("kv_transfer", "KV")
         frames = CounterMetricFamily(
             "conveyor_worker_frames_published",
@@ -82,14 +81,14 @@ class ClusterCollector:
                                            "Frame batches a worker failed to publish",
                                            labels=["pool", "worker"])  # fmt: skip
         for w in self._workers:
-            key = [w.get("pool", "?"), w.get("worker_id", "?")]
-            frames.add_metric(key, w.get("frames_published", 0))
-            frame_errors.add_metric(key, w.get("frame_publish_errors", 0))
-            for field, fam in fams.items():
-                fam.add_metric(key, float(w.get(field, 0)))
-            _add_transfer(kv_moved, w, "kv_transfer")
-        yield from fams.values()
-        yield from (frames, frame_errors, *kv_moved.values())
+            key, st = [w.pool, w.worker_id], w.stats
+            frames.add_metric(key, st.frames_published)
+            frame_errors.add_metric(key, st.frame_publish_errors)
+            used.add_metric(key, float(st.blocks_used))
+            pinned.add_metric(key, float(st.blocks_pinned))
+            active.add_metric(key, float(w.active))
+            _add_transfer(kv_moved, w.worker_id, st.kv_transfer)
+        yield from (used, pinned, active, frames, frame_errors, *kv_moved.values())
         yield from self._kvbm()
         yield from self._routing()
         yield from self._images()
@@ -97,44 +96,19 @@ class ClusterCollector:
     def _images(self) -> Iterator[Metric]:
         """The vision side of each worker that has one: images through its tower, its
         embedding cache, and embeddings moved between workers."""
-        counters = {
-            "images_encoded": ("conveyor_images_encoded", "Images through a worker's vision tower"),
-            "encode_seconds": ("conveyor_image_encode_seconds",
-                               "Seconds a worker's vision tower spent encoding"),
-            "encode_batches": ("conveyor_image_encode_batches",
-                               "Batches through a worker's vision tower"),
-            "images_pulled": ("conveyor_images_pulled",
-                              "Image embeddings a worker pulled from another"),
-            "pull_fallbacks": ("conveyor_image_pull_fallbacks",
-                               "Embedding pulls that failed (the worker encoded the image)"),
-            "cache_hits": ("conveyor_embedding_cache_hits",
-                           "Images found in a worker's embedding cache"),
-            "cache_misses": ("conveyor_embedding_cache_misses",
-                             "Images not in a worker's embedding cache"),
-            "cache_evictions": ("conveyor_embedding_cache_evictions",
-                                "Embeddings dropped from a worker's cache to make room"),
-        }  # fmt: skip
-        gauges = {
-            "cache_bytes": ("conveyor_embedding_cache_bytes",
-                            "Bytes of embeddings a worker's cache holds"),
-            "cache_entries": ("conveyor_embedding_cache_entries",
-                              "Embeddings a worker's cache holds"),
-        }  # fmt: skip
-        fams: dict[str, Metric] = {
-            **{k: CounterMetricFamily(n, d, labels=["pool", "worker"])
-               for k, (n, d) in counters.items()},
-            **{k: GaugeMetricFamily(n, d, labels=["pool", "worker"])
-               for k, (n, d) in gauges.items()},
-        }  # fmt: skip
+        lab = ["pool", "worker"]
+        fams: list[tuple[CounterMetricFamily | GaugeMetricFamily, _Get]] = [
+            *((CounterMetricFamily(n, d, labels=lab), get) for n, d, get in _IMAGE_COUNTERS),
+            *((GaugeMetricFamily(n, d, labels=lab), get) for n, d, get in _IMAGE_GAUGES),
+        ]
         moved = _transfer_families("embedding_transfer", "image embedding")
         for w in self._workers:
-            st = w.get("images")
-            if st:
-                for k, fam in fams.items():
-                    key = [w.get("pool", "?"), w.get("worker_id", "?")]
-                    fam.add_metric(key, float(st.get(k, 0)))  # type: ignore[attr-defined]
-            _add_transfer(moved, w, "embedding_transfer")
-        yield from fams.values()
+            images = w.stats.images
+            if images is not None:
+                for fam, get in fams:
+                    fam.add_metric([w.pool, w.worker_id], float(get(images)))
+            _add_transfer(moved, w.worker_id, w.stats.embedding_transfer)
+        yield from (fam for fam, _ in fams)
         yield from moved.values()
 
     def _kvbm(self) -> Iterator[Metric]:
@@ -184,36 +158,40 @@ class ClusterCollector:
         capacity = GaugeMetricFamily("conveyor_kvbm_capacity_blocks", "KV blocks a tier holds "
                                      "at most", labels=[*lab, "tier"])  # fmt: skip
         for w in self._workers:
-            key = [w.get("pool", "?"), w.get("worker_id", "?")]
-            occupancy.add_metric([*key, "g1"], float(w.get("blocks_cached", 0)))
-            capacity.add_metric([*key, "g1"], float(w.get("blocks_total", 0)))
-            kv = w.get("kvbm") or {}
-            if not kv:
+            key = [w.pool, w.worker_id]
+            occupancy.add_metric([*key, "g1"], float(w.stats.blocks_cached))
+            capacity.add_metric([*key, "g1"], float(w.stats.blocks_total))
+            kv = w.stats.kvbm
+            if kv is None:
                 continue
-            for tier, name in (("g2", "host"), ("g3", "disk")):
-                if kv.get(f"{name}_blocks_total"):
-                    occupancy.add_metric([*key, tier], kv.get(f"{name}_blocks_used", 0))
-                    capacity.add_metric([*key, tier], kv[f"{name}_blocks_total"])
-            for tier, n in (kv.get("matched_tokens") or {}).items():
+            for tier, used, total in (
+                ("g2", kv.host_blocks_used, kv.host_blocks_total),
+                ("g3", kv.disk_blocks_used, kv.disk_blocks_total),
+            ):
+                if total:
+                    occupancy.add_metric([*key, tier], used)
+                    capacity.add_metric([*key, tier], total)
+            for tier, n in kv.matched_tokens.items():
                 matched.add_metric([*key, tier], n)
             for (kind, d), fam in blocks.items():
-                fam.add_metric(key, (kv.get(f"{kind}_blocks") or {}).get(d, 0))
+                fam.add_metric(key, (kv.offload_blocks if kind == "offload"
+                                     else kv.onboard_blocks).get(d, 0))  # fmt: skip
             for kind, fam in nbytes.items():
-                for d, n in (kv.get(f"{kind}_bytes") or {}).items():
+                for d, n in (kv.offload_bytes if kind == "offload" else kv.onboard_bytes).items():
                     fam.add_metric([*key, d], n)
-            if kv.get("host_blocks_total") and kv.get("lookup_blocks"):
-                host_hit.add_metric(key, kv["host_hit_blocks"] / kv["lookup_blocks"])
-            if kv.get("disk_blocks_total") and kv.get("disk_lookup_blocks"):
-                disk_hit.add_metric(key, kv["disk_hit_blocks"] / kv["disk_lookup_blocks"])
-            failures.add_metric(key, kv.get("onboard_failures", 0))
-            write_errors.add_metric(key, kv.get("disk_write_errors", 0))
-            bounds, counts = kv.get("onboard_latency_buckets"), kv.get("onboard_latency_counts")
+            if kv.host_blocks_total and kv.lookup_blocks:
+                host_hit.add_metric(key, kv.host_hit_blocks / kv.lookup_blocks)
+            if kv.disk_blocks_total and kv.disk_lookup_blocks:
+                disk_hit.add_metric(key, kv.disk_hit_blocks / kv.disk_lookup_blocks)
+            failures.add_metric(key, kv.onboard_failures)
+            write_errors.add_metric(key, kv.disk_write_errors)
+            bounds, counts = kv.onboard_latency_buckets, kv.onboard_latency_counts
             if bounds and counts and len(counts) == len(bounds) + 1:
                 cum, buckets = 0, []
                 for b, n in zip([*map(str, bounds), "+Inf"], counts, strict=True):
                     cum += n
                     buckets.append((b, cum))
-                latency.add_metric(key, buckets, kv.get("onboard_latency_sum", 0.0))
+                latency.add_metric(key, buckets, kv.onboard_latency_sum)
         yield from (matched, *blocks.values(), *nbytes.values(), host_hit, disk_hit, failures,
                     write_errors, latency, occupancy, capacity)  # fmt: skip
 
@@ -260,10 +238,9 @@ class ClusterCollector:
             labels=["pool", "worker"],
         )
         for w in self._workers:
-            seen = w.get("prompt_tokens_seen", 0)
+            seen = w.stats.prompt_tokens_seen
             if seen:
-                hit.add_metric([w.get("pool", "?"), w.get("worker_id", "?")],
-                               w.get("prompt_tokens_cached", 0) / seen)  # fmt: skip
+                hit.add_metric([w.pool, w.worker_id], w.stats.prompt_tokens_cached / seen)
         yield from (routed, queued, hit)
         yield from self._router_index()
 
@@ -314,9 +291,40 @@ def _transfer_families(name: str, what: str) -> dict[str, CounterMetricFamily]:
     }  # fmt: skip
 
 
-def _add_transfer(fams: dict[str, CounterMetricFamily], worker: dict, field: str) -> None:
-    """A worker's heartbeat totals of one transfer kind (``worker[field]``), if it has any."""
-    t = worker.get(field)
-    if t:
-        for k, fam in fams.items():
-            fam.add_metric([t["backend"], worker.get("worker_id", "?")], t.get(k, 0))
+def _add_transfer(
+    fams: dict[str, CounterMetricFamily], worker_id: str, t: TransferTotals | None
+) -> None:
+    """A worker's heartbeat totals of one transfer kind, if it has any."""
+    if t is not None:
+        key = [t.backend, worker_id]
+        fams["bytes"].add_metric(key, t.bytes)
+        fams["seconds"].add_metric(key, t.seconds)
+        fams["count"].add_metric(key, t.count)
+
+
+_Get = Callable[[ImageCounters], float]
+# the vision side's counters and gauges: (name, help, how to read it)
+_IMAGE_COUNTERS: tuple[tuple[str, str, _Get], ...] = (
+    ("conveyor_images_encoded", "Images through a worker's vision tower",
+     lambda i: i.images_encoded),
+    ("conveyor_image_encode_seconds", "Seconds a worker's vision tower spent encoding",
+     lambda i: i.encode_seconds),
+    ("conveyor_image_encode_batches", "Batches through a worker's vision tower",
+     lambda i: i.encode_batches),
+    ("conveyor_images_pulled", "Image embeddings a worker pulled from another",
+     lambda i: i.images_pulled),
+    ("conveyor_image_pull_fallbacks", "Embedding pulls that failed (the worker encoded the image)",
+     lambda i: i.pull_fallbacks),
+    ("conveyor_embedding_cache_hits", "Images found in a worker's embedding cache",
+     lambda i: i.cache_hits),
+    ("conveyor_embedding_cache_misses", "Images not in a worker's embedding cache",
+     lambda i: i.cache_misses),
+    ("conveyor_embedding_cache_evictions", "Embeddings dropped from a worker's cache to make room",
+     lambda i: i.cache_evictions),
+)  # fmt: skip
+_IMAGE_GAUGES: tuple[tuple[str, str, _Get], ...] = (
+    ("conveyor_embedding_cache_bytes", "Bytes of embeddings a worker's cache holds",
+     lambda i: i.cache_bytes),
+    ("conveyor_embedding_cache_entries", "Embeddings a worker's cache holds",
+     lambda i: i.cache_entries),
+)  # fmt: skip

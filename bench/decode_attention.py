@@ -31,13 +31,14 @@ sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 from serve_latency import make_prompts, output_lengths  # noqa: E402
 
 from kvbm.protocol import Sampling  # noqa: E402
-from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
+from tasks.settings import DEFAULT_MODEL_DIR, engine_config  # noqa: E402
 from workers import paged_kernel  # noqa: E402
 from workers.engine import Engine  # noqa: E402
-from workers.engine_api import EngineConfig, EngineRequest  # noqa: E402
+from workers.engine_api import EngineRequest  # noqa: E402
 from workers.llama import AttentionMetadata  # noqa: E402
 
 PATHS = ("torch", "kernel")
+KERNEL_DIR = Path(engine_config().kernel_dir)  # where the engines below find it
 
 
 def layer_times(engine: Engine, seqs: int, ctx: int, iters: int, seed: int) -> dict[str, float]:
@@ -51,7 +52,7 @@ def layer_times(engine: Engine, seqs: int, ctx: int, iters: int, seed: int) -> d
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(seqs, cfg.hidden_size, generator=g)
     cos, sin = model._rope(torch.full((seqs,), ctx - 1))
-    kernel = paged_kernel.load()
+    kernel = paged_kernel.load(KERNEL_DIR)
     out = {}
     with torch.inference_mode():
         for name in PATHS:
@@ -113,7 +114,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     try:
-        paged_kernel.load()
+        paged_kernel.load(KERNEL_DIR)
     except paged_kernel.KernelUnavailable as e:
         print(f"the kernel cannot be built here: {e}", file=sys.stderr)
         return 1
@@ -121,7 +122,7 @@ def main() -> int:
     blocks = max(2048, 64 * -(-max(contexts) // 16) + 64)
     engines = {
         name: Engine.from_model_dir(
-            args.model, EngineConfig(decode_attention=name, num_kv_blocks=blocks)
+            args.model, engine_config(decode_attention=name, num_kv_blocks=blocks)
         )
         for name in PATHS
     }

@@ -46,9 +46,9 @@ from common import conveyor_serve  # noqa: E402
 from serve_latency import make_prompts  # noqa: E402
 
 from kvbm.protocol import Pooling, Sampling  # noqa: E402
-from tasks.settings import DEFAULT_MODEL_DIR  # noqa: E402
+from tasks.settings import DEFAULT_MODEL_DIR, engine_config  # noqa: E402
 from workers.engine import Engine  # noqa: E402
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput  # noqa: E402
+from workers.engine_api import EngineRequest, RequestOutput  # noqa: E402
 from workers.engine_loop import EngineLoop  # noqa: E402
 from workers.pooling import CHUNK_TOKENS, EmbeddingRunner  # noqa: E402
 
@@ -190,7 +190,7 @@ def main() -> int:
     ap.add_argument("--serve", action="store_true", help="table 3: through conveyor serve")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    engine = Engine.from_model_dir(args.model, EngineConfig(num_kv_blocks=2048))
+    engine = Engine.from_model_dir(args.model, engine_config(num_kv_blocks=2048))
     print(f"model {args.model.name}, torch threads {args.threads}, pooling "
           f"{engine.pooling.type}\n")  # fmt: skip
     print(f"embedding throughput, {args.inputs} inputs in a row, chunks of {args.chunk} "

@@ -68,12 +68,12 @@ class Timed:
     and waits for its end, returning the time to its first output."""
 
     def __init__(self, model_dir: Path, name: str, **tiers: object) -> None:
+        from tasks.settings import engine_config
         from workers.engine import Engine
-        from workers.engine_api import EngineConfig
         from workers.engine_loop import EngineLoop
 
         self.name = name
-        cfg = EngineConfig(
+        cfg = engine_config(
             num_kv_blocks=G1_BLOCKS,
             max_model_len=PREFIX + 256,
             max_num_batched_tokens=2048,
@@ -212,8 +212,9 @@ def part_decode(args: argparse.Namespace) -> dict:
     import torch
 
     from kvbm.protocol import Sampling
+    from tasks.settings import engine_config
     from workers.engine import Engine
-    from workers.engine_api import EngineConfig, EngineRequest
+    from workers.engine_api import EngineRequest
 
     torch.set_num_threads(1)
     model = ensure_model(args.model)
@@ -223,7 +224,7 @@ def part_decode(args: argparse.Namespace) -> dict:
     steps: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(args.rounds):
         for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
-            cfg = EngineConfig(num_kv_blocks=1024, max_num_seqs=conc,
+            cfg = engine_config(num_kv_blocks=1024, max_num_seqs=conc,
                                host_cache_blocks=4096 if side == "on" else 0)  # fmt: skip
             e = Engine.from_model_dir(model, cfg)
             real = e.scheduler.schedule

@@ -149,15 +149,16 @@ def part_engine(args: argparse.Namespace, log_dir: Path, out: dict) -> None:
     import torch
 
     from kvbm.protocol import Sampling
+    from tasks.settings import engine_config
     from workers.engine import Engine
-    from workers.engine_api import EngineConfig, EngineRequest
+    from workers.engine_api import EngineRequest
 
     torch.set_num_threads(1)
     lengths = output_lengths(args.requests, args.output_len, 0.5, args.seed)
     rng = random.Random(args.seed)
 
     def run(arm: str) -> dict:
-        engine = Engine.from_model_dir(args.model, EngineConfig(max_num_seqs=args.concurrency))
+        engine = Engine.from_model_dir(args.model, engine_config(max_num_seqs=args.concurrency))
         lp = TOP if arm == "logprobs" else None
         queue = [[1] + [rng.randrange(5, 500) for _ in range(args.prompt_len - 1)]
                  for _ in lengths]  # fmt: skip

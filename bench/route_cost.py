@@ -101,7 +101,7 @@ def worker_ids(n: int) -> list[str]:
 
 def register(r: redis.Redis, ids: list[str]) -> None:
     for wid in ids:
-        Heartbeat(r, POOL, wid, dict, ttl_s=3600).beat()
+        Heartbeat(r, POOL, wid, ttl_s=3600).beat()
 
 
 def setup(url: str, workers: int, prompt: list[int], scenario: str, bs: int, ns: int) -> None:

@@ -271,8 +271,9 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
     import torch
 
     from kvbm.protocol import Sampling
+    from tasks.settings import engine_config
     from workers.engine import Engine
-    from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+    from workers.engine_api import EngineRequest, RequestOutput
     from workers.engine_loop import EngineLoop
 
     torch.set_num_threads(args.torch_threads)
@@ -280,7 +281,7 @@ def _inprocess_levels(model_dir: Path, levels: list[int], prompts: dict, args,
     delay = float(os.environ.get("CONVEYOR_SCHEDULER_DELAY_FACTOR") or 0)
     attention = os.environ.get("CONVEYOR_DECODE_ATTENTION") or "auto"
     engine = Engine.from_model_dir(
-        model_dir, EngineConfig(scheduler_delay_factor=delay, decode_attention=attention)
+        model_dir, engine_config(scheduler_delay_factor=delay, decode_attention=attention)
     )
     events: dict[str, list[tuple[float, str, bool]]] = {}
     done: queue.Queue[RequestOutput] = queue.Queue()

@@ -201,12 +201,13 @@ def engine_steps(model_dir: Path, vocab: int, args) -> list[tuple[float, float]]
     import torch
 
     from kvbm.protocol import Sampling, StructuredOutput
+    from tasks.settings import engine_config
     from workers.engine import Engine
-    from workers.engine_api import EngineConfig, EngineRequest
+    from workers.engine_api import EngineRequest
 
     torch.set_num_threads(args.torch_threads)
     c = args.concurrency
-    engine = Engine.from_model_dir(model_dir, EngineConfig(num_kv_blocks=4096))
+    engine = Engine.from_model_dir(model_dir, engine_config(num_kv_blocks=4096))
     woken = threading.Event()
     engine.set_waker(woken.set)
     spec = StructuredOutput(json_schema=json.dumps(SCHEMA))

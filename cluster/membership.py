@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -36,6 +35,7 @@ from cluster.keys import (
 from cluster.ledger import LEDGER_LUA
 from cluster.lua import LIVE_LUA, NOW_LUA
 from cluster.queues import list_suffixes, pool_queue, worker_queue
+from cluster.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 class HeartbeatReport:
     """What a worker says of itself every heartbeat; the API reads it back through this
     type (:meth:`decode`). On the wire one flat JSON object: the fields below, and the
-    engine's counters (``stats``) beside them."""
+    engine's counters (:class:`cluster.stats.EngineStats`) beside them."""
 
     worker_id: str
     pool: str
@@ -56,28 +56,24 @@ class HeartbeatReport:
     active: int = 0  # requests running or waiting in the engine
     inflight: int = 0  # requests the worker has handed its engine and not heard end
     engine_pid: int | None = None
-    stats: dict[str, Any] = field(default_factory=dict)  # the engine's counters
+    stats: EngineStats = field(default_factory=EngineStats)  # the engine's counters
 
     _FIELDS = ("worker_id", "pool", "host", "ts", "active", "inflight", "engine_pid")
 
     def encode(self) -> str:
-        return json.dumps({**self.stats, **{f: getattr(self, f) for f in self._FIELDS}})
+        return json.dumps({**self.stats.to_json(), **{f: getattr(self, f) for f in self._FIELDS}})
 
     @classmethod
     def decode(
         cls, raw: bytes | str | None, pool: str = "", worker_id: str = ""
     ) -> HeartbeatReport:
-        """A report as :meth:`encode` wrote it (``None``: it expired a moment ago; the
-        worker's id and pool stand for it)."""
+        """A report as :meth:`encode` wrote it, by this version or an older or newer one
+        (``None``: it expired a moment ago; the worker's id and pool stand for it)."""
         d = json.loads(raw) if raw else {}
-        known = {f: d.pop(f) for f in cls._FIELDS if f in d}
+        known = {f: d[f] for f in cls._FIELDS if f in d}
         known.setdefault("worker_id", worker_id)
         known.setdefault("pool", pool)
-        return cls(**known, stats=d)
-
-    def flat(self) -> dict[str, Any]:
-        """The report as one mapping, as it travels."""
-        return {**self.stats, **{f: getattr(self, f) for f in self._FIELDS}}
+        return cls(**known, stats=EngineStats.from_json(d))
 
 
 @dataclass(slots=True)
@@ -179,15 +175,16 @@ def parse_live(pool: str, flat: list) -> list[WorkerInfo]:
 # ======================================================================================
 class Heartbeat:
     """Background thread that refreshes this worker's report and expiry every
-    ``period_s``; ``report()`` gives the engine's side of it (counters, and the
-    :class:`HeartbeatReport` fields it knows: active, inflight, engine_pid)."""
+    ``period_s``; ``report()`` gives the engine's side of it (a :class:`HeartbeatReport`
+    whose active, inflight, engine_pid and stats this worker knows; its identity, host and
+    time are stamped here). Without ``report`` the worker reports only that it is live."""
 
     def __init__(
         self,
         client: redis.Redis,
         pool: str,
         worker_id: str,
-        report: Callable[[], dict],
+        report: Callable[[], HeartbeatReport] | None = None,
         period_s: float = 2.0,
         ttl_s: float = 10.0,
     ) -> None:
@@ -204,10 +201,9 @@ class Heartbeat:
         self._host = socket.gethostname()
 
     def beat(self) -> None:
-        stats = dict(self._report())
-        known = {f: stats.pop(f) for f in HeartbeatReport._FIELDS[4:] if f in stats}
-        body = HeartbeatReport(self.worker_id, self.pool, self._host, time.time(), **known,
-                               stats=stats)  # fmt: skip
+        body = self._report() if self._report is not None else HeartbeatReport("", "")
+        body.worker_id, body.pool = self.worker_id, self.pool
+        body.host, body.ts = self._host, time.time()
         self._beat(keys=self._keys, args=[body.encode(), self._ttl_ms, self.worker_id])
 
     def start(self) -> Heartbeat:

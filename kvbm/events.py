@@ -115,14 +115,6 @@ class KVEventPublisher:
         if not self._writer.wait_replies(timeout):
             log.warning("KV events: the final batch was not confirmed in %.1fs", timeout)
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "kv_event_batches": self.batches_sent,
-            "kv_events": self.events_sent,
-            "kv_event_resyncs": self.resyncs,
-            "kv_event_errors": self.errors,
-        }
-
     # ----------------------------------------------------------------------------------
     def _send(self) -> None:
         self._last_sent = time.monotonic()

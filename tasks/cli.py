@@ -25,7 +25,7 @@ from typing import Any
 import click
 
 from tasks.modes import ALL_POOLS, MODE_NAMES, MODES
-from tasks.settings import DEFAULT_MODEL_DIR, Settings, configure
+from tasks.settings import DEFAULT_MODEL_DIR, Settings, configure, engine_config, field_info
 
 log = logging.getLogger("conveyor")
 
@@ -93,21 +93,38 @@ def _kvbm_tiers(s: Settings) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------
 # Shared options
 # ----------------------------------------------------------------------------------------
+def _setting(flat: str, what: str = "", unset: str = "") -> str:
+    """A flag's help: ``what``, the setting it sets (CONVEYOR_<FLAT>) and that setting's
+    default, read from Settings so the help cannot drift from it (``unset``: what an
+    unset one means)."""
+    default = field_info(flat).get_default(call_default_factory=True)
+    if isinstance(default, Path):
+        default = str(default).replace(str(Path.home()), "~")
+    if default is None:
+        shown = unset
+    elif isinstance(default, bool):
+        shown = str(default).lower()
+    else:
+        shown = str(default)
+    return " ".join(filter(None, [what, f"[CONVEYOR_{flat.upper()}]", shown and f"({shown})"]))
+
+
 def _model_opt(f):
     return click.option(
-        "--model", type=click.Path(path_type=Path), help="HF model dir [CONVEYOR_MODEL]"
+        "--model", type=click.Path(path_type=Path), help=_setting("model", "HF model dir")
     )(f)
 
 
 def _tool_parser_opt(f):
     return click.option(
         "--tool-call-parser", type=click.Choice(["hermes", "llama3_json"]),
-        help="Reads tool_choice 'auto' calls [CONVEYOR_TOOL_CALL_PARSER] (from the template)",
+        help=_setting("tool_call_parser", "Reads tool_choice 'auto' calls",
+                      unset="from the template"),
     )(f)  # fmt: skip
 
 
 def _redis_opt(f):
-    return click.option("--redis-url", help="Redis URL [CONVEYOR_REDIS_URL]")(f)
+    return click.option("--redis-url", help=_setting("redis_url", "Redis URL"))(f)
 
 
 def _configure_with_vllm(vllm_arg: tuple[str, ...], **kw: object) -> Settings:
@@ -124,16 +141,16 @@ def _configure_with_vllm(vllm_arg: tuple[str, ...], **kw: object) -> Settings:
 
 def _engine_opts(f):
     opts = [
-        click.option("--torch-threads", type=int, help="[CONVEYOR_TORCH_THREADS] (1)"),
-        click.option("--device", help="torch device [CONVEYOR_DEVICE] (cpu)"),
-        click.option("--num-kv-blocks", type=int, help="[CONVEYOR_NUM_KV_BLOCKS] (2048)"),
-        click.option("--block-size", type=int, help="[CONVEYOR_BLOCK_SIZE] (16)"),
-        click.option("--max-num-seqs", type=int, help="[CONVEYOR_MAX_NUM_SEQS] (64)"),
-        click.option("--max-model-len", type=int, help="[CONVEYOR_MAX_MODEL_LEN]"),
+        click.option("--torch-threads", type=int, help=_setting("torch_threads")),
+        click.option("--device", help=_setting("device", "torch device")),
+        click.option("--num-kv-blocks", type=int, help=_setting("num_kv_blocks")),
+        click.option("--block-size", type=int, help=_setting("block_size")),
+        click.option("--max-num-seqs", type=int, help=_setting("max_num_seqs")),
+        click.option("--max-model-len", type=int, help=_setting("max_model_len")),
         click.option(
             "--engine",
             type=click.Choice(["reference", "mock", "vllm"]),
-            help="reference (torch), mock (simulated timing, agg only) or vllm [CONVEYOR_ENGINE]",
+            help=_setting("engine", "reference (torch), mock (simulated timing, agg only) or vllm"),
         ),  # fmt: skip
         click.option(
             "--vllm-arg",
@@ -169,11 +186,11 @@ _WORKER_HELP = (
 
 @main.command(help=_WORKER_HELP)
 @click.option("--pool", type=click.Choice(ALL_POOLS), default="generate", show_default=True)
-@click.option("--worker-id", help="Worker id (default: <host>-<pid>) [CONVEYOR_WORKER_ID]")
-@click.option("--concurrency", type=int, help="Task threads [CONVEYOR_WORKER_CONCURRENCY] (64)")
+@click.option("--worker-id", help=_setting("worker_id", "Worker id (default: <host>-<pid>)"))
+@click.option("--concurrency", type=int, help=_setting("worker_concurrency", "Task threads"))
 @click.option(
     "--kv-transfer", type=click.Choice(["auto", "nixl", "redis"]),
-    help="KV transfer backend of prefill/decode pools [CONVEYOR_KV_TRANSFER] (auto)",
+    help=_setting("kv_transfer", "KV transfer backend of prefill/decode pools"),
 )  # fmt: skip
 @_model_opt
 @_redis_opt
@@ -185,7 +202,6 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
     from cluster.queues import pool_queue, worker_queue
     from tasks.app import configure as configure_app
     from tasks.heap import freeze_startup_heap
-    from workers.engine_api import EngineConfig
     from workers.engine_proc import EngineDied, parse_cpus
     from workers.runtime import WorkerRuntime, lower_priority, set_runtime
     from workers.start_errors import EXIT_CONFIG, engine_missing
@@ -209,13 +225,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
         pool=pool,
         worker_id=wid,
         redis_url=s.effective_redis_url,
-        engine_config=EngineConfig(
-            **s.engine.model_dump(exclude={"kind"}),
-            namespace=s.model_name,
-            host_cache_blocks=host_blocks,
-            disk_cache_blocks=disk_blocks,
-            disk_dir=str(s.kvbm.disk_dir),
-            disk_offload_filter=s.kvbm.disk_offload_filter,
+        engine_config=engine_config(
+            s, namespace=s.model_name, host_cache_blocks=host_blocks, disk_cache_blocks=disk_blocks
         ),
         torch_threads=s.worker.torch_threads,
         heartbeat_s=s.worker.heartbeat_s,
@@ -285,16 +296,17 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
 # conveyor api
 # ----------------------------------------------------------------------------------------
 @main.command()
-@click.option("--host", help="Bind address [CONVEYOR_HOST] (127.0.0.1)")
-@click.option("--port", type=int, help="Port [CONVEYOR_PORT] (8000)")
-@click.option("--mode", type=click.Choice(MODE_NAMES), help="[CONVEYOR_MODE] (agg)")
+@click.option("--host", help=_setting("host", "Bind address"))
+@click.option("--port", type=int, help=_setting("port", "Port"))
+@click.option("--mode", type=click.Choice(MODE_NAMES), help=_setting("mode"))
 @click.option(
     "--disagg-min-prompt-tokens", type=int,
-    help="disagg: shorter prompts prefill on the decode worker [CONVEYOR_DISAGG_MIN_PROMPT_TOKENS]",
+    help=_setting("disagg_min_prompt_tokens",
+                  "disagg: shorter prompts prefill on the decode worker"),
 )  # fmt: skip
 @click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
-              help="How workers are picked [CONVEYOR_ROUTER_MODE] (kv)")  # fmt: skip
-@click.option("--served-model-name", help="Model id clients use [CONVEYOR_SERVED_MODEL_NAME]")
+              help=_setting("router_mode", "How workers are picked"))  # fmt: skip
+@click.option("--served-model-name", help=_setting("served_model_name", "Model id clients use"))
 @_tool_parser_opt
 @_model_opt
 @_redis_opt
@@ -338,7 +350,7 @@ def _raise_open_files_limit() -> None:
 # ----------------------------------------------------------------------------------------
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, help="[CONVEYOR_FLOWER_PORT] (5555)")
+@click.option("--port", type=int, help=_setting("flower_port"))
 @_redis_opt
 def flower(host: str, port: int | None, redis_url: str | None) -> None:
     """Run Celery Flower with Conveyor's app: its broker page lists every stage queue
@@ -356,7 +368,7 @@ def flower(host: str, port: int | None, redis_url: str | None) -> None:
 
 
 @main.command()
-@click.option("--mode", type=click.Choice(MODE_NAMES), help="[CONVEYOR_MODE] (agg)")
+@click.option("--mode", type=click.Choice(MODE_NAMES), help=_setting("mode"))
 @click.option("--watch", type=float, metavar="SECONDS", help="Print again every SECONDS.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per snapshot.")
 @_redis_opt
@@ -450,28 +462,28 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
 # conveyor serve
 # ----------------------------------------------------------------------------------------
 @main.command()
-@click.option("--port", type=int, help="API port [CONVEYOR_PORT] (8000)")
-@click.option("--flower-port", type=int, help="Flower port [CONVEYOR_FLOWER_PORT] (5555)")
+@click.option("--port", type=int, help=_setting("port", "API port"))
+@click.option("--flower-port", type=int, help=_setting("flower_port", "Flower port"))
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
 @click.option(
     "--no-restart", is_flag=True,
     help="Stop everything when any process exits, instead of restarting it "
     "[CONVEYOR_SERVE_RESTART=false]",
 )  # fmt: skip
-@click.option("--mode", type=click.Choice(MODE_NAMES), help="[CONVEYOR_MODE] (agg)")
-@click.option("--workers", type=int, help="Workers per pool [CONVEYOR_WORKERS] (1)")
+@click.option("--mode", type=click.Choice(MODE_NAMES), help=_setting("mode"))
+@click.option("--workers", type=int, help=_setting("workers", "Workers per pool"))
 @click.option(
     "--encode-workers",
     type=int,
-    help="e-pd, e-p-d: encode workers (default --workers) [CONVEYOR_ENCODE_WORKERS]",
+    help=_setting("encode_workers", "e-pd, e-p-d: encode workers (default --workers)"),
 )
 @click.option("--prefill-workers", type=int, help="disagg: prefill workers (default --workers)")
 @click.option("--decode-workers", type=int, help="disagg: decode workers (default --workers)")
 @click.option("--kv-transfer", type=click.Choice(["auto", "nixl", "redis"]),
-              help="disagg: KV transfer backend [CONVEYOR_KV_TRANSFER] (auto)")  # fmt: skip
-@click.option("--redis-port", type=int, help="Embedded Redis port [CONVEYOR_REDIS_PORT] (6390)")
+              help=_setting("kv_transfer", "disagg: KV transfer backend"))  # fmt: skip
+@click.option("--redis-port", type=int, help=_setting("redis_port", "Embedded Redis port"))
 @click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
-              help="How workers are picked [CONVEYOR_ROUTER_MODE] (kv)")  # fmt: skip
+              help=_setting("router_mode", "How workers are picked"))  # fmt: skip
 @_tool_parser_opt
 @_model_opt
 @_redis_opt
@@ -494,7 +506,7 @@ def serve(no_flower: bool, no_restart: bool, **kw: Any) -> None:
 
 
 @main.command()
-@click.option("--port", type=int, help="API port of the serve to show [CONVEYOR_PORT] (8000)")
+@click.option("--port", type=int, help=_setting("port", "API port of the serve to show"))
 @click.option("--json", "as_json", is_flag=True, help="Print the raw process table.")
 def status(port: int | None, as_json: bool) -> None:
     """Show the processes of the `conveyor serve` on this host whose API uses PORT: pid,

@@ -18,9 +18,10 @@ mappings, ``vllm`` and ``mock``, nest with ``__``: ``CONVEYOR_VLLM__MAX_NUM_SEQS
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import quote, urlsplit
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
@@ -33,6 +34,9 @@ from pydantic_settings import (
 )
 
 from tasks.modes import MODE_NAMES, Mode, get_mode
+
+if TYPE_CHECKING:
+    from workers.engine_api import EngineConfig
 
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "conveyor" / "models" / "tiny-llava"
 DEFAULT_SERVE_DIR = Path.home() / ".cache" / "conveyor" / "serve"
@@ -312,6 +316,19 @@ class EngineSettings(_Area):
     kv_pin_timeout_s: float = Field(
         60.0, gt=0, description="Prefilled KV no decode worker pulled is freed after this."
     )
+    kernel_dir: UserPath | None = Field(
+        None,
+        description="Where the decode kernel is built and found (a file per source, "
+        "compiler and CPU); unset: $XDG_CACHE_HOME/conveyor/kernels, else "
+        "~/.cache/conveyor/kernels. The container image sets a directory built with it.",
+    )
+
+    def kernel_path(self) -> Path:
+        """``kernel_dir``, or its default under the user's cache directory."""
+        if self.kernel_dir is not None:
+            return self.kernel_dir
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(cache) / "conveyor" / "kernels"
 
 
 class KvbmSettings(_Area):
@@ -773,6 +790,24 @@ def configure(**overrides: Any) -> Settings:
     global _settings
     _settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     return _settings
+
+
+def engine_config(s: Settings | None = None, **overrides: Any) -> EngineConfig:
+    """The engine's configuration (workers.engine_api.EngineConfig, which restates no
+    default) from the engine and KVBM areas of ``s``, with ``overrides`` on top: what
+    `conveyor worker` adds (the model's namespace, the tiers' blocks), a test's or a
+    bench's sizes. ``s`` None: the areas' defaults, not the environment (tests, benches)."""
+    from workers.engine_api import EngineConfig  # here: the API process loads no workers
+
+    engine = s.engine if s is not None else EngineSettings()
+    kvbm = s.kvbm if s is not None else KvbmSettings()
+    fields = {
+        **engine.model_dump(exclude={"kind", "kernel_dir"}),
+        "kernel_dir": str(engine.kernel_path()),
+        "disk_dir": str(kvbm.disk_dir),
+        "disk_offload_filter": kvbm.disk_offload_filter,
+    }
+    return EngineConfig(**{**fields, **overrides})
 
 
 # ----------------------------------------------------------------------------------------

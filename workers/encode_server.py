@@ -20,9 +20,9 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from cluster.stats import EngineStats
 from kvbm.protocol import EncodeHandle, ImageRef, choice_request_id
 from workers.engine_ipc import Abort, Completion, Done, Encode, Reply, Run, Stats
 from workers.images import ImageUnavailable, export
@@ -78,13 +78,10 @@ class EncodeServer:
         else:
             raise AssertionError(f"an encode worker runs encode commands, not {cmd!r}")
 
-    def stats(self) -> dict:
-        cache = asdict(self.encoder.cache.stats())
-        return {"running": len(self._queue), "waiting": 0, "encode_requests": self.requests,
-                "images": {**self.encoder.stats.as_dict(),
-                           **{f"cache_{k}": v for k, v in cache.items()}},
-                "embedding_transfer": {"backend": self.transfer.name,
-                                       **self.transfer.stats()}}  # fmt: skip
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self._queue), encode_requests=self.requests,
+                           images=self.encoder.counters(),
+                           embedding_transfer=self.transfer.stats())  # fmt: skip
 
     def close(self) -> None:
         with self._cv:

@@ -67,7 +67,7 @@ class Engine(EngineCore):
         self.model = model
         self.kv = PagedKVCache(cfg, config.num_kv_blocks, config.block_size, model.dtype,
                                str(model.device))  # fmt: skip
-        self.decode_kernel = _decode_kernel(config.decode_attention, model)
+        self.decode_kernel = _decode_kernel(config.decode_attention, config.kernel_dir, model)
         if importlib.util.find_spec("xgrammar") is not None:
             self.structured = StructuredOutputs(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         else:  # (make install puts it in): constrained requests are refused, 400
@@ -295,9 +295,10 @@ class Engine(EngineCore):
             )
 
 
-def _decode_kernel(choice: str, model: LlamaModel) -> PagedDecodeKernel | None:
-    """The C decode-attention kernel when ``choice`` asks for it and it can serve ``model``;
-    None for the torch path. ``"kernel"`` raises where it cannot."""
+def _decode_kernel(choice: str, kernel_dir: str, model: LlamaModel) -> PagedDecodeKernel | None:
+    """The C decode-attention kernel (built in, or found in, ``kernel_dir``) when ``choice``
+    asks for it and it can serve ``model``; None for the torch path. ``"kernel"`` raises
+    where it cannot."""
     if choice not in ("auto", "kernel", "torch"):
         raise ValueError(f"decode_attention must be auto, kernel or torch, not {choice!r}")
     if choice == "torch":
@@ -308,7 +309,7 @@ def _decode_kernel(choice: str, model: LlamaModel) -> PagedDecodeKernel | None:
             raise KernelUnavailable(f"decode_attention=kernel: {why}")
         return None
     try:
-        return paged_kernel.load()
+        return paged_kernel.load(Path(kernel_dir))
     except KernelUnavailable as e:
         if choice == "kernel":
             raise KernelUnavailable(f"decode_attention=kernel: {e}") from e

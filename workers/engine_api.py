@@ -21,9 +21,10 @@ for :meth:`Engine.kv_memory` (what a KV transfer backend moves) and :meth:`Engin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from cluster.stats import EngineStats
 from kvbm.block_pool import KVEvent
 from kvbm.protocol import ExtraKeys, Sampling
 
@@ -180,61 +181,38 @@ def refuse_prompt(request_id: str, n: int, max_model_len: int) -> RequestOutput 
     return None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineConfig:
-    block_size: int = 16
-    num_kv_blocks: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    kv_pin_timeout_s: float = 60.0  # pinned prefill blocks nobody pulled are freed after
-    enable_prefix_caching: bool = True
+    """An engine's configuration. The settings' fields have no default here: they are
+    the engine and KVBM areas' (tasks/settings.py, where each is described), and one
+    builder, ``tasks.settings.engine_config``, makes this from them (`conveyor worker`,
+    tests and benches alike)."""
+
+    # --- the engine area -----------------------------------------------------------------
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    dtype: str
+    device: str
+    kv_pin_timeout_s: float  # pinned prefill blocks nobody pulled are freed after
+    enable_prefix_caching: bool
+    # while sequences decode, a new prompt waits until this many times the last prefill
+    # step's duration has passed since it arrived (vLLM's scheduler_delay_factor)
+    scheduler_delay_factor: float
+    decode_attention: str  # "kernel" (workers/paged_kernel.py), "torch" or "auto"
+    kernel_dir: str  # where the decode kernel is built and found
+    # --- the KVBM area -------------------------------------------------------------------
+    disk_dir: str | None  # G3's files
+    disk_offload_filter: bool  # G3 admits a block once stored and hit twice
+    # --- not settings: what the worker knows of its model and host ----------------------
     namespace: str = ""  # the served model name: kvbm.protocol.model_namespace of it
     record_kv_events: bool = True  # queue stored/removed events for the router's index
-    # while sequences decode, a new prompt waits until this many times the last prefill
-    # step's duration has passed since it arrived (vLLM's scheduler_delay_factor): prompts
-    # arriving close together share a step, and fewer decode steps stall on one. 0: at once
-    scheduler_delay_factor: float = 0.0
-    # decode attention: "kernel" (the C kernel that reads KV blocks in place; float32 on
-    # CPU), "torch" (gather the blocks, then SDPA) or "auto" (the kernel where it builds)
-    decode_attention: str = "auto"
-    # KVBM tiers below the engine pool (kvbm.offload): 0 blocks = tier off
+    # KVBM tiers below the engine pool (kvbm.offload), sized from the KVBM area's GB and
+    # the model's block bytes: 0 blocks = tier off
     host_cache_blocks: int = 0  # G2, host memory
     disk_cache_blocks: int = 0  # G3, files under disk_dir
-    disk_dir: str | None = None
-    disk_offload_filter: bool = True  # G3 admits a block once stored and hit twice
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """An engine's counters, for the worker's heartbeat and the router's metrics."""
-
-    running: int = 0
-    waiting: int = 0
-    blocks_used: int = 0
-    blocks_total: int = 0
-    blocks_cached: int = 0
-    blocks_pinned: int = 0  # prefilled requests whose KV awaits a pull
-    prompt_tokens_seen: int = 0  # prefix-cache hit rate = cached / seen
-    prompt_tokens_cached: int = 0
-    # prompt tokens run through the model: a prefix-cache hit, an imported prefill or a
-    # choice forked from its request's first choice (n > 1) computes none of its own
-    prompt_tokens_computed: int = 0
-    pins_expired: int = 0
-    preemptions: int = 0
-    steps: int = 0
-    loading: int = 0  # requests waiting for their KV (onboarding, a disagg pull)
-    # KVBM tiers: occupancy, and kvbm.offload.OffloadManager.report() (empty: tiers off)
-    host_blocks_used: int = 0
-    host_blocks_total: int = 0
-    disk_blocks_used: int = 0
-    disk_blocks_total: int = 0
-    kvbm: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 @runtime_checkable

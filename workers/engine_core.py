@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
+from cluster.stats import EngineStats
 from kvbm.block_pool import KVEvent
 from kvbm.disk import BlockLayout, BlockStore, FileBlockStore, claim_dir
 from kvbm.offload import BlockCopier, OffloadManager
@@ -34,7 +35,6 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import (
     EngineConfig,
     EngineRequest,
-    EngineStats,
     RequestOutput,
     failed,
     refuse_prompt,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from cluster.stats import EngineStats
 from kvbm.protocol import EmbeddingRef, EncodeHandle, PrefillHandle, StagePayload
 
 # --------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class Completion:
 class Ready:
     """The engine process is serving; its first stats."""
 
-    stats: dict
+    stats: EngineStats
 
 
 @dataclass(slots=True)
@@ -147,7 +148,7 @@ class Done:
 class Stats:
     """The engine process's counters, for the worker's heartbeat."""
 
-    stats: dict
+    stats: EngineStats
 
 
 Reply = Ready | StartFailed | Done | Stats

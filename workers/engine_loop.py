@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import cast
 
+from cluster.stats import EngineStats
 from kvbm.block_pool import KVEvent
 from workers.engine_api import Engine, EngineRequest, RequestOutput
 
@@ -73,11 +74,12 @@ class EngineLoop:
         self._post(("call", (fn, fut)))
         return fut
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> EngineStats:
         """The engine's counters and the loop's time spent in steps (read from any thread:
         a snapshot of plain counters, a step may be under way)."""
-        return {**self.engine.stats().as_dict(),
-                "step_seconds": round(self.step_seconds_total, 3)}  # fmt: skip
+        st = self.engine.stats()
+        st.step_seconds = round(self.step_seconds_total, 3)
+        return st
 
     # ----------------------------------------------------------------------------------
     def _post(self, item: tuple[str, object]) -> None:

@@ -28,12 +28,13 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.stats import EngineStats
 from kvbm.protocol import PrefillHandle, kv_release_channel
 from workers.choices import ChoiceGroups
 from workers.engine_ipc import (
@@ -131,7 +132,7 @@ class EngineClient:
         self._send_lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()
-        self._stats: dict = {}
+        self._stats = EngineStats()
         self._dead = False
         self._stopping = False
         self._reader: threading.Thread | None = None
@@ -201,8 +202,8 @@ class EngineClient:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def stats(self) -> dict:
-        return dict(self._stats)
+    def stats(self) -> EngineStats:
+        return self._stats
 
     def run(self, cmd: Run) -> _Waiter:
         """Start ``cmd`` in the engine process; its waiter is woken when the request ends
@@ -543,25 +544,24 @@ class _EngineServer:
         if self.transfer is not None:
             threading.Thread(target=self._listen_releases, name="kv-release", daemon=True).start()
 
-    def stats(self) -> dict:
-        st = self.loop.stats() if self.loop is not None else {}
+    def stats(self) -> EngineStats:
+        st = self.loop.stats() if self.loop is not None else EngineStats()
         extra = getattr(self.engine, "extra_stats", None)  # vLLM: its own counts
         if extra is not None:
-            st.update(extra())
+            extra(st)
         if self.publisher is not None:
-            st["frames_published"] = self.publisher.frames_published
-            st["frame_publish_errors"] = self.publisher.publish_errors
+            st.frames_published = self.publisher.frames_published
+            st.frame_publish_errors = self.publisher.publish_errors
         if self.transfer is not None:
-            st["kv_transfer"] = {"backend": self.transfer.name, **self.transfer.stats()}
+            st.kv_transfer = self.transfer.stats()
         if self.events is not None:
-            st.update(self.events.stats())
+            ev = self.events
+            st.kv_event_batches, st.kv_events = ev.batches_sent, ev.events_sent
+            st.kv_event_resyncs, st.kv_event_errors = ev.resyncs, ev.errors
         if self.images is not None:
-            st["images"] = {**self.images.stats.as_dict(),
-                            **{f"cache_{k}": v for k, v in
-                               asdict(self.images.cache.stats()).items()}}  # fmt: skip
+            st.images = self.images.counters()
         if self.emb_transfer is not None:
-            st["embedding_transfer"] = {"backend": self.emb_transfer.name,
-                                        **self.emb_transfer.stats()}  # fmt: skip
+            st.embedding_transfer = self.emb_transfer.stats()
         return st
 
     # ----------------------------------------------------------------------------------

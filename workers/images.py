@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -31,6 +31,7 @@ import redis
 import torch
 from PIL import Image
 
+from cluster.stats import ImageCounters
 from kvbm.protocol import EmbeddingRef, ImageRef, media_key
 from workers.embedding_cache import EmbeddingCache
 from workers.engine_api import MMInput
@@ -42,18 +43,6 @@ log = logging.getLogger(__name__)
 
 class ImageUnavailable(RuntimeError):
     """An image's bytes are gone from Redis (expired) or cannot be decoded any more."""
-
-
-@dataclass(slots=True)
-class ImageStats:
-    images_encoded: int = 0  # through the vision tower here
-    encode_seconds: float = 0.0
-    encode_batches: int = 0
-    images_pulled: int = 0  # embeddings pulled from another worker
-    pull_fallbacks: int = 0  # pulls that failed: encoded here instead
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def load_image(raw: bytes) -> Image.Image:
@@ -76,7 +65,14 @@ class ImageEncoder:
         self._encoder = None
         self._lock = threading.Lock()  # one batch through the tower at a time
         self.cache = EmbeddingCache(cache_mb << 20)
-        self.stats = ImageStats()
+        self.stats = ImageCounters()  # the tower's and the pulls' (the cache keeps its own)
+
+    def counters(self) -> ImageCounters:
+        """The tower's and the cache's counters, for the heartbeat."""
+        c = self.cache.stats()
+        return replace(self.stats, cache_hits=c.hits, cache_misses=c.misses,
+                       cache_evictions=c.evictions, cache_entries=c.entries, cache_bytes=c.bytes,
+                       cache_max_bytes=c.max_bytes)  # fmt: skip
 
     def encode(self, images: Sequence[ImageRef]) -> list[torch.Tensor]:
         """Each image's embedding ``[num_tokens, hidden]``: from the cache, or through the

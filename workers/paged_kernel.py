@@ -6,10 +6,11 @@ and SDPA reads that copy again. The kernel reads each block where it lies, once,
 sequence's own length (docs/performance.md, "Decode attention in a C kernel").
 
 It is compiled with the host's C compiler (``$CC``, else ``cc``) for the host's own CPU
-(``-march=native``) into ``$CONVEYOR_KERNEL_DIR`` (default ``~/.cache/conveyor/kernels``),
-under a name that hashes the source, the flags, the compiler and the CPU, so a changed
-source or another machine sharing the home directory builds its own copy. A build takes
-about a second; concurrent builds (several workers starting at once) each write a private
+(``-march=native``) into the directory it is given (the engine area's ``kernel_dir``,
+``CONVEYOR_KERNEL_DIR``), under a name that hashes the source, the flags, the compiler and
+the CPU, so a changed source or another machine sharing the directory builds its own copy.
+A build takes about a second; concurrent builds (several workers starting at once) each
+write a private
 temporary file and rename it into place. ``-ffast-math`` is used at compile time only, so
 the vectorised ``expf`` and reassociated sums are allowed; the library is linked without
 it, so loading it does not switch the process to flush-to-zero (GCC before 13 links
@@ -43,13 +44,6 @@ class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or loaded on this host (the message says why)."""
 
 
-def kernel_dir() -> Path:
-    if d := os.environ.get("CONVEYOR_KERNEL_DIR"):
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "conveyor" / "kernels"
-
-
 def _cpu_identity() -> str:
     """What ``-march=native`` depends on: the CPU model and its feature flags."""
     keep = []
@@ -73,7 +67,7 @@ def _compiler() -> str:
     return path
 
 
-def library_path(cc: str) -> Path:
+def library_path(cc: str, directory: Path) -> Path:
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30, check=True
@@ -85,7 +79,7 @@ def library_path(cc: str) -> Path:
                  _cpu_identity().encode()):  # fmt: skip
         h.update(part)
         h.update(b"\0")
-    return kernel_dir() / f"paged_attention-{h.hexdigest()[:16]}.so"
+    return directory / f"paged_attention-{h.hexdigest()[:16]}.so"
 
 
 def _build(cc: str, out: Path) -> None:
@@ -107,10 +101,11 @@ def _build(cc: str, out: Path) -> None:
 
 
 @functools.cache
-def load() -> PagedDecodeKernel:
-    """The kernel, built if this host has no copy yet (once per process)."""
+def load(directory: Path) -> PagedDecodeKernel:
+    """The kernel in ``directory``, built there if it has no copy for this host yet (once
+    per process and directory)."""
     cc = _compiler()
-    path = library_path(cc)
+    path = library_path(cc, directory)
     if not path.exists():
         _build(cc, path)
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from cluster.membership import Heartbeat, declare_dead
+from cluster.membership import Heartbeat, HeartbeatReport, declare_dead
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     EncodeHandle,
@@ -134,14 +134,12 @@ class WorkerRuntime:
             pass
         self.engine.stop()
 
-    def load_report(self) -> dict:
-        stats = self.engine.stats()
-        return {
-            **stats,
-            "active": stats.get("running", 0) + stats.get("waiting", 0),
-            "inflight": self.engine.pending(),
-            "engine_pid": self.engine.pid,
-        }
+    def load_report(self) -> HeartbeatReport:
+        """The engine's side of this worker's heartbeat (the heartbeat stamps the rest)."""
+        st = self.engine.stats()
+        return HeartbeatReport(self.worker_id, self.pool, active=st.running + st.waiting,
+                               inflight=self.engine.pending(), engine_pid=self.engine.pid,
+                               stats=st)  # fmt: skip
 
     def generate(self, cmd: Generate | Embed) -> StageSummary:
         """Run one request to completion; frames are published as it goes (an embedding

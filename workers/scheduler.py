@@ -35,11 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cluster.stats import EngineStats, KvbmCounters
 from kvbm.block_pool import KVCacheManager, KVEvent
 from kvbm.offload import OffloadManager, OnboardJob
 from kvbm.protocol import G1, model_namespace
 from workers.detokenizer import IncrementalDetokenizer
-from workers.engine_api import EngineConfig, EngineRequest, EngineStats, KVSource
+from workers.engine_api import EngineConfig, EngineRequest, KVSource
 
 if TYPE_CHECKING:
     from workers.structured import Constraint
@@ -551,7 +552,7 @@ class Scheduler:
             host_blocks_total=occ.get("host_blocks_total", 0),
             disk_blocks_used=occ.get("disk_blocks_used", 0),
             disk_blocks_total=occ.get("disk_blocks_total", 0),
-            kvbm=off.report() if off is not None else {},
+            kvbm=KvbmCounters(**off.report()) if off is not None else None,
         )
 
     # ----------------------------------------------------------------------------------

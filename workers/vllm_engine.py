@@ -38,16 +38,16 @@ import tempfile
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from cluster.stats import EngineStats, TransferTotals
 from kvbm.block_pool import KVEvent
 from kvbm.protocol import G1, StructuredOutput, model_namespace
 from workers.engine_api import (
     FEATURES,
     EngineConfig,
     EngineRequest,
-    EngineStats,
     RequestOutput,
     failed,
     refuse_prompt,
@@ -176,7 +176,7 @@ class VllmEngine:
         self._sched = None  # the last SchedulerStats vLLM reported
         self._counts = EngineStats()
         # KV pulled by vLLM's connector (decode side), as the heartbeat's kv_transfer
-        self._kv_moved = {"bytes": 0, "seconds": 0.0, "count": 0, "failed": 0}
+        self._kv_moved = TransferTotals("vllm-connector")
         self._closed = False
 
         # vLLM's processes (EngineCore and its workers) are this process's children. A
@@ -436,14 +436,12 @@ class VllmEngine:
                            prompt_tokens_cached=st.prompt_tokens_cached,
                            preemptions=st.preemptions, steps=st.steps)  # fmt: skip
 
-    def extra_stats(self) -> dict:
-        """What the heartbeat carries beyond :class:`EngineStats`: vLLM's own count of
-        the requests it holds, and the KV its connector pulled (Conveyor's
-        ``kv_transfer`` shape: bytes, seconds, count)."""
-        out: dict = {"vllm_unfinished": self.num_unfinished()}
-        if self._kv_moved["count"] or self._kv_moved["failed"]:
-            out["kv_transfer"] = {"backend": "vllm-connector", **self._kv_moved}
-        return out
+    def extra_stats(self, st: EngineStats) -> None:
+        """What the heartbeat carries beyond the engine's counts: vLLM's own count of the
+        requests it holds, and the KV its connector pulled."""
+        st.vllm_unfinished = self.num_unfinished()
+        if self._kv_moved.count or self._kv_moved.failed:
+            st.kv_transfer = replace(self._kv_moved)
 
     def _count_transfers(self, stats: dict) -> None:
         """Fold one report of vLLM's KV connector stats (NIXL's: lists of per-transfer
@@ -451,10 +449,10 @@ class VllmEngine:
         for data in [stats, *(v for v in stats.values() if isinstance(v, dict))]:
             moved = data.get("bytes_transferred")
             if isinstance(moved, list):
-                self._kv_moved["count"] += len(moved)
-                self._kv_moved["bytes"] += int(sum(moved))
-                self._kv_moved["seconds"] += float(sum(data.get("transfer_duration") or ()))
-                self._kv_moved["failed"] += len(data.get("num_failed_transfers") or ())
+                self._kv_moved.count += len(moved)
+                self._kv_moved.bytes += int(sum(moved))
+                self._kv_moved.seconds += float(sum(data.get("transfer_duration") or ()))
+                self._kv_moved.failed += len(data.get("num_failed_transfers") or ())
 
     def num_unfinished(self) -> int:
         """Requests vLLM itself still holds (its output processor's count)."""

@@ -49,7 +49,8 @@ def test_containers_talk_only_over_the_project_network(stack: Stack) -> None:
 def test_the_worker_runs_the_kernel_built_with_the_image(stack: Stack) -> None:
     """The image has no compiler; the worker loads the decode kernel compiled at build time."""
     probe = (
-        "import shutil; from workers import paged_kernel; paged_kernel.load(); "
+        "import shutil; from tasks.settings import Settings; from workers import paged_kernel; "
+        "paged_kernel.load(Settings().engine.kernel_path()); "
         "assert not shutil.which('gcc') and not shutil.which('cc'), 'a compiler in the image'"
     )
     r = stack.compose("exec", "-T", GEN, "python", "-c", probe, check=False)

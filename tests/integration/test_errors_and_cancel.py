@@ -176,7 +176,7 @@ def test_worker_that_never_answers_gives_504(
     """A worker registered as alive that never consumes (hung): the client gets a timeout
     error, not a hung request — both non-stream and stream."""
     r6 = redis.Redis.from_url(fresh_db)
-    Heartbeat(r6, "generate", "hung", lambda: {"host": "x"}, ttl_s=120).beat()
+    Heartbeat(r6, "generate", "hung", ttl_s=120).beat()
     env = base_env(fresh_db, tiny_model_dir, CONVEYOR_FIRST_FRAME_TIMEOUT_S="2")
     api, url = start_api("api-hung", env, tmp_path)
     try:

@@ -42,7 +42,7 @@ def db(fresh_db: str) -> str:
 def register(url: str, *ids: str, ttl_s: float = 30.0, pool: str = POOL) -> None:
     r = redis.Redis.from_url(url)
     for wid in ids:
-        Heartbeat(r, pool, wid, dict, ttl_s=ttl_s).beat()
+        Heartbeat(r, pool, wid, ttl_s=ttl_s).beat()
 
 
 def kill(url: str, wid: str) -> None:

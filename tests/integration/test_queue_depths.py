@@ -27,7 +27,7 @@ def r(fresh_db: str) -> redis.Redis:
 
 
 def beat(r: redis.Redis, pool: str, wid: str) -> Heartbeat:
-    hb = Heartbeat(r, pool, wid, dict, ttl_s=30)
+    hb = Heartbeat(r, pool, wid, ttl_s=30)
     hb.beat()
     return hb
 

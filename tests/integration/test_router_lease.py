@@ -72,7 +72,7 @@ except BaseException:
 @pytest.fixture
 def db(fresh_db: str) -> str:
     r = redis.Redis.from_url(fresh_db)
-    Heartbeat(r, POOL, "a", dict, ttl_s=120).beat()
+    Heartbeat(r, POOL, "a", ttl_s=120).beat()
     return fresh_db
 
 

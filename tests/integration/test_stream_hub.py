@@ -98,7 +98,7 @@ def test_a_declared_death_makes_waiting_streams_check_their_workers_at_once(
     async def body(client: aioredis.Redis, hub: StreamHub) -> None:
         r = sync_redis.Redis.from_url(fresh_db)
         for wid in ("w-dead", "w-live"):
-            Heartbeat(r, "generate", wid, dict, ttl_s=60.0).beat()
+            Heartbeat(r, "generate", wid, ttl_s=60.0).beat()
         checks: dict[str, int] = {"w-dead": 0, "w-live": 0}
 
         def alive_of(wid: str):  # type: ignore[no-untyped-def]

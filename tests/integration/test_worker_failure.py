@@ -88,7 +88,7 @@ def test_request_redispatched_when_worker_dies_before_answering(
                  "the real worker", [worker])  # fmt: skip
     # the frozen worker and the real one's load are in Redis before the API starts, so its
     # router's first view holds them (no waiting for a refresh of the view)
-    Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=60.0).beat()
+    Heartbeat(r, "generate", "aaa-hung", ttl_s=60.0).beat()
     r.hset(load_key("generate"), "zzz-real:blocks", 10_000)
     with stop_on_error(worker):
         api, url = start_api("api-failover", env, tmp_path)
@@ -103,7 +103,7 @@ def test_request_redispatched_when_worker_dies_before_answering(
             if death == "declared":  # ... then its death is announced
                 declare_dead(r, "generate", "aaa-hung")
             else:  # ... or its last heartbeat lapses, 3 s from now
-                Heartbeat(r, "generate", "aaa-hung", dict, ttl_s=3.0).beat()
+                Heartbeat(r, "generate", "aaa-hung", ttl_s=3.0).beat()
 
         watcher = threading.Thread(target=watch)
         watcher.start()

@@ -599,7 +599,7 @@ def test_dockerfile_builds_the_kernel_in_the_builder(dockerfile):
     CONVEYOR_KERNEL_DIR, which the runtime stage copies and points at, with CC naming the
     stand-in that answers for the compiler there."""
     builder, runtime = _stages(dockerfile)
-    build = next(a for kw, a in builder if kw == "RUN" and "paged_kernel.load()" in a)
+    build = next(a for kw, a in builder if kw == "RUN" and "paged_kernel.load(" in a)
     assert "cc --version" in build and "/opt/conveyor/bin/cc" in build
     for stage in (builder, runtime):
         env = " ".join(a for kw, a in stage if kw == "ENV")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cluster.stats import TransferTotals
 from workers.llama import PagedKVCache
 
 
@@ -73,8 +74,8 @@ class KVTransfer(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources at shutdown."""
 
-    def stats(self) -> dict:
-        return {"bytes": self.bytes_moved, "seconds": self.seconds, "count": self.transfers}
+    def stats(self) -> TransferTotals:
+        return TransferTotals(self.name, self.bytes_moved, self.seconds, self.transfers)
 
     def check_layout(self, meta: dict) -> None:
         theirs = meta.get("layout")

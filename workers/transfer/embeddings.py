@@ -23,6 +23,7 @@ from typing import cast
 import redis
 import torch
 
+from cluster.stats import TransferTotals
 from kvbm.protocol import embedding_key, embedding_release_channel, nixl_agent_key
 from workers.transfer.base import TransferError
 from workers.transfer.nixl_kv import NIXL_HINT, nixl_missing, tell_backend
@@ -61,8 +62,8 @@ class EmbeddingTransfer(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources at shutdown."""
 
-    def stats(self) -> dict:
-        return {"bytes": self.bytes_moved, "seconds": self.seconds, "count": self.transfers}
+    def stats(self) -> TransferTotals:
+        return TransferTotals(self.name, self.bytes_moved, self.seconds, self.transfers)
 
     def _moved(self, nbytes: int, t0: float) -> None:
         self.bytes_moved += nbytes

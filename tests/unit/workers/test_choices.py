@@ -11,10 +11,11 @@ from tokenizers import Tokenizer
 
 from kvbm.block_pool import KVCacheManager
 from kvbm.protocol import Sampling, choice_sampling, choice_seed, choice_stream_id
+from tasks.settings import engine_config
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.choices import ChoiceGroups
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+from workers.engine_api import EngineRequest, RequestOutput
 from workers.engine_core import EngineCore
 from workers.engine_ipc import Completion
 from workers.llama import LlamaModel
@@ -38,7 +39,7 @@ def make_engine(model_and_tok):  # type: ignore[no-untyped-def]
     def make(**kw: object) -> Engine:
         kw.setdefault("num_kv_blocks", 64)
         kw.setdefault("max_model_len", 256)
-        return Engine(*model_and_tok, EngineConfig(**kw))  # type: ignore[arg-type]
+        return Engine(*model_and_tok, engine_config(**kw))  # type: ignore[arg-type]
 
     return make
 
@@ -124,7 +125,7 @@ def test_seeded_choices_each_sample_as_a_request_of_their_own(make_engine) -> No
 def test_choices_join_the_batch_together(tiny_model_dir: Path) -> None:
     """max_num_seqs=4 and a request running: a request of 4 choices waits until all four
     fit (they join the batch together, its first choice admitted with room for them)."""
-    cfg = EngineConfig(num_kv_blocks=256, max_num_seqs=4)
+    cfg = engine_config(num_kv_blocks=256, max_num_seqs=4)
     e = MockEngine.from_model_dir(tiny_model_dir, cfg, MockTiming(speedup=1000))
     assert e.add_request(EngineRequest("x", _prompt(20), Sampling(max_tokens=6))) is None
     e.step()
@@ -146,7 +147,7 @@ def test_choices_join_the_batch_together(tiny_model_dir: Path) -> None:
 def test_choices_of_a_first_choice_gone_run_on_their_own(tiny_model_dir: Path) -> None:
     """The first choice aborted before its prompt ran: the others run as requests of
     their own; a parked choice aborted ends at once."""
-    e = MockEngine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=256),
+    e = MockEngine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256),
                                   MockTiming(speedup=1000))  # fmt: skip
     for r in _choices("g", _prompt(30), Sampling(max_tokens=3, n=3)):
         assert e.add_request(r) is None
@@ -212,7 +213,7 @@ def test_choices_of_an_image_prompt_fork_from_its_embeddings(tiny_model_dir: Pat
     from kvbm.protocol import extra_keys_for_spans, image_extra_key
     from workers.engine_api import MMInput
 
-    config = EngineConfig(num_kv_blocks=64, max_model_len=256)
+    config = engine_config(num_kv_blocks=64, max_model_len=256)
     e = Engine.from_model_dir(tiny_model_dir, config)
     img = e.image_token_id
     assert img is not None

@@ -17,16 +17,17 @@ import pytest
 import torch
 
 from kvbm.protocol import Sampling
+from tasks.settings import engine_config
 from tests.unit.workers.test_resume_engine import _run as _run_outputs
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill, RequestOutput
+from workers.engine_api import EngineRequest, ImportedPrefill, RequestOutput
 
 CFG = dict(block_size=16, num_kv_blocks=256, max_num_batched_tokens=128, max_model_len=512)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path) -> tuple[Engine, Engine, Engine]:
-    make = lambda: Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG))  # noqa: E731
+    make = lambda: Engine.from_model_dir(tiny_model_dir, engine_config(**CFG))  # noqa: E731
     return make(), make(), make()  # aggregated, prefill, decode
 
 
@@ -211,7 +212,7 @@ def test_forced_first_token_replays_what_was_streamed(
 
 
 def test_pinned_blocks_expire_when_never_pulled(tiny_model_dir: Path) -> None:
-    e = Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG, kv_pin_timeout_s=5.0))
+    e = Engine.from_model_dir(tiny_model_dir, engine_config(**CFG, kv_pin_timeout_s=5.0))
     e.add_request(EngineRequest("p", [1] + [300] * 40, Sampling(max_tokens=9, temperature=0),
                                 prefill_only=True))  # fmt: skip
     while e.has_unfinished:
@@ -225,7 +226,7 @@ def test_pinned_blocks_expire_when_never_pulled(tiny_model_dir: Path) -> None:
 def _prefilled(tiny_model_dir: Path, n: int = 40) -> tuple[Engine, Engine, RequestOutput]:
     """A prefill engine holding one prefilled request ``d`` (``n`` prompt tokens), and a
     decode engine to import it into."""
-    pre, dec = (Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG)) for _ in range(2))
+    pre, dec = (Engine.from_model_dir(tiny_model_dir, engine_config(**CFG)) for _ in range(2))
     pre.add_request(EngineRequest("d", [1] + [300] * (n - 1), Sampling(max_tokens=4),
                                   prefill_only=True))  # fmt: skip
     (o,) = pre.step()

@@ -10,9 +10,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from kvbm.protocol import Sampling
+from tasks.settings import engine_config
 from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+from workers.engine_api import EngineRequest, RequestOutput
 from workers.engine_loop import EngineLoop
 from workers.llama import LlamaModel
 from workers.model_init import EOS
@@ -34,7 +35,7 @@ def make_engine(model_and_tok):
     def make(**kw) -> Engine:
         kw.setdefault("num_kv_blocks", 64)
         kw.setdefault("max_model_len", 256)
-        return Engine(*model_and_tok, EngineConfig(**kw))
+        return Engine(*model_and_tok, engine_config(**kw))
 
     return make
 
@@ -187,7 +188,7 @@ def test_context_window_caps_generation(make_engine) -> None:
 
 def test_kv_pool_must_hold_one_sequence(model_and_tok) -> None:
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        Engine(*model_and_tok, EngineConfig(num_kv_blocks=3, block_size=16, max_model_len=64))
+        Engine(*model_and_tok, engine_config(num_kv_blocks=3, block_size=16, max_model_len=64))
 
 
 # ----------------------------------------------------------------------------- abort
@@ -335,15 +336,16 @@ def test_engine_loop_threads(make_engine) -> None:
     assert got["long"][-1].finish_reason == "abort"
     assert len(_toks(got["long"])) < 200
     assert engine.stats().blocks_used == 0
-    assert loop.stats()["blocks_used"] == 0
+    assert loop.stats().blocks_used == 0
 
 
 def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     """A request whose prompt prefix is cached computes only the rest, and generates
     exactly what a cold run generates (greedy and seeded)."""
     from kvbm.protocol import Sampling
+    from tasks.settings import engine_config
     from workers.engine import Engine
-    from workers.engine_api import EngineConfig, EngineRequest
+    from workers.engine_api import EngineRequest
 
     def run(e: Engine, rid: str, prompt: list[int], sp: Sampling) -> tuple[list, int]:
         e.add_request(EngineRequest(rid, prompt, sp))
@@ -359,9 +361,9 @@ def test_prefix_hit_gives_the_same_tokens_as_a_cold_run(tiny_model_dir) -> None:
     greedy = Sampling(max_tokens=20, temperature=0, ignore_eos=True)
     seeded = Sampling(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
     for sp in (greedy, seeded):
-        cold = Engine.from_model_dir(tiny_model_dir, EngineConfig(enable_prefix_caching=False))
+        cold = Engine.from_model_dir(tiny_model_dir, engine_config(enable_prefix_caching=False))
         want, c0 = run(cold, "cold", prompt, sp)
-        warm = Engine.from_model_dir(tiny_model_dir, EngineConfig())
+        warm = Engine.from_model_dir(tiny_model_dir, engine_config())
         first, c1 = run(warm, "a", prompt, sp)
         again, c2 = run(warm, "b", prompt, sp)
         branch, c3 = run(warm, "c", prompt[:40] + [9, 9, 9], sp)

@@ -8,9 +8,10 @@ import re
 from pathlib import Path
 
 from kvbm.protocol import Sampling
+from tasks.settings import engine_config
 from workers.engine import Engine
 from workers.engine_api import Engine as EngineProtocol
-from workers.engine_api import EngineConfig, EngineRequest
+from workers.engine_api import EngineRequest
 from workers.mock_engine import MockEngine, MockTiming
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -19,7 +20,7 @@ RUNNERS = ["workers/engine_loop.py", "workers/engine_proc.py", "workers/runtime.
 
 
 def test_both_engines_implement_the_protocol(tiny_model_dir: Path) -> None:
-    config = EngineConfig(num_kv_blocks=256)
+    config = engine_config(num_kv_blocks=256)
     mock = MockEngine.from_model_dir(tiny_model_dir, config, MockTiming(speedup=100))
     for engine in (Engine.from_model_dir(tiny_model_dir, config), mock):
         assert isinstance(engine, EngineProtocol)
@@ -35,7 +36,7 @@ def test_both_engines_implement_the_protocol(tiny_model_dir: Path) -> None:
 
 
 def test_the_mock_engine_has_no_kv_a_backend_could_move(tiny_model_dir: Path) -> None:
-    config = EngineConfig(num_kv_blocks=256)
+    config = engine_config(num_kv_blocks=256)
     assert MockEngine.from_model_dir(tiny_model_dir, config, MockTiming()).kv_memory() is None
     assert Engine.from_model_dir(tiny_model_dir, config).kv_memory() is not None
 
@@ -55,7 +56,7 @@ def test_a_feature_an_engine_does_not_serve_is_refused_naming_its_field(
     from workers.engine_api import FEATURES
     from workers.stream import output_frame
 
-    config = EngineConfig(num_kv_blocks=256)
+    config = engine_config(num_kv_blocks=256)
     engine = MockEngine.from_model_dir(tiny_model_dir, config, MockTiming(speedup=100))
     engine.supports = frozenset(FEATURES) - {"presence_penalty"}
     out = engine.add_request(EngineRequest("r", [1, 5, 6], Sampling(presence_penalty=0.5)))

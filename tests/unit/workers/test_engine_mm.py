@@ -27,6 +27,7 @@ import transformers
 from PIL import Image
 
 from kvbm.protocol import Sampling, extra_keys_for_spans, image_extra_key
+from tasks.settings import engine_config
 from tests.unit.workers.test_disagg_engine import imported
 from workers import paged_kernel
 from workers.engine import Engine
@@ -206,7 +207,7 @@ def cases(tiny_model_dir: Path) -> list[MMCase]:
 def decode_attention(request: pytest.FixtureRequest) -> str:
     if request.param == "kernel":
         try:
-            paged_kernel.load()
+            paged_kernel.load(Path(engine_config().kernel_dir))
         except paged_kernel.KernelUnavailable as e:
             pytest.skip(f"the C decode-attention kernel cannot be built here: {e}")
     return request.param
@@ -267,7 +268,7 @@ def test_matches_hf_all_at_once(
     tiny_model_dir: Path, cases: list[MMCase], decode_attention: str
 ) -> None:
     engine = Engine.from_model_dir(
-        tiny_model_dir, EngineConfig(num_kv_blocks=256, decode_attention=decode_attention)
+        tiny_model_dir, engine_config(num_kv_blocks=256, decode_attention=decode_attention)
     )
     assert engine.decode_attention == decode_attention
     outs = _drive(engine, [c.request(str(i)) for i, c in enumerate(cases)], [len(cases)], 0)
@@ -281,7 +282,7 @@ def test_matches_hf_chunked_across_images(
 ) -> None:
     engine = Engine.from_model_dir(
         tiny_model_dir,
-        EngineConfig(num_kv_blocks=256, max_num_batched_tokens=7, max_num_seqs=6,
+        engine_config(num_kv_blocks=256, max_num_batched_tokens=7, max_num_seqs=6,
                      decode_attention=decode_attention),
     )  # fmt: skip
     log = _spy_chunks(engine)
@@ -301,7 +302,7 @@ def test_matches_hf_under_preemption(
 ) -> None:
     engine = Engine.from_model_dir(
         tiny_model_dir,
-        EngineConfig(num_kv_blocks=24, max_model_len=320, max_num_batched_tokens=64,
+        engine_config(num_kv_blocks=24, max_model_len=320, max_num_batched_tokens=64,
                      decode_attention=decode_attention, enable_prefix_caching=False),
     )  # fmt: skip
     keep = [i for i, c in enumerate(cases) if len(c.prompt) + c.max_tokens <= 320]
@@ -340,7 +341,7 @@ def _prefill_and_import(
 def _decode_pool(cases: list[MMCase]) -> EngineConfig:
     """A pool that holds every prompt and little more: decoding must preempt."""
     blocks = sum(-(-len(c.prompt) // BLOCK) for c in cases) + 2
-    return EngineConfig(num_kv_blocks=blocks, max_model_len=blocks * BLOCK,
+    return engine_config(num_kv_blocks=blocks, max_model_len=blocks * BLOCK,
                         enable_prefix_caching=False)  # fmt: skip
 
 
@@ -350,7 +351,7 @@ def test_prefill_then_decode_with_preemption(tiny_model_dir: Path, cases: list[M
     and refuses to recompute an image prompt whose embeddings it was not given."""
     sub = [c for c in cases if c.images and c.max_tokens >= 10][:5]
     assert len(sub) == 5
-    prefill = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=256))
+    prefill = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256))
     decode = Engine.from_model_dir(tiny_model_dir, _decode_pool(sub))
     first = _prefill_and_import(prefill, decode, sub, decode_mm=True)
     outs: dict[str, list[int]] = dict(first)
@@ -383,7 +384,7 @@ def test_different_image_same_text_shares_no_kv(tiny_model_dir: Path) -> None:
     assert a.prompt == b.prompt and a.offsets == b.offsets == [a.offsets[0]]
     assert a.offsets[0] < BLOCK  # the image starts in the first block: nothing before it
     assert a.hf != b.hf
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=128))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=128))
     out_a = _one(engine, a.request("a"))
     out_b = _one(engine, b.request("b"))
     assert _tokens(out_a) == a.hf and _tokens(out_b) == b.hf
@@ -406,7 +407,7 @@ def test_hit_ending_inside_an_image(tiny_model_dir: Path) -> None:
     )
     off = first.offsets[0]
     assert off % BLOCK and (off + 16) // BLOCK * BLOCK <= len(first.prompt)
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=128))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=128))
     assert _tokens(_one(engine, first.request("first"))) == first.hf
     out = _one(engine, longer.request("longer"))
     assert _tokens(out) == longer.hf
@@ -415,7 +416,7 @@ def test_hit_ending_inside_an_image(tiny_model_dir: Path) -> None:
 
 
 def test_bad_mm_inputs_fail_the_request(tiny_model_dir: Path, cases: list[MMCase]) -> None:
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=128))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=128))
     c = cases[0]
 
     def fail(req: EngineRequest, match: str) -> None:
@@ -438,14 +439,14 @@ def test_bad_mm_inputs_fail_the_request(tiny_model_dir: Path, cases: list[MMCase
     assert not engine.has_unfinished
     # without prefix caching no key is needed
     plain = Engine.from_model_dir(
-        tiny_model_dir, EngineConfig(num_kv_blocks=128, enable_prefix_caching=False)
+        tiny_model_dir, engine_config(num_kv_blocks=128, enable_prefix_caching=False)
     )
     assert _tokens(_one(plain, c.request("nokeys", with_keys=False))) == c.hf
 
 
 def test_mock_engine_ignores_mm_inputs(tiny_model_dir: Path, cases: list[MMCase]) -> None:
     timing = MockTiming(decode_step_ms=0, prefill_us_per_token=0, speedup=1000)
-    engine = MockEngine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=128), timing)
+    engine = MockEngine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=128), timing)
     c = cases[4]
     outs = _drive(engine, [c.request("m")], [1], 0)["m"]  # type: ignore[arg-type]
     assert outs[-1].finished and outs[-1].num_output_tokens == c.max_tokens
@@ -462,7 +463,7 @@ def test_preset_matches_hf(tmp_path_factory: pytest.TempPathFactory) -> None:
     assert cases[0].embeds[0].shape == (576, 256)
     engine = Engine.from_model_dir(
         d,
-        EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512),  # 576-token images split
+        engine_config(num_kv_blocks=256, max_num_batched_tokens=512),  # 576-token images split
     )
     outs = _drive(engine, [c.request(str(i)) for i, c in enumerate(cases)], [2], 0)
     _check(engine, cases, outs)

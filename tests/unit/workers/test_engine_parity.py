@@ -22,9 +22,10 @@ import torch
 import transformers
 
 from kvbm.protocol import Sampling
+from tasks.settings import engine_config
 from workers import paged_kernel
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+from workers.engine_api import EngineRequest, RequestOutput
 from workers.model_init import EOS
 
 # A prompt on which the tiny LLaVA's greedy continuation emits EOS as its 16th token; in
@@ -212,7 +213,7 @@ def decode_attention(request: pytest.FixtureRequest) -> str:
     build it) and the torch gather + SDPA."""
     if request.param == "kernel":
         try:
-            paged_kernel.load()
+            paged_kernel.load(Path(engine_config().kernel_dir))
         except paged_kernel.KernelUnavailable as e:
             pytest.skip(f"the C decode-attention kernel cannot be built here: {e}")
     return request.param
@@ -221,7 +222,7 @@ def decode_attention(request: pytest.FixtureRequest) -> str:
 def test_parity_staggered_chunked(case: Case, decode_attention: str) -> None:
     engine = Engine.from_model_dir(
         case.model_dir,
-        EngineConfig(
+        engine_config(
             max_num_batched_tokens=64,
             num_kv_blocks=512,
             max_num_seqs=12,
@@ -249,7 +250,7 @@ def test_parity_staggered_chunked(case: Case, decode_attention: str) -> None:
 def test_parity_under_preemption(case: Case, decode_attention: str) -> None:
     engine = Engine.from_model_dir(
         case.model_dir,
-        EngineConfig(
+        engine_config(
             max_model_len=256,
             num_kv_blocks=20,
             block_size=16,
@@ -290,7 +291,7 @@ def test_eos_and_min_tokens_match_hf(llava_case: Case) -> None:
     assert EOS not in hf_min and len(hf_min) == 30
 
     engine = Engine.from_model_dir(
-        llava_case.model_dir, EngineConfig(num_kv_blocks=8, max_model_len=128)
+        llava_case.model_dir, engine_config(num_kv_blocks=8, max_model_len=128)
     )
     engine.add_request(EngineRequest("stop", EOS_PROMPT, Sampling(temperature=0, max_tokens=30)))
     engine.add_request(

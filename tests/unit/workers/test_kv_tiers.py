@@ -16,10 +16,11 @@ import pytest
 
 from kvbm.disk import HEADER_BYTES
 from kvbm.protocol import G3, Sampling
+from tasks.settings import engine_config
 from tests.unit.workers.test_disagg_engine import Pull
 from tests.unit.workers.test_engine_parity import _write_gqa_llama
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, ImportedPrefill, RequestOutput
+from workers.engine_api import EngineRequest, ImportedPrefill, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
 
 BASE = dict(num_kv_blocks=40, block_size=16, max_model_len=256, max_num_batched_tokens=96)
@@ -93,14 +94,14 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Path:
 
 
 def recompute(model_dir: Path) -> list[list[int]]:
-    e = Engine.from_model_dir(model_dir, EngineConfig(**BASE, enable_prefix_caching=False))
+    e = Engine.from_model_dir(model_dir, engine_config(**BASE, enable_prefix_caching=False))
     outs = run(e, [EngineRequest(str(i), p, params(n)) for i, (p, n) in
                    enumerate(zip(PROMPTS, OUT, strict=True))])  # fmt: skip
     return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
 
 
 def tiered(model_dir: Path, tier: str, disk_dir: Path) -> Engine:
-    cfg = EngineConfig(**BASE, host_cache_blocks=120 if tier == "g2" else 0,
+    cfg = engine_config(**BASE, host_cache_blocks=120 if tier == "g2" else 0,
                        disk_cache_blocks=120 if tier == "g3" else 0, disk_dir=str(disk_dir),
                        disk_offload_filter=False)  # fmt: skip
     return Engine.from_model_dir(model_dir, cfg)
@@ -137,10 +138,11 @@ def test_onboarded_prefixes_give_the_recomputed_tokens(
     cached = [again[f"b{i}"].num_cached_tokens for i in range(4)]
     assert cached[0] >= 144 and all(c >= 112 for c in cached), cached
     kv = e.stats().kvbm
+    assert kv is not None
     direction = "h2d" if tier == "g2" else "d2d"
-    assert kv["onboard_blocks"][direction] >= 7
-    assert kv["matched_tokens"][tier] >= 112
-    assert sum(kv["onboard_latency_counts"]) >= 1
+    assert kv.onboard_blocks[direction] >= 7
+    assert kv.matched_tokens[tier] >= 112
+    assert sum(kv.onboard_latency_counts) >= 1
     steady(e)
     e.close()
 
@@ -150,7 +152,7 @@ def test_onboarded_prefixes_give_the_recomputed_logprobs(model_dir: Path, tmp_pa
     lp_params = Sampling(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
     reqs = lambda tag: [EngineRequest(f"{tag}{i}", p, lp_params)  # noqa: E731
                         for i, p in enumerate(PROMPTS)]  # fmt: skip
-    fresh = Engine.from_model_dir(model_dir, EngineConfig(**BASE, enable_prefix_caching=False))
+    fresh = Engine.from_model_dir(model_dir, engine_config(**BASE, enable_prefix_caching=False))
     want = run(fresh, reqs("w"))
     e = tiered(model_dir, "g2", tmp_path)
     run(e, reqs("a"))
@@ -192,7 +194,7 @@ def test_damaged_disk_blocks_are_counted_misses_with_the_same_tokens(
     assert out.token_ids == want
     assert out.num_cached_tokens == 3 * 16  # blocks 0-2 came from disk, the rest recomputed
     kv = e.stats().kvbm
-    assert kv["onboard_failures"] == 1 and kv["onboard_blocks"]["d2d"] == 3
+    assert kv is not None and kv.onboard_failures == 1 and kv.onboard_blocks["d2d"] == 3
     # the bad block left G3 (with what it held below it) and is written again
     settle(e)
     assert e.scheduler.offload.disk.slot(hs[3]) is not None
@@ -214,7 +216,7 @@ def test_a_restarted_engine_serves_its_first_request_from_its_disk(
     out = run(e2, [EngineRequest("b", PROMPTS[1], params(OUT[1]))])["b"]
     assert out.token_ids == want
     assert out.num_cached_tokens == (len(PROMPTS[1]) // 16) * 16
-    assert e2.stats().kvbm["matched_tokens"]["g3"] == out.num_cached_tokens
+    assert e2.stats().kvbm.matched_tokens["g3"] == out.num_cached_tokens  # type: ignore[union-attr]
     steady(e2)
     e2.close()
 
@@ -227,7 +229,7 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
 ) -> None:
     want = recompute(model_dir)
     prefill = tiered(model_dir, "g2", tmp_path)
-    decode = Engine.from_model_dir(model_dir, EngineConfig(**BASE))
+    decode = Engine.from_model_dir(model_dir, engine_config(**BASE))
     for wave in ("a", "b"):
         if wave == "b":
             evict_g1(prefill)  # the prefill side onboards the prompts from G2 this time
@@ -251,7 +253,7 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
         assert got == want, wave
         cached = [rest[f"{wave}{i}"].num_cached_tokens for i in range(4)]
         if wave == "b":  # the usage the decode side reports counts the prefill's onboarding
-            assert prefill.stats().kvbm["onboard_blocks"]["h2d"] >= 7
+            assert prefill.stats().kvbm.onboard_blocks["h2d"] >= 7  # type: ignore[union-attr]
             assert all(c >= 112 for c in cached), cached
     steady(prefill)
     assert decode.stats().blocks_used == 0
@@ -259,7 +261,7 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
 
 
 def test_an_import_with_no_room_fails_after_its_deadline(tiny_model_dir: Path) -> None:
-    decode = Engine.from_model_dir(tiny_model_dir, EngineConfig(**BASE))
+    decode = Engine.from_model_dir(tiny_model_dir, engine_config(**BASE))
     hog = decode.scheduler.kv.allocate_slots("hog", 40 * 16)  # every block
     assert hog is not None
     pull = Pull(decode, decode, "x", [0])
@@ -279,7 +281,7 @@ def test_an_import_with_no_room_fails_after_its_deadline(tiny_model_dir: Path) -
 def mock(tmp: Path, tokenizer_dir: Path, disk_us: float) -> MockEngine:
     timing = MockTiming(prefill_us_per_token=0, decode_step_ms=1, host_copy_us_per_block=10,
                         disk_us_per_block=disk_us)  # fmt: skip
-    cfg = EngineConfig(**BASE, disk_cache_blocks=120, disk_dir=str(tmp),
+    cfg = engine_config(**BASE, disk_cache_blocks=120, disk_dir=str(tmp),
                        disk_offload_filter=False)  # fmt: skip
     return MockEngine.from_model_dir(tokenizer_dir, cfg, timing)
 
@@ -328,7 +330,7 @@ def test_a_request_cancelled_while_loading_gives_every_block_back(
         time.sleep(0.005)
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("c", True, "abort")]
     steady(e)
-    assert e.stats().kvbm["disk_blocks_pinned"] == 0
+    assert e.stats().kvbm.disk_blocks_pinned == 0  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("abort_first", [False, True])

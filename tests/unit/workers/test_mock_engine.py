@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvbm.protocol import Sampling, block_hashes, model_namespace
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+from tasks.settings import engine_config
+from workers.engine_api import EngineRequest, RequestOutput
 from workers.mock_engine import MockEngine, MockTiming
 
 FAST = MockTiming(prefill_us_per_token=100, decode_step_ms=2, decode_ms_per_seq=0.5,
@@ -21,7 +22,7 @@ FAST = MockTiming(prefill_us_per_token=100, decode_step_ms=2, decode_ms_per_seq=
 
 
 def make(model_dir: Path, timing: MockTiming = FAST, **kw: object) -> MockEngine:
-    cfg = EngineConfig(**{"num_kv_blocks": 256, "namespace": "tiny-llava", **kw})  # type: ignore[arg-type]
+    cfg = engine_config(**{"num_kv_blocks": 256, "namespace": "tiny-llava", **kw})  # type: ignore[arg-type]
     return MockEngine.from_model_dir(model_dir, cfg, timing)
 
 
@@ -106,10 +107,10 @@ def test_batched_decode_time_grows_with_the_batch(tiny_model_dir: Path) -> None:
 def test_mock_engine_process_does_not_import_torch(tiny_model_dir: Path) -> None:
     code = (
         "import sys; from pathlib import Path;"
-        "from workers.engine_api import EngineConfig;"
+        "from tasks.settings import engine_config;"
         "from workers.mock_engine import MockEngine, MockTiming;"
         "import workers.engine_loop, workers.engine_proc, workers.runtime, tasks.stages;"
-        f"MockEngine.from_model_dir(Path({str(tiny_model_dir)!r}), EngineConfig(), MockTiming());"
+        f"MockEngine.from_model_dir(Path({str(tiny_model_dir)!r}), engine_config(), MockTiming());"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from kvbm.protocol import Sampling
+from tasks.settings import Settings, engine_config
 from workers import paged_kernel
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest
+from workers.engine_api import EngineRequest
 from workers.llama import AttentionMetadata, PagedKVCache
 from workers.paged_kernel import KernelUnavailable
 
@@ -24,7 +25,7 @@ from workers.paged_kernel import KernelUnavailable
 @pytest.fixture(scope="module")
 def kernel() -> paged_kernel.PagedDecodeKernel:
     try:
-        return paged_kernel.load()
+        return paged_kernel.load(Path(engine_config().kernel_dir))
     except KernelUnavailable as e:
         pytest.skip(f"the C decode-attention kernel cannot be built here: {e}")
 
@@ -89,7 +90,7 @@ def test_kernel_matches_float64_attention(
 def test_kernel_and_torch_path_agree_through_the_model(kernel, tiny_model_dir: Path) -> None:
     """One decode step's attention output, through ``LlamaModel._attention``'s two paths on
     the same cache: equal to float32 rounding."""
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(decode_attention="torch"))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(decode_attention="torch"))
     model, cfg, bs = engine.model, engine.model.cfg, engine.config.block_size
     kv = PagedKVCache(cfg, 64, bs, torch.float32, "cpu")
     g = torch.Generator().manual_seed(5)
@@ -123,7 +124,8 @@ def test_loading_the_kernel_keeps_subnormals(kernel) -> None:
     assert (torch.tensor([1e-40], dtype=torch.float32) * 1.0).item() != 0.0
     # and in a fresh process that loads nothing else first
     code = (
-        "from workers import paged_kernel; paged_kernel.load(); "
+        "from pathlib import Path; from tasks.settings import engine_config; "
+        "from workers import paged_kernel; paged_kernel.load(Path(engine_config().kernel_dir)); "
         "import sys; sys.exit(0 if 1e-310 * 1.0 != 0.0 else 3)"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[3], timeout=120)
@@ -131,23 +133,22 @@ def test_loading_the_kernel_keeps_subnormals(kernel) -> None:
 
 
 @pytest.fixture
-def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def fresh_build(tmp_path: Path):
     """An empty kernel directory and no cached load, restored afterwards."""
-    monkeypatch.setenv("CONVEYOR_KERNEL_DIR", str(tmp_path / "kernels"))
     paged_kernel.load.cache_clear()
     yield tmp_path / "kernels"
     paged_kernel.load.cache_clear()
 
 
 def test_kernel_is_built_once_into_its_hashed_file(kernel, fresh_build: Path) -> None:
-    k = paged_kernel.load()
+    k = paged_kernel.load(fresh_build)
     built = list(fresh_build.glob("paged_attention-*.so"))
     assert len(built) == 1
     assert list(fresh_build.iterdir()) == built  # the temporary build directory is gone
-    assert built[0] == paged_kernel.library_path(paged_kernel._compiler())
+    assert built[0] == paged_kernel.library_path(paged_kernel._compiler(), fresh_build)
     mtime = built[0].stat().st_mtime_ns
     paged_kernel.load.cache_clear()
-    assert paged_kernel.load() is not k  # loaded again, from the file already there
+    assert paged_kernel.load(fresh_build) is not k  # loaded again, from the file already there
     assert built[0].stat().st_mtime_ns == mtime
 
 
@@ -156,16 +157,19 @@ def test_no_compiler_falls_back_or_refuses(
 ) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with pytest.raises(KernelUnavailable, match="no C compiler: 'no-such-compiler-here'"):
-        paged_kernel.load()
+        paged_kernel.load(fresh_build)
     paged_kernel.load.cache_clear()
-    auto = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=64, max_model_len=512))
+    cfg = engine_config(num_kv_blocks=64, max_model_len=512, kernel_dir=str(fresh_build))
+    auto = Engine.from_model_dir(tiny_model_dir, cfg)
     assert auto.decode_attention == "torch" and auto.decode_kernel is None
     auto.add_request(EngineRequest("a", [1, 5, 6, 7], Sampling(temperature=0, max_tokens=4)))
     while auto.has_unfinished:
         auto.step()
     paged_kernel.load.cache_clear()
     with pytest.raises(KernelUnavailable, match="decode_attention=kernel: no C compiler"):
-        Engine.from_model_dir(tiny_model_dir, EngineConfig(decode_attention="kernel"))
+        Engine.from_model_dir(
+            tiny_model_dir, engine_config(decode_attention="kernel", kernel_dir=str(fresh_build))
+        )
 
 
 def test_a_failing_build_says_why(fresh_build: Path, tmp_path: Path, monkeypatch) -> None:
@@ -175,26 +179,28 @@ def test_a_failing_build_says_why(fresh_build: Path, tmp_path: Path, monkeypatch
     cc.chmod(cc.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("CC", str(cc))
     with pytest.raises(KernelUnavailable, match="out of cheese"):
-        paged_kernel.load()
+        paged_kernel.load(fresh_build)
     assert not list(fresh_build.glob("*.so"))  # nothing half-built left to load next time
     assert not [p for p in fresh_build.iterdir() if p.name.startswith(".build-")]
 
 
 def test_kernel_needs_float32_on_cpu(tiny_model_dir: Path) -> None:
-    bf16 = EngineConfig(dtype="bfloat16", num_kv_blocks=64, max_model_len=512)
+    bf16 = engine_config(dtype="bfloat16", num_kv_blocks=64, max_model_len=512)
     assert Engine.from_model_dir(tiny_model_dir, bf16).decode_attention == "torch"
     with pytest.raises(KernelUnavailable, match="float32 on CPU only"):
         Engine.from_model_dir(
-            tiny_model_dir, EngineConfig(dtype="bfloat16", decode_attention="kernel")
+            tiny_model_dir, engine_config(dtype="bfloat16", decode_attention="kernel")
         )
     with pytest.raises(ValueError, match="auto, kernel or torch"):
-        Engine.from_model_dir(tiny_model_dir, EngineConfig(decode_attention="sdpa"))
+        Engine.from_model_dir(tiny_model_dir, engine_config(decode_attention="sdpa"))
 
 
 def test_the_kernel_directory_follows_the_environment(monkeypatch, tmp_path: Path) -> None:
+    # CONVEYOR_KERNEL_DIR (the container image's) is the engine area's kernel_dir, which
+    # the engine's configuration carries to the engine
     monkeypatch.setenv("CONVEYOR_KERNEL_DIR", str(tmp_path / "k"))
-    assert paged_kernel.kernel_dir() == tmp_path / "k"
+    assert engine_config(Settings()).kernel_dir == str(tmp_path / "k")
     monkeypatch.delenv("CONVEYOR_KERNEL_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert paged_kernel.kernel_dir() == tmp_path / "xdg" / "conveyor" / "kernels"
+    assert engine_config(Settings()).kernel_dir == str(tmp_path / "xdg" / "conveyor" / "kernels")
     assert os.fspath(paged_kernel.SOURCE).endswith("paged_attention.c")

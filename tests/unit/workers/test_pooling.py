@@ -17,8 +17,9 @@ import torch
 from transformers import LlavaForConditionalGeneration
 
 from kvbm.protocol import Pooling, Sampling
+from tasks.settings import engine_config
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+from workers.engine_api import EngineRequest, RequestOutput
 from workers.engine_loop import EngineLoop
 from workers.mock_engine import MockEngine, MockTiming
 from workers.model_init import write_pooling_config
@@ -102,7 +103,7 @@ def test_vectors_match_hf_hidden_states_pooled(
     mode: str,  # type: ignore[no-untyped-def]
 ) -> None:
     d = tiny_model_dir if mode == "last" else pooled_copy(tiny_model_dir, tmp_path / "m", mode)
-    engine = Engine.from_model_dir(d, EngineConfig(num_kv_blocks=256))
+    engine = Engine.from_model_dir(d, engine_config(num_kv_blocks=256))
     assert engine.pooling.type == mode
     for ids in TEXTS:
         want = hf_pooled(hf, ids, mode)
@@ -114,7 +115,7 @@ def test_vectors_match_hf_hidden_states_pooled(
 
 
 def test_unnormalised_and_cut_vectors(tiny_model_dir: Path, tmp_path: Path, hf) -> None:  # type: ignore[no-untyped-def]
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=256))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256))
     ids = TEXTS[0]
     raw = engine_vector(engine, ids, 5, Pooling(normalize=False))
     np.testing.assert_allclose(raw, hf_pooled(hf, ids, "last", normalize=False), atol=1e-4)
@@ -123,7 +124,7 @@ def test_unnormalised_and_cut_vectors(tiny_model_dir: Path, tmp_path: Path, hf) 
     np.testing.assert_allclose(cut, hf_pooled(hf, ids, "last", dims=32), atol=1e-4)
     # a sentence-transformers layout without Normalize: not normalised unless asked
     d = pooled_copy(tiny_model_dir, tmp_path / "m", "mean", normalize=False)
-    plain = Engine.from_model_dir(d, EngineConfig(num_kv_blocks=256))
+    plain = Engine.from_model_dir(d, engine_config(num_kv_blocks=256))
     np.testing.assert_allclose(
         engine_vector(plain, ids, 8, Pooling()),
         hf_pooled(hf, ids, "mean", normalize=False),
@@ -134,7 +135,7 @@ def test_unnormalised_and_cut_vectors(tiny_model_dir: Path, tmp_path: Path, hf) 
 
 
 def test_the_pooler_leaves_the_block_pool_alone(tiny_model_dir: Path) -> None:
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=256))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256))
     before = engine.stats()
     engine_vector(engine, TEXTS[2], 16, Pooling())
     after = engine.stats()
@@ -168,7 +169,7 @@ class Sink:
 
 
 def test_runner_interleaves_chunks_with_decode_steps(tiny_model_dir: Path, hf) -> None:  # type: ignore[no-untyped-def]
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=256))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256))
     sink = Sink()
     loop = EngineLoop(engine, sink).start()
     chunk = 4
@@ -201,7 +202,7 @@ def test_runner_interleaves_chunks_with_decode_steps(tiny_model_dir: Path, hf) -
 
 
 def test_runner_abort_and_refusals(tiny_model_dir: Path, tmp_path: Path) -> None:
-    engine = Engine.from_model_dir(tiny_model_dir, EngineConfig(num_kv_blocks=256))
+    engine = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256))
     sink = Sink()
     loop = EngineLoop(engine, sink).start()
     runner = EmbeddingRunner(engine, loop, sink, 1)  # one token per chunk: time to abort
@@ -218,9 +219,9 @@ def test_runner_abort_and_refusals(tiny_model_dir: Path, tmp_path: Path) -> None
     d = pooled_copy(tiny_model_dir, tmp_path / "m", "mean")
     (d / "1_Pooling" / "config.json").write_text('{"pooling_mode_max_tokens": true}')
     engines = [
-        Engine.from_model_dir(d, EngineConfig(num_kv_blocks=256)),
+        Engine.from_model_dir(d, engine_config(num_kv_blocks=256)),
         MockEngine.from_model_dir(
-            tiny_model_dir, EngineConfig(num_kv_blocks=256), MockTiming()
+            tiny_model_dir, engine_config(num_kv_blocks=256), MockTiming()
         ),  # fmt: skip
     ]
     for engine, why in zip(engines, ["pooling_mode_max_tokens", "mock engine does not serve"],

@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 
 from kvbm.protocol import Sampling
+from tasks.settings import engine_config
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput, ResumedOutput
+from workers.engine_api import EngineRequest, RequestOutput, ResumedOutput
 
 CFG = dict(block_size=16, num_kv_blocks=512, max_num_batched_tokens=128, max_model_len=512)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path) -> tuple[Engine, Engine]:
-    make = lambda: Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG))  # noqa: E731
+    make = lambda: Engine.from_model_dir(tiny_model_dir, engine_config(**CFG))  # noqa: E731
     return make(), make()
 
 

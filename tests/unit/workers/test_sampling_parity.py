@@ -22,10 +22,11 @@ import torch
 import transformers
 
 from kvbm.protocol import Sampling
+from tasks.settings import engine_config
 from tests.unit.workers.test_engine_parity import _write_gqa_llama
 from tests.unit.workers.test_resume_engine import _run as run_outputs
 from workers.engine import Engine
-from workers.engine_api import EngineConfig, EngineRequest, RequestOutput
+from workers.engine_api import EngineRequest, RequestOutput
 
 TOL = 1e-3
 
@@ -43,7 +44,7 @@ class Model:
         return torch.log_softmax(logits.float(), dim=-1)
 
     def engine(self, **cfg: object) -> Engine:
-        return Engine.from_model_dir(self.dir, EngineConfig(**cfg))  # type: ignore[arg-type]
+        return Engine.from_model_dir(self.dir, engine_config(**cfg))  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ import torch
 from tokenizers import Tokenizer
 
 from kvbm.protocol import Sampling, StructuredOutput
+from tasks.settings import engine_config
 from tests.unit.workers.test_disagg_engine import imported
 from workers.engine import Engine
 from workers.engine_api import (
-    EngineConfig,
     EngineRequest,
     RequestOutput,
     ResumedOutput,
@@ -42,7 +42,7 @@ def make(tiny_model_dir: Path):  # type: ignore[no-untyped-def]
     engines: list[Engine] = []
 
     def new() -> Engine:
-        engines.append(Engine.from_model_dir(tiny_model_dir, EngineConfig(**CFG)))  # type: ignore[arg-type]
+        engines.append(Engine.from_model_dir(tiny_model_dir, engine_config(**CFG)))  # type: ignore[arg-type]
         return engines[-1]
 
     yield new
