@@ -94,6 +94,7 @@ COPY api/ api/
 COPY tasks/ tasks/
 COPY workers/ workers/
 COPY kvbm/ kvbm/
+COPY cluster/ cluster/
 RUN --mount=type=secret,id=pip_ca pip-install "${INDEX_URL}" --no-deps .
 
 # The decode kernel, built by the worker's own code (workers/paged_kernel.py) into

@@ -34,7 +34,13 @@ DISAGG_WORKERS = {"worker-prefill": "prefill", "worker-decode": "decode"}
 WORKERS = ("worker-generate", "worker-generate-gpu", *DISAGG_WORKERS, "worker-encode")
 CONVEYOR_SERVICES = ("api", "flower", *WORKERS)
 ALL_SERVICES = ("redis", *CONVEYOR_SERVICES)
-PACKAGES = ("api", "tasks", "workers", "kvbm")
+# the packages pyproject.toml installs: the image must copy each of them
+PACKAGES = tuple(
+    p.rstrip("*")
+    for p in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"][
+        "find"
+    ]["include"]
+)
 
 
 # --------------------------------------------------------------------------- helpers
