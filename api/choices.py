@@ -15,7 +15,6 @@ OpenAI and vLLM count it.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 
@@ -23,13 +22,11 @@ from fastapi.responses import JSONResponse
 
 from api.errors import OpenAIError
 from api.logprobs import ExtraOutput
-from api.runner import Runner, RunningRequest, frame_error, stream_error
+from api.runner import Runner, RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, sse_event, usage_body
 from api.state import ApiState
 from api.tools import ChatToolOutput
 from kvbm.protocol import TokenFrame, Usage
-
-log = logging.getLogger(__name__)
 
 
 async def stream(
@@ -89,9 +86,7 @@ async def stream(
                 if out:
                     yield out
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
-        err = stream_error(e)
-        log.warning("[%s] stream ended with error: %s", fmt.rid, err.message)
-        yield sse_event(err.body())
+        yield sse_event(stream_failed(e, fmt.rid).body())
     finally:
         end()
 

@@ -11,7 +11,6 @@ refusal comes before the runner: nothing reaches the broker.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -24,14 +23,12 @@ from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
-from api.runner import RunningRequest, frame_error, stream_error
+from api.runner import RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
 from kvbm.protocol import Sampling, TokenFrame
-
-log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -203,9 +200,7 @@ async def _stream(
             return
         yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
-        err = stream_error(e)
-        log.warning("[%s] stream ended with error: %s", run.request_id, err.message)
-        yield sse_event(err.body())
+        yield sse_event(stream_failed(e, run.request_id).body())
     finally:
         end_request(st, [run], started)
 

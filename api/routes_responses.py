@@ -13,7 +13,6 @@ mid-stream, ``error`` then ``response.failed``.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -24,14 +23,12 @@ from api.errors import OpenAIError
 from api.protocol import unsupported
 from api.responses import OutputItems, ResponsesRequest, chat_request, created_now, response_body
 from api.routes_openai import chat_prompt, collect, end_request, start
-from api.runner import RunningRequest, frame_error, stream_error
+from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
 from api.tool_parsers import Event, Text, ToolParser
 from api.tools import tool_plan
 from kvbm.protocol import TokenFrame
-
-log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -121,9 +118,7 @@ async def _stream(
             if last.done:
                 return
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
-        err = stream_error(e)
-        log.warning("[%s] response stream ended with error: %s", run.request_id, err.message)
-        yield _failed(out, err)
+        yield _failed(out, stream_failed(e, run.request_id))
     finally:
         end_request(st, [run], started)
 

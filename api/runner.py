@@ -564,6 +564,14 @@ def frame_error(frame: TokenFrame) -> OpenAIError:
     return OpenAIError(status, err.message, err.type, err.param, err.code)
 
 
+def stream_failed(e: BaseException, rid: str) -> OpenAIError:
+    """A stream that failed after its first event: the error event the client gets, logged
+    once here for every kind of stream (chat, completions, choices, Responses)."""
+    err = stream_error(e)
+    log.warning("[%s] stream ended with error: %s", rid, err.message)
+    return err
+
+
 def stream_error(e: BaseException) -> OpenAIError:
     """Map a failure in the middle of a stream to the error event the client gets."""
     if isinstance(e, OpenAIError):
