@@ -34,11 +34,6 @@ def load_key(pool: str) -> str:
     return f"{KEY_PREFIX}load:{pool}"
 
 
-def load_totals_key(pool: str) -> str:
-    """HASH ``blocks|prefill`` -> the pool's totals of those fields (the load guard's mean)."""
-    return f"{KEY_PREFIX}loadsum:{pool}"
-
-
 def load_owner_key(pool: str, router_id: str) -> str:
     """HASH, the fields of :func:`load_key`: the part of the pool's load one router (one
     API process) counted, so that another can give it back if that process dies."""

@@ -8,10 +8,14 @@ prune). Scripts that use it start with :data:`NOW_LUA`, which defines ``now``.""
 
 from __future__ import annotations
 
-NOW_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+CLOCK_LUA = """
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 """
+
+NOW_LUA = CLOCK_LUA + "local now = clock()\n"
 
 LIVE_LUA = """
 local function is_live(akey, wid, now)

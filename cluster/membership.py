@@ -28,7 +28,6 @@ from cluster.keys import (
     alive_key,
     index_keys,
     load_key,
-    load_totals_key,
     queue_owners_key,
     worker_key,
 )
@@ -133,21 +132,21 @@ return 1
 # on its own queue, which move to its pool's queue (oldest first, behind what the pool
 # queue holds) where any live worker of the pool takes them.
 # ARGV: alive, G1 / G2 / G3 worker-blocks prefixes, seq prefix, pool queue, worker queue
-# prefix, load hash, load totals, then the queue's list suffixes -> the forgotten ids
+# prefix, load hash, then the queue's list suffixes -> the forgotten ids
 PRUNE_LUA = (
     NOW_LUA
     + LEDGER_LUA
     + """
-local alive, w1, w2, w3, seqk, pqueue, wqueue, lkey, tkey = unpack(ARGV, 1, 9)
+local alive, w1, w2, w3, seqk, pqueue, wqueue, lkey = unpack(ARGV, 1, 8)
 local gone = redis.call('ZRANGE', alive, '-inf', now, 'BYSCORE')
 for _, wid in ipairs(gone) do
   redis.call('DEL', w1 .. wid, w2 .. wid, w3 .. wid, seqk .. wid)
   redis.call('ZREM', alive, wid)
-  for i = 10, #ARGV do
+  for i = 9, #ARGV do
     local sfx = ARGV[i]
     while redis.call('LMOVE', wqueue .. wid .. sfx, pqueue .. sfx, 'RIGHT', 'LEFT') do end
   end
-  forget(lkey, tkey, wid)
+  forget(lkey, wid)
 end
 return gone
 """
@@ -157,7 +156,7 @@ return gone
 def prune_argv(pool: str) -> list[str]:
     k = index_keys(pool)
     return [alive_key(pool), k.worker_blocks, k.host_blocks, k.disk_blocks, k.seq,
-            pool_queue(pool), worker_queue(pool, ""), load_key(pool), load_totals_key(pool),
+            pool_queue(pool), worker_queue(pool, ""), load_key(pool),
             *list_suffixes()]  # fmt: skip
 
 

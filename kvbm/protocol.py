@@ -30,6 +30,8 @@ Public part:
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,6 +108,7 @@ def media_key(image_hash: str) -> str:
 # in every worker, on every machine (never Python's salted ``hash``). Only full blocks
 # are hashed; a partial last block has no identity yet.
 HASH_SEED = 0x5EED_C0DE
+_HEAD = struct.Struct("<QQ")  # a block's parent hash and namespace
 ROOT_PARENT = 0  # the parent of a sequence's first block
 
 ExtraKeys = tuple[str, ...]  # one block's extra keys; () for none
@@ -146,11 +149,23 @@ def block_hashes(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     extra = extra_keys_per_block or ()
+    n = len(token_ids) // block_size
+    if start >= n:
+        return []
+    # the blocks' token bytes in one pack (block_hash's encoding, a block at a time here)
+    tokens = array("I", token_ids[start * block_size : n * block_size])
+    if sys.byteorder == "big":
+        tokens.byteswap()  # the encoding is little-endian everywhere
+    data = tokens.tobytes()
+    step = 4 * block_size
+    head, digest = _HEAD.pack, xxhash.xxh3_64_intdigest
     out: list[int] = []
-    for b in range(start, len(token_ids) // block_size):
+    for i, b in enumerate(range(start, n)):
+        payload = head(parent, namespace) + data[i * step : (i + 1) * step]
         keys = extra[b] if b < len(extra) else ()
-        parent = block_hash(parent, token_ids[b * block_size : (b + 1) * block_size],
-                            namespace, keys)  # fmt: skip
+        if keys:
+            payload += b"\x1e" + "\x1f".join(keys).encode()
+        parent = digest(payload, seed=HASH_SEED)
         out.append(parent)
     return out
 

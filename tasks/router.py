@@ -1,15 +1,15 @@
 """Pick the worker (and so the per-worker queue) for each stage of a request.
 
-Each API process's :class:`Router` scores workers in-process. A request's overlap with
-what each worker holds comes from a local index per pool (:class:`cluster.index.IndexFollower`,
-fed by the workers' KV events through a Redis stream); each worker's load from a local
-view refreshed from Redis every ``refresh_s`` and by this router's own decisions. Redis
-keeps only what routers must share, and a decision costs it one small script (the
-ledger's commit, :data:`cluster.ledger.COMMIT_LUA`): it re-checks that the chosen worker is
-live and, in kv mode, within the load guard by the pool's true totals, and counts the
-request against it, atomically. On a conflict (the worker died, or other routers filled
-it past the guard) the next candidate is tried. Any number of API replicas route
-consistently, and none walks the index in Redis's single thread.
+Each API process's :class:`Router` scores workers in-process. A request's overlap with what
+each worker holds comes from a local index per pool (:class:`cluster.index.IndexFollower`,
+fed by the workers' KV events through a Redis stream); each worker's load from a local view
+refreshed from Redis every ``refresh_s`` and by this router's own decisions. Redis keeps
+only what routers must share, and a decision costs it one small script (the ledger's commit,
+:data:`cluster.ledger.COMMIT_LUA`): it re-checks that the chosen worker is live and, in kv
+mode, that its true load is within the guard's limit (which this router computes from its
+view of the pool), and counts the request against it, atomically. On a conflict (the worker
+died, or other routers filled it past the guard) the next candidate is tried. Any number of
+API replicas route consistently, and none walks the index in Redis's single thread.
 
 Modes (``CONVEYOR_ROUTER_MODE``):
 
@@ -46,7 +46,7 @@ allows still goes to a worker that holds none); each choice gives its one back a
 ends.
 
 Load is counted in the cluster's ledger (:mod:`cluster.ledger`): requests, prompt tokens
-not yet prefilled, and decode blocks per worker, with the pool's totals. A request counts
+not yet prefilled, and decode blocks per worker. A request counts
 as prefill work until its first token, then the API moves it to decode blocks; it gives
 everything back when it ends. This router's counts are kept under its lease, so that when
 an API process dies with requests counted the other routers give them back
@@ -192,7 +192,6 @@ class PoolView:
     # meanwhile (requests arriving together) see them, rather than all taking one worker
     pending: dict[str, int] = field(default_factory=dict)
     reqs: dict[str, int] = field(default_factory=dict)  # worker -> requests counted on it
-    totals: list[int] = field(default_factory=lambda: [0, 0])
     refreshed: float = -math.inf
     pruned: float = -math.inf
     follower: IndexFollower | None = None
@@ -275,7 +274,7 @@ class Router:
         if req.pin not in v.live:
             raise PinnedWorkerMissing(req.pin)
         ov = self._overlaps(v, [req.pin], req.block_hashes).get(req.pin, 0)
-        route, status = await self._try(v, req.pin, req, guard=False, overlap=ov, least=0)
+        route, status = await self._try(v, req.pin, req, None, overlap=ov)
         if status == FULL:
             raise WorkersBusy(v.pool, self.config.max_requests, 1)
         if route is None:
@@ -314,7 +313,7 @@ class Router:
             order = self._rank(v, ids, tov, req, load, limit)
             best, guard = max(ov.values()), True
         for w in order[:MAX_CONFLICTS]:
-            route, _ = await self._try(v, w, req, guard, ov.get(w, 0), least)
+            route, _ = await self._try(v, w, req, limit if guard else None, ov.get(w, 0))
             if route is not None:
                 break
         else:  # refused again and again: the least loaded takes it, guard or not
@@ -322,7 +321,7 @@ class Router:
             if not alive and cap and any(self._full(v, w, cap, req.choices) for w in ids):
                 raise WorkersBusy(v.pool, cap, len(ids))
             w = min(alive or ids, key=lambda w: self._load(v, w))
-            route, status = await self._try(v, w, req, False, ov.get(w, 0), least)
+            route, status = await self._try(v, w, req, None, ov.get(w, 0))
             if status == FULL:
                 raise WorkersBusy(v.pool, cap, len(ids))
             if route is None:
@@ -410,11 +409,11 @@ class Router:
             return {w: (n, n, n) for w, n in self._overlaps(v, ids, hashes).items()}
         return v.follower.index.tier_overlaps(ids, hashes)
 
-    async def _try(self, v: PoolView, w: str, req: RouteRequest, guard: bool,
-                   overlap: int, least: int) -> tuple[Route | None, int]:  # fmt: skip
-        """Commit the request to ``w`` (``least``: the least load this router sees, for the
-        guard): the route and the commit's status, or ``None`` and why it refused
-        (DEAD, GUARDED, FULL)."""
+    async def _try(self, v: PoolView, w: str, req: RouteRequest, limit: float | None,
+                   overlap: int) -> tuple[Route | None, int]:  # fmt: skip
+        """Commit the request to ``w`` (``limit``: the load guard's, as this router sees
+        the pool; ``None``: no guard): the route and the commit's status, or ``None`` and
+        why it refused (DEAD, GUARDED, FULL)."""
         c, bs = self.config, self.config.block_size
         nblocks = -(-max(req.prompt_len, 1) // bs)
         add_prefill = max(req.prompt_len - overlap * bs, 1)
@@ -425,8 +424,7 @@ class Router:
         try:
             res = await self.ledger.commit(
                 v.pool, w, add_prefill, cap=self._cap(req), choices=req.choices,
-                guard=(c.guard_ratio, c.guard_min_blocks, max(len(v.live), 1), least)
-                if guard else None, block_size=bs, decision=decision,
+                limit=limit, block_size=bs, decision=decision,
             )  # fmt: skip
         except BaseException:
             v.reqs[w] = max(v.reqs.get(w, req.choices) - req.choices, 0)
@@ -449,7 +447,6 @@ class Router:
         if status != COUNTED:
             v.conflicts += status == GUARDED  # at the cap is admission, not a conflict
             return None, status
-        v.totals[1] += add_prefill
         if approx and v.follower is not None:
             v.follower.index.remember(w, req.block_hashes, time.monotonic() + c.approx_ttl_s)
         # the prompt's blocks once, a block to decode into per choice
@@ -510,13 +507,7 @@ class Router:
                                 "lease lapsed (%.0f s; their API process died?): %s",
                                 n, v.pool, self.config.lease_s, ", ".join(owners))  # fmt: skip
         view = await self.ledger.view(v.pool)
-        v.totals, v.live, v.loads, v.reqs, v.refreshed = (
-            view.totals,
-            view.live,
-            view.loads,
-            view.reqs,
-            now,
-        )
+        v.live, v.loads, v.reqs, v.refreshed = view.live, view.loads, view.reqs, now
         if v.follower is not None:  # the dead leave the local index
             for w in v.follower.index.workers - set(view.live):
                 v.follower.index.drop(w)

@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 
 from api.resp import RespConnection
 from cluster.index import KVIndex
-from cluster.keys import alive_key, index_keys, load_key, load_totals_key, worker_key
+from cluster.keys import alive_key, index_keys, load_key, worker_key
+from cluster.ledger import COUNTED, DEAD, GUARDED, Ledger, parse_loads
 from cluster.membership import Heartbeat
 from kvbm.block_pool import BlockPool
 from kvbm.events import KVEventPublisher
@@ -149,6 +150,44 @@ def test_a_dead_worker_stops_counting_at_once_and_is_forgotten(db: str) -> None:
     assert idx.worker_blocks("a") == set()
     r = redis.Redis.from_url(db)
     assert r.zscore(alive_key(POOL), "a") is None
+
+
+def test_the_commit_reckons_redis_s_clock_from_the_view_and_checks_the_true_load(db: str) -> None:
+    """Before its first view the ledger's commit reads Redis's clock in the script; after
+    it, the router's reckoning (the view's ``now``) decides liveness the same way: a lapsed
+    worker is refused either way. The guard's limit is checked against the worker's true
+    counts in Redis, not the caller's view of them."""
+    register(db, "a", "b", ttl_s=30.0)
+    r = redis.Redis.from_url(db)
+    r.zadd(alive_key(POOL), {"gone": int(time.time() * 1000) - 50})  # lapsed 50 ms ago
+
+    async def go() -> list:
+        client = aioredis.Redis.from_url(db)
+        ledger = Ledger(client)
+        out = [ledger.redis_now_ms()]  # 0: not reckoned yet, the script reads TIME
+        out.append((await ledger.commit(POOL, "gone", 16)).status)
+        out.append((await ledger.commit(POOL, "a", 16)).status)
+        view = await ledger.view(POOL)
+        out.append(view.live)
+        out.append(abs(ledger.redis_now_ms() - int(r.time()[0]) * 1000) < 1500)
+        out.append((await ledger.commit(POOL, "gone", 16)).status)
+        # a holds 1 request and 16 prompt tokens (1 block): a limit of 0 blocks guards it,
+        # a limit of 1 lets it in; b, holding nothing, passes a limit of 0
+        out.append((await ledger.commit(POOL, "a", 16, limit=0)).status)
+        out.append((await ledger.commit(POOL, "a", 16, limit=1)).status)
+        out.append((await ledger.commit(POOL, "b", 16, limit=0)).status)
+        await client.aclose()
+        return out
+
+    (before, gone0, a0, live, close, gone1, guarded, within, empty) = asyncio.run(go())
+    assert before == 0 and gone0 == DEAD and a0 == COUNTED
+    assert live == ["a", "b"] and close
+    assert gone1 == DEAD
+    assert (guarded, within, empty) == (GUARDED, COUNTED, COUNTED)
+    assert parse_loads(r.hgetall(load_key(POOL))) == {
+        "a": {"reqs": 2, "prefill": 32},
+        "b": {"reqs": 1, "prefill": 16},
+    }
 
 
 def _publisher(url: str, pool: BlockPool, interval_s: float = 0.0):  # type: ignore[no-untyped-def]
@@ -522,7 +561,7 @@ asyncio.run(main())
 def test_two_router_processes_never_pile_past_the_guard(db: str) -> None:
     """Two API processes routing a burst of prompts that share a prefix only worker a holds,
     at once: each scores with its own (stale) view of the others' load, and the commit
-    re-checks the guard against the pool's true totals, so a takes no more than the guard
+    re-checks a's true load against the guard's limit, so a takes no more than the guard
     allows (its load within ratio x the mean, plus the one request that reached it)."""
     register(db, "a", "b", "c", "d")
     shared = block_hashes(prompt(8, 512), BS)
@@ -539,8 +578,6 @@ def test_two_router_processes_never_pile_past_the_guard(db: str) -> None:
     per_request = len(shared) + 2  # the prompt's blocks + one to decode in
     assert blocks[0] <= 1.5 * sum(blocks) / 4 + per_request, (reqs, blocks)
     assert reqs[0] >= 2, reqs  # the holder still gets its share first
-    # the totals the guard reads agree with the per-worker counts
-    assert int(r.hget(load_totals_key(POOL), "blocks") or 0) == sum(blocks)
 
 
 def test_a_router_starting_late_loads_the_snapshot_and_follows(db: str) -> None:

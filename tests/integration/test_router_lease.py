@@ -1,6 +1,6 @@
 """Each router's lease on the load it counted, on a real redis-server with routers in real
 processes: an API process killed with requests counted has them given back by the other
-routers once its lease lapses (load, totals and request-cap slots); a live router's counts
+routers once its lease lapses (load and request-cap slots); a live router's counts
 are never taken; one that stalled past its lease and comes back gives back only what it
 still holds.
 """
@@ -18,7 +18,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from cluster.keys import load_key, load_owner_key, load_totals_key
+from cluster.keys import load_key, load_owner_key
 from cluster.membership import Heartbeat
 from tasks.router import Router, RouterConfig, RouteRequest, WorkersBusy
 
@@ -105,22 +105,15 @@ class Picker:
         self.p.wait(30)
 
 
-def counts(url: str) -> tuple[dict[str, int], dict[str, int]]:
-    """The pool's load hash and totals, as ints (zero fields left out)."""
+def counts(url: str) -> dict[str, int]:
+    """The pool's load hash, as ints (zero fields left out)."""
     r = redis.Redis.from_url(url)
-    load = {k.decode(): int(v) for k, v in r.hgetall(load_key(POOL)).items() if int(v)}
-    totals = {k.decode(): int(v) for k, v in r.hgetall(load_totals_key(POOL)).items() if int(v)}
-    return load, totals
+    return {k.decode(): int(v) for k, v in r.hgetall(load_key(POOL)).items() if int(v)}
 
 
 def owned(url: str, router_id: str) -> dict[str, int]:
     r = redis.Redis.from_url(url)
     return {k.decode(): int(v) for k, v in r.hgetall(load_owner_key(POOL, router_id)).items()}
-
-
-def as_totals(load: dict[str, int]) -> dict[str, int]:
-    out = {k: sum(v for f, v in load.items() if f.endswith(":" + k)) for k in ("blocks", "prefill")}
-    return {k: v for k, v in out.items() if v}
 
 
 async def _until(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
@@ -140,10 +133,9 @@ def test_a_killed_api_process_s_counts_are_given_back_and_a_live_one_s_are_not(d
     try:
         theirs = owned(db, survivor.id)
         assert owned(db, victim.id)["a:reqs"] == 4 and theirs["a:reqs"] == 2
-        load, totals = counts(db)
+        load = counts(db)
         assert load["a:reqs"] == 6
         assert load["a:blocks"] == 3 * (3 + 1)  # three prefilled: 40 tokens + one block each
-        assert totals == as_totals(load)
 
         async def go() -> tuple[float, dict, dict, tuple[int, int]]:
             client = aioredis.Redis.from_url(db)
@@ -151,11 +143,11 @@ def test_a_killed_api_process_s_counts_are_given_back_and_a_live_one_s_are_not(d
             with pytest.raises(WorkersBusy):  # the dead process's slots still count
                 await router.pick(POOL, RouteRequest([], 40))
             victim.p.send_signal(signal.SIGKILL)
-            took = await _until(lambda: counts(db)[0] == theirs, LEASE_S + PRUNE_S + 10,
+            took = await _until(lambda: counts(db) == theirs, LEASE_S + PRUNE_S + 10,
                                 "the killed router's counts were not given back")  # fmt: skip
             # the survivor renews its lease: its counts stay through several more leases
             await asyncio.sleep(2 * LEASE_S)
-            after, after_totals = counts(db)
+            after = counts(db)
             stats = router.stats()[POOL]
             mine = await router.pick(POOL, RouteRequest([], 40))  # a slot is free again
             assert mine is not None
@@ -164,7 +156,7 @@ def test_a_killed_api_process_s_counts_are_given_back_and_a_live_one_s_are_not(d
             await router.release(mine)
             await router.aclose()
             await client.aclose()
-            return took, {"after": after, "totals": after_totals, "left": left}, stats, by_survivor
+            return took, {"after": after, "left": left}, stats, by_survivor
 
         took, seen, stats, by_survivor = asyncio.run(go())
     finally:
@@ -172,15 +164,15 @@ def test_a_killed_api_process_s_counts_are_given_back_and_a_live_one_s_are_not(d
         survivor.close()
     print(f"killed router's counts given back {took:.1f} s after the kill (lease {LEASE_S} s)")
     assert took <= LEASE_S + PRUNE_S + 5
-    assert seen["after"] == theirs and seen["totals"] == as_totals(theirs)
+    assert seen["after"] == theirs
     # one of the two live routers gave back the killed one's four requests, once
     assert (
         stats["leases_reclaimed"] + by_survivor[0],
         stats["requests_reclaimed"] + by_survivor[1],
     ) == (1, 4)
     # the survivor's release took its own and nothing of ours
-    assert seen["left"] == ({"a:reqs": 1, "a:prefill": 40}, {"prefill": 40})
-    assert counts(db) == ({}, {})
+    assert seen["left"] == {"a:reqs": 1, "a:prefill": 40}
+    assert counts(db) == {}
 
 
 def test_a_router_stalled_past_its_lease_gives_back_only_what_it_still_holds(db: str) -> None:
@@ -192,7 +184,7 @@ def test_a_router_stalled_past_its_lease_gives_back_only_what_it_still_holds(db:
         client = aioredis.Redis.from_url(db)
         router = await Router(client, RouterConfig(**CONFIG)).start(POOL)
         os.kill(stalled.p.pid, signal.SIGSTOP)
-        await _until(lambda: counts(db) == ({}, {}), LEASE_S + PRUNE_S + 10,
+        await _until(lambda: counts(db) == {}, LEASE_S + PRUNE_S + 10,
                      "the stalled router's counts were not given back")  # fmt: skip
         mine = await router.pick(POOL, RouteRequest([], 40))
         assert mine is not None
@@ -212,7 +204,7 @@ def test_a_router_stalled_past_its_lease_gives_back_only_what_it_still_holds(db:
         ours, back, released = asyncio.run(go())
     finally:
         stalled.close()
-    assert ours == ({"a:reqs": 1, "a:blocks": 4}, {"blocks": 4})
+    assert ours == {"a:reqs": 1, "a:blocks": 4}
     assert back == ours  # it came back and took nothing of ours
     assert released == ours  # its release gave back nothing a second time
-    assert counts(db) == ({}, {})
+    assert counts(db) == {}

@@ -12,16 +12,14 @@ def test_every_script_that_moves_load_uses_the_one_rule() -> None:
                    membership.PRUNE_LUA):  # fmt: skip
         assert ledger.LEDGER_LUA in script
         body = script.replace(ledger.LEDGER_LUA, "")
-        # no script clamps or totals on its own: only LEDGER_LUA writes the load hash's
-        # counts with HSET (the clamp) or the totals
+        # no script clamps on its own: only LEDGER_LUA writes the load hash's counts with
+        # HSET (the clamp)
         assert "HSET" not in body, script
-    assert ledger.LEDGER_LUA.count("HSET") == 2  # the field's clamp, the total's clamp
+    assert ledger.LEDGER_LUA.count("HSET") == 1  # the field's clamp
 
 
 def test_the_schema_is_generated_from_python() -> None:
     assert "local LOAD_FIELDS = {'reqs', 'prefill', 'blocks'}" in ledger.LEDGER_LUA
-    assert "local TOTALED = {prefill = true, blocks = true}" in ledger.LEDGER_LUA
-    assert set(ledger.TOTALED) <= set(ledger.LOAD_FIELDS)
 
 
 def test_tier_numbers_agree_with_kvbm() -> None:
