@@ -142,6 +142,8 @@ class Runner:
         metrics: ApiMetrics,
     ) -> None:
         self.s = settings
+        # a line per request at INFO only when asked (CONVEYOR_LOG_REQUESTS)
+        self._request_log = logging.INFO if settings.log_requests else logging.DEBUG
         self.hub = hub
         # The fast path: every request's routing pick, the Redis writes of its Celery
         # message (Runner._send) and its clean-up are written before the first await
@@ -317,10 +319,11 @@ class Runner:
             if len(runs) < len(payload.stream_ids):  # their share of the plan, never held
                 await self.router.release(*p.routes)
             raise
-        log.info("[%s] sent %s (%d prompt tokens%s)%s", stream_id,
-                 " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
-                 f", {len(images)} images" if images else "",
-                 f" [fell back: {', '.join(p.fallbacks)}]" if p.fallbacks else "")  # fmt: skip
+        if log.isEnabledFor(self._request_log):
+            log.log(self._request_log, "[%s] sent %s (%d prompt tokens%s)%s", stream_id,
+                    " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
+                    f", {len(images)} images" if images else "",
+                    f" [fell back: {', '.join(p.fallbacks)}]" if p.fallbacks else "")  # fmt: skip
         return runs
 
     async def _send(self, p: Plan, payload: StagePayload) -> None:

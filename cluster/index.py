@@ -431,19 +431,26 @@ class FollowerStats:
 
 class IndexFollower:
     """Keeps one pool's :class:`LocalIndex` in step with the pool's event stream, from a
-    task of its own on the caller's event loop. It reads without ``BLOCK``, every
-    ``poll_s`` while the stream is quiet and at once while entries keep coming: a task
-    cancelled inside redis-py's blocking ``XREAD`` does not return (redis-py 8.1)."""
+    task of its own on the caller's event loop. It reads with ``XREAD BLOCK block_ms``:
+    entries are applied as soon as they come, and a quiet stream costs one round trip per
+    ``block_ms`` (polling every 10 ms, as it once did, kept an idle API process at 5% of a
+    core). The read holds a connection of its own (a client on the caller's client's
+    settings): :meth:`aclose` cancels the task inside it, and a reply left unread there can
+    never reach another command."""
 
     def __init__(self, client: aioredis.Redis, pool: str, approx_ttl_s: float = 0.0,
-                 poll_s: float = 0.01) -> None:  # fmt: skip
+                 block_ms: int = 500) -> None:  # fmt: skip
         self._r = client
         self.pool = pool
         self.index = LocalIndex()
         self.stats = FollowerStats()
         self._key = index_keys(pool).events
         self._approx_ttl_s = approx_ttl_s
-        self._poll_s = poll_s
+        self._block_ms = block_ms
+        cp = client.connection_pool
+        self._reader = aioredis.Redis(connection_pool=cp.__class__(
+            connection_class=cp.connection_class, max_connections=1,
+            **cp.connection_kwargs))  # fmt: skip
         self._pos = "0-0"
         self._snapshot = client.register_script(SNAPSHOT_LUA)
         self._task: asyncio.Task[None] | None = None
@@ -457,10 +464,12 @@ class IndexFollower:
     async def aclose(self) -> None:
         self._stop.set()
         if self._task is not None:
+            self._task.cancel()  # inside the blocking read, most likely
             try:
                 await asyncio.wait_for(self._task, 5.0)
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
+        await self._reader.aclose()
 
     async def load_snapshot(self) -> None:
         """Every live worker's blocks and the stream position they are current to; in
@@ -487,9 +496,11 @@ class IndexFollower:
                 w.load_into(self.index)
         self.stats.worker_reloads += 1
 
-    async def poll(self) -> int:
-        """Apply what the stream holds past our position; returns the entries applied."""
-        reply = await self._r.xread({self._key: self._pos}, count=1000)
+    async def poll(self, block_ms: int | None = None) -> int:
+        """Apply what the stream holds past our position, waiting up to ``block_ms`` for
+        something to come if nothing has; returns the entries applied."""
+        r = self._r if block_ms is None else self._reader
+        reply = await r.xread({self._key: self._pos}, count=1000, block=block_ms)
         applied = 0
         for _, entries in cast("list[tuple[bytes, _Entries]] | None", reply) or ():
             for entry_id, fields in entries:
@@ -504,19 +515,18 @@ class IndexFollower:
 
     # ----------------------------------------------------------------------------------
     async def _run(self) -> None:
-        wait, delay = self._poll_s, 0.2
+        delay = 0.2
         while not self._stop.is_set():
             try:
-                wait = 0.0 if await self.poll() else self._poll_s
+                await self.poll(self._block_ms)
                 delay = 0.2
             except Exception as e:  # noqa: BLE001 - Redis away: try again later
                 log.warning("KV index %s: reading events failed (%s); retrying", self.pool, e)
-                wait, delay = delay, min(2.0, delay * 2)
-            if wait:
                 try:
-                    await asyncio.wait_for(self._stop.wait(), wait)
+                    await asyncio.wait_for(self._stop.wait(), delay)
                 except TimeoutError:
                     pass
+                delay = min(2.0, delay * 2)
 
     def _apply_entry(self, index: LocalIndex, entry_id: str, fields: dict,
                      replay: bool = False) -> str | None:  # fmt: skip

@@ -243,6 +243,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
         embedding_transfer=s.transfer.backend,
         encoder_cache_mb=s.multimodal.encoder_cache_mb,
         encoder_max_batch=s.multimodal.encoder_max_batch,
+        log_requests=s.log_requests,
     )
     app = configure_app(s, extra_queues=[own_queue])
     try:
@@ -269,6 +270,9 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
 
     worker_ready.connect(_ready, weak=False)
     worker_shutting_down.connect(_leaving, weak=False)
+    if not s.log_requests:  # Celery's "Task ... received" / "succeeded" lines: one each
+        for name in ("celery.app.trace", "celery.worker.strategy"):  # per request
+            logging.getLogger(name).setLevel(logging.WARNING)
     argv = [
         "worker",
         "--queues",

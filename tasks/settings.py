@@ -648,6 +648,12 @@ class Settings(BaseSettings):
         description="Password of the embedded Redis (serve); unset: serve generates one and "
         "keeps it in its data dir (mode 0600), where the tools on this host find it.",
     )
+    log_requests: bool = Field(
+        False,
+        description="Log a line per request: the API's as it sends it, the worker's as it "
+        "finishes, and Celery's task received / succeeded lines (vLLM's "
+        "--enable-log-requests). Off: those lines are DEBUG, as they cost CPU per request.",
+    )
     broker_fastpath: bool = Field(
         True,
         description="Use Conveyor's fast paths through kombu, Celery and redis-py (batched "

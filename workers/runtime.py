@@ -64,8 +64,11 @@ class WorkerRuntime:
         embedding_transfer: str,
         encoder_cache_mb: int,
         encoder_max_batch: int,
+        log_requests: bool,
     ) -> None:
         self.pool = pool
+        # a line per finished request at INFO only when asked (CONVEYOR_LOG_REQUESTS)
+        self._request_log = logging.INFO if log_requests else logging.DEBUG
         self.worker_id = worker_id
         self.redis = redis.Redis.from_url(redis_url)
         spec = EngineProcSpec(
@@ -158,7 +161,8 @@ class WorkerRuntime:
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
-        log.info(
+        log.log(
+            self._request_log,
             "[%s] %s: %d prompt + %d output tokens in %.3fs%s",
             request_id,
             out.finish_reason,

@@ -156,7 +156,8 @@ class FramePublisher:
         self._check_idle()
         if not self._connected and not self._connect(len(parts)):
             return False
-        if self.quiet:  # the PUBLISH replies (receiver counts) are not needed
+        if self.quiet and len(parts) > 1:  # the PUBLISH replies (receiver counts) are not
+            # needed; one frame owes one reply either way, so it goes without OFF and ON
             parts.insert(0, _REPLY_OFF)
             parts.append(_REPLY_ON)
             owed: list[Callable[[object], None] | None] = [None]

@@ -8,6 +8,7 @@ tests/integration/test_openai_api.py."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from types import SimpleNamespace
 
@@ -47,6 +48,7 @@ def runtime() -> WorkerRuntime:
     rt.worker_id = "w"
     rt._begun = {}
     rt._begun_lock = threading.Lock()
+    rt._request_log = logging.INFO
     return rt
 
 
