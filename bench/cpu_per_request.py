@@ -101,7 +101,8 @@ def role(pid: int) -> str:
                          ("celery", "celery worker"), ("tasks.cli worker", "celery worker"),
                          ("tasks.cli api", "api"), ("uvicorn", "api"),
                          ("dynamo.frontend", "frontend"), ("dynamo.mocker", "mocker"),
-                         ("tasks.cli serve", "supervisor"), ("conveyor serve", "supervisor")):  # fmt: skip
+                         ("tasks.cli serve", "supervisor"),
+                         ("conveyor serve", "supervisor")):  # fmt: skip
         if needle in cmd:
             return name
     return "other: " + cmd[:60]
