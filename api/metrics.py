@@ -1,8 +1,16 @@
-"""Prometheus metrics of the API process (``GET /metrics``)."""
+"""Prometheus metrics of the API process (``GET /metrics``).
+
+With several API processes on one port (``CONVEYOR_API_WORKERS``), ``conveyor api`` names
+a directory in ``PROMETHEUS_MULTIPROC_DIR`` before they start: each keeps its counters
+there (prometheus_client's multiprocess mode) and whichever answers a scrape sums them
+all (gauges: the live processes' sum)."""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -46,7 +54,10 @@ class ApiMetrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "conveyor_requests_in_flight", "Requests being served now", registry=r
+            "conveyor_requests_in_flight",
+            "Requests being served now",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.cancelled = Counter(
             "conveyor_requests_cancelled", "Requests cancelled by client disconnect", registry=r
@@ -137,7 +148,7 @@ class ApiMetrics:
         )
         self.admission_waiting = Gauge(
             "conveyor_admission_waiting", "Requests waiting for a worker under its cap",
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         self.admission_wait = Histogram(
             "conveyor_admission_wait_seconds",
@@ -145,6 +156,18 @@ class ApiMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def exposed(self, *collectors: object) -> CollectorRegistry:
+        """What ``/metrics`` exports: this registry (``collectors`` registered on it
+        already), or with several API processes every process's counters summed, and
+        ``collectors`` (the cluster's, read from Redis by whichever process answers)."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return self.registry
+        out = CollectorRegistry()
+        MultiProcessCollector(out)
+        for c in collectors:
+            out.register(c)  # type: ignore[arg-type]
+        return out
 
     def observe_decision(self, pool: str, seconds: float) -> None:
         self.decision_seconds.labels(pool).observe(seconds)

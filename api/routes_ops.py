@@ -41,4 +41,5 @@ async def prometheus(request: Request) -> Response:
         await st.cluster.refresh(st.redis, st.runner.router)
     except Exception as e:  # noqa: BLE001 - still export the API's own metrics
         log.warning("cluster metrics unavailable: %s", e)
-    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(st.metrics.exposed(st.cluster)),
+                    media_type=CONTENT_TYPE_LATEST)  # fmt: skip

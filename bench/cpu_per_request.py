@@ -89,20 +89,24 @@ def tree(roots: list[int]) -> dict[int, float]:
 
 
 def role(pid: int) -> str:
-    """What a server process is, from its command line."""
+    """What a server process is, from its command line (a process that multiprocessing
+    spawned is its parent's: the API's processes, or a worker's engine)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return "gone"
     cmd = " ".join(a.decode(errors="replace") for a in argv if a)
-    for needle, name in (("redis-server", "redis"), ("flower", "flower"),
-                         ("multiprocessing.spawn", "engine"), ("engine_proc", "engine"),
+    if "multiprocessing.spawn" in cmd and (st := _stat(pid)) is not None:
+        parent = role(st[0])
+        return {"celery worker": "engine", "api": "api"}.get(parent, parent)
+    for needle, name in (("conveyor serve", "supervisor"), ("tasks.cli serve", "supervisor"),
+                         ("redis-server", "redis"), ("tasks.flower", "flower"),
+                         ("engine_proc", "engine"),
                          ("encode_server", "encode"), ("resource_tracker", "mp tracker"),
-                         ("celery", "celery worker"), ("tasks.cli worker", "celery worker"),
+                         ("tasks.cli worker", "celery worker"), ("celery", "celery worker"),
                          ("tasks.cli api", "api"), ("uvicorn", "api"),
-                         ("dynamo.frontend", "frontend"), ("dynamo.mocker", "mocker"),
-                         ("tasks.cli serve", "supervisor"),
-                         ("conveyor serve", "supervisor")):  # fmt: skip
+                         ("dynamo.frontend", "frontend"),
+                         ("dynamo.mocker", "mocker")):  # fmt: skip
         if needle in cmd:
             return name
     return "other: " + cmd[:60]
@@ -126,8 +130,8 @@ def cpu_by_role(before: dict[int, float], after: dict[int, float],
 # Servers
 # --------------------------------------------------------------------------------------
 @contextmanager
-def conveyor(subject: str, model: Path, speedup: float, log: Path,
-             kv_transfer: str) -> Iterator[tuple[str, list[int]]]:  # fmt: skip
+def conveyor(subject: str, model: Path, speedup: float, log: Path, kv_transfer: str,
+             api_workers: int = 1) -> Iterator[tuple[str, list[int]]]:  # fmt: skip
     """``conveyor serve`` with Flower and its embedded Redis, as ``make serve`` runs it;
     yields (API url, the root pids of its process tree)."""
     port, flower_port, redis_port = free_ports(3)
@@ -135,7 +139,8 @@ def conveyor(subject: str, model: Path, speedup: float, log: Path,
     env.update(CONVEYOR_MODEL=str(model), CONVEYOR_SERVED_MODEL_NAME="tiny-llama",
                CONVEYOR_REDIS_PORT=str(redis_port),
                CONVEYOR_REDIS_PASSWORD=secrets.token_hex(16))  # fmt: skip
-    args = ["--port", str(port), "--flower-port", str(flower_port)]
+    args = ["--port", str(port), "--flower-port", str(flower_port),
+            "--api-workers", str(api_workers)]  # fmt: skip
     want = {"generate": 1}
     if subject == "conveyor-mock":
         env.update(CONVEYOR_ENGINE="mock", CONVEYOR_MOCK__SPEEDUP=str(speedup))
@@ -186,11 +191,24 @@ def dynamo(peer_dir: Path, speedup: float, log: Path) -> Iterator[tuple[str, lis
 # --------------------------------------------------------------------------------------
 # The client
 # --------------------------------------------------------------------------------------
-def prompts(n: int, isl: int, seed: int) -> list[str]:
-    """``n`` distinct prompts of about ``isl`` tokens (a word is about one token here)."""
+def prompts(n: int, isl: int, seed: int, tokenizer: Path | None = None) -> list[str]:
+    """``n`` distinct prompts of about ``isl`` tokens by ``tokenizer`` (a tokenizer.json;
+    without one, a word counts as a token), the chat template's few left out."""
     words = WORDS.split()
     rng = random.Random(seed)
-    return [f"{i}: " + " ".join(rng.choice(words) for _ in range(isl - 8)) for i in range(n)]
+    count = len
+    if tokenizer is not None and tokenizer.is_file():
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer))
+        count = lambda text: len(tok.encode(text, add_special_tokens=False).ids)  # noqa: E731
+    out = []
+    for i in range(n):
+        text = f"{i}:"
+        while count(text) < isl - 8:
+            text += " " + rng.choice(words)
+        out.append(text)
+    return out
 
 
 async def drive(url: str, texts: list[str], osl: int, concurrency: int) -> dict[str, Any]:
@@ -235,11 +253,13 @@ def measure(subject: str, args: argparse.Namespace, run: int, logs: Path) -> dic
     if subject == "dynamo":
         server = dynamo(Path(args.peer_dir), args.speedup, log)
     else:
-        server = conveyor(subject, model, args.speedup, log, args.kv_transfer)
+        server = conveyor(subject, model, args.speedup, log, args.kv_transfer, args.api_workers)
     with server as (url, roots):
         seed = 1000 * run  # every subject of a run gets the same prompts
-        run_loop(drive(url, prompts(args.warmup, args.isl, seed), args.osl, args.concurrency))
-        texts = prompts(args.requests, args.isl, seed + 1)
+        tok = model / "tokenizer.json"
+        run_loop(drive(url, prompts(args.warmup, args.isl, seed, tok), args.osl,
+                       args.concurrency))  # fmt: skip
+        texts = prompts(args.requests, args.isl, seed + 1, tok)
         roles: dict[int, str] = {}
         before = tree(roots)
         res = run_loop(drive(url, texts, args.osl, args.concurrency))
@@ -293,6 +313,7 @@ def main() -> None:
     ap.add_argument("--osl", type=int, default=32)
     ap.add_argument("--speedup", type=float, default=1000.0)
     ap.add_argument("--kv-transfer", default="redis", help="conveyor-pd's KV transfer")
+    ap.add_argument("--api-workers", type=int, default=1, help="Conveyor's API processes")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", help="write every run's figures here")
     args = ap.parse_args()

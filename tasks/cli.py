@@ -311,6 +311,8 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
 @click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
               help=_setting("router_mode", "How workers are picked"))  # fmt: skip
 @click.option("--served-model-name", help=_setting("served_model_name", "Model id clients use"))
+@click.option("--workers", "api_workers", type=int,
+              help=_setting("api_workers", "API processes on the port"))  # fmt: skip
 @_tool_parser_opt
 @_model_opt
 @_redis_opt
@@ -320,14 +322,38 @@ def api(**kw: object) -> None:
 
     s = configure(**kw)
     _raise_open_files_limit()
+    workers = s.api.api_workers
+    if workers > 1:  # each process's counters in files /metrics sums (api.metrics)
+        metrics_dir = multiprocess_metrics_dir()
+        log.info("api: %d processes on port %d (metrics in %s)", workers, s.api.port,
+                 metrics_dir)  # fmt: skip
     uvicorn.run(
         "api.app:create_app",
         factory=True,
         host=s.api.host,
         port=s.api.port,
+        workers=workers,
         log_level="warning",
         timeout_graceful_shutdown=5,
     )
+
+
+def multiprocess_metrics_dir() -> str:
+    """A fresh directory for prometheus_client's multiprocess mode, named in the
+    environment (``PROMETHEUS_MULTIPROC_DIR``) the API processes start with; one given
+    there already is emptied. The processes' files hold counters from their start."""
+    import tempfile
+
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if path:
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(path):
+            if name.endswith(".db"):
+                os.unlink(os.path.join(path, name))
+    else:
+        path = tempfile.mkdtemp(prefix="conveyor-api-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    return path
 
 
 def _raise_open_files_limit() -> None:
@@ -469,6 +495,8 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
 @click.option("--port", type=int, help=_setting("port", "API port"))
 @click.option("--flower-port", type=int, help=_setting("flower_port", "Flower port"))
 @click.option("--no-flower", is_flag=True, help="Do not start Flower.")
+@click.option("--api-workers", type=int,
+              help=_setting("api_workers", "API processes on the port"))  # fmt: skip
 @click.option(
     "--no-restart", is_flag=True,
     help="Stop everything when any process exits, instead of restarting it "

@@ -116,6 +116,14 @@ class ApiSettings(_Area):
         "worker of the pool (which recomputes prompt + tokens so far and carries on); 0: "
         "the stream ends with worker_lost.",
     )
+    api_workers: int = Field(
+        1,
+        ge=1,
+        description="API processes serving the one port (uvicorn's workers): each routes with "
+        "its own view of the cluster and relays its own streams; more than one spreads the "
+        "API's per-request and per-token work over the host's cores. /metrics then sums "
+        "every process's counters (prometheus_client's multiprocess mode).",
+    )
     flower_port: int = Field(5555, description="Flower port (conveyor serve).")
     flower_basic_auth: str | None = Field(
         None, description="user:password for Flower's basic auth (off when unset)."

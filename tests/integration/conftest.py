@@ -209,6 +209,8 @@ def base_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
         CONVEYOR_HEARTBEAT_S="0.5",
         CONVEYOR_WORKER_TTL_S="3",
         CONVEYOR_NUM_KV_BLOCKS="512",
+        # tests read a request's account in the worker's log (off by default: CPU)
+        CONVEYOR_LOG_REQUESTS="true",
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)
