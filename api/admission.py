@@ -8,9 +8,10 @@ and counted in ``conveyor_requests_refused_total{reason}``:
   and queued, counted in Redis by every API replica: the cap holds cluster-wide; a request
   of ``n`` choices holds n sequences and counts n, ``tasks.router``). When
   every live worker of a pool is at it the router raises
-  :class:`tasks.router.WorkersBusy`; :class:`Admission` then waits, in arrival order, for a
-  slot for up to ``CONVEYOR_ADMISSION_WAIT_S``, and past that answers **503**
-  ``server_overloaded`` (reason ``workers_busy``).
+  :class:`tasks.router.WorkersBusy`; :class:`Admission` then waits, by priority (vLLM's
+  ``priority``: lower first) and in arrival order within one, for a slot for up to
+  ``CONVEYOR_ADMISSION_WAIT_S``, and past that answers **503** ``server_overloaded``
+  (reason ``workers_busy``).
 * **Per client** (``CONVEYOR_CLIENT_MAX_REQUESTS``, off by default): requests in flight on
   this API process per client (its API key when keys are set, else its address, as uvicorn
   reports it behind trusted proxies); one more is **429** ``rate_limit_exceeded`` (reason
@@ -50,26 +51,28 @@ class Admission:
     :meth:`admit` runs ``attempt`` (the request's plan: route and count every stage); if
     every candidate is at the cap it waits and tries again whenever a slot may have freed
     (:meth:`notify`: this process released a request; else every ``POLL_S``, for the
-    other replicas'), for up to ``wait_s``. Waiters try in the order they came, and a new
-    request queues behind them, so a slot goes to the longest waiting. A try that finds
-    every worker still full costs no Redis round trip (the router's local view)."""
+    other replicas'), for up to ``wait_s``. Waiters try in priority order (lower values
+    first), those of one priority in the order they came, and a new request queues behind
+    every waiter of its priority or a lower value, so a slot goes to the most urgent,
+    longest waiting request. A try that finds every worker still full costs no Redis round
+    trip (the router's local view)."""
 
     def __init__(self, wait_s: float, retry_after_s: int, metrics: ApiMetrics) -> None:
         self.wait_s = wait_s
         self.retry_after_s = retry_after_s
         self.metrics = metrics
-        self._waiting: list[_Waiter] = []  # in arrival order
+        self._waiting: list[_Waiter] = []  # by priority, then arrival
         self._ticker: asyncio.Task[None] | None = None
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
-    async def admit(self, attempt: Callable[[], Awaitable[T]]) -> T:
+    async def admit(self, attempt: Callable[[], Awaitable[T]], priority: int = 0) -> T:
         """``attempt()``'s result once it is not refused by :class:`WorkersBusy`; past
         ``wait_s`` an :class:`OpenAIError` 503 with ``Retry-After``."""
         busy: WorkersBusy | None = None
-        if not self._waiting:  # nobody before us
+        if not any(w.priority <= priority for w in self._waiting):  # nobody before us
             try:
                 return await attempt()
             except WorkersBusy as e:
@@ -77,8 +80,12 @@ class Admission:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.wait_s
-        me = _Waiter()
-        self._waiting.append(me)  # our place in line, kept until we leave it
+        me = _Waiter(priority)
+        # our place in line (behind every waiter of our priority or a lower value), kept
+        # until we leave it
+        at = next((i for i, w in enumerate(self._waiting) if w.priority > priority),
+                  len(self._waiting))  # fmt: skip
+        self._waiting.insert(at, me)
         self.metrics.admission_waiting.inc()
         self._tick()
         try:
@@ -113,7 +120,7 @@ class Admission:
 
     def notify(self) -> None:
         """A slot may have freed (this process released a request): waiters try again."""
-        for w in self._waiting:  # in arrival order: their tries run in this order
+        for w in self._waiting:  # in line: their tries run in this order
             if w.turn is not None and not w.turn.done():
                 w.turn.set_result(None)
 
@@ -128,10 +135,24 @@ class Admission:
 
 
 class _Waiter:
-    __slots__ = ("turn",)
+    __slots__ = ("priority", "turn")
 
-    def __init__(self) -> None:
+    def __init__(self, priority: int = 0) -> None:
+        self.priority = priority
         self.turn: asyncio.Future[None] | None = None  # resolved when it may try again
+
+
+def client_id(scope: Scope, by_key: bool) -> str:
+    """Who sends a request: ``key:<digest>`` of its API key when ``by_key`` (keys are
+    configured, and the auth middleware has checked it; no key is kept in clear), else
+    ``addr:<address>`` as uvicorn reports it (behind trusted proxies, the client's)."""
+    if by_key:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                digest = hashlib.sha256(value.partition(b" ")[2].strip()).hexdigest()
+                return "key:" + digest[:16]
+    client = scope.get("client")
+    return f"addr:{client[0]}" if client else "addr:?"
 
 
 class ClientLimitMiddleware:
@@ -172,12 +193,7 @@ class ClientLimitMiddleware:
                 del self._in_flight[who]
 
     def _client(self, scope: Scope) -> str:
-        if self.by_key:
-            for name, value in scope.get("headers", []):
-                if name == b"authorization":  # a digest: no key kept in clear
-                    return "key:" + hashlib.sha256(value.partition(b" ")[2].strip()).hexdigest()
-        client = scope.get("client")
-        return f"addr:{client[0]}" if client else "addr:?"
+        return client_id(scope, self.by_key)
 
     async def _refuse(self, send: Send) -> None:
         body = json.dumps(error_body(

@@ -36,6 +36,7 @@ from api.middleware import AccessMiddleware, AuthMiddleware
 from api.runner import Runner
 from api.state import ApiState
 from api.streams import StreamHub
+from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
 from api.tool_parsers import parser_for_template
 from tasks.app import configure as configure_celery
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.hub = StreamHub(s.effective_redis_url, fast=s.broker_fastpath)
         await st.hub.start()
         st.runner = await Runner(s, st.redis, st.hub, metrics).open()
+        st.tenants = TenantBudget(st.redis, s.admission.tenant_tokens_per_min, metrics)
         st.created = int(time.time())
         freeze_startup_heap("api")  # no full collection pauses every stream later
         trimmer = asyncio.get_running_loop().create_task(_trim_when_idle(metrics))

@@ -150,6 +150,13 @@ class ApiMetrics:
             "conveyor_admission_waiting", "Requests waiting for a worker under its cap",
             registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "conveyor_tenant_tokens",
+            "Tokens used per API key (the first 16 hex digits of its SHA-256), prompt and "
+            "completion; CONVEYOR_TENANT_TOKENS_PER_MIN budgets them per minute",
+            ["tenant", "kind"],
+            registry=r,
+        )
         self.admission_wait = Histogram(
             "conveyor_admission_wait_seconds",
             "Time requests that found every worker at its cap waited (admitted or refused)",

@@ -92,6 +92,9 @@ class _SamplingFields(_Body):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's: lower values are served first (the admission wait for a worker under its
+    # cap, the engine's waiting queue and whom it preempts); equal ones in arrival order
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     # Conveyor extension: pin the request to one worker (its id, as /metrics and the
     # worker's log name it); 400 when no live worker has that id
     worker_id: str | None = Field(None, min_length=1, max_length=200)

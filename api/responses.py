@@ -60,6 +60,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     worker_id: str | None = Field(None, min_length=1, max_length=200)
 
 
@@ -99,6 +100,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "top_k": req.top_k,
         "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty,
+        "priority": req.priority,
         "worker_id": req.worker_id,
     }
     if req.tools:

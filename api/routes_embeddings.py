@@ -27,6 +27,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.admission import client_id
 from api.errors import OpenAIError, bad_request
 from api.protocol import PIN_HEADER, ChatMessage
 from api.state import ApiState, api_state, check_model
@@ -75,8 +76,10 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
     inputs = embedding_inputs(req, st.builder)
     pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-    rid = st.hub.new_request_id("embd")
     n_tokens = sum(len(ids) for ids in inputs)
+    tenant = client_id(request.scope, bool(st.settings.api.api_key_list))
+    await st.tenants.admit(tenant, n_tokens)  # 429 when its minute is spent
+    rid = st.hub.new_request_id("embd")
     m = st.metrics
     m.in_flight.inc()
     try:

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from api import choices
+from api.admission import client_id
 from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
@@ -144,14 +145,18 @@ async def start(
         await st.media.store(st.redis, loaded)
         images = prompt.image_refs([im.hash for im in loaded])
     prefix = {"chat": "chatcmpl", "response": "resp"}.get(kind, "cmpl")
+    tenant = client_id(request.scope, bool(st.settings.api.api_key_list))
+    await st.tenants.admit(tenant, len(prompt_ids))  # 429 when its minute is spent
     rid = st.hub.new_request_id(prefix)  # its stream needs no SUBSCRIBE
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images)
+        runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images,
+                                     priority=req.priority)  # fmt: skip
     except BaseException:
         st.metrics.in_flight.dec()
         raise
+    runs[0].tenant = tenant
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     return rid, runs, sampling
 
@@ -254,5 +259,7 @@ def end_request(st: ApiState, runs: list[RunningRequest], started: float) -> Non
     if usage is not None:
         m.completion_tokens.inc(usage.completion_tokens)
         m.cached_tokens.inc(usage.cached_tokens)
+        if runs and runs[0].tenant:
+            st.tenants.used(runs[0].tenant, usage.completion_tokens)
     for run in runs:
         st.runner.finish(run)

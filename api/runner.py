@@ -98,6 +98,7 @@ class RunningRequest:
     migrated: bool = False  # a lost attempt: ended by a migration, not by the client
     choice: int | None = None  # n > 1: the index of the choice this stream carries
     group: ChoiceGroup | None = None  # ... and what it shares with the others
+    tenant: str = ""  # who sent it (api.tenants): its completion tokens count there
 
 
 @dataclass
@@ -181,7 +182,7 @@ class Runner:
     async def start(
         self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         pin: str | None = None, images: list[ImageRef] | None = None,
-        pooling: Pooling | None = None,
+        pooling: Pooling | None = None, priority: int = 0,
     ) -> list[RunningRequest]:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
         request that cannot run gets a proper HTTP status, not a broken stream). The
@@ -197,7 +198,8 @@ class Runner:
         hash enters the hashes of the blocks its placeholders cover, as in the engine.
         ``pooling``: an embedding request (one ``embed`` task; its first frame is its last
         and carries the vector), routed by load alone (the engine neither reads nor fills
-        its prefix cache for it)."""
+        its prefix cache for it). ``priority``: vLLM's (lower first), in the admission wait
+        and the engine's waiting queue."""
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
             raise OpenAIError(503, "Redis is not answering (token streams are down)",
                               "server_error", None, "redis_unavailable")  # fmt: skip
@@ -209,7 +211,7 @@ class Runner:
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
             runs = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
-                                        images, pooling)  # fmt: skip
+                                        images, pooling, priority)  # fmt: skip
             try:
                 for run in runs:
                     run.first_frame = await self._next(run)
@@ -249,11 +251,12 @@ class Runner:
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         route_req: RouteRequest, images: list[ImageRef] | None = None,
-        pooling: Pooling | None = None,
+        pooling: Pooling | None = None, priority: int = 0,
     ) -> list[RunningRequest]:  # fmt: skip
         planner = plan if pooling is None else plan_pooling
         try:
-            p = await self.admission.admit(partial(planner, self.router, self.s, route_req))
+            p = await self.admission.admit(partial(planner, self.router, self.s, route_req),
+                                           priority)  # fmt: skip
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
@@ -299,6 +302,7 @@ class Runner:
             created=time.time(),
             images=images or [],
             pooling=pooling,
+            priority=priority,
         )
         runs = []
         group = ChoiceGroup(stream_id, sampling.n) if sampling.n > 1 else None

@@ -14,6 +14,7 @@ from api.media import MediaGuard
 from api.metrics import ApiMetrics
 from api.runner import Runner
 from api.streams import StreamHub
+from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
 from tasks.settings import Settings
 
@@ -29,6 +30,7 @@ class ApiState:
     redis: aioredis.Redis = field(init=False)
     hub: StreamHub = field(init=False)
     runner: Runner = field(init=False)
+    tenants: TenantBudget = field(init=False)
     created: int = 0  # when the API started serving (the model's ``created``)
     tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
     strings: TokenStrings = field(init=False)  # token ids as logprobs show them

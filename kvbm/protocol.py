@@ -510,6 +510,7 @@ class StagePayload(BaseModel):
     images: list[ImageRef] = Field(default_factory=list)  # in prompt order
     resume: Resume | None = None  # a migrated stream: what the client already has
     pooling: Pooling | None = None  # an embedding request: pool the prompt, sample nothing
+    priority: int = 0  # vLLM's: lower values are served first
 
     @property
     def stream_ids(self) -> list[str]:

@@ -174,6 +174,14 @@ class AdmissionSettings(_Area):
     retry_after_s: int = Field(
         1, ge=0, description="Retry-After (seconds) of the 503 and 429 admission answers."
     )
+    tenant_tokens_per_min: int = Field(
+        0,
+        ge=0,
+        description="Tokens (prompt + completion) one tenant (its API key when keys are set, "
+        "else its address) may use per minute, counted in Redis across every API replica; "
+        "a request that finds its tenant's minute spent gets 429 with Retry-After. 0: no "
+        "budget.",
+    )
 
 
 class RouterSettings(_Area):

@@ -98,6 +98,7 @@ class EngineRequest:
     # a later choice of an n > 1 request (workers.choices): the id of its first choice,
     # whose prompt it shares once computed (blocks, and the logits of its first token)
     fork_of: str | None = None
+    priority: int = 0  # vLLM's: lower values are scheduled first (workers.scheduler)
 
 
 @dataclass(slots=True)

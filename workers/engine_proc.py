@@ -439,7 +439,7 @@ def engine_request(cmd: Generate | Prefill | Decode, **extra: object) -> EngineR
     return EngineRequest(p.request_id, p.prompt_token_ids, p.sampling,
                          prefill_only=isinstance(cmd, Prefill),
                          forced_first_token=p.forced_first_token, resumed=resumed,
-                         **extra)  # type: ignore[arg-type]  # fmt: skip
+                         priority=p.priority, **extra)  # type: ignore[arg-type]  # fmt: skip
 
 
 def _is_multimodal(model_dir: str) -> bool:

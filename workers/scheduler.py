@@ -7,6 +7,12 @@ blocks allow; when a running sequence cannot get a block, the most recently admi
 is preempted (its blocks freed, recomputed later): vLLM's recompute policy. A new or
 preempted sequence starts on the cached blocks of its longest cached prefix.
 
+Priorities (vLLM's ``priority``: lower values first) order the waiting queue: a request
+queues behind every waiting one of its value or lower, a preempted one goes back in front
+of its own value; the sequence preempted is the most recently admitted of the running
+ones with the highest value. With every priority equal (the default 0) that is first come,
+first served, exactly.
+
 A request of ``n`` choices comes as ``n`` sequences: the later ones wait (parked) until
 the first has computed the prompt, then fork from it in the step that does (sharing its
 full blocks, a copy of its partial last one, and the logits of its first token), so the
@@ -173,7 +179,27 @@ class Scheduler:
             self._loader.shutdown(wait=False)
 
     def add(self, seq: Seq) -> None:
-        self.waiting.append(seq)
+        """Queue ``seq`` behind every waiting sequence of its priority or a lower value."""
+        w, p = self.waiting, seq.req.priority
+        if not w or w[-1].req.priority <= p:
+            w.append(seq)
+        else:
+            w.insert(next(i for i, s in enumerate(w) if s.req.priority > p), seq)
+
+    def _requeue(self, seq: Seq) -> None:
+        """Put ``seq`` back in front of the waiting sequences of its priority (it had its
+        turn: preempted, or its KV just loaded)."""
+        w, p = self.waiting, seq.req.priority
+        if not w or w[0].req.priority >= p:
+            w.appendleft(seq)
+        else:
+            w.insert(next((i for i, s in enumerate(w) if s.req.priority >= p), len(w)), seq)
+
+    def _victim(self) -> int:
+        """The running sequence to preempt: the most recently admitted of those with the
+        highest priority value (the last one when all are equal)."""
+        worst = max(s.req.priority for s in self.running)
+        return max(i for i, s in enumerate(self.running) if s.req.priority == worst)
 
     def schedule(self) -> list[tuple[Seq, int]]:
         """This step's work: ``(sequence, tokens to compute)`` pairs, blocks allocated."""
@@ -186,17 +212,20 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             while self.kv.allocate_slots(seq.id, seq.num_computed + n) is None:
-                victim = self.running.pop()
+                k = self._victim()
+                victim = self.running.pop(k)
+                if k < i:  # scheduled earlier in this step: its tokens go back
+                    j = next(j for j, (s, _) in enumerate(scheduled) if s is victim)
+                    budget += scheduled.pop(j)[1]
+                    i -= 1
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
-                    break
+                    break  # the next running one is at i now
             else:
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
-                continue
-            break  # seq itself was preempted: it was the last running one
         if preempted or not self._admit_now():
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -341,7 +370,7 @@ class Scheduler:
                     free -= need
                     due.append((parent, child))
                 else:
-                    self.waiting.appendleft(child)
+                    self._requeue(child)
         return due
 
     def fork(self, parent: Seq, child: Seq) -> tuple[int, int] | None:
@@ -360,7 +389,7 @@ class Scheduler:
         """``parent`` left before its prompt was computed: its choices run on their own."""
         for child in parent.forks:
             del self.parked[child.id]
-        self.waiting.extend(parent.forks)
+            self.add(child)
         parent.forks = []
 
     # --- disaggregation, prefill side (the decode side's pull is a load) ---------------------
@@ -515,7 +544,7 @@ class Scheduler:
         else:
             seq.num_computed = load.base + loaded * self.config.block_size
             self.computed(seq, seq.num_computed)  # name the onboarded blocks in G1
-        self.waiting.appendleft(seq)
+        self._requeue(seq)
 
     # --- the router's index and metrics ---------------------------------------------------
     def take_events(self) -> list[KVEvent]:
@@ -571,5 +600,5 @@ class Scheduler:
         seq.offered = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._requeue(seq)
         log.info("preempted %s (recompute %d tokens)", seq.id, seq.num_tokens)

@@ -240,6 +240,11 @@ class VllmEngine:
 
         return AsyncLLM.from_engine_args(self.args, stat_loggers=[self._stat_logger])
 
+    def _policy(self) -> str:
+        """vLLM's scheduling policy: ``fcfs`` (its default) or ``priority``."""
+        policy = getattr(self.llm.vllm_config.scheduler_config, "policy", "fcfs")
+        return str(getattr(policy, "value", policy))
+
     def _stat_logger(self, vllm_config, engine_index: int = 0):
         """vLLM's per-engine stat logger factory: ours keeps the last scheduler stats."""
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -295,6 +300,10 @@ class VllmEngine:
         if (refused := refuse_unsupported(rid, n, req.params, self.name,
                                           self.supports)) is not None:  # fmt: skip
             return refused
+        if req.priority and self._policy() != "priority":
+            return failed(rid, n, "priority other than 0 needs vLLM's priority scheduling: "
+                          "set CONVEYOR_VLLM__SCHEDULING_POLICY=priority on the workers",
+                          "unsupported_parameter", "priority")  # fmt: skip
         st = _Req(n, req.prefill_only and req.params.max_tokens > 1)
         st.top_logprobs = req.params.logprobs
         st.top_prompt_logprobs = req.params.prompt_logprobs or 0
@@ -332,7 +341,7 @@ class VllmEngine:
         except (TypeError, ValueError) as e:
             return failed(rid, n, f"vLLM refused the request: {e}")
         self._reqs[rid] = st
-        st.future = self._call(self._run(rid, prompt, sp))
+        st.future = self._call(self._run(rid, prompt, sp, req.priority))
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -556,9 +565,9 @@ class VllmEngine:
                 prompt["multi_modal_uuids"] = {"image": uuids}
         return prompt
 
-    async def _run(self, rid: str, prompt: dict, sp) -> None:
+    async def _run(self, rid: str, prompt: dict, sp, priority: int = 0) -> None:
         try:
-            async for out in self.llm.generate(prompt, sp, rid):
+            async for out in self.llm.generate(prompt, sp, rid, priority=priority):
                 self._push(rid, out)
         except asyncio.CancelledError:
             raise  # aborted here: generate() has told vLLM

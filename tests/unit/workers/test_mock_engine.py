@@ -115,3 +115,51 @@ def test_mock_engine_process_does_not_import_torch(tiny_model_dir: Path) -> None
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _first_token_steps(engine: MockEngine, *reqs: EngineRequest) -> dict[str, int]:
+    """The step in which each request's first token came out."""
+    for r in reqs:
+        assert engine.add_request(r) is None
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished:
+        step += 1
+        for o in engine.step():
+            if o.token_ids and o.request_id not in first:
+                first[o.request_id] = step
+    return first
+
+
+def test_priority_orders_the_waiting_queue(tiny_model_dir: Path) -> None:
+    """One sequence at a time: the waiting ones start by priority (vLLM's: lower first),
+    equal ones in arrival order; all at 0 is first come, first served."""
+    e = make(tiny_model_dir, max_num_seqs=1)
+    reqs = [req("low-a", PROMPT, 2), req("low-b", PROMPT[:50], 2),
+            req("high", PROMPT[:60], 2), req("mid", PROMPT[:70], 2)]  # fmt: skip
+    reqs[0].priority = reqs[1].priority = 5
+    reqs[2].priority, reqs[3].priority = -1, 0
+    first = _first_token_steps(e, *reqs)
+    assert sorted(first, key=first.__getitem__) == ["high", "mid", "low-a", "low-b"]
+    fifo = _first_token_steps(make(tiny_model_dir, max_num_seqs=1),
+                              *(req(f"r{i}", PROMPT[: 40 + i], 2) for i in range(4)))  # fmt: skip
+    assert sorted(fifo, key=fifo.__getitem__) == ["r0", "r1", "r2", "r3"]
+
+
+def test_the_preempted_sequence_is_the_lowest_priority(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """KV blocks for two long sequences but not three: the one preempted (and recomputed)
+    is the highest value's, though admitted first; with equal priorities it is the most
+    recently admitted (vLLM's recompute policy). Every request still gets its tokens."""
+    for low_priority, victim in ((9, "low"), (0, "b")):
+        e = make(tiny_model_dir, num_kv_blocks=20, block_size=16, max_model_len=320)
+        low, a, b = (req(r, PROMPT[:40], 100, ignore_eos=True) for r in ("low", "a", "b"))
+        low.priority = low_priority
+        caplog.clear()
+        with caplog.at_level("INFO", logger="workers.scheduler"):
+            outs = run(e, low, a, b)
+        preempted = {m.split()[1] for m in caplog.messages if m.startswith("preempted ")}
+        assert e.stats().preemptions > 0 and preempted == {victim}, caplog.messages
+        for rid in ("low", "a", "b"):
+            assert sum(len(o.token_ids) for o in outs[rid]) == 100
