@@ -11,6 +11,8 @@ refusal comes before the runner: nothing reaches the broker.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -24,6 +26,7 @@ from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
+from api.resume import FrameLogReader, claim, event_id, grace_then, parse_event_id, resumed_batches
 from api.runner import RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
@@ -32,6 +35,7 @@ from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
 from kvbm.protocol import Sampling, TokenFrame
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 
 @router.get("/v1/models")
@@ -61,6 +65,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     prompt = chat_prompt(st, req)
     st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    if (resumed := _last_event_id(st, request)) is not None:
+        return await resume(st, req, prompt, max_tokens, "chat", started, "messages", resumed,
+                            plan)  # fmt: skip
     return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages", plan)
 
 
@@ -71,8 +78,18 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     check_model(st, req.model)
     unsupported(req)
     prompt = Prompt(st.builder.completion_ids(req.prompt))
+    if (resumed := _last_event_id(st, request)) is not None:
+        return await resume(st, req, prompt, req.max_tokens, "completion", started, "prompt",
+                            resumed)  # fmt: skip
     return await _serve(st, req, request, prompt, req.max_tokens, "completion", started,
                         "prompt")  # fmt: skip
+
+
+def _last_event_id(st: ApiState, request: Request) -> str | None:
+    """A reconnecting client's ``Last-Event-ID`` (resumable streams only)."""
+    if not st.settings.api.resumable_streams:
+        return None
+    return request.headers.get("last-event-id") or None
 
 
 # --------------------------------------------------------------------------------------
@@ -167,47 +184,135 @@ def tool_output(plan: ToolPlan | None) -> ChatToolOutput | None:
     return ChatToolOutput(plan, parser) if plan is not None and parser is not None else None
 
 
+class _Tagged:
+    """SSE ids for a resumable stream (:mod:`api.resume`): each write's last event carries
+    ``id: <log>:<seq>``, and a resumed stream's events up to ``skip_until`` (what its
+    client has) are formatted but not sent."""
+
+    def __init__(self, log_id: str, skip_until: int | None = None) -> None:
+        self.log_id = log_id
+        self.skip_until = skip_until
+
+    def out(self, event: bytes, seq: int) -> bytes:
+        if self.skip_until is not None and seq <= self.skip_until:
+            return b""
+        at = event.rfind(b"data: ")  # the write's last event
+        return event[:at] + event_id(self.log_id, seq) + event[at:]
+
+
 async def _stream(
-    st: ApiState, run: RunningRequest, fmt: Formatter, include_usage: bool, started: float,
-    tools: ChatToolOutput | None = None, extra: ExtraOutput | None = None,
+    st: ApiState, run: RunningRequest | None, fmt: Formatter, include_usage: bool,
+    started: float, tools: ChatToolOutput | None = None, extra: ExtraOutput | None = None,
+    *, frames: AsyncIterator[list[TokenFrame]] | None = None, tag: _Tagged | None = None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
+    """A started request's SSE events (``run``); or, with ``frames`` (and no ``run``), a
+    resumed stream's, from its frame log, ``tag`` saying what its client has."""
+    if run is not None and st.settings.api.resumable_streams and tag is None:
+        tag = _Tagged(run.request_id)  # the log that holds its first frames
+    batches = frames if frames is not None else st.runner.batches(run)  # type: ignore[arg-type]
+    ended = False  # the stream came to its end (not its client gone)
     try:
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
-            yield sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
-        async for batch in st.runner.batches(run):
+            role = sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
+            if out := (tag.out(role, -1) if tag is not None else role):
+                yield out
+        async for batch in batches:
             last = batch[-1]
             failed = last.error is not None
-            frames = batch[:-1] if failed else batch
-            text = "".join(f.text for f in frames)
+            frames_ = batch[:-1] if failed else batch
+            text = "".join(f.text for f in frames_)
             if tools is not None:  # content and tool calls, parsed as they come
                 deltas = tools.feed(text) + (tools.finish() if last.done and not failed else [])
                 event = b"".join(sse_event(fmt.chunk(d, None, include_usage)) for d in deltas)
             elif extra is not None:  # logprobs, an echoed prompt
-                event = extra.event(fmt, frames, text, include_usage)
+                event = extra.event(fmt, frames_, text, include_usage)
             else:
                 event = fmt.text_event(text, include_usage) if text else b""
             if not last.done:
+                if event and tag is not None:
+                    event = tag.out(event, last.seq)
                 if event:
                     yield event
                 continue
             # The stream's last events go out as one chunk (one write, one wake of the
             # client): its last text, the finish (or error) and usage, and [DONE].
+            ended = True
             if failed:
-                yield event + sse_event(frame_error(last).body())
-                return
-            reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
-            st.metrics.finish.labels(reason or "unknown").inc()
-            event += sse_event(fmt.chunk(fmt.empty_delta(), reason, include_usage,
-                                         stop_reason=last.stop_reason))  # fmt: skip
-            if include_usage:
-                event += sse_event(fmt.usage_chunk(usage_body(last.usage)))
-            yield event + SSE_DONE
+                event += sse_event(frame_error(last).body())
+            else:
+                reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
+                st.metrics.finish.labels(reason or "unknown").inc()
+                event += sse_event(fmt.chunk(fmt.empty_delta(), reason, include_usage,
+                                             stop_reason=last.stop_reason))  # fmt: skip
+                if include_usage:
+                    event += sse_event(fmt.usage_chunk(usage_body(last.usage)))
+                event += SSE_DONE
+            if out := (tag.out(event, last.seq) if tag is not None else event):
+                yield out
             return
+        ended = True
         yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
-        yield sse_event(stream_failed(e, run.request_id).body())
+        ended = True
+        yield sse_event(stream_failed(e, run.request_id if run else fmt.rid).body())
+    finally:
+        if run is None:
+            st.metrics.in_flight.dec()
+        elif not ended and tag is not None and st.settings.api.resume_grace_s > 0:
+            # the client went away: the request runs on for it to come back (api.resume)
+            task = asyncio.get_running_loop().create_task(
+                _linger(st, run, started, batches, tag.log_id)
+            )
+            st.runner.hold(task)
+        else:
+            end_request(st, [run], started)
+
+
+async def _linger(st: ApiState, run: RunningRequest, started: float,
+                  batches: AsyncIterator[list[TokenFrame]], log_id: str) -> None:  # fmt: skip
+    """A stream whose client went away: cancelled after the grace period unless a resume
+    claimed it, in which case it is read on here to its end (its load and its migrations
+    stay with this API) while the resuming API relays its log."""
+    try:
+        if await grace_then(st.settings.api.resume_grace_s, st.redis, log_id):
+            async for batch in batches:
+                if batch[-1].done:
+                    break
+    except Exception as e:  # noqa: BLE001 - it ends here either way
+        log.info("[%s] resumed stream ended on its first API: %s", run.request_id, e)
     finally:
         end_request(st, [run], started)
+
+
+async def resume(
+    st: ApiState, req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,
+    max_tokens: int | None, kind: str, started: float, prompt_param: str, last_event_id: str,
+    plan: ToolPlan | None = None,
+) -> Response:  # fmt: skip
+    """The rest of a stream a client lost (``Last-Event-ID``): the request it sends again is
+    only read for how to format the stream (tools, logprobs, usage), never run again."""
+    if not req.stream:
+        raise bad_request("Last-Event-ID resumes a stream: send stream: true", "stream")
+    if req.n > 1:
+        raise bad_request("resuming a stream of n > 1 choices is not supported", "n",
+                          "unsupported_parameter")  # fmt: skip
+    prefix = ("chatcmpl-",) if kind == "chat" else ("cmpl-",)
+    log_id, seq = parse_event_id(last_event_id, prefix)
+    if not await claim(st.redis, log_id):
+        raise OpenAIError(404, f"no stream {log_id!r} to resume: it ended more than "
+                          f"{st.settings.api.resume_ttl_s:g} s ago, or never ran here",
+                          "invalid_request_error", "Last-Event-ID", "stream_not_found")  # fmt: skip
+    max_tokens = st.builder.check_length(len(prompt.token_ids), max_tokens, prompt_param)
+    sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
+    rid = log_id.split(".", 1)[0]  # the client's id (a retry's stream: <id>.r1)
+    fmt = Formatter(kind, rid, st.settings.model_name)
+    reader = FrameLogReader(st.redis, log_id, st.settings.api.frame_timeout_s)
+    log.info("[%s] resumed after event %d", log_id, seq)
+    st.metrics.in_flight.inc()
+    gen = _stream(st, None, fmt, req.include_usage, started, tool_output(plan),
+                  extra_output(st.strings, req, sampling, prompt.token_ids),
+                  frames=resumed_batches(reader, seq), tag=_Tagged(log_id, seq))  # fmt: skip
+    return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
 
 
 async def _collect(

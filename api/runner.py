@@ -31,6 +31,7 @@ from api.admission import Admission
 from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.resp import RespConnection
+from api.resume import moved_commands
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
 from kvbm.protocol import (
     CANCEL_CHANNEL,
@@ -448,6 +449,11 @@ class Runner:
         run.request_id, run.subscription, run.plan = stream_id, sub, p
         run.prefill_pending, run.prefilled_task = True, None
         try:
+            if self.s.api.resumable_streams:  # a resume reading the old log follows it
+                pipe = self._client.pipeline(transaction=False)
+                for command in moved_commands(old.request_id, stream_id, run.next_seq):
+                    pipe.execute_command(*command)
+                await pipe.execute()
             await self._send(p, payload)
         except BaseException:
             self.finish(replace(run, migrated=True))
@@ -457,6 +463,11 @@ class Runner:
                     base, lost, len(run.output_ids), p.routes[0].worker_id, stream_id,
                     run.migrations, self.s.api.migration_limit,
                     (time.perf_counter() - t0) * 1000)  # fmt: skip
+
+    def hold(self, task: asyncio.Task[None]) -> None:
+        """Keep a request's background task referenced until it is done."""
+        self._cleanup_tasks.add(task)
+        task.add_done_callback(self._cleanup_tasks.discard)
 
     def finish(self, run: RunningRequest) -> None:
         """Release everything the request holds; cancel it on the worker if unfinished.

@@ -131,7 +131,8 @@ def cpu_by_role(before: dict[int, float], after: dict[int, float],
 # --------------------------------------------------------------------------------------
 @contextmanager
 def conveyor(subject: str, model: Path, speedup: float, log: Path, kv_transfer: str,
-             api_workers: int = 1) -> Iterator[tuple[str, list[int]]]:  # fmt: skip
+             api_workers: int = 1,
+             extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, list[int]]]:  # fmt: skip
     """``conveyor serve`` with Flower and its embedded Redis, as ``make serve`` runs it;
     yields (API url, the root pids of its process tree)."""
     port, flower_port, redis_port = free_ports(3)
@@ -139,6 +140,7 @@ def conveyor(subject: str, model: Path, speedup: float, log: Path, kv_transfer: 
     env.update(CONVEYOR_MODEL=str(model), CONVEYOR_SERVED_MODEL_NAME="tiny-llama",
                CONVEYOR_REDIS_PORT=str(redis_port),
                CONVEYOR_REDIS_PASSWORD=secrets.token_hex(16))  # fmt: skip
+    env.update(extra_env or {})
     args = ["--port", str(port), "--flower-port", str(flower_port),
             "--api-workers", str(api_workers)]  # fmt: skip
     want = {"generate": 1}
@@ -253,7 +255,8 @@ def measure(subject: str, args: argparse.Namespace, run: int, logs: Path) -> dic
     if subject == "dynamo":
         server = dynamo(Path(args.peer_dir), args.speedup, log)
     else:
-        server = conveyor(subject, model, args.speedup, log, args.kv_transfer, args.api_workers)
+        server = conveyor(subject, model, args.speedup, log, args.kv_transfer, args.api_workers,
+                          dict(e.split("=", 1) for e in args.env))  # fmt: skip
     with server as (url, roots):
         seed = 1000 * run  # every subject of a run gets the same prompts
         tok = model / "tokenizer.json"
@@ -314,6 +317,8 @@ def main() -> None:
     ap.add_argument("--speedup", type=float, default=1000.0)
     ap.add_argument("--kv-transfer", default="redis", help="conveyor-pd's KV transfer")
     ap.add_argument("--api-workers", type=int, default=1, help="Conveyor's API processes")
+    ap.add_argument("--env", action="append", default=[], metavar="CONVEYOR_X=VALUE",
+                    help="a setting for Conveyor's servers (repeatable)")  # fmt: skip
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", help="write every run's figures here")
     args = ap.parse_args()

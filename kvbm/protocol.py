@@ -53,6 +53,18 @@ def tokens_channel(request_id: str) -> str:
     return TOKENS_PREFIX + request_id
 
 
+def frames_key(request_id: str) -> str:
+    """STREAM: the frames of ``request_id``'s stream, kept for a client that reconnects
+    (``CONVEYOR_RESUMABLE_STREAMS``; :mod:`api.resume`). Each entry's ``f`` is a frame as
+    published; an entry ``m`` (written by the API) says the stream moved on to that stream
+    id (a migration), whose log goes on with the next frames."""
+    return f"{KEY_PREFIX}frames:{request_id}"
+
+
+FRAMES_MAXLEN = 100_000  # a request's frame log holds its frames: a cap, not a window
+FRAMES_OPEN_TTL_S = 3600  # a log whose stream never ended (its worker died) goes in an hour
+
+
 def cancelled_key(request_id: str) -> str:
     """Set when the API is done with a request: a copy the broker redelivers is skipped."""
     return f"{KEY_PREFIX}cancelled:{request_id}"

@@ -244,6 +244,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
         encoder_cache_mb=s.multimodal.encoder_cache_mb,
         encoder_max_batch=s.multimodal.encoder_max_batch,
         log_requests=s.log_requests,
+        frame_log_ttl_s=s.api.resume_ttl_s if s.api.resumable_streams else 0.0,
     )
     app = configure_app(s, extra_queues=[own_queue])
     try:

@@ -109,6 +109,24 @@ class ApiSettings(_Area):
     dispatch_attempts: int = Field(
         3, ge=1, description="Tries to start a request when its worker dies before answering."
     )
+    resumable_streams: bool = Field(
+        False,
+        description="Workers also log every frame of a stream in a Redis Stream, SSE events "
+        "carry id:, and a client that reconnects with Last-Event-ID (to any API replica) gets "
+        "the rest of a chat or completion stream, nothing lost or repeated. Costs an XADD per "
+        'frame (docs/performance.md, "Resumable streams").',
+    )
+    resume_grace_s: float = Field(
+        0.0,
+        ge=0,
+        description="With resumable_streams: how long a request keeps running after its "
+        "client disconnects, for it to reconnect; then it is cancelled. 0: at once.",
+    )
+    resume_ttl_s: float = Field(
+        300.0,
+        gt=0,
+        description="With resumable_streams: how long a finished stream's frames stay resumable.",
+    )
     migration_limit: int = Field(
         3,
         ge=0,

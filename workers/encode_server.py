@@ -42,8 +42,10 @@ log = logging.getLogger(__name__)
 class EncodeServer:
     def __init__(self, client: redis.Redis, send: Callable[[Reply], None],
                  encoder: ImageEncoder, transfer: EmbeddingTransfer, worker_id: str,
-                 max_batch: int, stats_period_s: float) -> None:  # fmt: skip
+                 max_batch: int, stats_period_s: float,
+                 frame_log_ttl_s: float = 0.0) -> None:  # fmt: skip
         self.redis = client
+        self.frame_log_ttl_s = frame_log_ttl_s
         self.send = send
         self.encoder = encoder
         self.transfer = transfer
@@ -133,7 +135,8 @@ class EncodeServer:
                 log.warning("[%s] encoding failed: %s", rid, e)
                 code = "image_unavailable" if isinstance(e, ImageUnavailable) else "encode_failed"
                 for sid in streams:  # a request of n > 1 choices: every choice's stream
-                    publish_error_frame(self.redis, sid, f"encoding failed: {e}", code, 0)
+                    publish_error_frame(self.redis, sid, f"encoding failed: {e}", code, 0,
+                                        self.frame_log_ttl_s)  # fmt: skip
                 handle = EncodeHandle(request_id=rid, encode_worker=self.worker_id,
                                       error=str(e))  # fmt: skip
                 self.send(Done([Completion(rid, "error", error=str(e), handle=handle)]))

@@ -95,6 +95,7 @@ class EngineProcSpec:
     embedding_transfer: str  # how image embeddings move between workers
     encoder_cache_mb: int  # the image embedding cache
     encoder_max_batch: int  # images per vision-tower forward on an encode worker
+    frame_log_ttl_s: float  # > 0: frames also go into their stream's log (resumable)
 
 
 @dataclass(slots=True)
@@ -365,7 +366,7 @@ def _start_engine(spec: EngineProcSpec, engine: Engine, client: redis.Redis,
                                  spec.kv_transfer_threads)  # fmt: skip
     server = _EngineServer(spec, engine, client, transfer, send, images, emb_transfer)
     publisher = (FramePublisher if spec.fastpath else StockFramePublisher)(
-        client, server.on_published
+        client, server.on_published, spec.frame_log_ttl_s
     )
     events = None
     if engine.records_kv_events:
@@ -393,7 +394,8 @@ def _start_encoder(spec: EngineProcSpec, client: redis.Redis,
     client.ping()
     encoder, transfer = _image_side(spec, client)
     server = EncodeServer(client, send, encoder, transfer, spec.worker_id,
-                          spec.encoder_max_batch, spec.stats_period_s)  # fmt: skip
+                          spec.encoder_max_batch, spec.stats_period_s,
+                          spec.frame_log_ttl_s)  # fmt: skip
     log.info("encoder process %d serving %s (embeddings via %s)", os.getpid(), spec.model_dir,
              transfer.name)  # fmt: skip
     return server

@@ -65,6 +65,7 @@ class WorkerRuntime:
         encoder_cache_mb: int,
         encoder_max_batch: int,
         log_requests: bool,
+        frame_log_ttl_s: float,
     ) -> None:
         self.pool = pool
         # a line per finished request at INFO only when asked (CONVEYOR_LOG_REQUESTS)
@@ -92,7 +93,9 @@ class WorkerRuntime:
             embedding_transfer=embedding_transfer,
             encoder_cache_mb=encoder_cache_mb,
             encoder_max_batch=encoder_max_batch,
+            frame_log_ttl_s=frame_log_ttl_s,
         )
+        self.frame_log_ttl_s = frame_log_ttl_s
         self.engine = EngineClient(spec, on_death=self._engine_died)
         self.heartbeat = Heartbeat(
             self.redis, pool, worker_id, self.load_report, heartbeat_s, worker_ttl_s
@@ -206,7 +209,7 @@ class WorkerRuntime:
     def fail(self, request_id: str, message: str, code: str, seq: int = 0) -> None:
         """End a stream with an error frame numbered ``seq`` (0: nothing was streamed;
         1: only the prefill worker's first token was)."""
-        publish_error_frame(self.redis, request_id, message, code, seq)
+        publish_error_frame(self.redis, request_id, message, code, seq, self.frame_log_ttl_s)
 
     def prefill(self, cmd: Prefill) -> PrefillHandle:
         """Prefill stage: run the prompt, stream the first token, pin the KV; returns the

@@ -2,7 +2,10 @@
 :func:`kvbm.protocol.tokens_channel`), written from the engine process.
 
 One step's frames for all requests go out in one write (pipelined ``PUBLISH`` commands,
-between ``CLIENT REPLY OFF`` and ``ON`` where the server takes them).
+between ``CLIENT REPLY OFF`` and ``ON`` where the server takes them). With a frame log
+(``log_ttl_s`` > 0: ``CONVEYOR_RESUMABLE_STREAMS``) each frame is also appended to its
+stream's log (:func:`kvbm.protocol.frames_key`, an ``XADD`` in the same write), which
+expires ``FRAMES_OPEN_TTL_S`` after its first frame and ``log_ttl_s`` after its last.
 
 :class:`FramePublisher` drives a redis-py connection below its client API
 (``connection_pool.make_connection``, ``register_connect_callback``,
@@ -23,7 +26,14 @@ from typing import TYPE_CHECKING
 import redis
 
 from cluster.resp import bulk, command_head, encode
-from kvbm.protocol import TokenFrame, Usage, tokens_channel
+from kvbm.protocol import (
+    FRAMES_MAXLEN,
+    FRAMES_OPEN_TTL_S,
+    TokenFrame,
+    Usage,
+    frames_key,
+    tokens_channel,
+)
 
 if TYPE_CHECKING:  # keep this module torch-free
     from workers.engine_api import RequestOutput
@@ -49,10 +59,33 @@ def output_frame(out: RequestOutput, seq: int) -> TokenFrame:
 
 
 def publish_error_frame(
-    client: redis.Redis, request_id: str, message: str, code: str, seq: int = 0
-) -> None:
-    """A terminal error frame from outside the engine (e.g. a stage task that failed)."""
-    client.publish(tokens_channel(request_id), TokenFrame.failure(seq, message, code).encode())
+    client: redis.Redis, request_id: str, message: str, code: str, seq: int = 0,
+    log_ttl_s: float = 0.0,
+) -> None:  # fmt: skip
+    """A terminal error frame from outside the engine (e.g. a stage task that failed); in
+    the stream's frame log too with ``log_ttl_s``."""
+    frame = TokenFrame.failure(seq, message, code).encode()
+    if not log_ttl_s:
+        client.publish(tokens_channel(request_id), frame)
+        return
+    pipe = client.pipeline(transaction=False)
+    pipe.publish(tokens_channel(request_id), frame)
+    for command in log_commands(request_id, frame, True, True, log_ttl_s):
+        pipe.execute_command(*command)
+    pipe.execute()
+
+
+def log_commands(request_id: str, frame: bytes, first: bool, last: bool,
+                 ttl_s: float) -> list[tuple]:  # fmt: skip
+    """The commands that append ``frame`` to its stream's log (and set the log's TTL: an
+    hour from its first frame, ``ttl_s`` from its last)."""
+    key = frames_key(request_id)
+    out: list[tuple] = [("XADD", key, "MAXLEN", "~", FRAMES_MAXLEN, "*", "f", frame)]
+    if last:
+        out.append(("EXPIRE", key, max(1, int(ttl_s))))
+    elif first:
+        out.append(("EXPIRE", key, FRAMES_OPEN_TTL_S))
+    return out
 
 
 def _publish_head(request_id: str) -> bytes:
@@ -108,10 +141,12 @@ class FramePublisher:
         self,
         client: redis.Redis,
         on_published: Callable[[list[RequestOutput]], None] | None = None,
+        log_ttl_s: float = 0.0,
     ) -> None:
         # a dedicated connection (auth, TLS, unix sockets as the client's pool has them)
         self._conn = client.connection_pool.make_connection()
         self._on_published = on_published
+        self.log_ttl_s = log_ttl_s  # > 0: frames also go into their stream's log
         # per open stream: [its next frame's seq, its PUBLISH command's head]
         self._streams: dict[str, list] = {}
         self._lock = threading.Lock()
@@ -136,11 +171,18 @@ class FramePublisher:
         try:
             with self._lock:
                 items = []
+                logs: list[tuple] = []
                 for out in outputs:
                     # a prefill worker's part of a stream ends with its first frame
-                    seq, head = self._next(out.request_id, out.finished or out.prefilled)
-                    items.append((head, output_frame(out, seq).encode()))
-                if self._send_frames(items):
+                    ends = out.finished or out.prefilled
+                    first = out.request_id not in self._streams
+                    seq, head = self._next(out.request_id, ends)
+                    frame = output_frame(out, seq).encode()
+                    items.append((head, frame))
+                    if self.log_ttl_s:
+                        logs += log_commands(out.request_id, frame, first, out.finished,
+                                             self.log_ttl_s)  # fmt: skip
+                if self._send_frames(items, logs):
                     self.frames_published += len(outputs)
         finally:
             if self._on_published is not None:
@@ -149,10 +191,15 @@ class FramePublisher:
                 except Exception:  # noqa: BLE001
                     log.exception("on_published callback failed")
 
-    def _send_frames(self, items: list[tuple[bytes, bytes]]) -> bool:
-        """Write one step's frames (each its stream's PUBLISH head and its JSON); False if
-        they were dropped (the API notices the gap or times out)."""
+    def _send_frames(
+        self, items: list[tuple[bytes, bytes]], logs: list[tuple] | None = None
+    ) -> bool:
+        """Write one step's frames (each its stream's PUBLISH head and its JSON) and the
+        commands that log them; False if they were dropped (the API notices the gap or
+        times out)."""
         parts = [head + bulk(frame) for head, frame in items]
+        if logs:
+            parts += [encode([c]) for c in logs]
         self._check_idle()
         if not self._connected and not self._connect(len(parts)):
             return False
@@ -336,9 +383,11 @@ class StockFramePublisher(FramePublisher):
         self,
         client: redis.Redis,
         on_published: Callable[[list[RequestOutput]], None] | None = None,
+        log_ttl_s: float = 0.0,
     ) -> None:
         self._r = client
         self._on_published = on_published
+        self.log_ttl_s = log_ttl_s
         self._streams = {}
         self._lock = threading.Lock()
         self._owed = deque()
@@ -349,10 +398,14 @@ class StockFramePublisher(FramePublisher):
     def _head(self, request_id: str) -> bytes:
         return tokens_channel(request_id).encode()
 
-    def _send_frames(self, items: list[tuple[bytes, bytes]]) -> bool:
+    def _send_frames(
+        self, items: list[tuple[bytes, bytes]], logs: list[tuple] | None = None
+    ) -> bool:
         pipe = self._r.pipeline(transaction=False)
         for channel, frame in items:
             pipe.publish(channel, frame)
+        for command in logs or ():
+            pipe.execute_command(*command)
         try:
             pipe.execute()
         except redis.RedisError as e:

@@ -47,7 +47,15 @@ served_model_name tool_call_parser torch_threads transfer_timeout_s worker_concu
 worker_id worker_max_requests worker_nice worker_ttl_s workers
 """.split()
 # read outside Settings before (workers/paged_kernel.py), a setting now under its old name
-NEW_NAMES = ["api_workers", "kernel_dir", "log_requests", "tenant_tokens_per_min"]
+NEW_NAMES = [
+    "api_workers",
+    "kernel_dir",
+    "log_requests",
+    "resumable_streams",
+    "resume_grace_s",
+    "resume_ttl_s",
+    "tenant_tokens_per_min",
+]
 
 
 def _other_value(f: FieldInfo) -> tuple[str, Any]:
