@@ -131,8 +131,8 @@ def cpu_by_role(before: dict[int, float], after: dict[int, float],
 # --------------------------------------------------------------------------------------
 @contextmanager
 def conveyor(subject: str, model: Path, speedup: float, log: Path, kv_transfer: str,
-             api_workers: int = 1,
-             extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, list[int]]]:  # fmt: skip
+             api_workers: int = 1, extra_env: dict[str, str] | None = None,
+             ) -> Iterator[tuple[str, list[int]]]:  # fmt: skip
     """``conveyor serve`` with Flower and its embedded Redis, as ``make serve`` runs it;
     yields (API url, the root pids of its process tree)."""
     port, flower_port, redis_port = free_ports(3)
