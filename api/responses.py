@@ -8,7 +8,8 @@ A ``POST /v1/responses`` body is turned into the :class:`ChatCompletionRequest` 
 ``tool_choice`` in chat's shape; ``text.format`` as ``response_format``;
 ``max_output_tokens`` as ``max_tokens``. From there it runs exactly as a chat request does
 (prompt, sampling, tool constraint, runner). Nothing is stored: ``store`` is accepted and
-ignored (vLLM's default), ``previous_response_id`` and ``background`` are refused.
+ignored (vLLM's default), ``previous_response_id`` is refused; ``background`` is the
+route's (:mod:`api.routes_responses`: it needs the frame log).
 
 The output goes through the same tool parser a chat request's does; :class:`OutputItems`
 turns its events into output items (a ``message`` with one ``output_text`` part, then
@@ -69,7 +70,6 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     refused = [
         (req.previous_response_id is not None, "previous_response_id", STATELESS),
         (req.conversation is not None, "conversation", STATELESS),
-        (bool(req.background), "background", "background responses are not supported"),
         (bool(req.include), "include", "include is not supported (no extra output data)"),
         (
             req.truncation not in (None, "disabled"),
@@ -122,9 +122,12 @@ class OutputItems:
 
     One ``message`` item holds the content (it opens at the first text; an output with
     neither text nor calls still has one, empty); each call is a ``function_call`` item
-    after it. Items close in order: a call's start closes the message."""
+    after it. Items close in order: a call's start closes the message. Item ids are the
+    response's (``id_base``) and their place: the same frames give the same events, so a
+    background response's stream can be read again from its frame log."""
 
-    def __init__(self) -> None:
+    def __init__(self, id_base: str | None = None) -> None:
+        self._id_base = id_base if id_base is not None else secrets.token_hex(8)
         self.output: list[dict] = []
         self._open: dict | None = None  # the item still streaming
         self._calls: dict[int, dict] = {}  # call index -> its item
@@ -143,7 +146,7 @@ class OutputItems:
             elif isinstance(ev, CallStart):
                 self._close(out)
                 item = {
-                    "id": "fc_" + secrets.token_hex(12),
+                    "id": f"fc_{self._id_base}_{len(self.output)}",
                     "type": "function_call",
                     "status": "in_progress",
                     "call_id": ev.id,
@@ -186,7 +189,7 @@ class OutputItems:
             return self._open
         self._close(out)
         msg: dict[str, Any] = {
-            "id": "msg_" + secrets.token_hex(12),
+            "id": f"msg_{self._id_base}_{len(self.output)}",
             "type": "message",
             "status": "in_progress",
             "role": "assistant",

@@ -98,18 +98,31 @@ class FrameLogReader:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StreamTimeout(f"no frame in {self._timeout_s:.0f} s")
-            reply = await self._r.xread({self._key: self._pos}, count=256,
-                                        block=int(min(left, BLOCK_MS / 1000) * 1000))  # fmt: skip
-            for _, entries in cast("list[tuple[bytes, list[tuple[bytes, dict]]]]", reply or ()):
-                for entry_id, fields in entries:
-                    f = {_str(k): v for k, v in fields.items()}
-                    if "m" in f:  # moved on: the rest is in the new stream's log
-                        self._key, self._pos = frames_key(_str(f["m"])), "0-0"
-                        break
-                    self._pos = _str(entry_id)
-                    self._take(f)
+            block = int(min(left, BLOCK_MS / 1000) * 1000)
+            self._ingest(await self._r.xread({self._key: self._pos}, count=256, block=block))
         out, self._ready = self._ready, []
         return out
+
+    async def available(self) -> list[TokenFrame]:
+        """The frames written so far, without waiting."""
+        while not self.done:
+            if not self._ingest(await self._r.xread({self._key: self._pos}, count=1024)):
+                break
+        out, self._ready = self._ready, []
+        return out
+
+    def _ingest(self, reply: object) -> bool:
+        """Take a read's entries (up to a move, which switches logs); whether it had any."""
+        entries = [e for _, es in cast("list[tuple[bytes, list[tuple[bytes, dict]]]]",
+                                       reply or ()) for e in es]  # fmt: skip
+        for entry_id, fields in entries:
+            f = {_str(k): v for k, v in fields.items()}
+            if "m" in f:  # moved on: the rest is in the new stream's log
+                self._key, self._pos = frames_key(_str(f["m"])), "0-0"
+                break
+            self._pos = _str(entry_id)
+            self._take(f)
+        return bool(entries)
 
     def _take(self, f: dict) -> None:
         if self.done:

@@ -9,28 +9,54 @@ the Responses stream (``event:`` + ``data:`` lines, each event with its
 and ``response.completed`` — also when the output stopped at ``max_output_tokens``, with
 ``status: "incomplete"`` in the response, as vLLM ends its streams — or, after an error
 mid-stream, ``error`` then ``response.failed``.
+
+**Background responses** (``background: true``; they need ``CONVEYOR_RESUMABLE_STREAMS``,
+whose frame log they are read from): the API that accepts one answers at once (or streams
+it from the log) and reads it to its end in a task of its own, then stores the final
+Response in Redis (:func:`response_key`). ``GET /v1/responses/{id}`` answers from there on
+any replica, or, while it runs (or if the API that accepted it died), by reading its frame
+log through the same formatter: events are made one frame at a time and item ids come from
+the response id, so the same frames always give the same events and sequence numbers, and
+``?stream=true&starting_after=N`` sends those after N, then follows the log live.
+``POST /v1/responses/{id}/cancel`` cancels it on its worker wherever it runs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.errors import OpenAIError
+from api.errors import OpenAIError, bad_request
 from api.protocol import unsupported
 from api.responses import OutputItems, ResponsesRequest, chat_request, created_now, response_body
+from api.resume import FrameLogReader
 from api.routes_openai import chat_prompt, collect, end_request, start
 from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
 from api.tool_parsers import Event, Text, ToolParser
 from api.tools import tool_plan
-from kvbm.protocol import TokenFrame
+from cluster.keys import KEY_PREFIX
+from kvbm.protocol import CANCEL_CHANNEL, TokenFrame, cancelled_key, frames_key
 
 router = APIRouter()
+log = logging.getLogger(__name__)
+
+BACKGROUND_TTL_S = 24 * 3600  # a background response's record, from its start
+
+
+def response_key(response_id: str) -> str:
+    """HASH: a background response: its request (``body``), the stream whose frame log
+    holds it (``log``), ``created``, ``cancelled``, and once it ended its ``final`` Response."""
+    return f"{KEY_PREFIX}response:{response_id}"
 
 
 @router.post("/v1/responses")
@@ -38,6 +64,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
     check_model(st, body.model)
+    if body.background and not st.settings.api.resumable_streams:
+        raise bad_request("background responses need the frame log: set "
+                          "CONVEYOR_RESUMABLE_STREAMS=true", "background",
+                          "unsupported_parameter")  # fmt: skip
     req = chat_request(body)
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
@@ -47,6 +77,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan
     )
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
+    if body.background:
+        return await _background(st, body, run, out, started)
     if body.stream:
         return SSEResponse(_stream(st, run, out, started), ping=15, headers={"x-request-id": rid})
     return await _collect(st, run, out, started)
@@ -63,17 +95,26 @@ class _Output:
         self.model = st.settings.model_name
         self.created = created_now()
         self.parser = parser
-        self.items = OutputItems()
+        self.items = OutputItems(self.id.removeprefix("resp_"))
+        self.cancelled = False  # a background response cancelled by request
+        self.final: dict | None = None  # the Response once the stream ended
 
     def feed(self, text: str) -> list[dict]:
         parsed: list[Event] = self.parser.feed(text) if self.parser else [Text(text)]
         return self.items.events(parsed)
+
+    def feed_frames(self, frames: list[TokenFrame]) -> list[dict]:
+        """The events of ``frames``, one frame at a time: the same for the same frames
+        however they were batched (a background response's stream, read again)."""
+        return [ev for f in frames if f.text for ev in self.feed(f.text)]
 
     def finish(self, last: TokenFrame) -> list[dict]:
         events = self.items.events(self.parser.finish()) if self.parser else []
         return events + self.items.finish(self.status(last))
 
     def status(self, last: TokenFrame) -> str:
+        if self.cancelled and last.finish_reason == "abort":
+            return "cancelled"
         return "incomplete" if last.finish_reason == "length" else "completed"
 
     def response(self, status: str, last: TokenFrame | None) -> dict:
@@ -88,49 +129,204 @@ def _sse(event: dict) -> bytes:
     return f"event: {event['type']}\r\ndata: {json_line(event)}\r\n\r\n".encode()
 
 
+async def _events(
+    st: ApiState, out: _Output, batches: AsyncIterator[list[TokenFrame]],
+    cancelled: Callable[[], Awaitable[bool]] | None = None,
+) -> AsyncIterator[list[dict]]:  # fmt: skip
+    """The stream's events, a list per batch of frames: ``response.created`` and
+    ``response.in_progress``, the items', then ``response.completed`` (``out.final`` is
+    then the Response) or ``error`` + ``response.failed``. ``cancelled``: whether a
+    background response's cancel was asked for (an aborted stream then ends cancelled)."""
+    items = out.items
+    head = out.response("in_progress", None)
+    yield [items.event("response.created", response=head),
+           items.event("response.in_progress", response=head)]  # fmt: skip
+    async for batch in batches:
+        last = batch[-1]
+        failed = last.error is not None
+        events = out.feed_frames(batch[:-1] if failed else batch)
+        if failed:
+            yield events + _failed_events(out, frame_error(last))
+            return
+        if last.done:
+            if cancelled is not None and last.finish_reason == "abort":
+                out.cancelled = await cancelled()
+            status = out.status(last)
+            events += out.finish(last)
+            st.metrics.finish.labels(last.finish_reason or "unknown").inc()
+            out.final = out.response(status, last)
+            events.append(items.event("response.completed", response=out.final))
+        if events:
+            yield events
+        if last.done:
+            return
+
+
 async def _stream(
     st: ApiState, run: RunningRequest, out: _Output, started: float
 ) -> AsyncIterator[bytes]:
-    items = out.items
     try:
-        head = out.response("in_progress", None)
-        yield _sse(items.event("response.created", response=head)) + _sse(
-            items.event("response.in_progress", response=head)
-        )
-        async for batch in st.runner.batches(run):
-            last = batch[-1]
-            failed = last.error is not None
-            text = "".join(f.text for f in (batch[:-1] if failed else batch))
-            events = out.feed(text) if text else []
-            if failed:
-                err = frame_error(last)
-                yield b"".join(map(_sse, events)) + _failed(out, err)
-                return
-            if last.done:
-                status = out.status(last)
-                events += out.finish(last)
-                st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-                events.append(
-                    items.event("response.completed", response=out.response(status, last))
-                )
-            if events:
-                yield b"".join(map(_sse, events))
-            if last.done:
-                return
+        async for events in _events(st, out, st.runner.batches(run)):
+            yield b"".join(map(_sse, events))
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
-        yield _failed(out, stream_failed(e, run.request_id))
+        yield b"".join(map(_sse, _failed_events(out, stream_failed(e, run.request_id))))
     finally:
         end_request(st, [run], started)
 
 
-def _failed(out: _Output, err: OpenAIError) -> bytes:
+def _failed_events(out: _Output, err: OpenAIError) -> list[dict]:
     """``error`` then ``response.failed`` (the response so far, with the error)."""
     items = out.items
     failed = out.response("failed", None)
     failed["error"] = {"code": err.code or "server_error", "message": err.message}
-    return _sse(items.event("error", code=err.code, message=err.message, param=err.param)) + _sse(
-        items.event("response.failed", response=failed)
-    )
+    out.final = failed
+    return [items.event("error", code=err.code, message=err.message, param=err.param),
+            items.event("response.failed", response=failed)]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------
+# Background responses
+# --------------------------------------------------------------------------------------
+async def _background(st: ApiState, body: ResponsesRequest, run: RunningRequest, out: _Output,
+                      started: float) -> Response:  # fmt: skip
+    """Record a background response, read it to its end here in a task of its own, and
+    answer at once: the Response in progress, or its stream (from its frame log)."""
+    key = response_key(out.id)
+    record: dict[Any, Any] = {"body": body.model_dump_json(), "log": run.request_id,
+                                    "created": out.created, "cancelled": 0}  # fmt: skip
+    pipe = st.redis.pipeline(transaction=False)
+    pipe.hset(key, mapping=record)
+    pipe.expire(key, BACKGROUND_TTL_S)
+    await pipe.execute()
+    head = out.response("in_progress", None) | {"background": True}
+    task = asyncio.get_running_loop().create_task(_relay(st, run, out, started, key))
+    st.runner.hold(task)
+    if body.stream:
+        rec = {k: str(v) for k, v in record.items()}
+        return SSEResponse(_from_log(st, out.id, rec, -1), ping=15,
+                           headers={"x-request-id": out.id})  # fmt: skip
+    return JSONResponse(head, headers={"x-request-id": out.id})
+
+
+async def _relay(st: ApiState, run: RunningRequest, out: _Output, started: float,
+                 key: str) -> None:  # fmt: skip
+    """Read a background response to its end (its load, migrations and cancel stay with
+    this API) and store the final Response."""
+    try:
+        async for _ in _events(st, out, st.runner.batches(run), partial(_cancelled, st, key)):
+            pass
+    except Exception as e:  # noqa: BLE001 - the response fails, the API goes on
+        _failed_events(out, stream_failed(e, run.request_id))
+    finally:
+        end_request(st, [run], started)
+    await _store_final(st, key, out)
+
+
+async def _store_final(st: ApiState, key: str, out: _Output) -> None:
+    if out.final is None:
+        return
+    try:
+        pipe = st.redis.pipeline(transaction=False)
+        pipe.hset(key, "final", json.dumps(out.final | {"background": True}))
+        pipe.expire(key, BACKGROUND_TTL_S)
+        await pipe.execute()
+    except Exception as e:  # noqa: BLE001 - a GET rebuilds it from the frame log
+        log.warning("[%s] could not store the final response: %s", out.id, e)
+
+
+async def _cancelled(st: ApiState, key: str) -> bool:
+    return await st.redis.hget(key, "cancelled") in (b"1", "1")
+
+
+async def _record(st: ApiState, response_id: str) -> dict[str, str]:
+    raw = await st.redis.hgetall(response_key(response_id)) if response_id.startswith(
+        "resp_") else {}  # fmt: skip
+    if not raw:
+        raise OpenAIError(404, f"No response found with id '{response_id}'.",
+                          "invalid_request_error", "response_id", "not_found")  # fmt: skip
+    return {_s(k): _s(v) for k, v in raw.items()}
+
+
+def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
+    """A background response's formatter, as the API that accepted it made it."""
+    body = ResponsesRequest.model_validate_json(rec["body"])
+    plan = tool_plan(chat_request(body.model_copy(update={"background": False})),
+                     st.tool_parser)  # fmt: skip
+    rid = "resp-" + response_id.removeprefix("resp_")
+    out = _Output(st, body, rid, plan.parser() if plan is not None else None)
+    out.created = int(rec["created"])
+    return out
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request, stream: bool = False,
+                       starting_after: int = -1) -> Response:  # fmt: skip
+    """A background response: its status and output (any replica); with ``stream=true``
+    its events after ``starting_after``, then live to its end."""
+    st = api_state(request)
+    rec = await _record(st, response_id)
+    if stream:
+        if not await st.redis.exists(frames_key(rec["log"])):
+            raise OpenAIError(404, f"the stream of response '{response_id}' is no longer "
+                              "kept; GET it without stream", "invalid_request_error",
+                              "stream", "not_found")  # fmt: skip
+        return SSEResponse(_from_log(st, response_id, rec, starting_after), ping=15,
+                           headers={"x-request-id": response_id})  # fmt: skip
+    if "final" in rec:
+        return JSONResponse(json.loads(rec["final"]))
+    out = _rebuilt(st, response_id, rec)
+    frames = await FrameLogReader(st.redis, rec["log"], 0).available()
+    if frames:
+
+        async def once() -> AsyncIterator[list[TokenFrame]]:
+            yield frames
+
+        async for _ in _events(st, out, once(), partial(_cancelled, st, response_key(out.id))):
+            pass
+    if out.final is not None:  # ended, and nobody stored it (its API died): store it now
+        await _store_final(st, response_key(out.id), out)
+        return JSONResponse(out.final | {"background": True})
+    return JSONResponse(out.response("in_progress", None) | {"background": True})
+
+
+async def _from_log(st: ApiState, response_id: str, rec: dict[str, str],
+                    after: int) -> AsyncIterator[bytes]:  # fmt: skip
+    """A background response's events numbered after ``after``, from its frame log."""
+    out = _rebuilt(st, response_id, rec)
+    reader = FrameLogReader(st.redis, rec["log"], st.settings.api.frame_timeout_s)
+
+    async def batches() -> AsyncIterator[list[TokenFrame]]:
+        while not reader.done:
+            yield await reader.read()
+
+    try:
+        async for events in _events(st, out, batches(), partial(_cancelled, st,
+                                                                response_key(out.id))):  # fmt: skip
+            if sel := [e for e in events if e["sequence_number"] > after]:
+                yield b"".join(map(_sse, sel))
+    except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
+        yield b"".join(map(_sse, _failed_events(out, stream_failed(e, response_id))))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, request: Request) -> Response:
+    """Cancel a background response wherever it runs; the Response as it stands."""
+    st = api_state(request)
+    rec = await _record(st, response_id)
+    if "final" in rec:
+        return JSONResponse(json.loads(rec["final"]))
+    log_id = rec["log"]
+    pipe = st.redis.pipeline(transaction=False)
+    pipe.hset(response_key(response_id), "cancelled", 1)
+    pipe.set(cancelled_key(log_id), 1, ex=BACKGROUND_TTL_S)
+    pipe.publish(CANCEL_CHANNEL, log_id)
+    await pipe.execute()
+    out = _rebuilt(st, response_id, rec)
+    return JSONResponse(out.response("cancelled", None) | {"background": True})
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 async def _collect(st: ApiState, run: RunningRequest, out: _Output, started: float) -> Response:

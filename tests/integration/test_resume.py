@@ -221,3 +221,80 @@ def test_the_log_reader_follows_a_migration_and_drops_a_lost_attempt_s_frames(
     assert asyncio.run(read(1)) == [[(0, "t0"), (1, "t1")], [(2, "t2")], [(3, "t3"), (4, "t4")]]
     flat = [f for batch in asyncio.run(read(-1)) for f in batch]
     assert flat == [(0, "t0"), (1, "t1"), (2, "t2"), (3, "t3"), (4, "t4")]
+
+
+# --------------------------------------------------------------------------------------
+# Background responses
+# --------------------------------------------------------------------------------------
+def _responses(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+
+
+def _ask(max_output_tokens: int = MAX_TOKENS) -> dict:
+    return {"input": "Tell me about rivers.", "max_output_tokens": max_output_tokens,
+            "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+
+
+def _until_done(client: openai.OpenAI, rid: str, timeout: float = 30) -> object:
+    t0 = time.monotonic()
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status not in ("queued", "in_progress"):
+            return r
+        assert time.monotonic() - t0 < timeout, f"{rid} still {r.status}"
+        time.sleep(0.1)
+
+
+def test_a_background_response_survives_its_api_and_is_read_on_another(
+    deployment: tuple[Proc, str, Proc, str, Proc], tiny_model_dir: Path
+) -> None:
+    api1, url1, _, url2, _ = deployment
+    model = tiny_model_dir.name
+    want = _responses(url2).responses.create(model=model, **_ask())  # type: ignore[arg-type]
+    assert want.status == "incomplete" and want.output_text  # it hit max_output_tokens
+    bg = _responses(url1).responses.create(model=model, background=True, **_ask())  # type: ignore[arg-type]
+    assert bg.status == "in_progress" and bg.background
+    api1.popen.send_signal(signal.SIGKILL)  # the API that accepted it dies at once
+    api1.popen.wait(10)
+    done = _until_done(_responses(url2), bg.id)
+    assert done.status == "incomplete" and done.output_text == want.output_text  # type: ignore[attr-defined]
+    assert done.usage.output_tokens == MAX_TOKENS  # type: ignore[attr-defined]
+    again = _responses(url2).responses.retrieve(bg.id)  # stored now: the same answer
+    assert again.output_text == want.output_text and again.id == bg.id
+
+
+def test_a_background_stream_is_read_again_after_an_event_number(
+    deployment: tuple[Proc, str, Proc, str, Proc], tiny_model_dir: Path
+) -> None:
+    _, url1, _, url2, _ = deployment
+    model = tiny_model_dir.name
+    first, events = [], _responses(url2).responses.create(
+        model=model, background=True, stream=True, **_ask())  # type: ignore[arg-type]  # fmt: skip
+    for ev in events:  # a few events, then the client goes away
+        first.append(ev)
+        if len(first) >= 8:
+            break
+    events.close()
+    rid = first[0].response.id  # type: ignore[union-attr]
+    n = first[-1].sequence_number
+    rest = list(_responses(url1).responses.retrieve(rid, stream=True, starting_after=n))
+    seqs = [e.sequence_number for e in first + rest]
+    assert seqs == list(range(len(seqs))), seqs  # nothing lost or repeated, across APIs
+    assert rest[-1].type == "response.completed"
+    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert text == rest[-1].response.output_text  # type: ignore[union-attr]
+    assert _responses(url1).responses.retrieve(rid).output_text == text
+
+
+def test_a_background_response_is_cancelled_from_any_api(
+    deployment: tuple[Proc, str, Proc, str, Proc], tiny_model_dir: Path
+) -> None:
+    _, url1, _, url2, _ = deployment
+    bg = _responses(url1).responses.create(model=tiny_model_dir.name, background=True,
+                                           **_ask(400))  # type: ignore[arg-type]  # fmt: skip
+    assert _responses(url2).responses.cancel(bg.id).status == "cancelled"
+    done = _until_done(_responses(url2), bg.id)
+    assert done.status == "cancelled"
+    assert 0 < done.usage.output_tokens < 400  # type: ignore[attr-defined]
+    with pytest.raises(openai.NotFoundError):
+        _responses(url2).responses.retrieve("resp_00000000000000000000000000000000")

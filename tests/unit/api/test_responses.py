@@ -113,7 +113,6 @@ def test_input_items_become_chat_messages() -> None:
     ("patch", "param"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"background": True}, "background"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
         (
