@@ -230,6 +230,18 @@ def test_embeddings_are_refused_on_vllm(vllm_cluster: Cluster) -> None:
     assert e.value.code == "unsupported_parameter"
 
 
+def test_a_priority_needs_vllms_priority_policy(vllm_cluster: Cluster) -> None:
+    """vLLM runs first come, first served unless told otherwise: a priority other than 0
+    is a 400 naming the setting; 0 (the default) runs, and reaches vLLM's generate."""
+    c, name = vllm_cluster.client(), vllm_cluster.model_name
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=name, prompt="Hi", max_tokens=2, extra_body={"priority": 3})
+    assert e.value.code == "unsupported_parameter" and e.value.param == "priority"
+    assert "SCHEDULING_POLICY=priority" in e.value.message
+    out = c.completions.create(model=name, prompt="Hi", max_tokens=2, extra_body={"priority": 0})
+    assert out.usage.completion_tokens == 2
+
+
 # ---------------------------------------------------------------------------- shapes
 def _paths(v: object, at: str = "") -> set[str]:
     """Every field of ``v`` with its type, as ``path: type`` (a list's elements under
