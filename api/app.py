@@ -26,7 +26,14 @@ from contextlib import asynccontextmanager
 import redis.asyncio as aioredis
 from fastapi import FastAPI
 
-from api import routes_embeddings, routes_openai, routes_ops, routes_responses, routes_tokenize
+from api import (
+    routes_batches,
+    routes_embeddings,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+    routes_tokenize,
+)
 from api.admission import ClientLimitMiddleware
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
@@ -112,5 +119,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_responses.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_tokenize.router)
+    app.include_router(routes_batches.router)
     app.include_router(routes_ops.router)
     return app

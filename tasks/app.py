@@ -18,7 +18,7 @@ from kombu import Exchange, Queue
 from cluster.queues import pool_queue
 from tasks.settings import Settings, get_settings
 
-app = Celery("conveyor", include=["tasks.stages"])
+app = Celery("conveyor", include=["tasks.stages", "tasks.batches"])
 
 
 def queue(name: str) -> Queue:

@@ -298,6 +298,43 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
 
 
 # ----------------------------------------------------------------------------------------
+# conveyor batch-runner
+# ----------------------------------------------------------------------------------------
+@main.command("batch-runner")
+@click.option("--concurrency", type=int, default=2, show_default=True,
+              help="Batches run at once (each: CONVEYOR_BATCH_MAX_IN_FLIGHT)")  # fmt: skip
+@_redis_opt
+def batch_runner(concurrency: int, **kw: Any) -> None:
+    """Run the Batch API's jobs: a Celery worker of the batch queue that sends each batch's
+    requests to the API below online traffic (tasks/batches.py)."""
+    import socket
+    import threading
+
+    import redis
+    from celery.signals import worker_shutting_down
+
+    from tasks.app import configure as configure_app
+    from tasks.batches import BATCH_QUEUE, heartbeat, on_worker_stopping
+
+    s = configure(**kw)
+    app = configure_app(s, extra_queues=[BATCH_QUEUE])
+    worker_shutting_down.connect(on_worker_stopping, weak=False)
+    name = f"batch-{os.getpid()}@{socket.gethostname()}"
+    done = threading.Event()
+    client = redis.Redis.from_url(s.effective_redis_url)
+    beat = threading.Thread(target=heartbeat, args=(client, name, done), daemon=True)
+    beat.start()  # the API takes batches only while a runner is live
+    try:
+        app.worker_main(["worker", "--queues", BATCH_QUEUE, "--hostname", name, "--pool",
+                         "threads", "--concurrency", str(concurrency), "--task-events",
+                         "--without-gossip", "--without-mingle", "--loglevel",
+                         click.get_current_context().obj["log_level"]])  # fmt: skip
+    finally:
+        done.set()
+        beat.join(5)
+
+
+# ----------------------------------------------------------------------------------------
 # conveyor api
 # ----------------------------------------------------------------------------------------
 @main.command()

@@ -573,6 +573,43 @@ class ServeSettings(_Area):
         return self.workers if own is None else own
 
 
+class BatchSettings(_Area):
+    """The Files and Batch APIs (api/routes_batches.py, tasks/batches.py)."""
+
+    files_dir: UserPath = Field(
+        Path.home() / ".cache" / "conveyor" / "files",
+        description="Where uploaded files and batch outputs live (one directory behind "
+        "tasks.files.FileStore; API replicas on several hosts need it shared).",
+    )
+    max_in_flight: int = _flat(
+        "batch_max_in_flight",
+        8,
+        ge=1,
+        description="Requests of one batch in flight at once.",
+    )
+    load_threshold: float = _flat(
+        "batch_load_threshold",
+        0.5,
+        gt=0,
+        le=1,
+        description="A batch request is sent only while its pool's workers hold fewer than "
+        "this share of their request cap (running and queued, every API replica's): online "
+        "requests go first.",
+    )
+    priority: int = _flat(
+        "batch_priority",
+        100,
+        description="The priority a batch request runs at when its line sets none (vLLM's: "
+        "lower first; online requests default to 0).",
+    )
+    api_url: str | None = _flat(
+        "batch_api_url",
+        None,
+        description="Where the batch runner sends a batch's requests; default: this host's "
+        "API (host and port settings).",
+    )
+
+
 AREAS: dict[str, type[_Area]] = {
     "api": ApiSettings,
     "admission": AdmissionSettings,
@@ -583,6 +620,7 @@ AREAS: dict[str, type[_Area]] = {
     "transfer": TransferSettings,
     "multimodal": MultimodalSettings,
     "serve": ServeSettings,
+    "batch": BatchSettings,
 }
 
 
@@ -720,6 +758,7 @@ class Settings(BaseSettings):
         default_factory=MultimodalSettings, description="Images."
     )
     serve: ServeSettings = Field(default_factory=ServeSettings, description="conveyor serve.")
+    batch: BatchSettings = Field(default_factory=BatchSettings, description="Files and batches.")
 
     @classmethod
     def settings_customise_sources(

@@ -138,6 +138,7 @@ class Supervisor:
                 for i in range(self.s.serve.workers_in(pool)):
                     self._add(f"worker-{pool}-{i}", [*me, "worker", "--pool", pool], env)
             self._add("api", [*me, "api"], env)
+            self._add("batch-runner", [*me, "batch-runner"], env)
             if self.flower:
                 self._add("flower", [*me, "flower", "--port", str(self.s.api.flower_port)], env)
             log.info(

@@ -1,0 +1,317 @@
+"""The Batch API's jobs: OpenAI's JSONL batches run as a Celery task on a queue of their
+own (``batch``), below online traffic.
+
+A batch's record is a Redis hash (:func:`batch_key`): ``b``, the Batch object as JSON, and
+``cancel`` once a cancel was asked for. Each request's answer goes into a hash of its own as
+it comes (:func:`results_key`: ``custom_id`` -> the output or error line), so a batch that
+stops half-way (a cancel, a restart of the runner) goes on later from where it was, and no
+request runs twice once its answer is in: the output file, written at the end in the
+input's order from those hashes, holds each request exactly once.
+
+The runner (:func:`run_batch`, in ``conveyor batch-runner``, a Celery worker of the
+``batch`` queue that ``conveyor serve`` starts) sends each line to the API over HTTP,
+exactly as a client would (templates, admission, routing and the stream all apply), at
+``CONVEYOR_BATCH_PRIORITY`` (vLLM's priority: online requests, at 0, go first in the
+admission wait and the engines' queues), at most ``CONVEYOR_BATCH_MAX_IN_FLIGHT`` at a
+time, and only while every pool of the deployment holds less than
+``CONVEYOR_BATCH_LOAD_THRESHOLD`` of its workers' request cap (every API replica's
+requests, from the routers' shared counts): a batch never takes the room online requests
+need. A runner told to stop (its worker's warm shutdown) lets the requests in flight end,
+sends the batch's task again and returns: the next runner carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import httpx
+import redis
+from celery import Task
+
+from cluster.keys import KEY_PREFIX, alive_key, load_key
+from tasks.app import app, queue
+from tasks.files import DirFileStore, FileStore
+from tasks.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+BATCH_QUEUE = "batch"
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+WINDOWS = {"24h": 24 * 3600}
+RECORD_TTL_S = 30 * 24 * 3600  # a batch's record and answers, after its creation
+POLL_S = 0.05  # the runner looks at the pools' load this often while they are busy
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+# set by the batch worker's warm shutdown: runners stop sending and hand their batch on
+stopping = threading.Event()
+
+
+def batch_key(batch_id: str) -> str:
+    return f"{KEY_PREFIX}batch:{batch_id}"
+
+
+def results_key(batch_id: str, kind: str) -> str:
+    """HASH custom_id -> output line (``kind`` ``out``) or error line (``err``)."""
+    return f"{KEY_PREFIX}batch:{batch_id}:{kind}"
+
+
+def batches_key() -> str:
+    """ZSET batch id -> created_at: every batch, for listing."""
+    return f"{KEY_PREFIX}batches"
+
+
+def runners_key() -> str:
+    """ZSET batch runner -> when its heartbeat lapses (ms): the API takes batches only while
+    one is live."""
+    return f"{KEY_PREFIX}batch-runners"
+
+
+RUNNER_TTL_S = 10.0
+
+
+def heartbeat(r: redis.Redis, runner_id: str, stop: threading.Event) -> None:
+    """Keep ``runner_id`` live every few seconds until ``stop`` (a thread's loop)."""
+    while True:
+        try:
+            r.zadd(runners_key(), {runner_id: int((time.time() + RUNNER_TTL_S) * 1000)})
+        except redis.RedisError as e:
+            log.warning("batch runner heartbeat failed: %s", e)
+        if stop.wait(RUNNER_TTL_S / 3):
+            r.zrem(runners_key(), runner_id)
+            return
+
+
+class InvalidInput(ValueError):
+    def __init__(self, message: str, line: int | None = None) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+def parse_input(data: bytes, endpoint: str) -> list[dict]:
+    """A batch's input file: one request per line (``custom_id``, ``method`` POST, ``url``
+    the batch's endpoint, ``body``), custom ids unique. :class:`InvalidInput` names the
+    first bad line."""
+    out, seen = [], set()
+    for n, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except ValueError as e:
+            raise InvalidInput(f"line {n} is not JSON: {e}", n) from None
+        if not isinstance(line, dict):
+            raise InvalidInput(f"line {n} is not a JSON object", n)
+        cid = line.get("custom_id")
+        if not isinstance(cid, str) or not cid:
+            raise InvalidInput(f"line {n}: custom_id must be a non-empty string", n)
+        if cid in seen:
+            raise InvalidInput(f"line {n}: custom_id {cid!r} is used twice", n)
+        seen.add(cid)
+        if line.get("method", "POST") != "POST":
+            raise InvalidInput(f"line {n}: method must be POST", n)
+        if line.get("url") != endpoint:
+            raise InvalidInput(f"line {n}: url {line.get('url')!r} is not the batch's "
+                               f"endpoint {endpoint}", n)  # fmt: skip
+        if not isinstance(line.get("body"), dict):
+            raise InvalidInput(f"line {n}: body must be a JSON object", n)
+        out.append({"custom_id": cid, "body": line["body"]})
+    if not out:
+        raise InvalidInput("the input file holds no request")
+    return out
+
+
+def new_batch(input_file_id: str, endpoint: str, window: str, total: int,
+              metadata: dict | None) -> dict:  # fmt: skip
+    """A Batch object (OpenAI's), in progress."""
+    now = int(time.time())
+    return {
+        "id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint,
+        "errors": None, "input_file_id": input_file_id, "completion_window": window,
+        "status": "in_progress", "output_file_id": None, "error_file_id": None,
+        "created_at": now, "in_progress_at": now, "expires_at": now + WINDOWS[window],
+        "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+        "cancelling_at": None, "cancelled_at": None,
+        "request_counts": {"total": total, "completed": 0, "failed": 0},
+        "metadata": metadata,
+    }  # fmt: skip
+
+
+def with_counts(batch: dict, completed: int, failed: int) -> dict:
+    """The Batch object with its live request counts (while it runs, from its answers)."""
+    if batch["status"] in ("in_progress", "cancelling"):
+        counts = {**batch["request_counts"], "completed": completed, "failed": failed}
+        return {**batch, "request_counts": counts}
+    return batch
+
+
+def send(batch_id: str) -> None:
+    """Queue the batch's task."""
+    run_batch.apply_async((batch_id,), queue=queue(BATCH_QUEUE))
+
+
+# ======================================================================================
+# The runner
+# ======================================================================================
+@app.task(name="conveyor.batch", bind=True, acks_late=True, ignore_result=True)
+def run_batch(self: Task, batch_id: str) -> str:
+    """Run a batch's requests not answered yet, then write its output and error files."""
+    s = get_settings()
+    r = redis.Redis.from_url(s.effective_redis_url)
+    runner = BatchRunner(s, r, DirFileStore(s.batch.files_dir), batch_id)
+    outcome = runner.run()
+    if outcome == "handed on":  # this worker is stopping: the next one carries on
+        send(batch_id)
+    return outcome
+
+
+class BatchRunner:
+    def __init__(self, s: Settings, r: redis.Redis, store: FileStore, batch_id: str,
+                 stop: threading.Event = stopping) -> None:  # fmt: skip
+        self.s, self.r, self.store, self.id = s, r, store, batch_id
+        self.stop = stop
+        self.url = s.batch.api_url or f"http://{_host(s.api.host)}:{s.api.port}"
+        keys = s.api.api_key_list
+        self.headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
+        cap = s.effective_worker_max_requests or 2 * s.engine.max_num_seqs
+        self.room = max(1.0, s.batch.load_threshold * cap)  # requests a worker may hold
+
+    def run(self) -> str:
+        raw = self.r.hgetall(batch_key(self.id))
+        if not raw:
+            log.warning("batch %s: no record (expired?); nothing to run", self.id)
+            return "missing"
+        batch = json.loads({_s(k): v for k, v in raw.items()}["b"])
+        if batch["status"] in TERMINAL:
+            return batch["status"]
+        lines = parse_input(self.store.read(batch["input_file_id"]) or b"", batch["endpoint"])
+        done = {_s(k) for k in self.r.hkeys(results_key(self.id, "out"))}
+        done |= {_s(k) for k in self.r.hkeys(results_key(self.id, "err"))}
+        todo = [line for line in lines if line["custom_id"] not in done]
+        log.info("batch %s: %d of %d requests to run", self.id, len(todo), len(lines))
+        outcome = self._send_all(batch, todo)
+        if outcome == "handed on":
+            return outcome
+        return self._finish(batch, lines, outcome)
+
+    def _send_all(self, batch: dict, todo: list[dict]) -> str:
+        pending: set[Future] = set()
+        with httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=10.0),
+                          headers=self.headers, trust_env=False) as client, \
+                ThreadPoolExecutor(self.s.batch.max_in_flight) as pool:  # fmt: skip
+            for line in todo:
+                while True:
+                    if why := self._interrupted(batch):
+                        wait(pending)
+                        return why
+                    pending = {f for f in pending if not f.done()}
+                    if len(pending) < self.s.batch.max_in_flight and self._room():
+                        break
+                    if pending:
+                        wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                    else:
+                        time.sleep(POLL_S)
+                pending.add(pool.submit(self._one, client, batch["endpoint"], line))
+            wait(pending)
+        return "completed"
+
+    def _interrupted(self, batch: dict) -> str | None:
+        if self.stop.is_set():
+            return "handed on"
+        if self.r.hget(batch_key(self.id), "cancel"):
+            return "cancelled"
+        if time.time() > batch["expires_at"]:
+            return "expired"
+        return None
+
+    def _room(self) -> bool:
+        """Whether every pool holds less than its share of the workers' cap."""
+        now_ms = int(time.time() * 1000)
+        for pool in self.s.pools:
+            live = [_s(w) for w in self.r.zrangebyscore(alive_key(pool), now_ms, "+inf")]  # type: ignore[arg-type]
+            if not live:
+                return False
+            reqs = self.r.hmget(load_key(pool), [f"{w}:reqs" for w in live])
+            if sum(int(v or 0) for v in reqs) >= self.room * len(live):
+                return False
+        return True
+
+    def _one(self, client: httpx.Client, endpoint: str, line: dict) -> None:
+        """Send one request; its answer becomes an output line (2xx) or an error line."""
+        body = {**line["body"], "stream": False}
+        body.setdefault("priority", self.s.batch.priority)
+        cid = line["custom_id"]
+        out: dict[str, Any] = {"id": "batch_req_" + secrets.token_hex(12), "custom_id": cid,
+                               "response": None, "error": None}  # fmt: skip
+        try:
+            resp = client.post(endpoint, json=body)
+        except httpx.HTTPError as e:
+            out["error"] = {"code": "request_failed", "message": f"the API did not answer: {e}"}
+            self.r.hset(results_key(self.id, "err"), cid, json.dumps(out))
+            return
+        answer = _json(resp)
+        request_id = resp.headers.get("x-request-id") or (answer or {}).get("id")
+        out["response"] = {"status_code": resp.status_code, "request_id": request_id,
+                           "body": answer}  # fmt: skip
+        if resp.status_code < 400:
+            self.r.hset(results_key(self.id, "out"), cid, json.dumps(out))
+            return
+        err = (answer or {}).get("error") or {}
+        out["error"] = {"code": err.get("code") or str(resp.status_code),
+                        "message": err.get("message") or f"HTTP {resp.status_code}"}  # fmt: skip
+        self.r.hset(results_key(self.id, "err"), cid, json.dumps(out))
+
+    def _finish(self, batch: dict, lines: list[dict], outcome: str) -> str:
+        """Write the output and error files (each answer once, in the input's order) and
+        close the record."""
+        outs = {_s(k): _b(v) for k, v in self.r.hgetall(results_key(self.id, "out")).items()}
+        errs = {_s(k): _b(v) for k, v in self.r.hgetall(results_key(self.id, "err")).items()}
+        now = int(time.time())
+        output = b"".join(outs[c] + b"\n" for c in _ids(lines) if c in outs)
+        errors = b"".join(errs[c] + b"\n" for c in _ids(lines) if c in errs)
+        out_id = err_id = None
+        if output:
+            out_id = self.store.put(output, f"{self.id}_output.jsonl", "batch_output")["id"]
+        if errors:
+            err_id = self.store.put(errors, f"{self.id}_error.jsonl", "batch_output")["id"]
+        status = outcome  # completed, cancelled or expired
+        batch.update(status=status, output_file_id=out_id, error_file_id=err_id,
+                     finalizing_at=now, **{f"{status}_at": now},
+                     request_counts={"total": len(lines), "completed": len(outs),
+                                     "failed": len(errs)})  # fmt: skip
+        self.r.hset(batch_key(self.id), "b", json.dumps(batch))
+        log.info("batch %s %s: %d answered, %d failed, of %d", self.id, status, len(outs),
+                 len(errs), len(lines))  # fmt: skip
+        return status
+
+
+def _ids(lines: list[dict]) -> list[str]:
+    return [line["custom_id"] for line in lines]
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _b(v: bytes | str) -> bytes:
+    return v.encode() if isinstance(v, str) else v
+
+
+def _json(resp: httpx.Response) -> Any:
+    try:
+        return resp.json()
+    except ValueError:
+        return {"error": {"message": resp.text[:500]}}
+
+
+def _host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def on_worker_stopping(**_: object) -> None:
+    stopping.set()
