@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
+from tasks.batches import runners_key
 from tests.integration.conftest import (
     BIN,
     Proc,
@@ -51,9 +53,15 @@ def deployment(env: dict[str, str], tmp_path: Path) -> Iterator[tuple[str, Proc]
     with stop_on_error(worker, api, runner):
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "a live worker",
                  [worker, api, runner])  # fmt: skip
+        wait_for(lambda: _runners(env), 60, "a live batch runner", [runner])
     yield url, runner
     for p in (runner, api, worker):
         p.stop()
+
+
+def _runners(env: dict[str, str]) -> int:
+    return int(redis.Redis.from_url(env["CONVEYOR_REDIS_URL"]).zcount(
+        runners_key(), int(time.time() * 1000), "+inf"))  # fmt: skip
 
 
 def _jsonl(model: str, n: int, bad: tuple[int, ...] = ()) -> bytes:
@@ -130,10 +138,12 @@ def test_a_batch_survives_a_runner_restart_and_a_cancel_keeps_what_was_answered(
              "a few requests answered")  # fmt: skip
     runner.popen.send_signal(signal.SIGTERM)  # a warm shutdown: it hands the batch on
     assert runner.popen.wait(60) == 0
+    assert not _runners(env)  # it said it left
     mid = c.batches.retrieve(b.id)
     assert mid.status == "in_progress" and mid.request_counts.completed < 40
     second = spawn("batch-runner-2", [str(BIN / "conveyor"), "batch-runner"], env, tmp_path)
     try:
+        wait_for(lambda: _runners(env), 60, "the second batch runner", [second])
         done = _until(c, b.id, ("completed",))
         out = _lines(c, done.output_file_id)
         assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(40))

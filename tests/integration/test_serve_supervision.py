@@ -156,7 +156,14 @@ def test_killed_worker_api_and_flower_are_restarted_and_serving_goes_on(
         wait_for(lambda: httpx.get(f"{s.flower_url}/healthcheck", timeout=1).status_code == 200,
                  60, "flower up", [s.proc])  # fmt: skip
         before = s.table()
-        assert set(before) == {"redis", "worker-generate-0", "worker-generate-1", "api", "flower"}
+        assert set(before) == {
+            "redis",
+            "worker-generate-0",
+            "worker-generate-1",
+            "api",
+            "flower",
+            "batch-runner",
+        }
         assert all(p["state"] == "running" and p["restarts"] == 0 for p in before.values())
         r = redis.Redis.from_url(s.redis_url)
 

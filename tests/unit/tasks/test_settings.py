@@ -49,6 +49,11 @@ worker_id worker_max_requests worker_nice worker_ttl_s workers
 # read outside Settings before (workers/paged_kernel.py), a setting now under its old name
 NEW_NAMES = [
     "api_workers",
+    "batch_api_url",
+    "batch_load_threshold",
+    "batch_max_in_flight",
+    "batch_priority",
+    "files_dir",
     "kernel_dir",
     "log_requests",
     "resumable_streams",
