@@ -16,8 +16,14 @@ admission wait and the engines' queues), at most ``CONVEYOR_BATCH_MAX_IN_FLIGHT`
 time, and only while every pool of the deployment holds less than
 ``CONVEYOR_BATCH_LOAD_THRESHOLD`` of its workers' request cap (every API replica's
 requests, from the routers' shared counts): a batch never takes the room online requests
-need. A runner told to stop (its worker's warm shutdown) lets the requests in flight end,
-sends the batch's task again and returns: the next runner carries on.
+need. A runner told to stop (its worker's warm shutdown) lets the requests in flight end
+(one the API could not answer, as when the whole deployment restarts, is left unanswered)
+and returns: the next runner carries on.
+
+Who runs a batch is a lease (:func:`lease_key`, renewed while it runs): a runner takes a
+batch only if nobody holds it, so two never send the same requests. Every live runner
+looks every ``RECOVER_S`` for batches in progress that nobody holds (their runner stopped
+or died, their task lost with a restarted Redis's queue) and queues them again.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 WINDOWS = {"24h": 24 * 3600}
 RECORD_TTL_S = 30 * 24 * 3600  # a batch's record and answers, after its creation
 POLL_S = 0.05  # the runner looks at the pools' load this often while they are busy
+# a request the API could not take (unreachable, 429, 503) is sent again, this many times,
+# 0.5 s, 1 s, 2 s... apart (at most 10 s) before its error is the answer
+RETRIES, RETRY_S, RETRY_MAX_S = 6, 0.5, 10.0
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 # set by the batch worker's warm shutdown: runners stop sending and hand their batch on
@@ -66,6 +75,24 @@ def batches_key() -> str:
     return f"{KEY_PREFIX}batches"
 
 
+def lease_key(batch_id: str) -> str:
+    """STRING: the runner running the batch (or ``queued`` while its task waits), with a TTL
+    its runner renews."""
+    return f"{KEY_PREFIX}batch:{batch_id}:lease"
+
+
+LEASE_S = 30.0
+RECOVER_S = 10.0
+
+# Take the lease of KEYS[1] for ARGV[1] (ARGV[2] ms) if it is free or only queued; 1 if taken
+TAKE_LUA = """
+local v = redis.call('GET', KEYS[1])
+if v and v ~= 'queued' and v ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
 def runners_key() -> str:
     """ZSET batch runner -> when its heartbeat lapses (ms): the API takes batches only while
     one is live."""
@@ -76,15 +103,37 @@ RUNNER_TTL_S = 10.0
 
 
 def heartbeat(r: redis.Redis, runner_id: str, stop: threading.Event) -> None:
-    """Keep ``runner_id`` live every few seconds until ``stop`` (a thread's loop)."""
+    """Keep ``runner_id`` live every few seconds, and queue again the batches in progress
+    that nobody holds, until ``stop`` (a thread's loop)."""
+    recovered = 0.0
     while True:
         try:
             r.zadd(runners_key(), {runner_id: int((time.time() + RUNNER_TTL_S) * 1000)})
+            if time.monotonic() - recovered >= RECOVER_S:
+                recovered = time.monotonic()
+                recover(r)
         except redis.RedisError as e:
             log.warning("batch runner heartbeat failed: %s", e)
         if stop.wait(RUNNER_TTL_S / 3):
             r.zrem(runners_key(), runner_id)
             return
+
+
+def recover(r: redis.Redis) -> list[str]:
+    """Queue again every batch in progress whose lease lapsed; the ids queued."""
+    out = []
+    for raw_id in r.zrange(batches_key(), 0, -1):
+        batch_id = _s(raw_id)  # type: ignore[arg-type]
+        raw = r.hget(batch_key(batch_id), "b")
+        if raw is None:
+            r.zrem(batches_key(), batch_id)  # expired
+            continue
+        if json.loads(raw)["status"] in TERMINAL or r.exists(lease_key(batch_id)):
+            continue
+        log.warning("batch %s: in progress and nobody runs it; queued again", batch_id)
+        send(batch_id, r)
+        out.append(batch_id)
+    return out
 
 
 class InvalidInput(ValueError):
@@ -150,8 +199,10 @@ def with_counts(batch: dict, completed: int, failed: int) -> dict:
     return batch
 
 
-def send(batch_id: str) -> None:
-    """Queue the batch's task."""
+def send(batch_id: str, r: redis.Redis | None = None) -> None:
+    """Queue the batch's task (its lease says ``queued`` meanwhile: nobody queues it again)."""
+    if r is not None:
+        r.set(lease_key(batch_id), "queued", px=int(LEASE_S * 4 * 1000))
     run_batch.apply_async((batch_id,), queue=queue(BATCH_QUEUE))
 
 
@@ -163,18 +214,23 @@ def run_batch(self: Task, batch_id: str) -> str:
     """Run a batch's requests not answered yet, then write its output and error files."""
     s = get_settings()
     r = redis.Redis.from_url(s.effective_redis_url)
-    runner = BatchRunner(s, r, DirFileStore(s.batch.files_dir), batch_id)
-    outcome = runner.run()
-    if outcome == "handed on":  # this worker is stopping: the next one carries on
-        send(batch_id)
-    return outcome
+    me = f"{self.request.hostname}:{self.request.id}"
+    if not r.eval(TAKE_LUA, 1, lease_key(batch_id), me, int(LEASE_S * 1000)):
+        log.info("batch %s: another runner holds it", batch_id)
+        return "held elsewhere"
+    runner = BatchRunner(s, r, DirFileStore(s.batch.files_dir), batch_id, lease=me)
+    try:
+        return runner.run()
+    finally:  # handed on or done: free for the next runner (its recovery queues it)
+        r.delete(lease_key(batch_id))
 
 
 class BatchRunner:
     def __init__(self, s: Settings, r: redis.Redis, store: FileStore, batch_id: str,
-                 stop: threading.Event = stopping) -> None:  # fmt: skip
+                 stop: threading.Event = stopping, lease: str = "") -> None:  # fmt: skip
         self.s, self.r, self.store, self.id = s, r, store, batch_id
         self.stop = stop
+        self.lease, self._renewed = lease, time.monotonic()
         self.url = s.batch.api_url or f"http://{_host(s.api.host)}:{s.api.port}"
         keys = s.api.api_key_list
         self.headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
@@ -207,7 +263,7 @@ class BatchRunner:
             for line in todo:
                 while True:
                     if why := self._interrupted(batch):
-                        wait(pending)
+                        self._wait_all(pending)
                         return why
                     pending = {f for f in pending if not f.done()}
                     if len(pending) < self.s.batch.max_in_flight and self._room():
@@ -217,10 +273,22 @@ class BatchRunner:
                     else:
                         time.sleep(POLL_S)
                 pending.add(pool.submit(self._one, client, batch["endpoint"], line))
-            wait(pending)
+            self._wait_all(pending)
         return "completed"
 
+    def _wait_all(self, pending: set[Future]) -> None:
+        """Wait for the requests in flight, holding the lease meanwhile."""
+        while pending:
+            _, pending = wait(pending, timeout=LEASE_S / 3)
+            self._renew()
+
+    def _renew(self) -> None:
+        if self.lease and time.monotonic() - self._renewed > LEASE_S / 3 - 1:
+            self._renewed = time.monotonic()
+            self.r.set(lease_key(self.id), self.lease, px=int(LEASE_S * 1000))
+
     def _interrupted(self, batch: dict) -> str | None:
+        self._renew()
         if self.stop.is_set():
             return "handed on"
         if self.r.hget(batch_key(self.id), "cancel"):
@@ -248,12 +316,26 @@ class BatchRunner:
         cid = line["custom_id"]
         out: dict[str, Any] = {"id": "batch_req_" + secrets.token_hex(12), "custom_id": cid,
                                "response": None, "error": None}  # fmt: skip
-        try:
-            resp = client.post(endpoint, json=body)
-        except httpx.HTTPError as e:
-            out["error"] = {"code": "request_failed", "message": f"the API did not answer: {e}"}
-            self.r.hset(results_key(self.id, "err"), cid, json.dumps(out))
-            return
+        resp = None
+        for attempt in range(RETRIES + 1):
+            try:
+                resp = client.post(endpoint, json=body)
+            except httpx.HTTPError as e:  # the API is away (restarting?): try again
+                error = f"the API did not answer: {e}"
+            else:
+                if resp.status_code not in (429, 503):  # an answer, not "later"
+                    break
+                error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            if self.stop.is_set():
+                return  # not answered: the next runner sends it again
+            if attempt < RETRIES:
+                time.sleep(min(RETRY_MAX_S, RETRY_S * 2**attempt))
+        else:
+            if resp is None:
+                out["error"] = {"code": "request_failed", "message": error}
+                self.r.hset(results_key(self.id, "err"), cid, json.dumps(out))
+                return
+        assert resp is not None
         answer = _json(resp)
         request_id = resp.headers.get("x-request-id") or (answer or {}).get("id")
         out["response"] = {"status_code": resp.status_code, "request_id": request_id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from tests.integration.conftest import (
     BIN,
     Proc,
     base_env,
+    free_port,
     spawn,
     start_api,
     start_worker,
@@ -160,3 +162,60 @@ def test_a_batch_survives_a_runner_restart_and_a_cancel_keeps_what_was_answered(
         assert 3 <= len(kept) == stopped.request_counts.completed < 40
     finally:
         second.stop()
+
+
+def test_a_batch_survives_a_restart_of_serve(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``conveyor serve`` stopped (SIGINT) mid-batch and started again on the same state:
+    the batch completes with every request answered exactly once (its embedded Redis keeps
+    an append-only file: CONVEYOR_REDIS_APPENDONLY)."""
+    api_port, flower_port, redis_port = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env.update(CONVEYOR_ENGINE="mock", CONVEYOR_MOCK__DECODE_STEP_MS="10",
+               CONVEYOR_MOCK__SPEEDUP="1", CONVEYOR_HEARTBEAT_S="0.5",
+               CONVEYOR_SERVE_STATE_DIR=str(tmp_path / "state"),
+               CONVEYOR_FILES_DIR=str(tmp_path / "files"), CONVEYOR_BATCH_MAX_IN_FLIGHT="2",
+               CONVEYOR_REDIS_APPENDONLY="true")  # fmt: skip
+    argv = [str(BIN / "conveyor"), "serve", "--model", str(tiny_model_dir), "--port",
+            str(api_port), "--flower-port", str(flower_port), "--redis-port", str(redis_port),
+            "--no-flower"]  # fmt: skip
+    url = f"http://127.0.0.1:{api_port}"
+    c = _client(url)
+
+    def up(name: str) -> Proc:
+        serve = spawn(name, argv, env, tmp_path)
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 120,
+                 "serve healthy", [serve])  # fmt: skip
+        return serve
+
+    serve = up("serve-1")
+    try:
+        f = c.files.create(file=("in.jsonl", io.BytesIO(_jsonl(tiny_model_dir.name, 40))),
+                           purpose="batch")  # fmt: skip
+        wait_for(lambda: _try_create(c, f.id) is not None, 60, "a live batch runner", [serve])
+        b = _created[-1]
+        wait_for(lambda: c.batches.retrieve(b.id).request_counts.completed >= 5, 60,
+                 "a few requests answered", [serve])  # fmt: skip
+        assert c.batches.retrieve(b.id).request_counts.completed < 40  # mid-batch
+        serve.popen.send_signal(signal.SIGINT)
+        assert serve.popen.wait(90) == 0, serve.tail()
+        serve = up("serve-2")
+        done = _until(c, b.id, ("completed",), timeout=120)
+        out = _lines(c, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(40))
+        assert len(out) == 40 and done.error_file_id is None, done
+    finally:
+        serve.stop(signal.SIGINT)
+
+
+_created: list = []
+
+
+def _try_create(c: openai.OpenAI, file_id: str) -> object | None:
+    """Create the batch once a runner is live (503 until then)."""
+    try:
+        b = c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                             completion_window="24h")  # fmt: skip
+    except openai.InternalServerError:
+        return None
+    _created.append(b)
+    return b
