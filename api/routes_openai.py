@@ -260,22 +260,21 @@ async def _stream(
             st.metrics.in_flight.dec()
         elif not ended and tag is not None and st.settings.api.resume_grace_s > 0:
             # the client went away: the request runs on for it to come back (api.resume)
-            task = asyncio.get_running_loop().create_task(
-                _linger(st, run, started, batches, tag.log_id)
-            )
+            task = asyncio.get_running_loop().create_task(_linger(st, run, started, tag.log_id))
             st.runner.hold(task)
         else:
             end_request(st, [run], started)
 
 
-async def _linger(st: ApiState, run: RunningRequest, started: float,
-                  batches: AsyncIterator[list[TokenFrame]], log_id: str) -> None:  # fmt: skip
+async def _linger(st: ApiState, run: RunningRequest, started: float, log_id: str) -> None:
     """A stream whose client went away: cancelled after the grace period unless a resume
     claimed it, in which case it is read on here to its end (its load and its migrations
-    stay with this API) while the resuming API relays its log."""
+    stay with this API) while the resuming API relays its log. The relay's own frame reader
+    may have been cancelled inside a read when the client left: a new one reads on from
+    the subscription (what it hands out again first, the first frame, is ignored here)."""
     try:
         if await grace_then(st.settings.api.resume_grace_s, st.redis, log_id):
-            async for batch in batches:
+            async for batch in st.runner.batches(run):
                 if batch[-1].done:
                     break
     except Exception as e:  # noqa: BLE001 - it ends here either way

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,9 +366,14 @@ def test_prefill_then_decode_with_preemption(tiny_model_dir: Path, cases: list[M
 
     decode = Engine.from_model_dir(tiny_model_dir, _decode_pool(sub))
     _prefill_and_import(prefill, decode, sub, decode_mm=False)
+    # step until it preempts (or ends), not a number of steps: while the imports' KV loads
+    # on the loader thread, a step has nothing to do, and a slow machine spent 10,000 of
+    # them before the first load was in
+    deadline = time.monotonic() + 600
     with pytest.raises(RuntimeError, match="carries no mm_inputs"):
-        for _ in range(10_000):
-            decode.step()
+        while decode.has_unfinished and time.monotonic() < deadline:
+            if not decode.step():
+                time.sleep(0.001)
 
 
 # ------------------------------------------------------------------------ prefix cache

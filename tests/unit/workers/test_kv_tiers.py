@@ -35,7 +35,7 @@ def params(n: int) -> Sampling:
     return Sampling(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def run(engine, reqs: list[EngineRequest], timeout: float = 60.0) -> dict[str, RequestOutput]:  # type: ignore[no-untyped-def]
+def run(engine, reqs: list[EngineRequest], timeout: float = 600.0) -> dict[str, RequestOutput]:  # type: ignore[no-untyped-def]
     """Step until every request ended (sleeping while only loads are under way); each
     request's last output, with all its tokens (and logprobs, when it asked)."""
     for r in reqs:
@@ -60,7 +60,7 @@ def run(engine, reqs: list[EngineRequest], timeout: float = 60.0) -> dict[str, R
     return last
 
 
-def settle(engine, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def settle(engine, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
     """Let the offload copies end (the engine collects them when it steps)."""
     off = engine.scheduler.offload
     deadline = time.monotonic() + timeout
