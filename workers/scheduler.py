@@ -10,8 +10,9 @@ preempted sequence starts on the cached blocks of its longest cached prefix.
 Priorities (vLLM's ``priority``: lower values first) order the waiting queue: a request
 queues behind every waiting one of its value or lower, a preempted one goes back in front
 of its own value; the sequence preempted is the most recently admitted of the running
-ones with the highest value. With every priority equal (the default 0) that is first come,
-first served, exactly.
+ones with the highest value; and when the batch is full, a waiting sequence of a lower
+value than a running one preempts it (recomputed later). With every priority equal (the
+default 0) that is first come, first served, exactly.
 
 A request of ``n`` choices comes as ``n`` sequences: the later ones wait (parked) until
 the first has computed the prompt, then fork from it in the step that does (sharing its
@@ -195,6 +196,17 @@ class Scheduler:
         else:
             w.insert(next((i for i, s in enumerate(w) if s.req.priority >= p), len(w)), seq)
 
+    def _make_room_by_priority(self) -> None:
+        """A waiting sequence of a lower priority value than a running one takes its place
+        when the batch is full (``max_num_seqs``): the running one is preempted, to
+        recompute later (a batch job's request gives way to an online one). Never with
+        equal priorities."""
+        cap = self.config.max_num_seqs
+        while self.waiting and self.running and len(self.running) >= cap:
+            if self.waiting[0].req.priority >= max(s.req.priority for s in self.running):
+                return
+            self._preempt(self.running.pop(self._victim()))
+
     def _victim(self) -> int:
         """The running sequence to preempt: the most recently admitted of those with the
         highest priority value (the last one when all are equal)."""
@@ -204,6 +216,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Seq, int]]:
         """This step's work: ``(sequence, tokens to compute)`` pairs, blocks allocated."""
         self.poll()
+        self._make_room_by_priority()
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Seq, int]] = []
         preempted = False

@@ -163,3 +163,27 @@ def test_the_preempted_sequence_is_the_lowest_priority(
         assert e.stats().preemptions > 0 and preempted == {victim}, caplog.messages
         for rid in ("low", "a", "b"):
             assert sum(len(o.token_ids) for o in outs[rid]) == 100
+
+
+def test_a_full_batch_makes_room_for_a_more_urgent_request(tiny_model_dir: Path) -> None:
+    """One sequence at a time, a long low-priority one running: a high-priority request
+    that arrives preempts it at the next step (it is recomputed afterwards); both end
+    with all their tokens. Equal priorities wait their turn."""
+    for high_priority, first_done in ((-1, "high"), (0, "low")):
+        e = make(tiny_model_dir, max_num_seqs=1)
+        low = req("low", PROMPT[:40], 30, ignore_eos=True)
+        assert e.add_request(low) is None
+        done, tokens = [], {"low": 0, "high": 0}
+        for _ in range(5):  # low is running
+            for o in e.step():
+                tokens[o.request_id] += len(o.token_ids)
+        high = req("high", PROMPT[:50], 3, ignore_eos=True)
+        high.priority = high_priority
+        assert e.add_request(high) is None
+        while e.has_unfinished:
+            for o in e.step():
+                tokens[o.request_id] += len(o.token_ids)
+                if o.finished:
+                    done.append(o.request_id)
+        assert done[0] == first_done and tokens == {"low": 30, "high": 3}, (done, tokens)
+        assert (e.stats().preemptions > 0) == (high_priority < 0)
