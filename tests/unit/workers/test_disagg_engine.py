@@ -46,12 +46,10 @@ class Pull:
     """A decode engine's :class:`workers.engine_api.KVSource`: the prefill engine's pinned
     blocks, copied into the blocks the decode engine allocated (what a transfer backend
     does between worker processes, on the decode engine's loader thread). ``gate``: the
-    copy waits for it; ``error``: the copy raises it. Its deadline (``timeout_s``) is long:
-    a test prefills every request before the decode engine steps, which on a slow or busy
-    machine took past the 30 s it once was; the deadline's own test sets a short one."""
+    copy waits for it; ``error``: the copy raises it."""
 
     def __init__(self, prefill: Engine, decode: Engine, rid: str, blocks: list[int],
-                 timeout_s: float = 600.0) -> None:  # fmt: skip
+                 timeout_s: float = 30.0) -> None:  # fmt: skip
         self.prefill, self.decode, self.rid, self.blocks = prefill, decode, rid, blocks
         self.deadline = time.monotonic() + timeout_s
         self.gate: threading.Event | None = None

@@ -35,7 +35,7 @@ def params(n: int) -> Sampling:
     return Sampling(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-def run(engine, reqs: list[EngineRequest], timeout: float = 600.0) -> dict[str, RequestOutput]:  # type: ignore[no-untyped-def]
+def run(engine, reqs: list[EngineRequest], timeout: float = 120.0) -> dict[str, RequestOutput]:  # type: ignore[no-untyped-def]
     """Step until every request ended (sleeping while only loads are under way); each
     request's last output, with all its tokens (and logprobs, when it asked)."""
     for r in reqs:
