@@ -32,6 +32,7 @@ import redis.asyncio as aioredis
 from api.errors import OpenAIError
 from api.streams import StreamTimeout
 from cluster.keys import KEY_PREFIX
+from cluster.resp import as_str
 from kvbm.protocol import FRAMES_OPEN_TTL_S, TokenFrame, frames_key
 
 log = logging.getLogger(__name__)
@@ -116,11 +117,11 @@ class FrameLogReader:
         entries = [e for _, es in cast("list[tuple[bytes, list[tuple[bytes, dict]]]]",
                                        reply or ()) for e in es]  # fmt: skip
         for entry_id, fields in entries:
-            f = {_str(k): v for k, v in fields.items()}
+            f = {as_str(k): v for k, v in fields.items()}
             if "m" in f:  # moved on: the rest is in the new stream's log
-                self._key, self._pos = frames_key(_str(f["m"])), "0-0"
+                self._key, self._pos = frames_key(as_str(f["m"])), "0-0"
                 break
-            self._pos = _str(entry_id)
+            self._pos = as_str(entry_id)
             self._take(f)
         return bool(entries)
 
@@ -154,10 +155,6 @@ async def resumed_batches(
         yield rest
     while not reader.done:
         yield await reader.read()
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 async def grace_then(grace_s: float, r: aioredis.Redis, log_id: str) -> bool:

@@ -45,6 +45,7 @@ from api.state import ApiState, api_state, check_model
 from api.tool_parsers import Event, Text, ToolParser
 from api.tools import tool_plan
 from cluster.keys import KEY_PREFIX
+from cluster.resp import as_str
 from kvbm.protocol import CANCEL_CHANNEL, TokenFrame, cancelled_key, frames_key
 
 router = APIRouter()
@@ -244,7 +245,7 @@ async def _record(st: ApiState, response_id: str) -> dict[str, str]:
     if not raw:
         raise OpenAIError(404, f"No response found with id '{response_id}'.",
                           "invalid_request_error", "response_id", "not_found")  # fmt: skip
-    return {_s(k): _s(v) for k, v in raw.items()}
+    return {as_str(k): as_str(v) for k, v in raw.items()}
 
 
 def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
@@ -323,10 +324,6 @@ async def cancel_response(response_id: str, request: Request) -> Response:
     await pipe.execute()
     out = _rebuilt(st, response_id, rec)
     return JSONResponse(out.response("cancelled", None) | {"background": True})
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 async def _collect(st: ApiState, run: RunningRequest, out: _Output, started: float) -> Response:

@@ -56,6 +56,7 @@ import redis.asyncio as aioredis
 from cluster.keys import alive_key, index_keys
 from cluster.lua import LIVE_LUA, NOW_LUA
 from cluster.membership import prune
+from cluster.resp import as_str
 
 log = logging.getLogger(__name__)
 
@@ -406,14 +407,14 @@ def _held_up_to(col: list[dict[str, int]], worker_id: str, mask: int, hi: int) -
 
 def parse_snapshot(flat: list) -> tuple[str, list[WorkerSnapshot]]:
     """:data:`SNAPSHOT_LUA`'s reply -> (stream position, [per worker snapshot])."""
-    pos = _str(flat[0])
+    pos = as_str(flat[0])
     out = []
 
     def hx(items: list) -> list[int]:
-        return [int(_str(h), 16) for h in items]
+        return [int(as_str(h), 16) for h in items]
 
     for i in range(1, len(flat), 5):
-        out.append(WorkerSnapshot(_str(flat[i]), int(flat[i + 1]), hx(flat[i + 2]),
+        out.append(WorkerSnapshot(as_str(flat[i]), int(flat[i + 1]), hx(flat[i + 2]),
                                   hx(flat[i + 3]), hx(flat[i + 4])))  # fmt: skip
     return pos, out
 
@@ -482,7 +483,7 @@ class IndexFollower:
             since = int((time.time() - self._approx_ttl_s) * 1000)
             entries = cast(_Entries, await self._r.xrange(self._key, f"{since}-0", pos))
             for entry_id, fields in entries:
-                self._apply_entry(index, _str(entry_id), fields, replay=True)
+                self._apply_entry(index, as_str(entry_id), fields, replay=True)
         self.index = index
         self._pos = pos
         self.stats.snapshot_loads += 1
@@ -504,7 +505,7 @@ class IndexFollower:
         applied = 0
         for _, entries in cast("list[tuple[bytes, _Entries]] | None", reply) or ():
             for entry_id, fields in entries:
-                eid = _str(entry_id)
+                eid = as_str(entry_id)
                 gap = self._apply_entry(self.index, eid, fields)
                 self._pos = eid
                 applied += 1
@@ -531,8 +532,8 @@ class IndexFollower:
     def _apply_entry(self, index: LocalIndex, entry_id: str, fields: dict,
                      replay: bool = False) -> str | None:  # fmt: skip
         """Apply one stream entry; the worker to reload if it skipped numbers."""
-        f = {_str(k): v for k, v in fields.items()}
-        wid = _str(f.get("w", b""))
+        f = {as_str(k): v for k, v in fields.items()}
+        wid = as_str(f.get("w", b""))
         batch = json.loads(f.get("b") or "[]")
         if "a" in f:  # an approximate router's decision, valid for its TTL from then
             sent_ms = int(entry_id.split("-", 1)[0])
@@ -600,8 +601,4 @@ class KVIndex:
     def worker_blocks(self, worker_id: str, tier: int = G1) -> set[int]:
         """The blocks Redis says ``worker_id`` holds in ``tier``."""
         key = index_keys(self.pool).tier_blocks(tier) + worker_id
-        return {int(_str(h), 16) for h in self._r.smembers(key)}
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+        return {int(as_str(h), 16) for h in self._r.smembers(key)}

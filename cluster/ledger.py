@@ -28,6 +28,7 @@ from redis.exceptions import ResponseError
 
 from cluster.keys import alive_key, load_key, load_owner_key, load_owners_key
 from cluster.lua import CLOCK_LUA, LIVE_LUA, NOW_LUA, lua_list
+from cluster.resp import as_str
 
 LOAD_TTL_S = 600  # the load keys' TTL, renewed by every router's view refresh
 LOAD_FIELDS = ("reqs", "prefill", "blocks")  # a worker's counts
@@ -178,7 +179,7 @@ def parse_loads(raw: dict) -> dict[str, dict[str, int]]:
     """The load hash's fields ``<worker id>:<count>`` -> {worker id: {count: value}}."""
     out: dict[str, dict[str, int]] = {}
     for k, v in raw.items():
-        wid, _, name = _str(k).rpartition(":")
+        wid, _, name = as_str(k).rpartition(":")
         out.setdefault(wid, {})[name] = int(v)
     return out
 
@@ -277,20 +278,20 @@ class Ledger:
             keys=[load_owners_key(pool), load_key(pool)],
             args=[self.owner, int(lease_s * 1000), load_owner_key(pool, ""), LOAD_TTL_S * 1000],
         )  # fmt: skip
-        return int(res[0]), [_str(o) for o in res[1:]]
+        return int(res[0]), [as_str(o) for o in res[1:]]
 
     async def view(self, pool: str) -> PoolLoad:
         """``pool``'s live workers (sorted) and what is counted on each."""
         now, ids, flat = await self._view(args=[alive_key(pool), load_key(pool), LOAD_TTL_S * 1000])
         self._clock_offset_ms = int(now) - time.time() * 1000
-        live = sorted(_str(w) for w in ids)
+        live = sorted(as_str(w) for w in ids)
         out = PoolLoad(live)
         loads, reqs = out.loads, out.reqs
         for w in live:
             loads[w] = [0, 0]
             reqs[w] = 0
         for i in range(0, len(flat), 2):
-            wid, _, name = _str(flat[i]).rpartition(":")
+            wid, _, name = as_str(flat[i]).rpartition(":")
             cur = loads.get(wid)
             if cur is None:
                 continue  # a dead worker's, until the prune
@@ -335,7 +336,3 @@ class Ledger:
                 *(("EVAL", script.script, len(k), *k, *a) for k, a in calls)
             )
         return replies[len(before) :]
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v

@@ -34,6 +34,7 @@ from cluster.keys import (
 from cluster.ledger import LEDGER_LUA
 from cluster.lua import LIVE_LUA, NOW_LUA
 from cluster.queues import list_suffixes, pool_queue, worker_queue
+from cluster.resp import as_str
 from cluster.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,7 @@ def parse_live(pool: str, flat: list) -> list[WorkerInfo]:
     """The reply of :data:`LIVE_WORKERS_LUA` as :class:`WorkerInfo` s."""
     out = []
     for wid, raw in zip(flat[::2], flat[1::2], strict=True):
-        wid = _str(wid)
+        wid = as_str(wid)
         out.append(WorkerInfo(wid, pool, HeartbeatReport.decode(raw, pool, wid)))
     return out
 
@@ -255,7 +256,7 @@ def live_workers(client: redis.Redis, pool: str) -> list[WorkerInfo]:
 
 def prune(client: redis.Redis, pool: str) -> list[str]:
     """Forget ``pool``'s dead workers (:data:`PRUNE_LUA`); their ids."""
-    return [_str(w) for w in client.eval(PRUNE_LUA, 0, *prune_argv(pool))]
+    return [as_str(w) for w in client.eval(PRUNE_LUA, 0, *prune_argv(pool))]
 
 
 # ======================================================================================
@@ -280,8 +281,4 @@ class Membership:
 
     async def prune(self, pool: str) -> list[str]:
         """Forget ``pool``'s dead workers; their ids."""
-        return [_str(w) for w in await self._prune(args=prune_argv(pool))]
-
-
-def _str(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
+        return [as_str(w) for w in await self._prune(args=prune_argv(pool))]

@@ -55,3 +55,8 @@ def encode(commands: Iterable[Command]) -> bytes:
     if _pack is None:
         return _encode_py(commands)
     return b"".join([_pack(c if type(c) is tuple else tuple(c)) for c in commands])
+
+
+def as_str(v: bytes | str) -> str:
+    """A reply's string (redis-py gives bytes unless the client decodes)."""
+    return v.decode() if isinstance(v, bytes) else v

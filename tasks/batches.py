@@ -41,6 +41,7 @@ import redis
 from celery import Task
 
 from cluster.keys import KEY_PREFIX, alive_key, load_key
+from cluster.resp import as_str
 from tasks.app import app, queue
 from tasks.files import DirFileStore, FileStore
 from tasks.settings import Settings, get_settings
@@ -123,7 +124,7 @@ def recover(r: redis.Redis) -> list[str]:
     """Queue again every batch in progress whose lease lapsed; the ids queued."""
     out = []
     for raw_id in r.zrange(batches_key(), 0, -1):
-        batch_id = _s(raw_id)  # type: ignore[arg-type]
+        batch_id = as_str(raw_id)  # type: ignore[arg-type]
         raw = r.hget(batch_key(batch_id), "b")
         if raw is None:
             r.zrem(batches_key(), batch_id)  # expired
@@ -242,12 +243,12 @@ class BatchRunner:
         if not raw:
             log.warning("batch %s: no record (expired?); nothing to run", self.id)
             return "missing"
-        batch = json.loads({_s(k): v for k, v in raw.items()}["b"])
+        batch = json.loads({as_str(k): v for k, v in raw.items()}["b"])
         if batch["status"] in TERMINAL:
             return batch["status"]
         lines = parse_input(self.store.read(batch["input_file_id"]) or b"", batch["endpoint"])
-        done = {_s(k) for k in self.r.hkeys(results_key(self.id, "out"))}
-        done |= {_s(k) for k in self.r.hkeys(results_key(self.id, "err"))}
+        done = {as_str(k) for k in self.r.hkeys(results_key(self.id, "out"))}
+        done |= {as_str(k) for k in self.r.hkeys(results_key(self.id, "err"))}
         todo = [line for line in lines if line["custom_id"] not in done]
         log.info("batch %s: %d of %d requests to run", self.id, len(todo), len(lines))
         outcome = self._send_all(batch, todo)
@@ -301,7 +302,7 @@ class BatchRunner:
         """Whether every pool holds less than its share of the workers' cap."""
         now_ms = int(time.time() * 1000)
         for pool in self.s.pools:
-            live = [_s(w) for w in self.r.zrangebyscore(alive_key(pool), now_ms, "+inf")]  # type: ignore[arg-type]
+            live = [as_str(w) for w in self.r.zrangebyscore(alive_key(pool), now_ms, "+inf")]  # type: ignore[arg-type]
             if not live:
                 return False
             reqs = self.r.hmget(load_key(pool), [f"{w}:reqs" for w in live])
@@ -351,8 +352,8 @@ class BatchRunner:
     def _finish(self, batch: dict, lines: list[dict], outcome: str) -> str:
         """Write the output and error files (each answer once, in the input's order) and
         close the record."""
-        outs = {_s(k): _b(v) for k, v in self.r.hgetall(results_key(self.id, "out")).items()}
-        errs = {_s(k): _b(v) for k, v in self.r.hgetall(results_key(self.id, "err")).items()}
+        outs = {as_str(k): _b(v) for k, v in self.r.hgetall(results_key(self.id, "out")).items()}
+        errs = {as_str(k): _b(v) for k, v in self.r.hgetall(results_key(self.id, "err")).items()}
         now = int(time.time())
         output = b"".join(outs[c] + b"\n" for c in _ids(lines) if c in outs)
         errors = b"".join(errs[c] + b"\n" for c in _ids(lines) if c in errs)
@@ -374,10 +375,6 @@ class BatchRunner:
 
 def _ids(lines: list[dict]) -> list[str]:
     return [line["custom_id"] for line in lines]
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 def _b(v: bytes | str) -> bytes:
