@@ -2,7 +2,8 @@
 a real mock-engine worker, a real API process, real HTTP): for every operation, bodies that
 fit the schema and bodies that break it. No answer is a 5xx; every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``; a stream that answers 200 ends with
-``[DONE]`` or an error event of the same shape.
+``[DONE]`` or an error event of the same shape (a Responses stream: on its last state,
+``response.completed`` or ``response.failed`` after an ``error`` event).
 
 Bounded: ``EXAMPLES`` cases per operation and mode (well under a minute on two cores).
 """
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.integration
 
 EXAMPLES = 100
 ERROR_KEYS = {"message", "type", "param", "code"}
+RESPONSE_ENDS = {"response.completed", "response.incomplete", "response.failed"}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,18 @@ def _check(status: int, headers: httpx.Headers | dict, text: str, where: str) ->
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert events, where
         last = events[-1]
-        if last != "[DONE]":  # the stream ended with an error event
-            _check_error(json.loads(last), f"stream of {where}: {last[:500]}")
+        if last == "[DONE]":  # chat and completions end here
+            return
+        body = json.loads(last)
+        if isinstance(body, dict) and "type" in body:  # the Responses API's events: no
+            # [DONE]; it ends on the response's last state, after an error event if it failed
+            assert body["type"] in RESPONSE_ENDS, f"stream of {where}: {last[:500]}"
+            assert isinstance(body.get("response"), dict), where
+            if body["type"] == "response.failed":
+                err = json.loads(events[-2])
+                assert err.get("type") == "error" and err.get("message"), where
+            return
+        _check_error(body, f"stream of {where}: {last[:500]}")  # ended with an error event
 
 
 def _fuzzer(client: httpx.Client, url: str, model: str, op, mode: GenerationMode,  # type: ignore[no-untyped-def]
