@@ -95,6 +95,7 @@ COPY tasks/ tasks/
 COPY workers/ workers/
 COPY kvbm/ kvbm/
 COPY cluster/ cluster/
+COPY planner/ planner/
 RUN --mount=type=secret,id=pip_ca pip-install "${INDEX_URL}" --no-deps .
 
 # The decode kernel, built by the worker's own code (workers/paged_kernel.py) into

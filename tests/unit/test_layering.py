@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = {"cluster": 0, "kvbm": 0, "workers": 1, "tasks": 2, "api": 3}
+LAYERS = {"cluster": 0, "kvbm": 0, "workers": 1, "planner": 1, "tasks": 2, "api": 3}
 # what importing any module of a package must not load (torch is the workers' business;
 # the API process stays light; kvbm knows nothing of Celery or HTTP)
 FORBIDDEN = {
@@ -36,6 +36,18 @@ FORBIDDEN = {
         "tasks",
         "api",
     ),
+    # the planner reads the cluster's state from Redis and talks to orchestrators over HTTP
+    "planner": (
+        "torch",
+        "transformers",
+        "celery",
+        "kombu",
+        "fastapi",
+        "kvbm",
+        "workers",
+        "tasks",
+        "api",
+    ),  # fmt: skip
     "kvbm": ("torch", "celery", "kombu", "fastapi", "workers", "tasks", "api"),
     "workers": ("fastapi", "tasks", "api"),
     "tasks": ("torch", "transformers", "fastapi", "api"),
@@ -74,7 +86,9 @@ def test_imports_go_down_only_and_never_through_a_re_export(module: str) -> None
     for line, target, names in _project_imports(module):
         top = target.split(".")[0]
         if (LAYERS[top] > LAYERS[own] or (own == "api" and top == "workers")
-                or (own == "cluster" and top != "cluster")):  # fmt: skip
+                or (own == "cluster" and top != "cluster")
+                or (own == "planner" and top not in ("cluster", "planner"))
+                or (own == "api" and top == "planner")):  # fmt: skip
             bad.append(f"{module}:{line} imports {target} (above it, or api reaching workers)")
             continue
         mod = importlib.import_module(target)
