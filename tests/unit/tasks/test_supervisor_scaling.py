@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,18 +26,21 @@ DRAINS = "import signal,sys,time;signal.signal(15,lambda *_: sys.exit(0));time.s
 STUCK = "import signal,time;signal.signal(15,signal.SIG_IGN);time.sleep(60)"
 
 
+STAND_IN = {"code": DRAINS}  # what the next worker started runs
+
+
 @pytest.fixture
-def sup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    script = {"code": DRAINS}
+def sup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Supervisor]:
+    monkeypatch.setitem(STAND_IN, "code", DRAINS)
 
     def start(self: Supervisor, c: _Child) -> None:
-        c.proc = subprocess.Popen([sys.executable, "-c", script["code"]], start_new_session=True)
+        code = STAND_IN["code"]
+        c.proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
         c.state, c.since, c.started = "running", time.time(), time.monotonic()
 
     monkeypatch.setattr(Supervisor, "_start", start)
     s = Supervisor(Settings(workers=2, serve_state_dir=tmp_path, serve_drain_timeout_s=60.0),
                    flower=False)  # fmt: skip
-    s.script = script  # type: ignore[attr-defined]
     s._worker_env = {}
     for _ in range(2):
         s._add_worker("generate")
@@ -51,7 +55,7 @@ def _names(sup: Supervisor) -> dict[str, str]:
     return {c.name: c.state for c in sup.children}
 
 
-def _watch_until(sup: Supervisor, cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+def _watch_until(sup: Supervisor, cond: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"table: {_names(sup)}"
@@ -109,7 +113,7 @@ def test_a_worker_that_does_not_drain_in_time_is_killed(
     sup: Supervisor, caplog: pytest.LogCaptureFixture
 ) -> None:
     sup.s.serve.drain_timeout_s = 0.5
-    sup.script["code"] = STUCK  # type: ignore[attr-defined]
+    STAND_IN["code"] = STUCK
     sup.scale("generate", 3)
     sup._apply_scaling()
     stuck = sup.children[-1]
