@@ -559,6 +559,13 @@ class ServeSettings(_Area):
         gt=0,
         description="An exit this soon after its start is early (crash loops, backoff).",
     )
+    drain_timeout_s: float = _flat(
+        "serve_drain_timeout_s",
+        120.0,
+        gt=0,
+        description="A worker serve drains (scaled down: SIGTERM, it finishes what it holds) "
+        "is killed if still running after this long.",
+    )
     state_dir: UserPath = _flat(
         "serve_state_dir",
         DEFAULT_SERVE_DIR,
