@@ -24,7 +24,7 @@ from types import UnionType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from tasks.modes import MODE_NAMES, Mode, get_mode
+from workers.mock_timing import MOCK_PROFILES
 
 if TYPE_CHECKING:
     from workers.engine_api import EngineConfig
@@ -63,14 +64,24 @@ class _Area(BaseModel):
 
 
 class MockTimingSettings(BaseModel):
-    """Simulated step time of the mock engine (``CONVEYOR_MOCK__<FIELD>``)."""
+    """Simulated step time of the mock engine (``CONVEYOR_MOCK__<FIELD>``); the cost
+    model, and where its presets' figures come from: workers/mock_timing.py."""
 
+    profile: str | None = Field(
+        None,
+        exclude=True,  # resolved into the fields below; the engine gets those
+        description=f"A named preset of every figure ({', '.join(sorted(MOCK_PROFILES))}); "
+        "the other settings given beside it override its values.",
+    )
     prefill_us_per_token: float = Field(100.0, ge=0, description="µs per prompt token.")
     prefill_quadratic_us: float = Field(
         0.0, ge=0, description="µs per prompt token per 1024 tokens of context (attention)."
     )
     decode_step_ms: float = Field(5.0, ge=0, description="ms of a step with one sequence.")
     decode_ms_per_seq: float = Field(0.05, ge=0, description="ms per further sequence.")
+    decode_us_per_kv_token: float = Field(
+        0.0, ge=0, description="µs per KV token a decoding sequence attends to, every step."
+    )
     speedup: float = Field(1.0, gt=0, description="Divides every simulated time.")
     host_copy_us_per_block: float = Field(
         80.0, ge=0, description="µs to copy one KV block between G1 and host memory (G2)."
@@ -78,6 +89,20 @@ class MockTimingSettings(BaseModel):
     disk_us_per_block: float = Field(
         400.0, ge=0, description="µs to write or read one KV block on disk (G3)."
     )
+
+    @model_validator(mode="after")
+    def _apply_profile(self) -> MockTimingSettings:
+        """The profile's figures, for every field not given explicitly."""
+        if self.profile is None:
+            return self
+        if self.profile not in MOCK_PROFILES:
+            raise ValueError(f"unknown mock profile {self.profile!r}; one of "
+                             f"{sorted(MOCK_PROFILES)}")  # fmt: skip
+        given = self.model_fields_set
+        for name, value in MOCK_PROFILES[self.profile].items():
+            if name not in given:
+                object.__setattr__(self, name, value)
+        return self
 
 
 class ApiSettings(_Area):
