@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_SAMPLES = 16  # fewer than this: no fit (the planner falls back on what it observes)
+VARIES = 0.05  # a quantity whose spread is under this share of its mean is not fitted
 
 
 @dataclass(slots=True)
@@ -86,26 +87,26 @@ class StepModel:
             del self._seen[w]
 
     def fit(self) -> Coefficients | None:
-        """Least squares with non-negative coefficients (a column whose coefficient comes
-        out negative is dropped and the rest refitted): a step never gets cheaper for
-        more work. ``None`` until :data:`MIN_SAMPLES` samples."""
+        """Least squares with non-negative coefficients: a step never gets cheaper for
+        more work. A quantity that barely varies over the window (a batch that stayed the
+        same size) cannot be told apart from the fixed part: it is left out and the fixed
+        part takes its cost, until the samples vary. A column whose coefficient comes out
+        negative is dropped and the rest refitted. ``None`` until :data:`MIN_SAMPLES`."""
         if len(self.samples) < MIN_SAMPLES:
             return self.coef
         a = np.asarray(self.samples, dtype=np.float64)
         y, x = a[:, 0], np.column_stack([np.ones(len(a)), a[:, 1], a[:, 2], a[:, 3]])
-        cols = [0, 1, 2, 3]
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # columns of like size
+        xs = x / scale
+        cols = [0] + [j for j in (1, 2, 3) if x[:, j].std() > VARIES * max(x[:, j].mean(), 1e-12)]
         beta = np.zeros(4)
-        while cols:
-            sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-            if (sol >= 0).all():
-                beta[:] = 0
-                beta[cols] = sol
+        while True:
+            sol, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+            if (sol >= 0).all() or cols == [0]:
+                beta[cols] = np.maximum(sol, 0.0)
                 break
-            cols = [c for c, v in zip(cols, sol, strict=True) if v >= 0] or [0]
-            if cols == [0]:
-                beta[:] = 0
-                beta[0] = max(float(y.mean()), 0.0)
-                break
+            cols = [c for c, v in zip(cols, sol, strict=True) if v >= 0 or c == 0]
+        beta /= scale
         pred = x @ beta
         var = float(((y - y.mean()) ** 2).sum())
         self.r2 = 1.0 - float(((y - pred) ** 2).sum()) / var if var > 0 else 1.0

@@ -56,9 +56,10 @@ class Cluster:
         for k in range(32):
             self.step_no += 1
             p = self.prefill if k % 4 == 0 else 0
-            kv = self.running * self.ctx
-            samples.append([float(self.step_no), COST.step(p, self.running, kv), float(p),
-                            float(self.running), float(kv)])  # fmt: skip
+            seqs = max(1, round(self.running * (0.75 + 0.5 * ((k * 7) % 32) / 32)))  # varies
+            kv = seqs * self.ctx
+            samples.append([float(self.step_no), COST.step(p, seqs, kv), float(p),
+                            float(seqs), float(kv)])  # fmt: skip
         return WorkerView(f"w{i}", self.running, self.waiting, 0.5, samples)
 
     def observe(self, dt: float = 5.0) -> Observation:
@@ -74,10 +75,10 @@ def _planner(conn: FakeConnector, **kw) -> Planner:  # type: ignore[no-untyped-d
 
 
 def test_scales_up_only_when_every_worker_is_over() -> None:
-    conn, c = FakeConnector(), Cluster(3, running=8)
+    conn, c = FakeConnector(), Cluster(3, running=45)
     p = _planner(conn)
     p.step(c.observe())
-    assert conn.asked == []  # steps of ~12 ms, a short queue: all under target
+    assert conn.asked == []  # ITL p90 ~40 ms: under the 50 ms target, over 0.7 x it
     c.running = 300  # every worker's decode step now ~70 ms: over the ITL target
     p.step(c.observe())
     assert [(d.previous, d.replicas) for d in conn.asked] == [(3, 4)]
