@@ -46,6 +46,13 @@ def load_owners_key(pool: str) -> str:
     return f"{KEY_PREFIX}loadowners:{pool}"
 
 
+def planner_decision_key(pool: str) -> str:
+    """HASH: the planner's last scaling decision for ``pool`` (id, pool, replicas, previous,
+    reason, ts) and the outside orchestrator's ``ack`` (the id it acted on) and ``error``;
+    no TTL (:class:`planner.connectors.VirtualConnector`)."""
+    return f"{KEY_PREFIX}planner:decision:{pool}"
+
+
 @dataclass(frozen=True, slots=True)
 class IndexKeys:
     """One pool's KV-block index in Redis (see :mod:`cluster.index`)."""
