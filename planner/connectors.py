@@ -4,6 +4,13 @@ A connector is told how many workers a pool should have (:class:`Decision`) and 
 it; the planner holds its next action on that pool until the connector says the action
 took effect (:meth:`Connector.settled`) and the pool's live members reached the number.
 Scaling down always drains: the worker gets SIGTERM and finishes what it holds.
+
+Connectors: ``advisory`` (log and /metrics only), ``virtual`` (a decision hash in Redis
+that an outside orchestrator acknowledges), ``compose`` (the Docker Engine API on its unix
+socket), ``kubernetes`` (a Deployment's scale subresource); ``serve`` lives in
+``tasks.planner_serve``. The Kubernetes connector is tested against a fake API server in
+unit tests only (tests/unit/planner), never against a real cluster; the compose one
+against a fake daemon there, and against a real one in tests/compose.
 """
 
 from __future__ import annotations

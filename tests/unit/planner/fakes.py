@@ -248,19 +248,27 @@ class FakeDocker:
 
 
 @contextmanager
-def fake_docker(tmp_path: Path) -> Iterator[FakeDocker]:
-    daemon = FakeDocker(tmp_path / "docker.sock")
-    handler = type("DockerHandler", (_Handler,), {"app": daemon})
-    server = _UnixHTTPServer(daemon.socket_path, handler)
+def _serving(server: socketserver.BaseServer) -> Iterator[None]:
+    """``server`` answering in a thread for the block, then closed."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield daemon
+        yield
     finally:
-        daemon.hold_stops.set()
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+@contextmanager
+def fake_docker(tmp_path: Path) -> Iterator[FakeDocker]:
+    daemon = FakeDocker(tmp_path / "docker.sock")
+    handler = type("DockerHandler", (_Handler,), {"app": daemon})
+    try:
+        with _serving(_UnixHTTPServer(daemon.socket_path, handler)):
+            yield daemon
+    finally:
+        daemon.hold_stops.set()  # no handler left waiting
 
 
 # ---------------------------------------------------------------------------- Kubernetes
@@ -343,11 +351,5 @@ def fake_kubernetes(namespace: str, token: str) -> Iterator[FakeKubernetes]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     api.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with _serving(server):
         yield api
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
