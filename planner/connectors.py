@@ -340,7 +340,7 @@ class ComposeConnector:
 
     # -- the daemon
 
-    def _call(self, method: str, path: str, *, ok: tuple[int, ...] = (), **kw: Any) -> Any:
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
         """One request; the daemon's error (JSON ``message``) becomes a ConnectorError."""
         try:
             r = self.http.request(method, self.prefix + path, **kw)
@@ -348,7 +348,7 @@ class ComposeConnector:
             raise ConnectorError(
                 f"cannot reach the Docker daemon at {self.socket_path}: {e}"
             ) from e
-        if r.status_code >= 400 and r.status_code not in ok:
+        if r.status_code >= 400:
             try:
                 msg = r.json().get("message") or r.text
             except ValueError:
