@@ -124,7 +124,7 @@ def build_connector(kind: str, client: redis.Redis, options: ConnectorOptions) -
         if not options.compose_services:
             raise ValueError(
                 "the compose connector needs CONVEYOR_PLANNER_COMPOSE_SERVICES "
-                "(--compose-service POOL=SERVICE), e.g. generate=worker-generate"
+                "(POOL=SERVICE,...), e.g. generate=worker-generate"
             )
         return ComposeConnector(
             options.compose_services,
@@ -135,7 +135,7 @@ def build_connector(kind: str, client: redis.Redis, options: ConnectorOptions) -
         if not options.k8s_deployments:
             raise ValueError(
                 "the kubernetes connector needs CONVEYOR_PLANNER_K8S_DEPLOYMENTS "
-                "(--k8s-deployment POOL=DEPLOYMENT), e.g. generate=conveyor-worker"
+                "(POOL=DEPLOYMENT,...), e.g. generate=conveyor-worker"
             )
         return KubernetesConnector(
             options.k8s_deployments,
@@ -211,7 +211,7 @@ class VirtualConnector:
     """For any other orchestrator: each decision is written to the Redis hash
     ``planner_decision_key(pool)`` (id, pool, replicas, previous, reason, ts; no TTL),
     replacing the previous one. The orchestrator acts, then sets ``ack`` to the id (and
-    ``error`` if it failed: :func:`ack_decision`, ``conveyor planner ack POOL ID``); the
+    ``error`` if it failed: :func:`ack_decision`, ``conveyor planner-ack POOL ID``); the
     action is settled once ``ack`` is the decision's id."""
 
     name = "virtual"
@@ -363,14 +363,14 @@ class ComposeConnector:
             info = self._call("GET", f"/containers/{container}/json")
         except ConnectorError as e:
             raise ConnectorError(
-                "no compose project: set CONVEYOR_PLANNER_COMPOSE_PROJECT "
-                f"(--compose-project), or run the planner in a container of the project ({e})"
+                "no compose project: set CONVEYOR_PLANNER_COMPOSE_PROJECT, or run the "
+                f"planner in a container of the project ({e})"
             ) from e
         project = ((info.get("Config") or {}).get("Labels") or {}).get(PROJECT_LABEL)
         if not project:
             raise ConnectorError(
-                "no compose project: set CONVEYOR_PLANNER_COMPOSE_PROJECT "
-                f"(--compose-project); container {container} has no {PROJECT_LABEL} label"
+                "no compose project: set CONVEYOR_PLANNER_COMPOSE_PROJECT; container "
+                f"{container} has no {PROJECT_LABEL} label"
             )
         return str(project)
 
@@ -582,7 +582,7 @@ class KubernetesConnector:
     ) -> None:
         if not api:
             raise ConnectorError(
-                "no Kubernetes API: set CONVEYOR_PLANNER_K8S_API (--k8s-api), or run the "
+                "no Kubernetes API: set CONVEYOR_PLANNER_K8S_API, or run the "
                 "planner in a pod (KUBERNETES_SERVICE_HOST)"
             )
         self.deployments = deployments
@@ -606,8 +606,8 @@ class KubernetesConnector:
                 return f.read().strip()
         except OSError as e:
             setting = {
-                "namespace": "CONVEYOR_PLANNER_K8S_NAMESPACE (--k8s-namespace)",
-                "token": "CONVEYOR_PLANNER_K8S_TOKEN_FILE (--k8s-token-file)",
+                "namespace": "CONVEYOR_PLANNER_K8S_NAMESPACE",
+                "token": "CONVEYOR_PLANNER_K8S_TOKEN_FILE",
             }[what]
             raise ConnectorError(
                 f"no Kubernetes {what}: cannot read {path} ({e}); set {setting}"

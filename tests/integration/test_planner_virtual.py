@@ -1,6 +1,6 @@
 """The virtual connector on a real redis-server: each decision replaces the pool's decision
 hash (no TTL), an outside orchestrator acknowledges it by id (``ack_decision``, what
-``conveyor planner ack`` runs), and only an acknowledgement of the current decision
+``conveyor planner-ack`` runs), and only an acknowledgement of the current decision
 settles it."""
 
 from __future__ import annotations
