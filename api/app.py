@@ -46,6 +46,7 @@ from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
 from api.tool_parsers import parser_for_template
+from cluster.traffic import flush_loop
 from tasks.app import configure as configure_celery
 from tasks.heap import freeze_startup_heap, trim_heap
 from tasks.settings import Settings, get_settings
@@ -93,12 +94,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.created = int(time.time())
         freeze_startup_heap("api")  # no full collection pauses every stream later
         trimmer = asyncio.get_running_loop().create_task(_trim_when_idle(metrics))
+        # the traffic counters the planner reads, added to Redis once a second
+        flusher = asyncio.get_running_loop().create_task(flush_loop(metrics.traffic, st.redis))
         log.info("api up: model %s, mode %s, redis %s, fast path %s", s.model_name, s.mode,
                  s.redis_url_for_logs, "on" if s.broker_fastpath else "off")  # fmt: skip
         try:
             yield
         finally:
             trimmer.cancel()
+            flusher.cancel()
+            try:
+                await metrics.traffic.flush(st.redis)  # the last second's counts
+            except Exception as e:  # noqa: BLE001 - shutting down: Redis may be gone
+                log.warning("last traffic counts not written: %s", e)
             await st.runner.aclose()
             await st.media.aclose()
             await st.hub.close()

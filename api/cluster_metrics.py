@@ -1,6 +1,7 @@
 """Cluster-wide metrics, read from Redis at scrape time.
 
-Workers report their state in their heartbeats (KV blocks in use and pinned, requests,
+The planner, while one runs, keeps its state there too (``conveyor_planner_*``). Workers
+report their state in their heartbeats (KV blocks in use and pinned, requests,
 KV transfer totals, the KVBM tiers' occupancy and counters); queue depths are the lengths
 of the Celery queues in Redis, for the queues :mod:`tasks.queues` shows (as Flower's
 broker page and ``conveyor queues`` do). The ``/metrics`` handler takes one snapshot per
@@ -20,11 +21,13 @@ from prometheus_client.core import (
     Metric,
 )
 
-from cluster.keys import load_key
+from cluster.keys import load_key, planner_state_key
 from cluster.ledger import parse_loads
 from cluster.membership import HeartbeatReport
 from cluster.queues import PoolQueues, aqueue_depths
 from cluster.stats import ImageCounters, TransferTotals
+from planner.metrics import families as planner_families
+from planner.metrics import parse_state
 from tasks.modes import Mode
 from tasks.queues import POOLS, shown
 from tasks.router import Router
@@ -38,6 +41,7 @@ class ClusterCollector:
         self._depths: list[PoolQueues] = []  # the queues tasks.queues shows, with depths
         self._loads: dict[str, dict[str, dict[str, int]]] = {}  # pool -> worker -> counts
         self._router: dict[str, dict[str, float]] = {}  # pool -> this API's router stats
+        self._planner: dict | None = None  # the planner's state, while one runs
 
     async def refresh(self, client: aioredis.Redis, router: Router) -> None:
         self._router = router.stats()
@@ -48,7 +52,9 @@ class ClusterCollector:
         pipe = client.pipeline(transaction=False)
         for pool in self.pools:
             pipe.hgetall(load_key(pool))
-        res = await pipe.execute()
+        pipe.get(planner_state_key())
+        *res, planner = await pipe.execute()
+        self._planner = parse_state(planner)
         live = {(w.pool, w.worker_id) for w in workers}
         self._loads = {
             pool: {w: c for w, c in parse_loads(raw).items() if (pool, w) in live}
@@ -59,6 +65,7 @@ class ClusterCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield from self._queue_depths()
+        yield from planner_families(self._planner)
         live = GaugeMetricFamily("conveyor_workers_live", "Live workers per pool", labels=["pool"])
         for pool in self.pools:
             live.add_metric([pool], sum(w.pool == pool for w in self._workers))

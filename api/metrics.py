@@ -12,6 +12,8 @@ import os
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from cluster.traffic import TrafficCounter
+
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
@@ -22,6 +24,8 @@ class ApiMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # the same events, counted for the planner in Redis (cluster.traffic)
+        self.traffic = TrafficCounter()
         self.requests = Counter(
             "conveyor_requests", "Requests by endpoint and HTTP status",
             ["endpoint", "status"], registry=r,

@@ -175,6 +175,7 @@ async def start(
         raise
     runs[0].tenant = tenant
     st.metrics.prompt_tokens.inc(len(prompt_ids))
+    st.metrics.traffic.started(len(prompt_ids))
     return rid, runs, sampling
 
 
@@ -362,6 +363,7 @@ def end_request(st: ApiState, runs: list[RunningRequest], started: float) -> Non
     usage = choices.request_usage(runs)
     if usage is not None:
         m.completion_tokens.inc(usage.completion_tokens)
+        m.traffic.finished(usage.completion_tokens)
         m.cached_tokens.inc(usage.cached_tokens)
         if runs and runs[0].tenant:
             st.tenants.used(runs[0].tenant, usage.completion_tokens)

@@ -507,8 +507,10 @@ class Runner:
             if run.last_frame_at is None:
                 if not run.choice:  # one per request: its first choice's
                     self.metrics.ttft.observe(now - run.started)
+                    self.metrics.traffic.first_token(now - run.started)
             else:
                 self.metrics.itl.observe(now - run.last_frame_at)
+                self.metrics.traffic.token_gap(now - run.last_frame_at)
             run.last_frame_at = now
         if frame.done:
             run.finished = True

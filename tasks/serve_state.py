@@ -21,7 +21,9 @@ from pathlib import Path
 # Public part
 # ======================================================================================
 # A process's state: running (spawned and not seen to exit), backoff (exited, restart
-# scheduled), failed (the exit that stopped serve), stopped (by serve's shutdown).
+# scheduled), draining (a worker scaled away: SIGTERM sent, it finishes what it holds and
+# leaves the table when it exits), failed (the exit that stopped serve), stopped (by
+# serve's shutdown).
 # The deployment's: running, stopping, stopped (on a signal), failed (a process died and
 # restarts are off, or a process crash-looped, or startup failed).
 

@@ -24,7 +24,7 @@ from types import UnionType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import quote, urlsplit
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from tasks.modes import MODE_NAMES, Mode, get_mode
+from workers.mock_timing import MOCK_PROFILES
 
 if TYPE_CHECKING:
     from workers.engine_api import EngineConfig
@@ -63,14 +64,24 @@ class _Area(BaseModel):
 
 
 class MockTimingSettings(BaseModel):
-    """Simulated step time of the mock engine (``CONVEYOR_MOCK__<FIELD>``)."""
+    """Simulated step time of the mock engine (``CONVEYOR_MOCK__<FIELD>``); the cost
+    model, and where its presets' figures come from: workers/mock_timing.py."""
 
+    profile: str | None = Field(
+        None,
+        exclude=True,  # resolved into the fields below; the engine gets those
+        description=f"A named preset of every figure ({', '.join(sorted(MOCK_PROFILES))}); "
+        "the other settings given beside it override its values.",
+    )
     prefill_us_per_token: float = Field(100.0, ge=0, description="µs per prompt token.")
     prefill_quadratic_us: float = Field(
         0.0, ge=0, description="µs per prompt token per 1024 tokens of context (attention)."
     )
     decode_step_ms: float = Field(5.0, ge=0, description="ms of a step with one sequence.")
     decode_ms_per_seq: float = Field(0.05, ge=0, description="ms per further sequence.")
+    decode_us_per_kv_token: float = Field(
+        0.0, ge=0, description="µs per KV token a decoding sequence attends to, every step."
+    )
     speedup: float = Field(1.0, gt=0, description="Divides every simulated time.")
     host_copy_us_per_block: float = Field(
         80.0, ge=0, description="µs to copy one KV block between G1 and host memory (G2)."
@@ -78,6 +89,20 @@ class MockTimingSettings(BaseModel):
     disk_us_per_block: float = Field(
         400.0, ge=0, description="µs to write or read one KV block on disk (G3)."
     )
+
+    @model_validator(mode="after")
+    def _apply_profile(self) -> MockTimingSettings:
+        """The profile's figures, for every field not given explicitly."""
+        if self.profile is None:
+            return self
+        if self.profile not in MOCK_PROFILES:
+            raise ValueError(f"unknown mock profile {self.profile!r}; one of "
+                             f"{sorted(MOCK_PROFILES)}")  # fmt: skip
+        given = self.model_fields_set
+        for name, value in MOCK_PROFILES[self.profile].items():
+            if name not in given:
+                object.__setattr__(self, name, value)
+        return self
 
 
 class ApiSettings(_Area):
@@ -559,6 +584,13 @@ class ServeSettings(_Area):
         gt=0,
         description="An exit this soon after its start is early (crash loops, backoff).",
     )
+    drain_timeout_s: float = _flat(
+        "serve_drain_timeout_s",
+        120.0,
+        gt=0,
+        description="A worker serve drains (scaled down: SIGTERM, it finishes what it holds) "
+        "is killed if still running after this long.",
+    )
     state_dir: UserPath = _flat(
         "serve_state_dir",
         DEFAULT_SERVE_DIR,
@@ -610,6 +642,96 @@ class BatchSettings(_Area):
     )
 
 
+class PlannerSettings(_Area):
+    """The SLA planner (``conveyor planner``, ``conveyor serve --planner``): its targets,
+    loops, bounds and where its decisions go (planner/, README "Scaling")."""
+
+    enabled: bool = _flat(
+        "planner", False, description="conveyor serve runs the planner and scales its own "
+        "worker processes (the serve connector)."
+    )  # fmt: skip
+    connector: Literal["advisory", "virtual", "compose", "kubernetes", "serve"] = _flat(
+        "planner_connector", "advisory", description="Where decisions go (conveyor planner; "
+        "serve --planner always uses serve)."
+    )  # fmt: skip
+    pools: str | None = _flat(
+        "planner_pools", None, description="Comma-separated pools to size; default: the "
+        "mode's worker pools."
+    )  # fmt: skip
+    ttft_ms: float = _flat("planner_ttft_ms", 1000.0, gt=0, description="TTFT p90 target.")
+    itl_ms: float = _flat("planner_itl_ms", 50.0, gt=0, description="ITL p90 target.")
+    load_interval_s: float = _flat(
+        "planner_load_interval_s", 5.0, gt=0, description="The load loop's period."
+    )  # fmt: skip
+    throughput_interval_s: float = _flat(
+        "planner_throughput_interval_s", 180.0, gt=0,
+        description="The throughput loop's period (forecast and floor).",
+    )  # fmt: skip
+    window_s: float = _flat(
+        "planner_window_s", 30.0, gt=0, description="The API traffic window each tick reads."
+    )  # fmt: skip
+    min_workers: int = _flat("planner_min_workers", 1, ge=0, description="Per pool.")
+    max_workers: int = _flat("planner_max_workers", 8, ge=1, description="Per pool.")
+    gpu_budget: int = _flat(
+        "planner_gpu_budget", 8, ge=1, description="GPUs all pools together may hold."
+    )  # fmt: skip
+    gpus_per_worker: str | None = _flat(
+        "planner_gpus_per_worker", None, description="GPUs a worker of a pool holds, e.g. "
+        "'prefill=2,decode=1'; default 1."
+    )  # fmt: skip
+    sensitivity: float = _flat(
+        "planner_sensitivity", 0.7, gt=0, le=1, description="Scale down only when every "
+        "worker's estimate is under this share of each target."
+    )  # fmt: skip
+    forecaster: Literal["constant", "kalman", "arima"] = _flat(
+        "planner_forecaster", "kalman", description="The throughput loop's forecast."
+    )  # fmt: skip
+    hold_timeout_s: float = _flat(
+        "planner_hold_timeout_s", 300.0, gt=0, description="Longest wait for a scaling action "
+        "to take effect before the pool is sized again."
+    )  # fmt: skip
+    compose_services: str | None = _flat(
+        "planner_compose_services", None, description="compose connector: pool=service, "
+        "comma-separated (e.g. 'generate=worker')."
+    )  # fmt: skip
+    compose_project: str | None = _flat(
+        "planner_compose_project", None, description="compose connector: the project; "
+        "default: the planner's own container's."
+    )  # fmt: skip
+    docker_host: str | None = _flat(
+        "planner_docker_host", None, description="compose connector: the Docker socket "
+        "(unix://...); default DOCKER_HOST or /var/run/docker.sock."
+    )  # fmt: skip
+    k8s_api: str | None = _flat(
+        "planner_k8s_api", None, description="kubernetes connector: API server URL; default "
+        "in-cluster."
+    )  # fmt: skip
+    k8s_namespace: str | None = _flat(
+        "planner_k8s_namespace", None, description="kubernetes connector: namespace; "
+        "default the pod's."
+    )  # fmt: skip
+    k8s_token_file: str | None = _flat(
+        "planner_k8s_token_file", None, description="kubernetes connector: bearer token file; "
+        "default the service account's."
+    )  # fmt: skip
+    k8s_ca_file: str | None = _flat(
+        "planner_k8s_ca_file", None, description="kubernetes connector: CA bundle; default "
+        "the service account's."
+    )  # fmt: skip
+    k8s_deployments: str | None = _flat(
+        "planner_k8s_deployments", None, description="kubernetes connector: pool=deployment, "
+        "comma-separated."
+    )  # fmt: skip
+    record: UserPath | None = _flat(
+        "planner_record", None, description="Append every tick's observation to this JSONL "
+        "file (conveyor planner --dry-run replays it)."
+    )  # fmt: skip
+    metrics_port: int | None = _flat(
+        "planner_metrics_port", None, description="conveyor planner serves /metrics here too "
+        "(every API's /metrics shows the planner's state anyway)."
+    )  # fmt: skip
+
+
 AREAS: dict[str, type[_Area]] = {
     "api": ApiSettings,
     "admission": AdmissionSettings,
@@ -621,6 +743,7 @@ AREAS: dict[str, type[_Area]] = {
     "multimodal": MultimodalSettings,
     "serve": ServeSettings,
     "batch": BatchSettings,
+    "planner": PlannerSettings,
 }
 
 
@@ -759,6 +882,7 @@ class Settings(BaseSettings):
     )
     serve: ServeSettings = Field(default_factory=ServeSettings, description="conveyor serve.")
     batch: BatchSettings = Field(default_factory=BatchSettings, description="Files and batches.")
+    planner: PlannerSettings = Field(default_factory=PlannerSettings, description="Planner.")
 
     @classmethod
     def settings_customise_sources(

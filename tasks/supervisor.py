@@ -17,6 +17,13 @@ off, or a worker's exit with ``EXIT_CONFIG`` (it cannot start: the engine is not
 and it said so); ``serve`` then exits 1. The process table goes to
 ``Settings.serve_state_file`` on every change, for ``conveyor status``.
 
+Scaling: :meth:`Supervisor.scale` (a planner's thread, through ``tasks.planner_serve``)
+sets how many workers a pool should have; the watch loop applies it. More: new
+``worker-<pool>-<n>`` children under numbers never used before. Fewer: the newest workers
+get SIGTERM (Celery's warm shutdown: the worker leaves its pool and finishes the requests
+it holds) and are ``draining``; a draining child that exits leaves the table, is never
+restarted and is no crash; one still running after ``serve_drain_timeout_s`` is killed.
+
 Isolation: before anything starts, the API's, Flower's and the embedded Redis's ports must
 be free (a taken one is a one-line error naming the setting that moves it, and nothing is
 left running); the embedded Redis requires a password (``redis_password``, else one
@@ -34,12 +41,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import redis
 
+from planner.connectors import Connector
 from tasks.serve_state import ProcessRecord, ServeState, describe_exit
 from tasks.settings import Settings
 from workers.start_errors import EXIT_CONFIG
@@ -48,6 +59,16 @@ log = logging.getLogger("conveyor.serve")
 
 GRACE_S = 15.0
 POLL_S = 0.2
+PLANNER_JOIN_S = 5.0  # how long shutdown waits for the planner's thread to end
+
+
+class Runnable(Protocol):
+    """What a planner factory returns (``planner.core.Planner``): runs until ``stop``."""
+
+    def run(self, stop: threading.Event) -> None: ...
+
+
+PlannerFactory = Callable[[Connector], Runnable]
 
 
 def redis_server_binary() -> str | None:
@@ -86,14 +107,18 @@ class _Child:
     argv: list[str]
     env: dict[str, str] | None = None
     stdout: int | None = None
+    pool: str | None = None  # a worker's pool; None: not a worker
+    number: int = 0  # a worker's n in worker-<pool>-<n>
     proc: subprocess.Popen | None = None
-    state: str = "running"  # running | backoff | failed | stopped (tasks.serve_state)
+    # running | backoff | draining | failed | stopped (tasks.serve_state)
+    state: str = "running"
     restarts: int = 0
     since: float = 0.0  # wall clock of the last start or exit
     last_exit: str | None = None
     started: float = 0.0  # monotonic, of the last start
     early_exits: int = 0  # exits in a row, each before the process had run a full window
     restart_at: float = 0.0  # monotonic
+    drain_deadline: float = 0.0  # monotonic: a draining child still running then is killed
 
     def record(self) -> ProcessRecord:
         pid = self.proc.pid if self.proc is not None and self.state != "backoff" else None
@@ -102,15 +127,26 @@ class _Child:
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, flower: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, flower: bool = True, planner: PlannerFactory | None = None
+    ) -> None:
         self.s = settings
         self.flower = flower
+        self.planner = planner
         self.children: list[_Child] = []  # workers, API, Flower: in start order
         self._redis: _Child | None = None
         self._stop = False
         self._started = time.time()
         self._state = "running"
         self._reason: str | None = None
+        # scaling: the planner's thread writes _wanted, the watch loop applies it; the lock
+        # guards both and every change to the table's membership
+        self._lock = threading.Lock()
+        self._wanted: dict[str, int] = {}
+        self._next_number: dict[str, int] = {}
+        self._worker_env: dict[str, str] = {}
+        self._planner_stop = threading.Event()
+        self._planner_thread: threading.Thread | None = None
 
     # ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -124,19 +160,20 @@ class Supervisor:
         if taken is not None:
             log.error("%s", taken)
             return 1
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        if threading.current_thread() is threading.main_thread():  # else: stop() stops it
+            signal.signal(signal.SIGINT, self._on_signal)
+            signal.signal(signal.SIGTERM, self._on_signal)
         code = 0
         try:
             if self.s.redis_url is None:
                 self._start_redis()
             self._wait_redis()
             self._check_redis_is_ours()
-            env = settings_env(self.s)
+            env = self._worker_env = settings_env(self.s)
             me = [sys.executable, "-m", "tasks.cli"]
             for pool in self.s.pools:
-                for i in range(self.s.serve.workers_in(pool)):
-                    self._add(f"worker-{pool}-{i}", [*me, "worker", "--pool", pool], env)
+                for _ in range(self.s.serve.workers_in(pool)):
+                    self._add_worker(pool)
             self._add("api", [*me, "api"], env)
             self._add("batch-runner", [*me, "batch-runner"], env)
             if self.flower:
@@ -149,7 +186,9 @@ class Supervisor:
                 self.s.api.flower_port,
             )
             self._write_state()
+            self._start_planner()
             while not self._stop:
+                self._apply_scaling()
                 if not self._watch():
                     code = 1
                     break
@@ -159,8 +198,133 @@ class Supervisor:
             self._reason = f"serve failed: {e}"
             code = 1
         finally:
+            self._stop_planner()
             self._shutdown(failed=code != 0)
         return code
+
+    def stop(self) -> None:
+        """Stop serving, as SIGINT does (for a supervisor run outside the main thread)."""
+        self._reason = self._reason or "stopped"
+        self._stop = True
+
+    # ----------------------------------------------------------------------------------
+    # Scaling (called from the planner's thread)
+    def scale(self, pool: str, n: int) -> None:
+        """Have ``n`` workers in ``pool``: the watch loop starts or drains the difference."""
+        if pool not in self.s.pools:
+            raise ValueError(f"serve runs no {pool} pool (mode {self.s.mode}: "
+                             f"{', '.join(self.s.pools)})")  # fmt: skip
+        if n < 0:
+            raise ValueError(f"cannot scale {pool} to {n} workers")
+        with self._lock:
+            self._wanted[pool] = n
+
+    def replicas(self, pool: str) -> int:
+        """``pool``'s workers, running or restarting (not draining); a scale the watch loop
+        has yet to apply counts as done."""
+        with self._lock:
+            if pool in self._wanted:
+                return self._wanted[pool]
+            return sum(c.state in ("running", "backoff") for c in self._workers(pool))
+
+    def settling(self, pool: str) -> bool:
+        """Whether a scale of ``pool`` is still under way: not yet applied, or a worker it
+        scaled away is still draining."""
+        with self._lock:
+            return pool in self._wanted or any(c.state == "draining" for c in self._workers(pool))
+
+    def workers(self, pool: str) -> list[ProcessRecord]:
+        """``pool``'s workers as ``conveyor status`` shows them."""
+        with self._lock:
+            return [c.record() for c in self._workers(pool)]
+
+    def _workers(self, pool: str) -> list[_Child]:
+        return [c for c in self.children if c.pool == pool]
+
+    def _add_worker(self, pool: str) -> None:
+        """Start a new worker of ``pool`` under the next unused number."""
+        n = self._next_number.get(pool, 0)
+        self._next_number[pool] = n + 1
+        argv = [sys.executable, "-m", "tasks.cli", "worker", "--pool", pool]
+        c = _Child(f"worker-{pool}-{n}", argv, self._worker_env, pool=pool, number=n)
+        with self._lock:
+            self.children.append(c)
+        self._start(c)
+
+    def _apply_scaling(self) -> None:
+        """Start or drain workers until every pool with a wanted size has it."""
+        with self._lock:
+            wanted = dict(self._wanted)  # pending until applied: replicas() answers it
+        changed = False
+        for pool, n in wanted.items():
+            active = [c for c in self._workers(pool) if c.state in ("running", "backoff")]
+            if n > len(active):
+                log.info("scaling %s from %d to %d workers", pool, len(active), n)
+                for _ in range(n - len(active)):
+                    self._add_worker(pool)
+            elif n < len(active):
+                log.info("scaling %s from %d to %d workers (draining %d)",
+                         pool, len(active), n, len(active) - n)  # fmt: skip
+                # one that waits for its restart goes first: it serves nothing
+                active.sort(key=lambda c: (c.state == "backoff", c.number))
+                for c in active[n:]:
+                    self._drain(c)
+            changed |= n != len(active)
+            with self._lock:
+                if self._wanted.get(pool) == n:  # not changed again meanwhile
+                    del self._wanted[pool]
+        if changed:
+            self._write_state()
+
+    def _drain(self, c: _Child) -> None:
+        """Scale ``c`` away: SIGTERM (warm shutdown), or drop it if it is not running."""
+        if c.state != "running" or c.proc is None:
+            with self._lock:
+                self.children.remove(c)
+            log.info("%s (waiting to restart) removed", c.name)
+            return
+        _signal(c.proc, signal.SIGTERM)
+        c.state, c.since = "draining", time.time()
+        c.drain_deadline = time.monotonic() + self.s.serve.drain_timeout_s
+        log.info("draining %s (pid %d): it finishes what it holds, then exits",
+                 c.name, c.proc.pid)  # fmt: skip
+
+    def _drained(self, c: _Child, rc: int | None) -> None:
+        """A draining child exited (or is overdue: kill it, and see it exit next pass)."""
+        pid = c.proc.pid if c.proc is not None else 0
+        if rc is None:
+            log.warning("%s (pid %d) still draining after %.0f s: killing it",
+                        c.name, pid, self.s.serve.drain_timeout_s)  # fmt: skip
+            if c.proc is not None:
+                _signal(c.proc, signal.SIGKILL)
+            c.drain_deadline = float("inf")
+            return
+        with self._lock:
+            self.children.remove(c)
+        log.info("%s (pid %d) drained: %s", c.name, pid, describe_exit(rc))
+
+    # ----------------------------------------------------------------------------------
+    # The planner's thread
+    def _start_planner(self) -> None:
+        if self.planner is None:
+            return
+        self._planner_thread = threading.Thread(target=self._run_planner, name="planner",
+                                                daemon=True)  # fmt: skip
+        self._planner_thread.start()
+
+    def _run_planner(self) -> None:
+        from tasks.planner_serve import ServeConnector
+
+        assert self.planner is not None
+        try:
+            self.planner(ServeConnector(self)).run(self._planner_stop)
+        except Exception:  # serve goes on with the workers it has
+            log.exception("the planner failed; serving on without it")
+
+    def _stop_planner(self) -> None:
+        self._planner_stop.set()
+        if self._planner_thread is not None:
+            self._planner_thread.join(PLANNER_JOIN_S)
 
     # ----------------------------------------------------------------------------------
     def _watch(self) -> bool:
@@ -175,6 +339,12 @@ class Supervisor:
                 changed = True
                 if not self._exited(c, rc, now):
                     return False
+            elif c.state == "draining":
+                rc = _reap(c.proc)
+                if rc is None and now < c.drain_deadline:
+                    continue
+                changed = True
+                self._drained(c, rc)
             elif c.state == "backoff" and now >= c.restart_at:
                 # nothing but Redis itself starts while the embedded Redis is not answering
                 if c is not self._redis and not self._redis_answers():
@@ -277,7 +447,8 @@ class Supervisor:
 
     def _add(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         c = _Child(name, argv, env)
-        self.children.append(c)
+        with self._lock:
+            self.children.append(c)
         self._start(c)
 
     def _start(self, c: _Child) -> None:
@@ -369,10 +540,13 @@ class Supervisor:
         log.info("all processes stopped")
 
     def _stop_group(self, group: list[_Child], grace: float) -> None:
-        """SIGTERM every running process of ``group`` at once, SIGKILL after ``grace``."""
-        procs = [(c, c.proc) for c in group if c.state == "running" and c.proc is not None]
-        for _, p in procs:
-            _signal(p, signal.SIGTERM)
+        """SIGTERM every running process of ``group`` at once, SIGKILL after ``grace``
+        (a draining one has had its SIGTERM: it gets the grace to finish)."""
+        procs = [(c, c.proc) for c in group
+                 if c.state in ("running", "draining") and c.proc is not None]  # fmt: skip
+        for c, p in procs:
+            if c.state == "running":
+                _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for c, p in procs:
             try:

@@ -216,6 +216,18 @@ class EngineConfig:
     disk_cache_blocks: int = 0  # G3, files under disk_dir
 
 
+@dataclass(slots=True)
+class StepCounts:
+    """The latest computed step of an engine that schedules its own steps, updated in
+    place every step (no allocation): the engine loop samples it with the step's wall time
+    (:attr:`cluster.stats.EngineStats.step_samples`)."""
+
+    step_no: int = 0  # the engine's step counter (0: no step yet)
+    prefill_tokens: int = 0  # tokens computed in prompt chunks (a prompt, a recompute)
+    decode_seqs: int = 0  # sequences decoding one token
+    decode_kv_tokens: int = 0  # their KV context lengths, summed
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the engine loop and the engine process need of an engine. Every method runs on
@@ -223,6 +235,8 @@ class Engine(Protocol):
 
     name: str  # what refusals call it: reference | mock | vllm
     supports: frozenset[str]  # the optional sampling features (FEATURES) it serves
+    # the latest step's counts; None: the engine does not see its steps (vLLM's own loop)
+    step_counts: StepCounts | None
 
     # --- requests -------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> RequestOutput | None:

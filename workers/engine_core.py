@@ -36,6 +36,7 @@ from workers.engine_api import (
     EngineConfig,
     EngineRequest,
     RequestOutput,
+    StepCounts,
     failed,
     refuse_prompt,
     refuse_unsupported,
@@ -74,6 +75,10 @@ class EngineCore:
         self.scheduler = Scheduler(config)
         self.outputs = OutputProcessor(eos_token_ids, max_model_len)
         self.num_steps = 0
+        self._step = StepCounts()  # this step's counts, set before _forward
+        self.step_counts: StepCounts | None = self._step
+        self.decode_tokens = 0  # tokens sampled, all steps
+        self.decode_kv_tokens = 0  # the decoding sequences' context lengths, all steps
         # this step's later choices sample from their first choice's row of logits: the
         # row of each sampled sequence (None: one row each, in order)
         self._fork_rows: list[int] | None = None
@@ -225,6 +230,7 @@ class EngineCore:
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
+        self._count_step(batch)
         self._ending_rows = len(sampled)  # the forward's logits rows: one per sequence ending
         # a request's later choices (n > 1) fork from its first as its prompt completes
         forks = self.scheduler.forks_due(sampled) if self.scheduler.parked else []
@@ -250,6 +256,7 @@ class EngineCore:
             if copies := [p for p in pairs if p is not None]:
                 self._copy_blocks(copies)
         self.scheduler.flush()  # the blocks this step named go down, in one copy
+        self.decode_tokens += len(tokens)
         outputs: list[RequestOutput] = dropped
         for seq, tok in zip(sampled, tokens, strict=True):
             forced = seq.req.forced_first_token
@@ -297,12 +304,31 @@ class EngineCore:
             self.structured.set_waker(waker)
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats(self.num_steps)
+        st = self.scheduler.stats(self.num_steps)
+        st.decode_tokens, st.decode_kv_tokens = self.decode_tokens, self.decode_kv_tokens
+        return st
 
     # ----------------------------------------------------------------------------------
     @property
     def num_active(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def _count_step(self, batch: list[tuple[Seq, int, int]]) -> None:
+        """This step's counts (:attr:`step_counts`): a sequence computing one token past its
+        prompt decodes, reading its whole context; any other chunk is prefill."""
+        prefill = seqs = kv = 0
+        for seq, start, end in batch:
+            if end - start == 1 and start >= seq.num_prompt:
+                seqs += 1
+                kv += end
+            else:
+                prefill += end - start
+        c = self._step
+        c.step_no = self.num_steps
+        c.prefill_tokens = prefill
+        c.decode_seqs = seqs
+        c.decode_kv_tokens = kv
+        self.decode_kv_tokens += kv
 
     def _start_constrained(self) -> list[RequestOutput]:
         """Start the held requests whose grammar has compiled; the failed outputs of those

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import cast
 
-from cluster.stats import EngineStats
+from cluster.stats import STEP_SAMPLES, EngineStats
 from kvbm.block_pool import KVEvent
 from workers.engine_api import Engine, EngineRequest, RequestOutput
 
@@ -45,6 +45,11 @@ class EngineLoop:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.step_seconds_total = 0.0
+        # the last steps' (step_no, wall_s, prefill_tokens, decode_seqs, decode_kv_tokens),
+        # from the engine's own counts of each step (none: it does not see its steps)
+        self.step_samples: deque[tuple[int, float, int, int, int]] = deque(maxlen=STEP_SAMPLES)
+        self._counts = engine.step_counts
+        self._sampled_no = 0  # the step the latest sample is of
         engine.set_waker(self._wake)
         # an engine that computes elsewhere (vLLM) blocks in step() until outputs come:
         # commands posted to the loop return it from that step at once
@@ -79,6 +84,8 @@ class EngineLoop:
         a snapshot of plain counters, a step may be under way)."""
         st = self.engine.stats()
         st.step_seconds = round(self.step_seconds_total, 3)
+        st.step_samples = [[n, round(w, 6), p, d, kv]
+                           for n, w, p, d, kv in list(self.step_samples)]  # fmt: skip
         return st
 
     # ----------------------------------------------------------------------------------
@@ -134,7 +141,13 @@ class EngineLoop:
             try:
                 t0 = time.perf_counter()
                 outs.extend(self.engine.step())
-                self.step_seconds_total += time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                self.step_seconds_total += wall
+                c = self._counts
+                if c is not None and c.step_no != self._sampled_no:  # a step was computed
+                    self._sampled_no = c.step_no
+                    self.step_samples.append((c.step_no, wall, c.prefill_tokens,
+                                              c.decode_seqs, c.decode_kv_tokens))  # fmt: skip
             except Exception:  # noqa: BLE001 - the loop must survive to serve others
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 outs.extend(self.engine.fail_all("internal engine error; see worker log"))

@@ -7,12 +7,9 @@ a step sleeps as long as a GPU would take for it and yields placeholder tokens (
 text, cycled). It does not import torch and allocates no KV memory, so a small machine can
 run 8–64 of them (``conveyor serve --engine mock --workers N``).
 
-Step time (ms), divided by ``speedup``::
-
-    decode_step_ms                               a step with one sequence
-  + decode_ms_per_seq  * (sequences in the step - 1)
-  + prefill_us_per_token / 1000 * (prompt tokens computed in the step)
-  + prefill_quadratic_us / 1000 * sum over prefill chunks of chunk * context / 1024
+A step's time is :class:`workers.mock_timing.MockTiming`'s cost model (per-token prefill,
+attention in prefill, a fixed decode step, per-sequence and per-KV-token decode costs),
+with named presets such as ``h100-llama8b``.
 
 A prefix-cache hit shows up exactly as it would on a GPU: the cached tokens are never
 scheduled, so the step that admits the request is shorter and its first token comes sooner.
@@ -28,7 +25,6 @@ copies are. Defaults: a block of a Llama-8B-size model (2 MiB) at ~25 GB/s host 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -37,40 +33,10 @@ from kvbm.disk import BlockLayout, SimulatedBlockStore
 from workers.checkpoint import TextModelConfig
 from workers.engine_api import EngineConfig
 from workers.engine_core import EngineCore
+from workers.mock_timing import MockTiming
 from workers.scheduler import Seq
 
 PLACEHOLDER_TEXT = " lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod"
-
-
-@dataclass(slots=True)
-class MockTiming:
-    prefill_us_per_token: float = 100.0
-    prefill_quadratic_us: float = 0.0
-    decode_step_ms: float = 5.0
-    decode_ms_per_seq: float = 0.05
-    speedup: float = 1.0
-    host_copy_us_per_block: float = 80.0  # one block G1 <-> G2 (KVBM tiers)
-    disk_us_per_block: float = 400.0  # one block to or from G3
-
-    def __post_init__(self) -> None:
-        if self.speedup <= 0:
-            raise ValueError(f"mock speedup must be > 0, got {self.speedup}")
-        for name in ("prefill_us_per_token", "prefill_quadratic_us", "decode_step_ms",
-                     "decode_ms_per_seq", "host_copy_us_per_block",
-                     "disk_us_per_block"):  # fmt: skip
-            if getattr(self, name) < 0:
-                raise ValueError(f"mock {name} must be >= 0, got {getattr(self, name)}")
-
-    def step_seconds(self, num_seqs: int, prefill_chunks: list[tuple[int, int]]) -> float:
-        """Simulated duration of a step with ``num_seqs`` sequences, of which the prefill
-        ones compute ``(chunk tokens, context length at the chunk's end)``."""
-        if num_seqs == 0:
-            return 0.0
-        ms = self.decode_step_ms + self.decode_ms_per_seq * (num_seqs - 1)
-        for n, ctx in prefill_chunks:
-            ms += self.prefill_us_per_token / 1000 * n
-            ms += self.prefill_quadratic_us / 1000 * n * ctx / 1024
-        return ms / 1000 / self.speedup
 
 
 class SimulatedCopier:
@@ -137,7 +103,7 @@ class MockEngine(EngineCore):
     def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
         chunks = [(end - start, end) for seq, start, end in batch if end - start > 1
                   or start < seq.num_prompt]  # fmt: skip
-        secs = self.timing.step_seconds(len(batch), chunks)
+        secs = self.timing.step_seconds(len(batch), chunks, self._step.decode_kv_tokens)
         if secs > 0:
             time.sleep(secs)
         self.simulated_seconds += secs

@@ -49,6 +49,7 @@ from workers.engine_api import (
     EngineConfig,
     EngineRequest,
     RequestOutput,
+    StepCounts,
     failed,
     refuse_prompt,
     refuse_unsupported,
@@ -152,6 +153,10 @@ class VllmEngine:
     # it as one request per choice (workers.choices), as vLLM fans a request out itself;
     # its prefix cache shares the prompt's blocks
     supports: frozenset[str] = frozenset(FEATURES)
+    # vLLM runs its own steps in its own loop: step() here only collects outputs, so there
+    # are no per-step counts (step_samples stays empty, decode_kv_tokens 0); decode_tokens
+    # counts the tokens its outputs carried
+    step_counts: StepCounts | None = None
 
     def __init__(
         self, model_dir: str | Path, config: EngineConfig, vllm_args: Sequence[str] = (),
@@ -443,7 +448,8 @@ class VllmEngine:
                            blocks_total=self.num_blocks, blocks_cached=cached,
                            prompt_tokens_seen=st.prompt_tokens_seen,
                            prompt_tokens_cached=st.prompt_tokens_cached,
-                           preemptions=st.preemptions, steps=st.steps)  # fmt: skip
+                           preemptions=st.preemptions, steps=st.steps,
+                           decode_tokens=st.decode_tokens)  # fmt: skip
 
     def extra_stats(self, st: EngineStats) -> None:
         """What the heartbeat carries beyond the engine's counts: vLLM's own count of the
@@ -598,6 +604,7 @@ class VllmEngine:
         co = item.outputs[0]  # type: ignore[attr-defined]
         toks, text = list(co.token_ids), co.text or ""
         st.output_tokens += len(toks)
+        self._counts.decode_tokens += len(toks)
         st.cached_tokens = item.num_cached_tokens or 0  # type: ignore[attr-defined]
         k = st.top_logprobs
         logprobs = None

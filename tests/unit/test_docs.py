@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", *DOCS]
 PERF = ROOT / "docs" / "performance.md"
-PACKAGES = ("api", "tasks", "workers", "kvbm", "cluster", "bench", "tests")
+PACKAGES = ("api", "tasks", "workers", "kvbm", "cluster", "planner", "bench", "tests")
 
 # a pointer: a page (docs/x.md, x.md, or a markdown link to it), a comma, the title in quotes
 POINTER = re.compile(r"(?:docs/)?(\w+)\.md`*(?:\]\([^)\s]*\))?,\s*\"([^\"]+)\"")

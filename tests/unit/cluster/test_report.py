@@ -21,6 +21,8 @@ def _full() -> HeartbeatReport:
                      prompt_tokens_seen=100, prompt_tokens_cached=40, steps=12,
                      host_blocks_used=4, host_blocks_total=64, kvbm=kv, step_seconds=1.25,
                      frames_published=30, kv_events=6, kv_event_batches=2,
+                     decode_tokens=50, decode_kv_tokens=4000,
+                     step_samples=[[11, 0.02, 64, 1, 80], [12, 0.006, 0, 2, 162]],
                      kv_transfer=TransferTotals("shm", 1 << 20, 0.5, 3),
                      embedding_transfer=TransferTotals("redis", 512, 0.1, 1),
                      images=ImageCounters(images_encoded=2, cache_hits=1,
@@ -39,6 +41,7 @@ def test_the_wire_is_flat_json_with_the_parts_a_worker_has() -> None:
     d = json.loads(_full().encode())
     assert (d["worker_id"], d["pool"], d["active"], d["engine_pid"]) == ("w1", "generate", 3, 4242)
     assert (d["blocks_used"], d["frames_published"], d["step_seconds"]) == (7, 30, 1.25)
+    assert d["step_samples"][-1] == [12, 0.006, 0, 2, 162] and d["decode_kv_tokens"] == 4000
     assert d["kv_transfer"] == {"backend": "shm", "bytes": 1 << 20, "seconds": 0.5, "count": 3,
                                 "failed": 0}  # fmt: skip
     assert d["kvbm"]["onboard_blocks"] == {"h2d": 2} and d["images"]["cache_hits"] == 1
@@ -59,6 +62,7 @@ def test_an_older_workers_report_parses_with_defaults() -> None:
     rep = HeartbeatReport.decode(json.dumps(old))
     assert (rep.worker_id, rep.pool, rep.active, rep.engine_pid) == ("old", "decode", 1, 7)
     assert rep.stats.blocks_used == 3 and rep.stats.prompt_tokens_seen == 0
+    assert rep.stats.step_samples == [] and rep.stats.decode_kv_tokens == 0
     assert rep.stats.kvbm is None and rep.stats.images is None
     assert rep.stats.kv_transfer == TransferTotals("nixl", 10, 0.2, 1, failed=0)
 

@@ -59,6 +59,7 @@ NEW_NAMES = [
     "resumable_streams",
     "resume_grace_s",
     "resume_ttl_s",
+    "serve_drain_timeout_s",
     "tenant_tokens_per_min",
 ]
 

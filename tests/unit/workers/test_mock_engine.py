@@ -187,3 +187,95 @@ def test_a_full_batch_makes_room_for_a_more_urgent_request(tiny_model_dir: Path)
                     done.append(o.request_id)
         assert done[0] == first_done and tokens == {"low": 30, "high": 3}, (done, tokens)
         assert (e.stats().preemptions > 0) == (high_priority < 0)
+
+
+def test_decode_reads_its_context_every_step() -> None:
+    t = MockTiming(prefill_us_per_token=100, decode_step_ms=5, decode_ms_per_seq=0.5,
+                   decode_us_per_kv_token=0.1, speedup=2)  # fmt: skip
+    # 4 sequences decoding, 3000 tokens of context between them
+    ms = 5 + 0.5 * 3 + 0.1 * 3000 / 1000
+    assert t.step_seconds(4, [], 3000) == pytest.approx(ms / 1000 / 2)
+    with pytest.raises(ValueError, match="decode_us_per_kv_token"):
+        MockTiming(decode_us_per_kv_token=-1)
+
+
+def test_the_h100_llama8b_profile() -> None:
+    t = MockTiming.profile("h100-llama8b")
+    assert t.step_seconds(1, [], 1000) == pytest.approx((6.0 + 0.05 * 1000 / 1000) / 1000)
+    # a full batch of 64 at 2k context: the KV read adds ~6.6 ms to the weights' 6 ms
+    assert t.step_seconds(64, [], 64 * 2048) == pytest.approx(
+        (6.0 + 0.03 * 63 + 0.05 * 64 * 2048 / 1000) / 1000)  # fmt: skip
+    # a 2048-token prompt alone: 60 µs a token and attention over its context
+    assert t.step_seconds(1, [(2048, 2048)]) == pytest.approx(
+        (6.0 + 0.06 * 2048 + 0.0013 * 2048 * 2048 / 1024) / 1000)  # fmt: skip
+    assert MockTiming.profile("h100-llama8b", speedup=4).step_seconds(1, []) == \
+        pytest.approx(0.006 / 4)  # fmt: skip
+    with pytest.raises(ValueError, match="h100-llama8b"):
+        MockTiming.profile("a100")
+
+
+def test_a_profile_in_the_settings_yields_to_the_fields_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tasks.settings import MockTimingSettings, Settings
+
+    s = MockTimingSettings(profile="h100-llama8b", decode_step_ms=7)
+    assert MockTiming(**s.model_dump()) == MockTiming.profile("h100-llama8b", decode_step_ms=7)
+    monkeypatch.setenv("CONVEYOR_MOCK__PROFILE", "h100-llama8b")
+    monkeypatch.setenv("CONVEYOR_MOCK__SPEEDUP", "10")
+    assert MockTiming(**Settings().mock.model_dump()) == MockTiming.profile("h100-llama8b",
+                                                                           speedup=10)  # fmt: skip
+    assert MockTiming(**MockTimingSettings().model_dump()) == MockTiming()  # same defaults
+    with pytest.raises(ValueError, match="h100-llama8b"):
+        MockTimingSettings(profile="a100")
+
+
+def test_steps_count_prefill_decode_and_the_kv_read(tiny_model_dir: Path) -> None:
+    timing = MockTiming(prefill_us_per_token=100, decode_step_ms=2, decode_us_per_kv_token=10,
+                        speedup=1000)  # fmt: skip
+    e = make(tiny_model_dir, timing)
+    run(e, req("a", PROMPT, max_tokens=8))
+    st = e.stats()
+    # one prefill step (100 tokens, the first token), then 7 steps decoding one sequence
+    # whose context is 101 .. 107 tokens
+    kv = sum(range(101, 108))
+    assert (st.steps, st.decode_tokens, st.decode_kv_tokens) == (8, 8, kv)
+    assert st.prompt_tokens_computed == 100
+    want_ms = 8 * 2 + 0.1 * 100 + 0.01 * kv
+    assert e.simulated_seconds == pytest.approx(want_ms / 1000 / 1000)
+    c = e.step_counts
+    assert c is not None and (c.step_no, c.prefill_tokens, c.decode_seqs,
+                              c.decode_kv_tokens) == (8, 0, 1, 107)  # fmt: skip
+
+
+def test_the_loop_samples_the_last_steps_with_their_wall_time(tiny_model_dir: Path) -> None:
+    import threading
+
+    from cluster.membership import HeartbeatReport
+    from cluster.stats import STEP_SAMPLES
+    from workers.engine_loop import EngineLoop
+
+    done = threading.Event()
+
+    def sink(outs: list[RequestOutput]) -> None:
+        if any(o.finished for o in outs):
+            done.set()
+
+    loop = EngineLoop(make(tiny_model_dir), sink).start()
+    try:
+        assert loop.stats().step_samples == []  # no step yet
+        loop.submit(req("a", PROMPT, max_tokens=40))
+        assert done.wait(30)
+        st = loop.stats()
+    finally:
+        loop.stop()
+    samples = st.step_samples
+    assert st.steps == 40 and len(samples) == STEP_SAMPLES
+    # the newest 32 steps, oldest first: decoding one sequence over a growing context
+    assert [s[0] for s in samples] == list(range(40 - STEP_SAMPLES + 1, 41))
+    assert all(s[2:] == [0, 1, 100 + s[0] - 1] for s in samples)
+    assert all(0 < s[1] < 5 for s in samples)
+    assert sum(s[1] for s in samples) <= st.step_seconds + 0.001  # (rounded to ms)
+    # through the heartbeat's JSON, as the planner reads it
+    rep = HeartbeatReport.decode(HeartbeatReport("w", "generate", stats=st).encode())
+    assert rep.stats.step_samples == samples and rep.stats.decode_kv_tokens == st.decode_kv_tokens

@@ -1,0 +1,194 @@
+"""A pool's performance model: an engine step's time against the tokens in it, fitted live.
+
+Every worker reports its last engine steps in its heartbeat (``EngineStats.step_samples``:
+step number, wall time, prompt tokens computed, decoding sequences, KV tokens those
+sequences read). A continuous-batching step costs a fixed part (the weights read once), a
+part per prompt token computed, a part per decoding sequence and a part per KV token read
+by attention::
+
+    step_s = base + per_prefill_token * P + per_seq * S + per_kv_token * K
+
+:class:`StepModel` fits those four non-negative coefficients by least squares over a
+sliding window of samples, and from them answers what the planner asks: the inter-token
+latency at a given load, the time to first token behind a given queue, and the highest
+request rate one worker sustains within both targets (:meth:`StepModel.capacity`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_SAMPLES = 16  # fewer than this: no fit (the planner falls back on what it observes)
+
+
+@dataclass(slots=True)
+class Coefficients:
+    base: float  # s per step
+    per_prefill_token: float  # s per prompt token computed in the step
+    per_seq: float  # s per decoding sequence
+    per_kv_token: float  # s per KV token read
+
+    def step(self, prefill: float, seqs: float, kv: float) -> float:
+        return (self.base + self.per_prefill_token * prefill + self.per_seq * seqs
+                + self.per_kv_token * kv)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Load:
+    """What a pool serves: request rate (per worker when asked of a model), mean prompt
+    and output lengths in tokens."""
+
+    rate: float
+    isl: float
+    osl: float
+
+
+class StepModel:
+    """Step time against tokens, for one pool, over the last ``window`` samples."""
+
+    def __init__(self, window: int = 4000, chunk_tokens: int = 2048) -> None:
+        self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._seen: dict[str, float] = {}  # worker -> last step number taken
+        self.coef: Coefficients | None = None
+        self.r2 = 0.0
+        self.default_chunk = chunk_tokens
+        self.max_prefill = 0  # the most prompt tokens seen in one step: the engine's chunk
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.max_prefill or self.default_chunk
+
+    # ----------------------------------------------------------------------------------
+    def add(self, worker_id: str, samples: list[list[float]]) -> list[list[float]]:
+        """Take a worker's reported steps not taken before; returns those."""
+        last = self._seen.get(worker_id, -1.0)
+        new = []
+        for s in samples:
+            if len(s) < 5 or s[0] <= last:
+                continue
+            _, wall, prefill, seqs, kv = s[:5]
+            if wall <= 0:
+                continue
+            self.samples.append((wall, prefill, seqs, kv))
+            self.max_prefill = max(self.max_prefill, int(prefill))
+            last = s[0]
+            new.append(s)
+        self._seen[worker_id] = last
+        return new
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the step numbers of workers that left (a restarted worker counts anew)."""
+        for w in [w for w in self._seen if w not in live]:
+            del self._seen[w]
+
+    def fit(self) -> Coefficients | None:
+        """Least squares with non-negative coefficients (a column whose coefficient comes
+        out negative is dropped and the rest refitted): a step never gets cheaper for
+        more work. ``None`` until :data:`MIN_SAMPLES` samples."""
+        if len(self.samples) < MIN_SAMPLES:
+            return self.coef
+        a = np.asarray(self.samples, dtype=np.float64)
+        y, x = a[:, 0], np.column_stack([np.ones(len(a)), a[:, 1], a[:, 2], a[:, 3]])
+        cols = [0, 1, 2, 3]
+        beta = np.zeros(4)
+        while cols:
+            sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (sol >= 0).all():
+                beta[:] = 0
+                beta[cols] = sol
+                break
+            cols = [c for c, v in zip(cols, sol, strict=True) if v >= 0] or [0]
+            if cols == [0]:
+                beta[:] = 0
+                beta[0] = max(float(y.mean()), 0.0)
+                break
+        pred = x @ beta
+        var = float(((y - y.mean()) ** 2).sum())
+        self.r2 = 1.0 - float(((y - pred) ** 2).sum()) / var if var > 0 else 1.0
+        self.coef = Coefficients(*(float(b) for b in beta))
+        return self.coef
+
+    # ----------------------------------------------------------------------------------
+    def itl(self, seqs: float, kv: float, prefill_per_step: float = 0.0) -> float | None:
+        """A decode step's time with ``seqs`` sequences reading ``kv`` KV tokens and
+        ``prefill_per_step`` prompt tokens chunked in beside them."""
+        c = self.coef
+        return None if c is None else c.step(prefill_per_step, seqs, kv)
+
+    def ttft(self, queued_tokens: float, seqs: float, kv: float) -> float | None:
+        """Time until a request whose prompt is the last of ``queued_tokens`` prompt
+        tokens gets its first token: the prompt work in chunks of at most
+        ``chunk_tokens`` a step, each step also carrying the running decode batch."""
+        c = self.coef
+        if c is None:
+            return None
+        steps = max(1, math.ceil(queued_tokens / max(1, self.chunk_tokens)))
+        return steps * c.step(0.0, seqs, kv) + c.per_prefill_token * queued_tokens
+
+    def capacity(self, load: Load, ttft_target: float, itl_target: float,
+                 prefill: bool = True, decode: bool = True) -> float | None:  # fmt: skip
+        """The highest request rate one worker sustains with its steady-state ITL within
+        ``itl_target`` and its TTFT within ``ttft_target``. ``prefill``/``decode``: which
+        work the pool does (a prefill pool computes prompts and one token, a decode pool
+        only decodes, the aggregated one both). ``None`` before a fit."""
+        if self.coef is None:
+            return None
+        lo, hi = 0.0, 1.0
+        while self._meets(hi, load, ttft_target, itl_target, prefill, decode) and hi < 1e6:
+            lo, hi = hi, hi * 2
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if self._meets(mid, load, ttft_target, itl_target, prefill, decode):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def steady(self, rate: float, load: Load, prefill: bool = True,
+               decode: bool = True) -> tuple[float, float] | None:  # fmt: skip
+        """(TTFT, ITL) one worker settles at with ``rate`` requests/s of ``load``'s
+        shape; ``None`` when it cannot keep up (its queue grows without bound)."""
+        c = self.coef
+        if c is None:
+            return None
+        pf_tokens = rate * load.isl if prefill else 0.0  # prompt tokens per second
+        util = c.per_prefill_token * pf_tokens  # the share of time computing prompts
+        if util >= 1.0:
+            return None
+        if not decode:  # prompts only: an M/D/1-like wait on a prefill server
+            service = c.base + c.per_prefill_token * load.isl
+            rho = rate * service
+            if rho >= 1.0:
+                return None
+            return service + rho * service / (2 * (1 - rho)), 0.0
+        # decode: the step time and the batch feed each other (Little: the batch is the
+        # rate times a request's decode time, OSL steps); iterate to the fixed point
+        itl = c.base
+        for _ in range(100):
+            seqs = rate * load.osl * itl
+            kv = seqs * (load.isl + load.osl / 2)
+            nxt = (c.base + c.per_seq * seqs + c.per_kv_token * kv) / (1.0 - util)
+            if nxt > 60.0:
+                return None
+            if abs(nxt - itl) < 1e-6:
+                itl = nxt
+                break
+            itl = nxt
+        if rate * load.osl * itl * (c.per_seq + c.per_kv_token * (load.isl + load.osl / 2)) >= 1:
+            return None  # the batch's own growth outruns the step: no fixed point
+        if not prefill:
+            return 0.0, itl
+        # a prompt is chunked in beside the batch: its chunks' steps, waiting behind the
+        # prompts ahead of it (the prefill share of the time, as a queue)
+        steps = max(1, math.ceil(load.isl / max(1, self.chunk_tokens)))
+        own = steps * itl + c.per_prefill_token * load.isl
+        return own / (1.0 - util), itl
+
+    def _meets(self, rate: float, load: Load, ttft_target: float, itl_target: float,
+               prefill: bool, decode: bool) -> bool:  # fmt: skip
+        s = self.steady(rate, load, prefill, decode)
+        return s is not None and s[0] <= ttft_target and s[1] <= itl_target

@@ -1,0 +1,97 @@
+"""``conveyor serve --planner``: the planner grows the generate pool while every worker is
+over its targets and drains it back when the load is gone, and no request is lost on the
+way. Real processes: the supervisor, mock-engine workers whose steps take GPU-like time,
+the API over HTTP, the official openai client as the caller; the planner reads the
+workers' heartbeats and the API's traffic counters from the real Redis."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import wait_for
+from tests.integration.test_serve_supervision import serving
+
+pytestmark = pytest.mark.integration
+
+OSL = 24
+
+
+def _metric(url: str, name: str, **labels: str) -> float | None:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _live(url: str) -> int:
+    return int(httpx.get(f"{url}/health", timeout=5).json().get("workers", {}).get("generate", 0))
+
+
+def test_planner_scales_up_under_load_and_drains_after(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with serving(tmp_path, tiny_model_dir, "--planner", "--workers", "1", "--no-flower",
+                 CONVEYOR_MOCK__DECODE_STEP_MS="40", CONVEYOR_MOCK__PREFILL_US_PER_TOKEN="400",
+                 CONVEYOR_MAX_NUM_SEQS="4", CONVEYOR_WORKER_MAX_REQUESTS="0",
+                 CONVEYOR_PLANNER_TTFT_MS="300", CONVEYOR_PLANNER_ITL_MS="200",
+                 CONVEYOR_PLANNER_LOAD_INTERVAL_S="1", CONVEYOR_PLANNER_WINDOW_S="5",
+                 CONVEYOR_PLANNER_THROUGHPUT_INTERVAL_S="3600",
+                 CONVEYOR_PLANNER_MAX_WORKERS="3", CONVEYOR_PLANNER_GPU_BUDGET="3",
+                 CONVEYOR_PLANNER_HOLD_TIMEOUT_S="60") as s:  # fmt: skip
+        wait_for(lambda: s.complete().status_code == 200, 60, "a served request", [s.proc])
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
+        stop = threading.Event()
+        results: list[tuple[int, str | None]] = []
+        errors: list[str] = []
+
+        def load() -> None:  # 12 streams at once: 3 batches' worth queue on one worker
+            while not stop.is_set():
+                try:
+                    tokens, finish = 0, None
+                    stream = client.completions.create(
+                        model=s.model, prompt="tell me more " * 40, max_tokens=OSL,
+                        stream=True, extra_body={"ignore_eos": True},
+                        stream_options={"include_usage": True},
+                    )  # fmt: skip
+                    for chunk in stream:
+                        if chunk.choices and chunk.choices[0].finish_reason:
+                            finish = chunk.choices[0].finish_reason
+                        if chunk.usage:
+                            tokens = chunk.usage.completion_tokens
+                    results.append((tokens, finish))
+                except openai.OpenAIError as e:
+                    errors.append(repr(e))
+
+        threads = [threading.Thread(target=load, daemon=True) for _ in range(12)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: _live(s.url) >= 3, 120, "the planner growing the pool to 3",
+                     [s.proc])  # fmt: skip
+            ups = _metric(s.url, "conveyor_planner_decisions_total", pool="generate",
+                          kind="load-up")  # fmt: skip
+            assert ups is not None and ups >= 2, ups
+            assert _metric(s.url, "conveyor_planner_workers", pool="generate") is not None
+            time.sleep(3)  # requests on all three workers when the load stops
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        # idle now: every worker under target, one fewer fits: drained one a tick
+        wait_for(lambda: _live(s.url) == 1, 120, "the planner draining back to 1", [s.proc])
+        downs = _metric(s.url, "conveyor_planner_decisions_total", pool="generate",
+                        kind="load-down")  # fmt: skip
+        assert downs is not None and downs >= 2, downs
+        assert not errors, errors[:3]
+        assert len(results) >= 12
+        bad = [r for r in results if r != (OSL, "length")]
+        assert not bad, f"{len(bad)} of {len(results)} requests cut short: {bad[:5]}"
+        table = s.table()
+        drained = [n for n, p in table.items() if n.startswith("worker-")]
+        assert sum(table[n]["state"] == "running" for n in drained) == 1, table
+        assert s.complete().status_code == 200

@@ -1,0 +1,209 @@
+"""The planner's two loops on observations: built here, and recorded from a real run
+(``data/recorded.jsonl``, ``conveyor planner --record`` under ``bench/planner_sim.py``).
+
+What must hold (issue 35): scale up only when every worker is over the SLA, down only
+when every one is under SLA x sensitivity; hold while an action takes effect; clamp to
+min/max workers and the GPU budget; the throughput loop raises the pool to its floor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.connectors import ConnectorError, Decision
+from planner.core import Planner, PlannerConfig
+from planner.inputs import Observation, PoolView, TrafficView, WorkerView, read_recording
+from planner.model import Coefficients
+
+DATA = Path(__file__).parent / "data"
+COST = Coefficients(base=0.010, per_prefill_token=40e-6, per_seq=0.2e-3, per_kv_token=0.02e-6)
+
+
+class FakeConnector:
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.asked: list[Decision] = []
+        self.done = False
+        self.fail = False
+
+    def replicas(self, pool: str) -> int | None:
+        return None
+
+    def scale(self, decision: Decision) -> None:
+        if self.fail:
+            raise ConnectorError("the orchestrator said no")
+        self.asked.append(decision)
+
+    def settled(self, decision: Decision) -> bool:
+        return self.done
+
+
+class Cluster:
+    """Workers whose steps cost ``COST``; each tick reports the steps since the last."""
+
+    def __init__(self, n: int, running: int = 8, waiting: int = 0, ctx: int = 1000) -> None:
+        self.step_no = 0
+        self.t = 1000.0
+        self.n, self.running, self.waiting, self.ctx = n, running, waiting, ctx
+        self.prefill = 512  # prompt tokens chunked into some steps
+        self.queued = 0
+        self.traffic = TrafficView(30, 60, 60, 2.0, 1024, 128, 0.3, 0.02)
+
+    def worker(self, i: int) -> WorkerView:
+        samples = []
+        for k in range(32):
+            self.step_no += 1
+            p = self.prefill if k % 4 == 0 else 0
+            kv = self.running * self.ctx
+            samples.append([float(self.step_no), COST.step(p, self.running, kv), float(p),
+                            float(self.running), float(kv)])  # fmt: skip
+        return WorkerView(f"w{i}", self.running, self.waiting, 0.5, samples)
+
+    def observe(self, dt: float = 5.0) -> Observation:
+        self.t += dt
+        pool = PoolView("generate", [self.worker(i) for i in range(self.n)], self.queued)
+        return Observation(self.t, {"generate": pool}, self.traffic)
+
+
+def _planner(conn: FakeConnector, **kw) -> Planner:  # type: ignore[no-untyped-def]
+    cfg = PlannerConfig(**{"ttft_target_s": 0.5, "itl_target_s": 0.05, "max_workers": 8,
+                           "gpu_budget": 8, "throughput_loop": False, **kw})  # fmt: skip
+    return Planner(cfg, conn)
+
+
+def test_scales_up_only_when_every_worker_is_over() -> None:
+    conn, c = FakeConnector(), Cluster(3, running=8)
+    p = _planner(conn)
+    p.step(c.observe())
+    assert conn.asked == []  # steps of ~12 ms, a short queue: all under target
+    c.running = 300  # every worker's decode step now ~70 ms: over the ITL target
+    p.step(c.observe())
+    assert [(d.previous, d.replicas) for d in conn.asked] == [(3, 4)]
+    assert "all 3 over" in conn.asked[0].reason
+
+
+def test_one_worker_under_target_holds_the_pool() -> None:
+    conn, c = FakeConnector(), Cluster(3, running=300)
+    p = _planner(conn)
+    obs = c.observe()
+    obs.pools["generate"].workers[1].samples = [  # this one runs a light batch
+        [s[0], COST.step(0, 4, 4000), 0.0, 4.0, 4000.0] for s in obs.pools["generate"].workers[1].samples
+    ]  # fmt: skip
+    obs.pools["generate"].workers[1].running = 4
+    p.step(obs)
+    assert conn.asked == []
+
+
+def test_holds_until_the_action_takes_effect() -> None:
+    conn, c = FakeConnector(), Cluster(2, running=300)
+    p = _planner(conn)
+    p.step(c.observe())
+    assert len(conn.asked) == 1 and conn.asked[0].replicas == 3
+    p.step(c.observe())  # still 2 live, connector not done: no second action
+    p.step(c.observe())
+    assert len(conn.asked) == 1 and p.plans["generate"].hold is not None
+    conn.done = True
+    p.step(c.observe())  # done, but the pool still has 2 live: held
+    assert len(conn.asked) == 1
+    c.n = 3
+    p.step(c.observe())  # 3 live and done: released, and still all over: one more
+    assert [d.replicas for d in conn.asked] == [3, 4]
+
+
+def test_hold_times_out() -> None:
+    conn, c = FakeConnector(), Cluster(2, running=300)
+    p = _planner(conn, hold_timeout_s=12)
+    p.step(c.observe())
+    p.step(c.observe())
+    assert len(conn.asked) == 1
+    p.step(c.observe(dt=10))  # 15 s after the action: acted again
+    assert len(conn.asked) == 2
+
+
+def test_clamped_to_max_workers_and_gpu_budget() -> None:
+    conn, c = FakeConnector(), Cluster(4, running=300)
+    p = _planner(conn, max_workers=4)
+    p.step(c.observe())
+    assert conn.asked == [] and p.plans["generate"].decisions.get("clamped") == 1
+    conn2 = FakeConnector()
+    p2 = _planner(conn2, max_workers=16, gpu_budget=10, gpus_per_worker={"generate": 2})
+    c.n = 5  # 5 x 2 GPUs = the whole budget
+    p2.step(c.observe())
+    assert conn2.asked == []
+    c.n = 4
+    p2.step(c.observe())
+    assert [d.replicas for d in conn2.asked] == [5]
+
+
+def test_scales_down_when_every_worker_is_under_and_one_fewer_fits() -> None:
+    conn, c = FakeConnector(), Cluster(4, running=2, ctx=200)
+    c.traffic = TrafficView(30, 30, 30, 1.0, 512, 64, 0.05, 0.012)
+    p = _planner(conn)
+    p.step(c.observe())
+    assert [(d.previous, d.replicas) for d in conn.asked] == [(4, 3)]
+    assert "under" in conn.asked[0].reason
+    # at min_workers: never below
+    conn2, c2 = FakeConnector(), Cluster(1, running=2, ctx=200)
+    c2.traffic = c.traffic
+    _planner(conn2, min_workers=1).step(c2.observe())
+    assert conn2.asked == []
+
+
+def test_no_scale_down_while_requests_queue() -> None:
+    conn, c = FakeConnector(), Cluster(4, running=2, ctx=200)
+    c.traffic = TrafficView(30, 30, 30, 1.0, 512, 64, 0.05, 0.012)
+    c.queued = 3
+    _planner(conn).step(c.observe())
+    assert conn.asked == []
+
+
+def test_throughput_loop_raises_the_pool_to_its_floor() -> None:
+    conn, c = FakeConnector(), Cluster(1, running=8)
+    c.traffic = TrafficView(30, 600, 600, 20.0, 1024, 128, 0.3, 0.02)
+    p = _planner(conn, throughput_loop=True, load_loop=False, throughput_interval_s=60,
+                 max_workers=64, gpu_budget=64)  # fmt: skip
+    p.step(c.observe())  # the first tick fits the model and sizes the pool
+    assert len(conn.asked) == 1
+    d = conn.asked[0]
+    cap = p.plans["generate"].model.capacity(
+        __import__("planner.model", fromlist=["Load"]).Load(20.0, 1024, 128), 0.5, 0.05)
+    assert cap and d.replicas == -(-20.0 // cap) and d.replicas > 1
+    assert "throughput" in d.reason and p.plans["generate"].floor == d.replicas
+
+
+def test_a_failed_action_is_counted_not_held() -> None:
+    conn, c = FakeConnector(), Cluster(2, running=300)
+    conn.fail = True
+    p = _planner(conn)
+    p.step(c.observe())
+    assert p.plans["generate"].hold is None and p.plans["generate"].decisions["failed"] == 1
+
+
+def test_worker_seconds_integrate_live_workers() -> None:
+    conn, c = FakeConnector(), Cluster(3, running=8)
+    p = _planner(conn)
+    p.step(c.observe())
+    p.step(c.observe(dt=10))
+    c.n = 1
+    p.step(c.observe(dt=4))
+    assert p.plans["generate"].worker_seconds == pytest.approx(3 * 10 + 3 * 4)
+
+
+def test_recorded_run_replays(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run recorded under bench/planner_sim.py: the loops grow the pool during the ramp
+    up and shrink it after the peak, and never beyond the bounds."""
+    rec = DATA / "recorded.jsonl"
+    obs = list(read_recording(rec))
+    assert len(obs) > 20
+    conn = FakeConnector()
+    conn.done = True
+    p = Planner(PlannerConfig(ttft_target_s=1.0, itl_target_s=0.1, max_workers=6,
+                              gpu_budget=6), conn, dry_run=True)  # fmt: skip
+    for o in obs:
+        p.step(o)
+    ups = [d for d in conn.asked if d.replicas > d.previous]
+    downs = [d for d in conn.asked if d.replicas < d.previous]
+    assert ups and downs and ups[0].ts < downs[-1].ts
+    assert all(1 <= d.replicas <= 6 for d in conn.asked)
