@@ -47,6 +47,8 @@ ROLES: dict[str, tuple[bool, bool]] = {
     "prefill": (True, False),
     "decode": (False, True),
 }
+DEFAULT_ISL, DEFAULT_OSL = 512.0, 128.0  # request shape assumed before any traffic
+MIN_OBSERVED = 8  # requests in the window before the observed quantiles count (no model yet)
 QUEUED_PER_ENCODER = 2.0  # encode pools (no step model): more queued per worker -> grow
 
 
@@ -95,6 +97,7 @@ class PoolPlan:
     worker_seconds: float = 0.0
     last_ts: float | None = None
     decisions: dict[str, int] = field(default_factory=dict)  # "load-up" etc. -> count
+    clamped: bool = False  # the last wish to grow was refused by the bounds
 
     def estimated(self, which: str) -> float | None:
         vals = [getattr(e, which) for e in self.estimates if getattr(e, which) is not None]
@@ -116,6 +119,7 @@ class Planner:
         }
         self.predicted: dict[str, float | None] = {"rate": None, "isl": None, "osl": None}
         self.traffic = TrafficView()
+        self.isl, self.osl = DEFAULT_ISL, DEFAULT_OSL  # until traffic says otherwise
         self._tp_acc: list[TrafficView] = []  # readings since the last throughput tick
         self._last_load: float | None = None
         self._last_tp: float | None = None
@@ -146,6 +150,10 @@ class Planner:
         loops that are due. Returns the decisions made."""
         now = obs.ts
         self.traffic = obs.traffic
+        if obs.traffic.requests and obs.traffic.isl:  # lengths: the last window that had any
+            self.isl = obs.traffic.isl
+        if obs.traffic.finished and obs.traffic.osl:
+            self.osl = obs.traffic.osl
         self._tp_acc.append(obs.traffic)
         for name, plan in self.plans.items():
             view = obs.pools.get(name, PoolView(name))
@@ -204,18 +212,19 @@ class Planner:
         quantile of the steps it ran since the last tick (``fresh``), else the model's
         step at its batch (an idle worker's step is the bare one)."""
         prefill, decode = ROLES.get(plan.pool, (False, False))
-        isl = self.traffic.isl or 512.0
+        isl = self.isl
+        kv = fresh[-1][4] if fresh else (w.kv_tokens if w.running else 0.0)  # now, not stale
         share = view.queued / max(1, len(view.workers))  # its part of the pool's queue
         ttft = None
         if prefill:
-            ttft = plan.model.ttft((w.waiting + share + 1) * isl, w.running, w.kv_tokens)
+            ttft = plan.model.ttft((w.waiting + share + 1) * isl, w.running, kv)
         itl = None
         if decode:
             recent = [s[1] for s in fresh if s[3] > 0]
             if recent:  # what its decoding requests see now
                 itl = float(np.percentile(recent, self.cfg.quantile * 100))
             else:
-                itl = plan.model.itl(w.running, w.kv_tokens)
+                itl = plan.model.itl(w.running, kv)
         return WorkerEstimate(w.worker_id, ttft, itl)
 
     # ----------------------------------------------------------------------------------
@@ -255,9 +264,10 @@ class Planner:
                                  f"{_ms(plan.estimated('ttft'))}, ITL "
                                  f"{_ms(plan.estimated('itl'))})", now)  # fmt: skip
             return None
-        # no fit yet: the API's observed quantiles stand for every worker
+        # no fit yet: the API's observed quantiles stand for every worker, once enough
+        # requests have been seen (one cold request is no signal)
         obs_t, obs_i = traffic.ttft, traffic.itl
-        if (obs_t or 0) > t_ttft or (obs_i or 0) > t_itl:
+        if traffic.requests >= MIN_OBSERVED and ((obs_t or 0) > t_ttft or (obs_i or 0) > t_itl):
             return self._act(plan, plan.has + 1, "load-up",
                              f"load (observed, no model yet): TTFT p{self._q} {_ms(obs_t)}, "
                              f"ITL {_ms(obs_i)}", now)  # fmt: skip
@@ -272,7 +282,7 @@ class Planner:
         if t.rate <= 0:
             return True
         prefill, decode = ROLES[plan.pool]
-        load = Load(t.rate / n, t.isl or 512.0, t.osl or 128.0)
+        load = Load(t.rate / n, self.isl, self.osl)
         s = plan.model.steady(load.rate, load, prefill, decode)
         return s is not None and s[0] <= self.cfg.ttft_target_s and s[1] <= self.cfg.itl_target_s
 
@@ -321,12 +331,15 @@ class Planner:
         want = max(want, plan.floor, self.cfg.min_workers)
         want = min(want, self.cfg.max_workers, self._budget_for(plan))
         if want == plan.has or (kind.endswith("-up") and want < plan.has):
-            if kind.endswith("-up"):  # at the bounds: nothing to do but say so
-                log.info("planner: %s: would grow but is at its bound (%d workers; max %d, "
-                         "GPU budget %d)", plan.pool, plan.has, self.cfg.max_workers,
-                         self.cfg.gpu_budget)  # fmt: skip
+            if kind.endswith("-up"):  # at the bounds: nothing to do but say so (once a run)
+                if not plan.clamped:
+                    log.warning("planner: %s: would grow but is at its bound (%d workers; max "
+                                "%d, GPU budget %d)", plan.pool, plan.has,
+                                self.cfg.max_workers, self.cfg.gpu_budget)  # fmt: skip
+                plan.clamped = True
                 plan.decisions["clamped"] = plan.decisions.get("clamped", 0) + 1
             return None
+        plan.clamped = False
         d = Decision(plan.pool, want, plan.has, reason, ts=now)
         try:
             self.connector.scale(d)

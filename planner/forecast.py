@@ -97,6 +97,6 @@ FORECASTERS = {"constant": Constant, "kalman": Kalman, "arima": Arima}
 
 def make_forecaster(kind: str) -> Forecaster:
     try:
-        return FORECASTERS[kind]()  # type: ignore[no-any-return]
+        return FORECASTERS[kind]()
     except KeyError:
         raise ValueError(f"unknown forecaster {kind!r}: one of {', '.join(FORECASTERS)}") from None

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from cluster.traffic import read_traffic
 
 from cluster.membership import live_workers
 from cluster.queues import queue_depths
+from cluster.traffic import read_traffic
 
 
 @dataclass(slots=True)
@@ -98,7 +98,8 @@ def observe(client: redis.Redis, pools: tuple[str, ...], window_s: float,
     for q in queue_depths(client, pools):
         views[q.pool].queued = q.total
     t = read_traffic(client, window_s, now=now)
-    traffic = TrafficView(window_s, t.requests, t.finished, t.rate, t.isl_mean, t.osl_mean,
+    traffic = TrafficView(window_s, t.requests, t.finished, t.rate, t.isl_mean or 0.0,
+                          t.osl_mean or 0.0,
                           t.ttft_quantile(quantile), t.itl_quantile(quantile))  # fmt: skip
     return Observation(now, views, traffic)
 

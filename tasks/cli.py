@@ -577,7 +577,7 @@ def planner(record: Path | None, dry_run_file: Path | None, **kw: Any) -> None:
         return
     try:
         run_planner(s, record)
-    except ValueError as e:  # a connector's settings (ConnectorError is one)
+    except ValueError as e:  # a connector's settings
         raise click.UsageError(str(e)) from None
 
 
@@ -626,8 +626,8 @@ def planner_ack(pool: str, decision_id: str, error: str | None, **kw: Any) -> No
 @click.option("--router-mode", type=click.Choice(["kv", "round_robin", "random"]),
               help=_setting("router_mode", "How workers are picked"))  # fmt: skip
 @click.option("--planner", is_flag=True, default=None,
-              help=_setting("planner", "Size the worker pools with the SLA planner "
-                            "(CONVEYOR_PLANNER_* for its targets and bounds)"))  # fmt: skip
+              help="Size the worker pools with the SLA planner [CONVEYOR_PLANNER=true]; "
+              "CONVEYOR_PLANNER_* set its targets and bounds (README, \"Scaling\")")  # fmt: skip
 @_tool_parser_opt
 @_model_opt
 @_redis_opt

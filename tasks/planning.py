@@ -16,6 +16,7 @@ import redis
 from planner.connectors import (
     AdvisoryConnector,
     Connector,
+    ConnectorError,
     ConnectorOptions,
     Decision,
     build_connector,
@@ -76,11 +77,16 @@ def planner_factory(s: Settings) -> Callable[[Connector], Planner]:
 
 
 def run_planner(s: Settings, record: Path | None = None) -> None:
-    """``conveyor planner``: observe and decide until SIGINT/SIGTERM."""
+    """``conveyor planner``: observe and decide until SIGINT/SIGTERM. A connector that
+    cannot be built from the settings raises ValueError saying which setting."""
     import signal
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per orchestrator call
     client = redis.Redis.from_url(s.effective_redis_url)
-    connector = build_connector(s.planner.connector, client, connector_options(s))
+    try:
+        connector = build_connector(s.planner.connector, client, connector_options(s))
+    except ConnectorError as e:
+        raise ValueError(str(e)) from None
     record = record or s.planner.record
     out = record.open("a") if record is not None else None
     planner = Planner(planner_config(s), connector, client,

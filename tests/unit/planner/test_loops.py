@@ -89,10 +89,9 @@ def test_one_worker_under_target_holds_the_pool() -> None:
     conn, c = FakeConnector(), Cluster(3, running=300)
     p = _planner(conn)
     obs = c.observe()
-    obs.pools["generate"].workers[1].samples = [  # this one runs a light batch
-        [s[0], COST.step(0, 4, 4000), 0.0, 4.0, 4000.0] for s in obs.pools["generate"].workers[1].samples
-    ]  # fmt: skip
-    obs.pools["generate"].workers[1].running = 4
+    light = obs.pools["generate"].workers[1]  # this one runs a light batch
+    light.samples = [[s[0], COST.step(0, 4, 4000), 0.0, 4.0, 4000.0] for s in light.samples]
+    light.running = 4
     p.step(obs)
     assert conn.asked == []
 
@@ -169,7 +168,8 @@ def test_throughput_loop_raises_the_pool_to_its_floor() -> None:
     assert len(conn.asked) == 1
     d = conn.asked[0]
     cap = p.plans["generate"].model.capacity(
-        __import__("planner.model", fromlist=["Load"]).Load(20.0, 1024, 128), 0.5, 0.05)
+        __import__("planner.model", fromlist=["Load"]).Load(20.0, 1024, 128), 0.5, 0.05
+    )
     assert cap and d.replicas == -(-20.0 // cap) and d.replicas > 1
     assert "throughput" in d.reason and p.plans["generate"].floor == d.replicas
 
