@@ -18,7 +18,7 @@ TTFT p90 of the requests sent in the window and the ITL p90 of the tokens receiv
 are compared with the targets; the live generate workers are read from Redis every second
 and integrated into worker-seconds.
 
-The mock engine's step cost (``--speedup`` divides it; the default 0.1 keeps the token
+The mock engine's step cost (``--speedup`` divides it; the default 0.05 keeps the token
 rate, and so this 2-core host's CPU, low while the shape of the costs stays a GPU's)::
 
     step = 8 ms + 0.08 ms x sequences + 0.02 us x KV tokens read + 60 us x prompt tokens
@@ -108,10 +108,10 @@ def schedule(peak_rate: float, duration: float, trace: Path | None, seed: int) -
 
 
 def per_worker_capacity(speedup: float, isl: float, osl: float, ttft_s: float,
-                        itl_s: float, max_seqs: int) -> float:  # fmt: skip
+                        itl_s: float, max_seqs: int, chunk: int) -> float:  # fmt: skip
     """What one worker serves at the targets with the bench's costs (the planner's own
     steady-state model), capped by the batch limit (Little: batch = rate x decode time)."""
-    m = StepModel()
+    m = StepModel(chunk_tokens=chunk)
     m.coef = Coefficients(COST["decode_step_ms"] / 1e3 / speedup,
                           COST["prefill_us_per_token"] / 1e6 / speedup,
                           COST["decode_ms_per_seq"] / 1e3 / speedup,
@@ -133,6 +133,7 @@ def per_worker_capacity(speedup: float, isl: float, osl: float, ttft_s: float,
 # One run
 # --------------------------------------------------------------------------------------
 async def _one(client: SSEClient, rec: Rec, model: str, rng: random.Random) -> None:
+    offset = time.time() - time.perf_counter()  # the client stamps chunks with perf_counter
     body = {"model": model, "prompt": [rng.randrange(32, 500) for _ in range(rec.isl)],
             "max_tokens": rec.osl, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
@@ -140,7 +141,7 @@ async def _one(client: SSEClient, rec: Rec, model: str, rng: random.Random) -> N
         for now, chunk in await client.stream("/v1/completions", body):
             for c in chunk.get("choices") or []:
                 if c.get("text"):
-                    rec.times.append(now)
+                    rec.times.append(now + offset)
                 if c.get("finish_reason"):
                     rec.finish = c["finish_reason"]
             if chunk.get("usage"):
@@ -212,6 +213,7 @@ def run_once(kind: str, args: argparse.Namespace, sends: list[float], log_dir: P
         "CONVEYOR_MOCK__SPEEDUP": str(args.speedup),
         **{f"CONVEYOR_MOCK__{k.upper()}": str(v) for k, v in COST.items()},
         "CONVEYOR_MAX_NUM_SEQS": str(args.max_seqs),
+        "CONVEYOR_MAX_NUM_BATCHED_TOKENS": str(args.chunk),
         "CONVEYOR_NUM_KV_BLOCKS": "16384",
         "CONVEYOR_MAX_MODEL_LEN": str(int(args.isl * 1.5 + args.osl * 1.5) + 64),
         "CONVEYOR_PLANNER_TTFT_MS": str(args.ttft_ms),
@@ -288,14 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--runs", default="planner,fixed")
-    ap.add_argument("--host-workers", type=int, default=4, help="Workers of one host")
+    ap.add_argument("--host-workers", type=int, default=8, help="Workers of one host")
     ap.add_argument("--peak-share", type=float, default=1.0, help="Peak / the host's capacity")
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--osl", type=int, default=48)
-    ap.add_argument("--ttft-ms", type=float, default=2000.0)
-    ap.add_argument("--itl-ms", type=float, default=150.0)
-    ap.add_argument("--speedup", type=float, default=0.1)
+    ap.add_argument("--ttft-ms", type=float, default=4000.0)
+    ap.add_argument("--itl-ms", type=float, default=600.0)
+    ap.add_argument("--speedup", type=float, default=0.05)
     ap.add_argument("--max-seqs", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=256, help="Prompt tokens a step at most")
     ap.add_argument("--load-interval-s", type=float, default=5.0)
     ap.add_argument("--throughput-interval-s", type=float, default=60.0)
     ap.add_argument("--planner-window-s", type=float, default=15.0)
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = ap.parse_args(argv)
     cap = per_worker_capacity(args.speedup, args.isl, args.osl, args.ttft_ms / 1e3,
-                              args.itl_ms / 1e3, args.max_seqs)  # fmt: skip
+                              args.itl_ms / 1e3, args.max_seqs, args.chunk)  # fmt: skip
     peak = cap * args.host_workers * args.peak_share
     sends = schedule(peak, args.duration, args.trace, args.seed)
     print(f"one worker: {cap:.2f} req/s at the targets; peak {peak:.2f} req/s "

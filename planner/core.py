@@ -87,7 +87,7 @@ class PoolPlan:
     """One pool's model and the planner's view of it."""
 
     pool: str
-    model: StepModel = field(default_factory=StepModel)
+    model: StepModel = field(default_factory=StepModel)  # the planner sets its quantile
     has: int = 0  # live workers at the last observation
     wanted: int = 0  # the last number asked for (or has, before any action)
     floor: int = 0  # the throughput loop's prediction
@@ -113,7 +113,7 @@ class Planner:
         self.client = client
         self.dry_run = dry_run  # an action takes effect by the next observation
         self.record = record
-        self.plans = {p: PoolPlan(p) for p in cfg.pools}
+        self.plans = {p: PoolPlan(p, StepModel(quantile=cfg.quantile)) for p in cfg.pools}
         self.forecast: dict[str, Forecaster] = {
             k: make_forecaster(cfg.forecaster) for k in ("rate", "isl", "osl")
         }
@@ -159,8 +159,13 @@ class Planner:
             view = obs.pools.get(name, PoolView(name))
             self._absorb(plan, view, now)
         out: list[Decision] = []
-        if self.cfg.throughput_loop and (
-            self._last_tp is None or now - self._last_tp >= self.cfg.throughput_interval_s
+        fitted = any(p.model.coef is not None for p in self.plans.values())
+        if (
+            self.cfg.throughput_loop
+            and fitted
+            and (  # its first tick: once a model fits
+                self._last_tp is None or now - self._last_tp >= self.cfg.throughput_interval_s
+            )
         ):
             self._last_tp = now
             out += self._throughput_tick(obs)
@@ -255,13 +260,16 @@ class Planner:
                                  f"{_ms(min(e.ttft or 0 for e in ests))}, ITL "
                                  f"{_ms(min(e.itl or 0 for e in ests))}; worst "
                                  f"{worst.worker_id})", now)  # fmt: skip
+            # down: every worker well under (TTFT under sensitivity x target; ITL, whose
+            # quantile a prompt chunk's step sets whatever the pool's size, within it),
+            # nothing queued, and the model's steady state for one worker fewer well
+            # within both targets
             s = self.cfg.sensitivity
-            under = [e for e in ests
-                     if (e.ttft or 0) < t_ttft * s and (e.itl or 0) < t_itl * s]  # fmt: skip
+            under = [e for e in ests if (e.ttft or 0) < t_ttft * s and (e.itl or 0) <= t_itl]
             if len(under) == len(ests) and view.queued == 0 and self._fits_smaller(plan):
                 return self._act(plan, plan.has - 1, "load-down",
-                                 f"load: all {len(ests)} under {s:g} x target (est TTFT "
-                                 f"{_ms(plan.estimated('ttft'))}, ITL "
+                                 f"load: all {len(ests)} under target (est TTFT "
+                                 f"{_ms(plan.estimated('ttft'))} < {s:g} x, ITL "
                                  f"{_ms(plan.estimated('itl'))})", now)  # fmt: skip
             return None
         # no fit yet: the API's observed quantiles stand for every worker, once enough
@@ -271,6 +279,17 @@ class Planner:
             return self._act(plan, plan.has + 1, "load-up",
                              f"load (observed, no model yet): TTFT p{self._q} {_ms(obs_t)}, "
                              f"ITL {_ms(obs_i)}", now)  # fmt: skip
+        # ...and shrink it while they are well under the targets (or nothing came) and no
+        # request waits anywhere; if that was one too few, the next tick grows it again
+        s = self.cfg.sensitivity
+        calm = view.queued == 0 and all(w.waiting == 0 for w in view.workers)
+        idle = calm and all(w.running == 0 for w in view.workers)
+        under = (traffic.requests >= MIN_OBSERVED and (obs_t or 0) < t_ttft * s
+                 and (obs_i or 0) < t_itl * s)  # fmt: skip
+        if plan.has > 1 and calm and (under or (idle and traffic.requests == 0)):
+            return self._act(plan, plan.has - 1, "load-down",
+                             f"load (observed, no model yet): TTFT p{self._q} {_ms(obs_t)}, "
+                             f"ITL {_ms(obs_i)}, nothing waiting", now)  # fmt: skip
         return None
 
     def _fits_smaller(self, plan: PoolPlan) -> bool:
@@ -284,7 +303,12 @@ class Planner:
         prefill, decode = ROLES[plan.pool]
         load = Load(t.rate / n, self.isl, self.osl)
         s = plan.model.steady(load.rate, load, prefill, decode)
-        return s is not None and s[0] <= self.cfg.ttft_target_s and s[1] <= self.cfg.itl_target_s
+        m = (1 + self.cfg.sensitivity) / 2  # a margin, so the pool does not flap
+        return (
+            s is not None
+            and s[0] <= m * self.cfg.ttft_target_s
+            and s[1] <= m * self.cfg.itl_target_s
+        )
 
     @property
     def _q(self) -> int:
@@ -330,6 +354,8 @@ class Planner:
              now: float) -> Decision | None:  # fmt: skip
         want = max(want, plan.floor, self.cfg.min_workers)
         want = min(want, self.cfg.max_workers, self._budget_for(plan))
+        if kind.endswith("-down") and want >= plan.has:
+            return None  # the throughput loop's floor (or min_workers) holds the pool
         if want == plan.has or (kind.endswith("-up") and want < plan.has):
             if kind.endswith("-up"):  # at the bounds: nothing to do but say so (once a run)
                 if not plan.clamped:

@@ -51,11 +51,13 @@ class Load:
 class StepModel:
     """Step time against tokens, for one pool, over the last ``window`` samples."""
 
-    def __init__(self, window: int = 4000, chunk_tokens: int = 2048) -> None:
+    def __init__(self, window: int = 4000, chunk_tokens: int = 2048,
+                 quantile: float = 0.9) -> None:  # fmt: skip
         self.samples: deque[tuple[float, float, float, float]] = deque(maxlen=window)
         self._seen: dict[str, float] = {}  # worker -> last step number taken
         self.coef: Coefficients | None = None
         self.r2 = 0.0
+        self.quantile = quantile  # of the ITL the targets are at
         self.default_chunk = chunk_tokens
         self.max_prefill = 0  # the most prompt tokens seen in one step: the engine's chunk
 
@@ -151,8 +153,9 @@ class StepModel:
 
     def steady(self, rate: float, load: Load, prefill: bool = True,
                decode: bool = True) -> tuple[float, float] | None:  # fmt: skip
-        """(TTFT, ITL) one worker settles at with ``rate`` requests/s of ``load``'s
-        shape; ``None`` when it cannot keep up (its queue grows without bound)."""
+        """(TTFT, ITL at the model's quantile) one worker settles at with ``rate``
+        requests/s of ``load``'s shape; ``None`` when it cannot keep up (its queue grows
+        without bound)."""
         c = self.coef
         if c is None:
             return None
@@ -187,7 +190,14 @@ class StepModel:
         # prompts ahead of it (the prefill share of the time, as a queue)
         steps = max(1, math.ceil(load.isl / max(1, self.chunk_tokens)))
         own = steps * itl + c.per_prefill_token * load.isl
-        return own / (1.0 - util), itl
+        # ITL at the quantile, not the mean: a step that carries a prompt chunk is slower
+        # than a decode-only one, and once such steps are more than 1 - q of all steps the
+        # quantile is theirs (chunked prefill sets it, whatever the batch)
+        seqs = rate * load.osl * itl
+        decode_only = c.step(0.0, seqs, seqs * (load.isl + load.osl / 2))
+        mixed = decode_only + c.per_prefill_token * min(load.isl, self.chunk_tokens)
+        share = min(1.0, rate * steps * itl)  # of the steps, those carrying a chunk
+        return own / (1.0 - util), (mixed if share > 1.0 - self.quantile else decode_only)
 
     def _meets(self, rate: float, load: Load, ttft_target: float, itl_target: float,
                prefill: bool, decode: bool) -> bool:  # fmt: skip

@@ -120,6 +120,8 @@ def _recorder(out: TextIO) -> Callable[[Observation], None]:
 def dry_run(s: Settings, path: Path, echo: Callable[[str], None]) -> list[Decision]:
     """The decisions the planner would make on a recorded run (each action taken to have
     effect by the next observation), one line each, then each pool's worker-seconds."""
+    for name in ("conveyor.planner", "planner"):  # the decisions are printed below
+        logging.getLogger(name).setLevel(logging.WARNING)
     planner = Planner(planner_config(s), AdvisoryConnector(), dry_run=True)
     start: float | None = None
     out: list[Decision] = []
