@@ -24,7 +24,7 @@ rate, and so this 2-core host's CPU, low while the shape of the costs stays a GP
     step = 8 ms + 0.08 ms x sequences + 0.02 us x KV tokens read + 60 us x prompt tokens
 
 One host's capacity is what the planner's own model says ``--host-workers`` workers serve
-at the targets with these costs (printed); ``--peak-share`` scales the peak.
+within the targets with these costs (printed); ``--peak-share`` scales the peak.
 """
 
 from __future__ import annotations
@@ -107,23 +107,24 @@ def schedule(peak_rate: float, duration: float, trace: Path | None, seed: int) -
     return [float(x) for x in np.interp(units, cum, grid)]
 
 
-def per_worker_capacity(speedup: float, isl: float, osl: float, ttft_s: float,
-                        itl_s: float, max_seqs: int, chunk: int) -> float:  # fmt: skip
-    """What one worker serves at the targets with the bench's costs (the planner's own
-    steady-state model), capped by the batch limit (Little: batch = rate x decode time)."""
+def per_worker_capacity(speedup: float, isl: float, osl: float, ttft_s: float, itl_s: float,
+                        max_seqs: int, chunk: int, workers: int) -> float:  # fmt: skip
+    """What one worker of a pool of ``workers`` serves at the targets with the bench's
+    costs (the planner's own steady-state model: TTFT and ITL p90, Poisson arrivals over
+    the pool), capped by the batch limit (Little: batch = rate x decode time)."""
     m = StepModel(chunk_tokens=chunk)
     m.coef = Coefficients(COST["decode_step_ms"] / 1e3 / speedup,
                           COST["prefill_us_per_token"] / 1e6 / speedup,
                           COST["decode_ms_per_seq"] / 1e3 / speedup,
                           COST["decode_us_per_kv_token"] / 1e6 / speedup)  # fmt: skip
     load = Load(0.0, isl, osl)
-    cap = m.capacity(load, ttft_s, itl_s) or 0.0
-    s = m.steady(cap, load)
+    cap = m.capacity(load, ttft_s, itl_s, workers=workers) or 0.0
+    s = m.steady(cap * workers, load, workers=workers)
     if s is not None and cap * osl * s[1] > max_seqs:  # more than the engine batches
         lo, hi = 0.0, cap
         for _ in range(40):
             mid = (lo + hi) / 2
-            st = m.steady(mid, load)
+            st = m.steady(mid * workers, load, workers=workers)
             lo, hi = (mid, hi) if st is not None and mid * osl * st[1] <= max_seqs else (lo, mid)
         cap = lo
     return cap
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--runs", default="planner,fixed")
     ap.add_argument("--host-workers", type=int, default=8, help="Workers of one host")
-    ap.add_argument("--peak-share", type=float, default=1.0, help="Peak / the host's capacity")
+    ap.add_argument("--peak-share", type=float, default=0.9, help="Peak / the host's capacity")
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--osl", type=int, default=48)
     ap.add_argument("--ttft-ms", type=float, default=4000.0)
@@ -310,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = ap.parse_args(argv)
     cap = per_worker_capacity(args.speedup, args.isl, args.osl, args.ttft_ms / 1e3,
-                              args.itl_ms / 1e3, args.max_seqs, args.chunk)  # fmt: skip
+                              args.itl_ms / 1e3, args.max_seqs, args.chunk,
+                              args.host_workers)  # fmt: skip
     peak = cap * args.host_workers * args.peak_share
     sends = schedule(peak, args.duration, args.trace, args.seed)
     print(f"one worker: {cap:.2f} req/s at the targets; peak {peak:.2f} req/s "

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ ROLES: dict[str, tuple[bool, bool]] = {
     "decode": (False, True),
 }
 DEFAULT_ISL, DEFAULT_OSL = 512.0, 128.0  # request shape assumed before any traffic
+DOWN_AFTER_UP = 6  # load intervals after growing before the pool may shrink (no flapping)
 MIN_OBSERVED = 8  # requests in the window before the observed quantiles count (no model yet)
 QUEUED_PER_ENCODER = 2.0  # encode pools (no step model): more queued per worker -> grow
 
@@ -98,6 +98,7 @@ class PoolPlan:
     last_ts: float | None = None
     decisions: dict[str, int] = field(default_factory=dict)  # "load-up" etc. -> count
     clamped: bool = False  # the last wish to grow was refused by the bounds
+    last_up: float = float("-inf")  # when the pool was last grown
 
     def estimated(self, which: str) -> float | None:
         vals = [getattr(e, which) for e in self.estimates if getattr(e, which) is not None]
@@ -266,7 +267,9 @@ class Planner:
             # within both targets
             s = self.cfg.sensitivity
             under = [e for e in ests if (e.ttft or 0) < t_ttft * s and (e.itl or 0) <= t_itl]
-            if len(under) == len(ests) and view.queued == 0 and self._fits_smaller(plan):
+            settled = now - plan.last_up >= DOWN_AFTER_UP * self.cfg.load_interval_s
+            if (len(under) == len(ests) and view.queued == 0 and settled
+                    and self._fits_smaller(plan)):  # fmt: skip
                 return self._act(plan, plan.has - 1, "load-down",
                                  f"load: all {len(ests)} under target (est TTFT "
                                  f"{_ms(plan.estimated('ttft'))} < {s:g} x, ITL "
@@ -284,25 +287,25 @@ class Planner:
         s = self.cfg.sensitivity
         calm = view.queued == 0 and all(w.waiting == 0 for w in view.workers)
         idle = calm and all(w.running == 0 for w in view.workers)
-        under = (traffic.requests >= MIN_OBSERVED and (obs_t or 0) < t_ttft * s
+        quiet = (traffic.requests >= MIN_OBSERVED and (obs_t or 0) < t_ttft * s
                  and (obs_i or 0) < t_itl * s)  # fmt: skip
-        if plan.has > 1 and calm and (under or (idle and traffic.requests == 0)):
+        if plan.has > 1 and calm and (quiet or (idle and traffic.requests == 0)):
             return self._act(plan, plan.has - 1, "load-down",
                              f"load (observed, no model yet): TTFT p{self._q} {_ms(obs_t)}, "
                              f"ITL {_ms(obs_i)}, nothing waiting", now)  # fmt: skip
         return None
 
     def _fits_smaller(self, plan: PoolPlan) -> bool:
-        """Whether one worker fewer still meets the targets at the observed rate."""
+        """Whether one worker fewer still meets the targets at the observed rate (or the
+        forecast one, when that is higher: the load may be rising)."""
         n = plan.has - 1
         if n < 1:
             return False
-        t = self.traffic
-        if t.rate <= 0:
+        rate = max(self.traffic.rate, self.predicted.get("rate") or 0.0)
+        if rate <= 0:
             return True
         prefill, decode = ROLES[plan.pool]
-        load = Load(t.rate / n, self.isl, self.osl)
-        s = plan.model.steady(load.rate, load, prefill, decode)
+        s = plan.model.steady(rate, Load(rate, self.isl, self.osl), prefill, decode, n)
         m = (1 + self.cfg.sensitivity) / 2  # a margin, so the pool does not flap
         return (
             s is not None
@@ -335,15 +338,15 @@ class Planner:
             if plan.pool not in ROLES or p_rate is None or not p_isl or not p_osl:
                 continue
             prefill, decode = ROLES[plan.pool]
-            cap = plan.model.capacity(Load(p_rate, p_isl, p_osl), self.cfg.ttft_target_s,
-                                      self.cfg.itl_target_s, prefill, decode)  # fmt: skip
-            if cap is None or cap <= 0:
+            need = plan.model.workers_for(Load(p_rate, p_isl, p_osl), self.cfg.ttft_target_s,
+                                          self.cfg.itl_target_s, prefill, decode,
+                                          self.cfg.max_workers)  # fmt: skip
+            if need is None:
                 continue
-            plan.floor = min(self.cfg.max_workers, max(self.cfg.min_workers,
-                                                       math.ceil(p_rate / cap)))  # fmt: skip
+            plan.floor = min(self.cfg.max_workers, max(self.cfg.min_workers, need))
             if plan.hold is None and plan.has and plan.floor > plan.has:
                 why = (f"throughput: {p_rate:.2f} req/s of ISL {p_isl:.0f} / OSL {p_osl:.0f} "
-                       f"forecast, {cap:.2f} req/s a worker")  # fmt: skip
+                       f"forecast needs {need} workers")  # fmt: skip
                 d = self._act(plan, plan.floor, "throughput-up", why, obs.ts)
                 if d is not None:
                     out.append(d)
@@ -375,6 +378,8 @@ class Planner:
             return None
         log.info("planner: %s: %d -> %d workers (%s)", plan.pool, plan.has, want, reason)
         plan.wanted, plan.hold, plan.hold_since = want, d, now
+        if want > plan.has:
+            plan.last_up = now
         plan.decisions[kind] = plan.decisions.get(kind, 0) + 1
         return d
 

@@ -133,73 +133,101 @@ class StepModel:
         return steps * c.step(0.0, seqs, kv) + c.per_prefill_token * queued_tokens
 
     def capacity(self, load: Load, ttft_target: float, itl_target: float,
-                 prefill: bool = True, decode: bool = True) -> float | None:  # fmt: skip
-        """The highest request rate one worker sustains with its steady-state ITL within
-        ``itl_target`` and its TTFT within ``ttft_target``. ``prefill``/``decode``: which
-        work the pool does (a prefill pool computes prompts and one token, a decode pool
-        only decodes, the aggregated one both). ``None`` before a fit."""
+                 prefill: bool = True, decode: bool = True,
+                 workers: int = 1) -> float | None:  # fmt: skip
+        """The highest request rate per worker that a pool of ``workers`` sustains with
+        its TTFT and ITL quantiles within the targets. ``prefill``/``decode``: which work
+        the pool does (a prefill pool computes prompts and one token, a decode pool only
+        decodes, the aggregated one both). ``None`` before a fit."""
         if self.coef is None:
             return None
+
+        def meets(rate: float) -> bool:
+            s = self.steady(rate * workers, load, prefill, decode, workers)
+            return s is not None and s[0] <= ttft_target and s[1] <= itl_target
+
         lo, hi = 0.0, 1.0
-        while self._meets(hi, load, ttft_target, itl_target, prefill, decode) and hi < 1e6:
+        while meets(hi) and hi < 1e6:
             lo, hi = hi, hi * 2
         for _ in range(40):
             mid = (lo + hi) / 2
-            if self._meets(mid, load, ttft_target, itl_target, prefill, decode):
-                lo = mid
-            else:
-                hi = mid
+            lo, hi = (mid, hi) if meets(mid) else (lo, mid)
         return lo
 
-    def steady(self, rate: float, load: Load, prefill: bool = True,
-               decode: bool = True) -> tuple[float, float] | None:  # fmt: skip
-        """(TTFT, ITL at the model's quantile) one worker settles at with ``rate``
-        requests/s of ``load``'s shape; ``None`` when it cannot keep up (its queue grows
-        without bound)."""
-        c = self.coef
-        if c is None:
+    def workers_for(self, load: Load, ttft_target: float, itl_target: float,
+                    prefill: bool = True, decode: bool = True,
+                    most: int = 1024) -> int | None:  # fmt: skip
+        """The fewest workers whose pool serves ``load.rate`` within both targets
+        (``most`` + 1 when even ``most`` cannot; ``None`` before a fit)."""
+        if self.coef is None:
             return None
-        pf_tokens = rate * load.isl if prefill else 0.0  # prompt tokens per second
-        util = c.per_prefill_token * pf_tokens  # the share of time computing prompts
+        for n in range(1, most + 1):
+            s = self.steady(load.rate, load, prefill, decode, n)
+            if s is not None and s[0] <= ttft_target and s[1] <= itl_target:
+                return n
+        return most + 1
+
+    def steady(self, rate: float, load: Load, prefill: bool = True, decode: bool = True,
+               workers: int = 1) -> tuple[float, float] | None:  # fmt: skip
+        """(TTFT, ITL), both at the model's quantile, that a pool of ``workers`` settles
+        at with ``rate`` requests/s (all of them) of ``load``'s shape, spread evenly;
+        ``None`` when it cannot keep up (a queue grows without bound).
+
+        Per worker, the decode batch and the step time feed each other (Little: the batch
+        is the rate times a request's decode time); iterated to the fixed point. A prompt
+        is served by its worker's prefill slot: its chunks, one a step, each step also
+        carrying the batch. Arrivals are random (Poisson) and the router sends each to
+        the least loaded worker, so the prompts queue as at ``workers`` servers (M/M/c):
+        the wait's quantile follows from Erlang's C formula."""
+        c = self.coef
+        if c is None or workers < 1:
+            return None
+        r = rate / workers
+        pf_tokens = r * load.isl if prefill else 0.0  # prompt tokens per second a worker
+        util = c.per_prefill_token * pf_tokens  # the share of its time computing prompts
         if util >= 1.0:
             return None
-        if not decode:  # prompts only: an M/D/1-like wait on a prefill server
-            service = c.base + c.per_prefill_token * load.isl
-            rho = rate * service
-            if rho >= 1.0:
-                return None
-            return service + rho * service / (2 * (1 - rho)), 0.0
-        # decode: the step time and the batch feed each other (Little: the batch is the
-        # rate times a request's decode time, OSL steps); iterate to the fixed point
-        itl = c.base
-        for _ in range(100):
-            seqs = rate * load.osl * itl
-            kv = seqs * (load.isl + load.osl / 2)
-            nxt = (c.base + c.per_seq * seqs + c.per_kv_token * kv) / (1.0 - util)
-            if nxt > 60.0:
-                return None
-            if abs(nxt - itl) < 1e-6:
+        itl, seqs = c.base, 0.0
+        if decode:
+            for _ in range(100):
+                seqs = r * load.osl * itl
+                nxt = c.step(0.0, seqs, seqs * (load.isl + load.osl / 2)) / (1.0 - util)
+                if nxt > 60.0:
+                    return None
+                done = abs(nxt - itl) < 1e-6
                 itl = nxt
-                break
-            itl = nxt
-        if rate * load.osl * itl * (c.per_seq + c.per_kv_token * (load.isl + load.osl / 2)) >= 1:
-            return None  # the batch's own growth outruns the step: no fixed point
-        if not prefill:
-            return 0.0, itl
-        # a prompt is chunked in beside the batch: its chunks' steps, waiting behind the
-        # prompts ahead of it (the prefill share of the time, as a queue)
-        steps = max(1, math.ceil(load.isl / max(1, self.chunk_tokens)))
-        own = steps * itl + c.per_prefill_token * load.isl
-        # ITL at the quantile, not the mean: a step that carries a prompt chunk is slower
-        # than a decode-only one, and once such steps are more than 1 - q of all steps the
-        # quantile is theirs (chunked prefill sets it, whatever the batch)
-        seqs = rate * load.osl * itl
+                if done:
+                    break
+            kv_each = load.isl + load.osl / 2
+            if r * load.osl * itl * (c.per_seq + c.per_kv_token * kv_each) >= 1:
+                return None  # the batch's own growth outruns the step: no fixed point
         decode_only = c.step(0.0, seqs, seqs * (load.isl + load.osl / 2))
-        mixed = decode_only + c.per_prefill_token * min(load.isl, self.chunk_tokens)
-        share = min(1.0, rate * steps * itl)  # of the steps, those carrying a chunk
-        return own / (1.0 - util), (mixed if share > 1.0 - self.quantile else decode_only)
+        if not prefill:
+            return 0.0, decode_only
+        steps = max(1, math.ceil(load.isl / max(1, self.chunk_tokens)))
+        chunk = min(load.isl, self.chunk_tokens)
+        mixed = decode_only + c.per_prefill_token * chunk  # a step carrying a chunk
+        service = steps * mixed  # the prompt's time in its worker's prefill slot
+        offered = rate * service  # Erlang: busy prefill slots on average
+        if offered >= workers:
+            return None
+        wait = _wait_quantile(workers, offered, service, self.quantile)
+        # ITL at the quantile: once steps carrying a chunk are more than 1 - q of all
+        # steps, the quantile is theirs (chunked prefill sets it, whatever the batch)
+        share = min(1.0, r * steps * itl)
+        itl_q = mixed if (decode and share > 1.0 - self.quantile) else decode_only
+        return service + wait, (itl_q if decode else 0.0)
 
-    def _meets(self, rate: float, load: Load, ttft_target: float, itl_target: float,
-               prefill: bool, decode: bool) -> bool:  # fmt: skip
-        s = self.steady(rate, load, prefill, decode)
-        return s is not None and s[0] <= ttft_target and s[1] <= itl_target
+
+def _wait_quantile(servers: int, offered: float, service: float, q: float) -> float:
+    """The ``q`` quantile of the wait in an M/M/c queue with ``offered`` = arrival rate x
+    mean service (Erlang C: the chance to wait, then an exponential wait of rate
+    ``(servers - offered) / service``)."""
+    # Erlang B by its recurrence, then C from B (stable for any number of servers)
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = offered * b / (k + offered * b)
+    p_wait = b / (1.0 - (offered / servers) * (1.0 - b))
+    if p_wait <= 1.0 - q:
+        return 0.0
+    return math.log(p_wait / (1.0 - q)) * service / (servers - offered)

@@ -14,7 +14,7 @@ import pytest
 from planner.connectors import ConnectorError, Decision
 from planner.core import Planner, PlannerConfig
 from planner.inputs import Observation, PoolView, TrafficView, WorkerView, read_recording
-from planner.model import Coefficients
+from planner.model import Coefficients, Load
 
 DATA = Path(__file__).parent / "data"
 COST = Coefficients(base=0.010, per_prefill_token=40e-6, per_seq=0.2e-3, per_kv_token=0.02e-6)
@@ -168,10 +168,12 @@ def test_throughput_loop_raises_the_pool_to_its_floor() -> None:
     p.step(c.observe())  # the first tick fits the model and sizes the pool
     assert len(conn.asked) == 1
     d = conn.asked[0]
-    cap = p.plans["generate"].model.capacity(
-        __import__("planner.model", fromlist=["Load"]).Load(20.0, 1024, 128), 0.5, 0.05
-    )
-    assert cap and d.replicas == -(-20.0 // cap) and d.replicas > 1
+    model = p.plans["generate"].model
+    load = Load(20.0, 1024, 128)
+    ok = model.steady(20.0, load, workers=d.replicas)  # the pool it asked for meets both
+    assert ok is not None and ok[0] <= 0.5 and ok[1] <= 0.05 and d.replicas > 1
+    short = model.steady(20.0, load, workers=d.replicas - 1)  # one fewer would not
+    assert short is None or short[0] > 0.5 or short[1] > 0.05
     assert "throughput" in d.reason and p.plans["generate"].floor == d.replicas
 
 
@@ -240,3 +242,20 @@ def test_without_a_model_the_observed_quantiles_decide() -> None:
     busy = [WorkerView("w0", running=1, waiting=1), WorkerView("w1", running=1)]
     _planner(conn2).step(Observation(1000.0, {"generate": PoolView("generate", busy)}, calm))
     assert conn2.asked == []
+
+
+def test_no_scale_down_soon_after_growing() -> None:
+    """A worker just added is empty and the backlog just cleared: every estimate is low
+    for a tick or two. The pool shrinks only after six load intervals."""
+    conn, c = FakeConnector(), Cluster(2, running=300)
+    c.traffic = TrafficView(30, 30, 30, 1.0, 512, 64, 0.05, 0.012)
+    conn.done = True
+    p = _planner(conn)
+    p.step(c.observe())
+    assert [(d.previous, d.replicas) for d in conn.asked] == [(2, 3)]
+    c.n, c.running, c.ctx = 3, 2, 200  # all idle now
+    for _ in range(5):
+        p.step(c.observe())
+    assert len(conn.asked) == 1
+    p.step(c.observe())  # 30 s after growing
+    assert [(d.previous, d.replicas) for d in conn.asked][1:] == [(3, 2)]

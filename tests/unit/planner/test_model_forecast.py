@@ -127,3 +127,22 @@ def test_itl_quantile_is_the_chunk_step_once_chunks_are_common() -> None:
     assert c is not None
     assert lo[1] < c.base + c.per_prefill_token * 512  # chunks rare: no chunk cost in p90
     assert hi[1] > c.base + c.per_prefill_token * min(1024, m.chunk_tokens)  # chunks common
+
+
+def test_a_pool_queues_less_than_its_workers_alone() -> None:
+    """Random arrivals spread over more workers wait less at the same load per worker
+    (M/M/c): the per-worker capacity within a TTFT quantile grows with the pool, and
+    the wait's quantile matches M/M/1's closed form for one worker."""
+    from planner.model import _wait_quantile
+
+    assert _wait_quantile(1, 0.5, 1.0, 0.9) == pytest.approx(np.log(5) / 0.5)
+    assert _wait_quantile(8, 2.0, 1.0, 0.9) == 0.0  # rarely all 8 busy: no wait at p90
+    m = StepModel()
+    m.add("w", _samples(300))
+    m.fit()
+    load = Load(0, isl=1024, osl=128)
+    one = m.capacity(load, 0.15, 1.0, workers=1)  # TTFT binds, not ITL
+    eight = m.capacity(load, 0.15, 1.0, workers=8)
+    assert one is not None and eight is not None and eight > one
+    need = m.workers_for(Load(8 * eight * 0.99, 1024, 128), 0.15, 1.0)
+    assert need is not None and need <= 8
