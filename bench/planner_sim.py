@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", default="planner,fixed")
     ap.add_argument("--host-workers", type=int, default=8, help="Workers of one host")
     ap.add_argument("--peak-share", type=float, default=0.9, help="Peak / the host's capacity")
+    ap.add_argument("--peak-rate", type=float, help="req/s at the peak (default: from the model)")
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--osl", type=int, default=48)
     ap.add_argument("--ttft-ms", type=float, default=4000.0)
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     cap = per_worker_capacity(args.speedup, args.isl, args.osl, args.ttft_ms / 1e3,
                               args.itl_ms / 1e3, args.max_seqs, args.chunk,
                               args.host_workers)  # fmt: skip
-    peak = cap * args.host_workers * args.peak_share
+    peak = args.peak_rate or cap * args.host_workers * args.peak_share
     sends = schedule(peak, args.duration, args.trace, args.seed)
     print(f"one worker: {cap:.2f} req/s at the targets; peak {peak:.2f} req/s "
           f"({args.host_workers} workers x {args.peak_share:g}); {len(sends)} requests",

@@ -333,6 +333,10 @@ class Planner:
             self.forecast["osl"].observe(osl)
         self.predicted = {k: f.predict() for k, f in self.forecast.items()}
         p_rate, p_isl, p_osl = (self.predicted[k] for k in ("rate", "isl", "osl"))
+        if p_rate is not None and p_rate > rate:
+            # the forecast is the next interval's mean; a rising load is higher at its
+            # end, and the floor has to hold until the next tick
+            p_rate += (p_rate - rate) / 2
         out = []
         for plan in self.plans.values():
             if plan.pool not in ROLES or p_rate is None or not p_isl or not p_osl:

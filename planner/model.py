@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_SAMPLES = 16  # fewer than this: no fit (the planner falls back on what it observes)
+SERVICE_CV2 = 0.25  # squared coefficient of variation of a prompt's prefill time
 VARIES = 0.05  # a quantity whose spread is under this share of its mean is not fitted
 
 
@@ -177,8 +178,9 @@ class StepModel:
         is the rate times a request's decode time); iterated to the fixed point. A prompt
         is served by its worker's prefill slot: its chunks, one a step, each step also
         carrying the batch. Arrivals are random (Poisson) and the router sends each to
-        the least loaded worker, so the prompts queue as at ``workers`` servers (M/M/c):
-        the wait's quantile follows from Erlang's C formula."""
+        the least loaded worker, so the prompts queue as at ``workers`` servers: the
+        wait's quantile from Erlang's C formula (M/M/c), scaled to service times that
+        vary less than exponential ones (Allen-Cunneen)."""
         c = self.coef
         if c is None or workers < 1:
             return None
@@ -211,7 +213,9 @@ class StepModel:
         offered = rate * service  # Erlang: busy prefill slots on average
         if offered >= workers:
             return None
-        wait = _wait_quantile(workers, offered, service, self.quantile)
+        # M/M/c's wait scaled to random arrivals and near-constant service times (Allen
+        # and Cunneen: x (ca^2 + cs^2) / 2, Poisson ca^2 = 1; prompts vary: cs^2 = 1/4)
+        wait = _wait_quantile(workers, offered, service, self.quantile) * (1 + SERVICE_CV2) / 2
         # ITL at the quantile: once steps carrying a chunk are more than 1 - q of all
         # steps, the quantile is theirs (chunked prefill sets it, whatever the batch)
         share = min(1.0, r * steps * itl)
