@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -306,3 +307,59 @@ def cluster(
     yield c
     for p in [api, *workers]:
         p.stop()
+
+
+# --------------------------------------------------------------------------------------
+# Streams running all the time (the official client), for tests of scaling and draining
+# --------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    sent: float
+    ended: float
+    finish: str | None
+    tokens: int | None
+    error: str | None = None
+
+
+class Streams:
+    """``n`` threads, each streaming one completion of ``prompt`` (``max_tokens``,
+    ``ignore_eos``) after another until stopped; every outcome on ``out``."""
+
+    def __init__(self, url: str, model: str, n: int, prompt: str, max_tokens: int,
+                 timeout: float = 60) -> None:  # fmt: skip
+        # no retries: a lost request must show as an error, not be sent again
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                    timeout=timeout)  # fmt: skip
+        self.model, self.prompt, self.max_tokens = model, prompt, max_tokens
+        self.out: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+
+    def __enter__(self) -> Streams:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            finish, tokens = None, None
+            try:
+                stream = self.client.completions.create(
+                    model=self.model, prompt=self.prompt, max_tokens=self.max_tokens,
+                    stream=True, stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                self.out.append(Outcome(sent, time.monotonic(), finish, tokens))
+            except Exception as e:  # noqa: BLE001 - recorded, asserted on below
+                self.out.append(Outcome(sent, time.monotonic(), finish, tokens, repr(e)))

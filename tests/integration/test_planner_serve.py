@@ -7,15 +7,13 @@ workers' heartbeats and the API's traffic counters from the real Redis."""
 from __future__ import annotations
 
 import re
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import Streams, wait_for
 from tests.integration.test_serve_supervision import serving
 
 pytestmark = pytest.mark.integration
@@ -48,33 +46,8 @@ def test_planner_scales_up_under_load_and_drains_after(
                  CONVEYOR_PLANNER_MAX_WORKERS="3", CONVEYOR_PLANNER_GPU_BUDGET="3",
                  CONVEYOR_PLANNER_HOLD_TIMEOUT_S="60") as s:  # fmt: skip
         wait_for(lambda: s.complete().status_code == 200, 60, "a served request", [s.proc])
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=120)
-        stop = threading.Event()
-        results: list[tuple[int, str | None]] = []
-        errors: list[str] = []
-
-        def load() -> None:  # 18 streams at once: 4.5 batches queue on one worker
-            while not stop.is_set():
-                try:
-                    tokens, finish = 0, None
-                    stream = client.completions.create(
-                        model=s.model, prompt="tell me more " * 40, max_tokens=OSL,
-                        stream=True, extra_body={"ignore_eos": True},
-                        stream_options={"include_usage": True},
-                    )  # fmt: skip
-                    for chunk in stream:
-                        if chunk.choices and chunk.choices[0].finish_reason:
-                            finish = chunk.choices[0].finish_reason
-                        if chunk.usage:
-                            tokens = chunk.usage.completion_tokens
-                    results.append((tokens, finish))
-                except openai.OpenAIError as e:
-                    errors.append(repr(e))
-
-        threads = [threading.Thread(target=load, daemon=True) for _ in range(18)]
-        for t in threads:
-            t.start()
-        try:
+        # 18 streams at once: 4.5 batches queue on one worker
+        with Streams(s.url, s.model, 18, "tell me more " * 40, OSL, timeout=120) as traffic:
             wait_for(lambda: _live(s.url) >= 3, 120, "the planner growing the pool to 3",
                      [s.proc])  # fmt: skip
             ups = _metric(s.url, "conveyor_planner_decisions_total", pool="generate",
@@ -82,19 +55,16 @@ def test_planner_scales_up_under_load_and_drains_after(
             assert ups is not None and ups >= 2, ups
             assert _metric(s.url, "conveyor_planner_workers", pool="generate") is not None
             time.sleep(3)  # requests on all three workers when the load stops
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(120)
         # idle now: every worker under target, one fewer fits: drained one a tick
         wait_for(lambda: _live(s.url) == 1, 120, "the planner draining back to 1", [s.proc])
         downs = _metric(s.url, "conveyor_planner_decisions_total", pool="generate",
                         kind="load-down")  # fmt: skip
         assert downs is not None and downs >= 2, downs
+        errors = [o.error for o in traffic.out if o.error]
         assert not errors, errors[:3]
-        assert len(results) >= 18
-        bad = [r for r in results if r != (OSL, "length")]
-        assert not bad, f"{len(bad)} of {len(results)} requests cut short: {bad[:5]}"
+        assert len(traffic.out) >= 18
+        bad = [(o.tokens, o.finish) for o in traffic.out if (o.tokens, o.finish) != (OSL, "length")]
+        assert not bad, f"{len(bad)} of {len(traffic.out)} requests cut short: {bad[:5]}"
         table = s.table()
         drained = [n for n, p in table.items() if n.startswith("worker-")]
         assert sum(table[n]["state"] == "running" for n in drained) == 1, table

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import redis
 
@@ -27,7 +26,7 @@ from planner.connectors import Connector, Decision
 from tasks.serve_state import ServeState
 from tasks.settings import Settings
 from tasks.supervisor import Supervisor
-from tests.integration.conftest import free_port, wait_for
+from tests.integration.conftest import Streams, free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -64,57 +63,6 @@ class ScriptedPlanner:
                 if stop.wait(0.1):
                     return
             self.done.put((d.previous, after, self.conn.replicas("generate")))
-
-
-@dataclass
-class Outcome:
-    sent: float
-    ended: float
-    finish: str | None
-    tokens: int | None
-    error: str | None = None
-
-
-class Streams:
-    """``STREAMS`` threads, each streaming one completion after another until stopped."""
-
-    def __init__(self, url: str, model: str) -> None:
-        # no retries: a lost request must show as an error, not be sent again
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                                    timeout=60)  # fmt: skip
-        self.model = model
-        self.out: list[Outcome] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(STREAMS)]
-
-    def __enter__(self) -> Streams:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            sent = time.monotonic()
-            finish, tokens = None, None
-            try:
-                stream = self.client.completions.create(
-                    model=self.model, prompt="the drain test", max_tokens=MAX_TOKENS,
-                    stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
-                )  # fmt: skip
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].finish_reason:
-                        finish = chunk.choices[0].finish_reason
-                    if chunk.usage is not None:
-                        tokens = chunk.usage.completion_tokens
-                self.out.append(Outcome(sent, time.monotonic(), finish, tokens))
-            except Exception as e:  # noqa: BLE001 - recorded, asserted on below
-                self.out.append(Outcome(sent, time.monotonic(), finish, tokens, repr(e)))
 
 
 @dataclass
@@ -184,7 +132,7 @@ def test_scaling_up_and_draining_down_under_streamed_load_loses_no_request(
     wait_for(lambda: s.health_workers() == 1, 120, "the first worker up")
     assert s.sup.replicas("generate") == 1
 
-    with Streams(s.url, s.sup.s.model_name) as traffic:
+    with Streams(s.url, s.sup.s.model_name, STREAMS, "the drain test", MAX_TOKENS) as traffic:
         wait_for(lambda: len(traffic.out) >= STREAMS, 60, "traffic flowing")
 
         # up to 3: the planner's scale returns at once, and settles once all 3 are live
