@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from api.errors import OpenAIError
 from api.logprobs import ExtraOutput
+from api.resume import FrameLogReader, Tagged, frames_of, split_at
 from api.runner import Runner, RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, sse_event, usage_body
 from api.state import ApiState
@@ -30,26 +31,41 @@ from kvbm.protocol import TokenFrame, Usage
 
 
 async def stream(
-    st: ApiState, runs: list[RunningRequest], fmt: Formatter, include_usage: bool,
+    st: ApiState, runs: list[RunningRequest] | None, fmt: Formatter, include_usage: bool,
     end: Callable[[], None], tools: list[ChatToolOutput | None] | None = None,
-    extras: list[ExtraOutput | None] | None = None,
+    extras: list[ExtraOutput | None] | None = None, *,
+    ready: AsyncGenerator[Ready, None] | None = None, tag: Tagged | None = None,
+    dropped: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The SSE events of a request of ``len(runs)`` choices; ``end()`` once it is over
-    (accounting, and every choice's stream released: cancelled if unfinished). What the
-    choices have ready at one moment goes out as one chunk (one write). Per choice:
-    ``tools``, what reads its text into content and tool calls, ``extras``, its logprobs
-    or echoed prompt (None: plain text)."""
-    left = len(runs)
+    (accounting, and every choice's stream released: cancelled if unfinished), or
+    ``dropped()`` instead if its client went away first. What the choices have ready at
+    one moment goes out as one chunk (one write). Per choice: ``tools``, what reads its
+    text into content and tool calls, ``extras``, its logprobs or echoed prompt (None:
+    plain text). A resumable stream's writes carry SSE ids (``tag``); a resumed one's
+    frames come from the logs (``ready``, and no ``runs``)."""
+    left = len(runs) if runs is not None else len(tools or extras or ())
     tools = tools or [None] * left
     extras = extras or [None] * left
+    seqs = [-1] * left  # the last frame of each choice that went into a write
+    usages: list[Usage | None] = [None] * left  # each choice's, from its terminal frame
+
+    def tagged(out: bytes) -> bytes:
+        return tag.out(out, seqs) if tag is not None and out else out
+
+    ended = False  # the stream came to its end (not its client gone)
     try:
         if fmt.chat:  # chat streams open with the assistant role, for every choice
-            yield b"".join(sse_event(fmt.chunk(fmt.role_delta(), None, include_usage, index=i))
-                           for i in range(left))  # fmt: skip
-        async with aclosing(merged(st.runner, runs)) as ready:
-            async for batches in ready:
+            if role := tagged(b"".join(
+                    sse_event(fmt.chunk(fmt.role_delta(), None, include_usage, index=i))
+                    for i in range(left))):  # fmt: skip
+                yield role
+        frames_in = ready if ready is not None else merged(st.runner, runs or [])
+        async with aclosing(frames_in) as ready_:
+            async for batches in ready_:
                 out = b""
                 for i, batch in batches:
+                    seqs[i] = batch[-1].seq
                     last = batch[-1]
                     failed = last.error is not None
                     frames = batch[:-1] if failed else batch
@@ -67,9 +83,11 @@ async def stream(
                         out += b"".join(sse_event(fmt.chunk(d, None, include_usage, index=i))
                                         for d in deltas)  # fmt: skip
                     if failed:
-                        yield out + sse_event(frame_error(last).body())
+                        ended = True
+                        yield tagged(out + sse_event(frame_error(last).body()))
                         return
                     if last.done:
+                        usages[i] = last.usage
                         reason = last.finish_reason
                         if reader is not None:
                             reason = reader.finish_reason(reason)
@@ -79,16 +97,21 @@ async def stream(
                                                    index=i))  # fmt: skip
                         left -= 1
                 if not left:  # the last finish, usage and [DONE]: one chunk
+                    ended = True
                     if include_usage:
-                        out += sse_event(fmt.usage_chunk(usage_body(request_usage(runs))))
-                    yield out + SSE_DONE
+                        usage = request_usage(runs) if runs is not None else \
+                            combined_usage(usages)  # fmt: skip
+                        out += sse_event(fmt.usage_chunk(usage_body(usage)))
+                    yield tagged(out + SSE_DONE)
                     return
-                if out:
+                if out := tagged(out):
                     yield out
+        ended = True
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
+        ended = True
         yield sse_event(stream_failed(e, fmt.rid).body())
     finally:
-        end()
+        (end if ended or dropped is None else dropped)()
 
 
 async def collect(
@@ -170,21 +193,48 @@ async def merged(runner: Runner, runs: list[RunningRequest]) -> AsyncGenerator[R
         for run in runs[1:]:
             if run.first_frame is not None:
                 run.first_frame.prompt_logprobs = first.prompt_logprobs
+    async with aclosing(merge({i: runner.batches(run) for i, run in enumerate(runs)})) as m:
+        async for ready in m:
+            yield ready
+
+
+async def resumed(readers: list[FrameLogReader], after: list[int]) -> AsyncGenerator[Ready, None]:
+    """A resumed request's choices from their frame logs, as :func:`merged` hands them out:
+    first every choice's frames up to its seq in ``after`` (what the client has) in one
+    list, then the rest as it comes."""
+    parts = [await split_at(r, a) for r, a in zip(readers, after, strict=True)]
+    firsts = [(have or rest)[0] for have, rest in parts if have or rest]
+    if firsts and firsts[0].seq == 0 and firsts[0].prompt_logprobs is not None:
+        for f in firsts[1:]:  # as merged() gives them: on every choice's first frame
+            if f.seq == 0:
+                f.prompt_logprobs = firsts[0].prompt_logprobs
+    for k in (0, 1):
+        if ready := [(i, part[k]) for i, part in enumerate(parts) if part[k]]:
+            yield ready
+    async with aclosing(merge({i: frames_of(r) for i, r in enumerate(readers)
+                               if not r.done})) as m:  # fmt: skip
+        async for ready in m:
+            yield ready
+
+
+async def merge(sources: dict[int, AsyncIterator[list[TokenFrame]]]) -> AsyncGenerator[Ready, None]:
+    """The choices' batches (``index -> its batches``) as they come, until every source
+    ended: what had arrived at one moment in one list; a source's failure raises here."""
     queue: asyncio.Queue[tuple[int, list[TokenFrame] | None, Exception | None]] = \
         asyncio.Queue()  # fmt: skip
 
-    async def pump(i: int, run: RunningRequest) -> None:
+    async def pump(i: int, batches: AsyncIterator[list[TokenFrame]]) -> None:
         try:
-            async for batch in runner.batches(run):
+            async for batch in batches:
                 queue.put_nowait((i, batch, None))
         except Exception as e:  # noqa: BLE001 - handed to the reader
             queue.put_nowait((i, None, e))
             return
         queue.put_nowait((i, None, None))
 
-    pumps = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    pumps = [asyncio.create_task(pump(i, b)) for i, b in sources.items()]
     try:
-        left = len(runs)
+        left = len(pumps)
         while left:
             items = [await queue.get()]
             while not queue.empty():
@@ -207,10 +257,15 @@ async def merged(runner: Runner, runs: list[RunningRequest]) -> AsyncGenerator[R
 def request_usage(runs: list[RunningRequest]) -> Usage | None:
     """A request's usage from its streams' (one, or one per choice): the prompt (and its
     cached tokens) once, as its first stream counted it, the output tokens of all."""
-    got = [r.usage for r in runs if r.usage is not None]
+    return combined_usage([r.usage for r in runs])
+
+
+def combined_usage(usages: list[Usage | None]) -> Usage | None:
+    """:func:`request_usage` from each stream's usage."""
+    got = [u for u in usages if u is not None]
     if not got:
         return None
-    if len(runs) == 1:
+    if len(usages) == 1:
         return got[0]
     return Usage(got[0].prompt_tokens, sum(u.completion_tokens for u in got),
                  got[0].cached_tokens)  # fmt: skip

@@ -1,6 +1,8 @@
 """Resumable streams (``CONVEYOR_RESUMABLE_STREAMS``): a client that lost its connection
 sends the same request again with ``Last-Event-ID`` and gets the rest of its stream, from
-any API replica, with nothing lost or repeated.
+any API replica, with nothing lost or repeated (chat and completions here and in
+:mod:`api.choices` for ``n`` > 1, whose ids carry a seq per choice; the Responses API's
+streams in :mod:`api.routes_responses`, whose ids are the events' sequence numbers).
 
 The workers log every frame of a stream in a Redis Stream (:func:`kvbm.protocol.frames_key`,
 written with the pub/sub frame: :mod:`workers.stream`), so the frames outlive the API
@@ -24,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -40,20 +42,41 @@ log = logging.getLogger(__name__)
 BLOCK_MS = 1000  # one blocking read of a log waits this long at most
 
 
-def event_id(log_id: str, seq: int) -> bytes:
-    """The SSE ``id:`` line of an event that covers ``log_id``'s frames up to ``seq``."""
-    return f"id: {log_id}:{seq}\r\n".encode()
+def event_id(log_id: str, seqs: Sequence[int]) -> bytes:
+    """The SSE ``id:`` line of an event that covers ``log_id``'s frames up to ``seqs`` (one
+    seq; or, for ``n`` > 1 choices, one per choice, comma-separated)."""
+    return f"id: {log_id}:{','.join(map(str, seqs))}\r\n".encode()
 
 
-def parse_event_id(value: str, prefixes: tuple[str, ...]) -> tuple[str, int]:
-    """``Last-Event-ID`` -> (the log's stream id, the last seq the client has); a 400 for
-    anything this endpoint never sent."""
-    log_id, _, seq = value.strip().rpartition(":")
-    if not log_id.startswith(prefixes) or not seq.lstrip("-").isdigit() or len(log_id) > 200:
+def parse_event_id(value: str, prefixes: tuple[str, ...], n: int = 1) -> tuple[str, list[int]]:
+    """``Last-Event-ID`` -> (the log's stream id, the last seq the client has of each of
+    the ``n`` streams); a 400 for anything this endpoint never sent."""
+    log_id, _, tail = value.strip().rpartition(":")
+    seqs = tail.split(",")
+    if (not log_id.startswith(prefixes) or len(log_id) > 200 or len(seqs) != n
+            or not all(s.lstrip("-").isdigit() for s in seqs)):  # fmt: skip
         raise OpenAIError(400, f"Last-Event-ID {value[:80]!r} is not an event id of this "
                           "endpoint's streams", "invalid_request_error", "Last-Event-ID",
                           "invalid_event_id")  # fmt: skip
-    return log_id, int(seq)
+    return log_id, [int(s) for s in seqs]
+
+
+class Tagged:
+    """SSE ids for a resumable stream: each write's last event carries ``id:`` with the
+    seqs its frames reach, and a resumed stream's writes that reach no further than
+    ``skip_until`` (what its client has) are formatted but not sent."""
+
+    def __init__(self, log_id: str, skip_until: Sequence[int] | None = None) -> None:
+        self.log_id = log_id
+        self.skip_until = skip_until
+
+    def out(self, event: bytes, seqs: Sequence[int]) -> bytes:
+        if self.skip_until is not None and all(
+            s <= k for s, k in zip(seqs, self.skip_until, strict=True)
+        ):
+            return b""
+        at = event.rfind(b"data: ")  # the write's last event
+        return event[:at] + event_id(self.log_id, seqs) + event[at:]
 
 
 def resumed_key(log_id: str) -> str:
@@ -70,10 +93,11 @@ def moved_commands(old_stream_id: str, new_stream_id: str, next_seq: int) -> lis
             ("EXPIRE", key, FRAMES_OPEN_TTL_S)]  # fmt: skip
 
 
-async def claim(r: aioredis.Redis, log_id: str) -> bool:
-    """Mark the stream resumed; False if its log is gone (expired, or never written)."""
+async def claim(r: aioredis.Redis, log_id: str, first_log: str | None = None) -> bool:
+    """Mark the stream resumed; False if its log (``first_log``'s, for a request of ``n``
+    choices: its first choice's) is gone (expired, or never written)."""
     pipe = r.pipeline(transaction=False)
-    pipe.exists(frames_key(log_id))
+    pipe.exists(frames_key(first_log or log_id))
     pipe.set(resumed_key(log_id), 1, ex=FRAMES_OPEN_TTL_S)
     exists, _ = await pipe.execute()
     return bool(exists)
@@ -136,23 +160,34 @@ class FrameLogReader:
         self.done = frame.done
 
 
+async def split_at(
+    reader: FrameLogReader, after_seq: int
+) -> tuple[list[TokenFrame], list[TokenFrame]]:
+    """The stream's first frames: those up to ``after_seq`` (what the client has) and
+    those after it that one read brought along."""
+    have: list[TokenFrame] = []
+    while not reader.done and (not have or have[-1].seq < after_seq):
+        have += await reader.read()
+    i = next((i for i, f in enumerate(have) if f.seq > after_seq), len(have))
+    return have[:i], have[i:]
+
+
 async def resumed_batches(
     reader: FrameLogReader, after_seq: int
 ) -> AsyncIterator[list[TokenFrame]]:
     """The stream's frames in batches: first every frame up to ``after_seq`` (what the
     client has: to be formatted and not sent), then what follows as it comes."""
-    have: list[TokenFrame] = []
-    while not reader.done and (not have or have[-1].seq < after_seq):
-        have += await reader.read()
-    if have and have[-1].seq > after_seq:  # a read ran past it: split there
-        i = next(i for i, f in enumerate(have) if f.seq > after_seq)
-        have, rest = have[:i], have[i:]
-    else:
-        rest = []
+    have, rest = await split_at(reader, after_seq)
     if have:
         yield have
     if rest:
         yield rest
+    async for batch in frames_of(reader):
+        yield batch
+
+
+async def frames_of(reader: FrameLogReader) -> AsyncIterator[list[TokenFrame]]:
+    """The reader's frames as they come, to the stream's end."""
     while not reader.done:
         yield await reader.read()
 
@@ -165,3 +200,20 @@ async def grace_then(grace_s: float, r: aioredis.Redis, log_id: str) -> bool:
     except Exception as e:  # noqa: BLE001 - Redis away: treat it as not resumed
         log.warning("[%s] could not read the resume claim: %s", log_id, e)
         return False
+
+
+async def linger(
+    grace_s: float, r: aioredis.Redis, log_id: str, drain: Callable[[], Awaitable[None]],
+    end: Callable[[], None],
+) -> None:  # fmt: skip
+    """A stream whose client went away: after ``grace_s``, if a resume claimed it,
+    ``drain()`` reads it on here to its end (its load and migrations stay with this API)
+    while the resuming API relays its log; then, or at once if unclaimed, ``end()`` (which
+    cancels an unfinished request)."""
+    try:
+        if await grace_then(grace_s, r, log_id):
+            await drain()
+    except Exception as e:  # noqa: BLE001 - it ends here either way
+        log.info("[%s] resumed stream ended on its first API: %s", log_id, e)
+    finally:
+        end()

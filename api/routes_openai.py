@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from functools import partial
 
 from fastapi import APIRouter, Request
@@ -26,13 +27,20 @@ from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
-from api.resume import FrameLogReader, claim, event_id, grace_then, parse_event_id, resumed_batches
+from api.resume import (
+    FrameLogReader,
+    Tagged,
+    claim,
+    linger,
+    parse_event_id,
+    resumed_batches,
+)
 from api.runner import RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
-from kvbm.protocol import Sampling, TokenFrame
+from kvbm.protocol import Sampling, TokenFrame, choice_request_id, choice_stream_id
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -120,7 +128,14 @@ async def _serve(
     if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each read on its own
         end = partial(end_request, st, runs, started)
         if req.stream:
-            gen = choices.stream(st, runs, fmt, req.include_usage, end, tools, extras)
+            tag = dropped = None
+            if st.settings.api.resumable_streams:  # ids name the request's stream
+                base = choice_request_id(runs[0].request_id) or runs[0].request_id
+                tag = Tagged(base)
+                if st.settings.api.resume_grace_s > 0:
+                    dropped = partial(linger_on, st, base, partial(_drain_all, st, runs), end)
+            gen = choices.stream(st, runs, fmt, req.include_usage, end, tools, extras,
+                                 tag=tag, dropped=dropped)  # fmt: skip
             return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
         return await choices.collect(st, runs, fmt, end, tools, extras)
     (run,) = runs
@@ -185,37 +200,21 @@ def tool_output(plan: ToolPlan | None) -> ChatToolOutput | None:
     return ChatToolOutput(plan, parser) if plan is not None and parser is not None else None
 
 
-class _Tagged:
-    """SSE ids for a resumable stream (:mod:`api.resume`): each write's last event carries
-    ``id: <log>:<seq>``, and a resumed stream's events up to ``skip_until`` (what its
-    client has) are formatted but not sent."""
-
-    def __init__(self, log_id: str, skip_until: int | None = None) -> None:
-        self.log_id = log_id
-        self.skip_until = skip_until
-
-    def out(self, event: bytes, seq: int) -> bytes:
-        if self.skip_until is not None and seq <= self.skip_until:
-            return b""
-        at = event.rfind(b"data: ")  # the write's last event
-        return event[:at] + event_id(self.log_id, seq) + event[at:]
-
-
 async def _stream(
     st: ApiState, run: RunningRequest | None, fmt: Formatter, include_usage: bool,
     started: float, tools: ChatToolOutput | None = None, extra: ExtraOutput | None = None,
-    *, frames: AsyncIterator[list[TokenFrame]] | None = None, tag: _Tagged | None = None,
+    *, frames: AsyncIterator[list[TokenFrame]] | None = None, tag: Tagged | None = None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """A started request's SSE events (``run``); or, with ``frames`` (and no ``run``), a
     resumed stream's, from its frame log, ``tag`` saying what its client has."""
     if run is not None and st.settings.api.resumable_streams and tag is None:
-        tag = _Tagged(run.request_id)  # the log that holds its first frames
+        tag = Tagged(run.request_id)  # the log that holds its first frames
     batches = frames if frames is not None else st.runner.batches(run)  # type: ignore[arg-type]
     ended = False  # the stream came to its end (not its client gone)
     try:
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
             role = sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
-            if out := (tag.out(role, -1) if tag is not None else role):
+            if out := (tag.out(role, (-1,)) if tag is not None else role):
                 yield out
         async for batch in batches:
             last = batch[-1]
@@ -231,7 +230,7 @@ async def _stream(
                 event = fmt.text_event(text, include_usage) if text else b""
             if not last.done:
                 if event and tag is not None:
-                    event = tag.out(event, last.seq)
+                    event = tag.out(event, (last.seq,))
                 if event:
                     yield event
                 continue
@@ -248,7 +247,7 @@ async def _stream(
                 if include_usage:
                     event += sse_event(fmt.usage_chunk(usage_body(last.usage)))
                 event += SSE_DONE
-            if out := (tag.out(event, last.seq) if tag is not None else event):
+            if out := (tag.out(event, (last.seq,)) if tag is not None else event):
                 yield out
             return
         ended = True
@@ -261,27 +260,34 @@ async def _stream(
             st.metrics.in_flight.dec()
         elif not ended and tag is not None and st.settings.api.resume_grace_s > 0:
             # the client went away: the request runs on for it to come back (api.resume)
-            task = asyncio.get_running_loop().create_task(_linger(st, run, started, tag.log_id))
-            st.runner.hold(task)
+            linger_on(st, tag.log_id, partial(drain, st, run), partial(end_request, st, [run],
+                                                                      started))  # fmt: skip
         else:
             end_request(st, [run], started)
 
 
-async def _linger(st: ApiState, run: RunningRequest, started: float, log_id: str) -> None:
-    """A stream whose client went away: cancelled after the grace period unless a resume
-    claimed it, in which case it is read on here to its end (its load and its migrations
-    stay with this API) while the resuming API relays its log. The relay's own frame reader
-    may have been cancelled inside a read when the client left: a new one reads on from
-    the subscription (what it hands out again first, the first frame, is ignored here)."""
-    try:
-        if await grace_then(st.settings.api.resume_grace_s, st.redis, log_id):
-            async for batch in st.runner.batches(run):
-                if batch[-1].done:
-                    break
-    except Exception as e:  # noqa: BLE001 - it ends here either way
-        log.info("[%s] resumed stream ended on its first API: %s", run.request_id, e)
-    finally:
-        end_request(st, [run], started)
+def linger_on(st: ApiState, log_id: str, drain: Callable[[], Awaitable[None]],
+              end: Callable[[], None]) -> None:  # fmt: skip
+    """A stream whose client went away runs on for the grace period (:func:`linger`)."""
+    task = asyncio.get_running_loop().create_task(
+        linger(st.settings.api.resume_grace_s, st.redis, log_id, drain, end)
+    )
+    st.runner.hold(task)
+
+
+async def drain(st: ApiState, run: RunningRequest) -> None:
+    """Read a stream to its end. The relay's own frame reader may have been cancelled
+    inside a read when its client left: a new one reads on from the subscription."""
+    async for batch in st.runner.batches(run):
+        if batch[-1].done:
+            break
+
+
+async def _drain_all(st: ApiState, runs: list[RunningRequest]) -> None:
+    """:func:`_drain` for every choice of a request."""
+    async with aclosing(choices.merged(st.runner, runs)) as ready:
+        async for _ in ready:
+            pass
 
 
 async def resume(
@@ -293,12 +299,10 @@ async def resume(
     only read for how to format the stream (tools, logprobs, usage), never run again."""
     if not req.stream:
         raise bad_request("Last-Event-ID resumes a stream: send stream: true", "stream")
-    if req.n > 1:
-        raise bad_request("resuming a stream of n > 1 choices is not supported", "n",
-                          "unsupported_parameter")  # fmt: skip
     prefix = ("chatcmpl-",) if kind == "chat" else ("cmpl-",)
-    log_id, seq = parse_event_id(last_event_id, prefix)
-    if not await claim(st.redis, log_id):
+    log_id, seqs = parse_event_id(last_event_id, prefix, req.n)
+    logs = [choice_stream_id(log_id, i) for i in range(req.n)] if req.n > 1 else [log_id]
+    if not await claim(st.redis, log_id, logs[0]):
         raise OpenAIError(404, f"no stream {log_id!r} to resume: it ended more than "
                           f"{st.settings.api.resume_ttl_s:g} s ago, or never ran here",
                           "invalid_request_error", "Last-Event-ID", "stream_not_found")  # fmt: skip
@@ -306,12 +310,20 @@ async def resume(
     sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
     rid = log_id.split(".", 1)[0]  # the client's id (a retry's stream: <id>.r1)
     fmt = Formatter(kind, rid, st.settings.model_name)
-    reader = FrameLogReader(st.redis, log_id, st.settings.api.frame_timeout_s)
-    log.info("[%s] resumed after event %d", log_id, seq)
+    readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s) for x in logs]
+    log.info("[%s] resumed after event %s", log_id, seqs)
     st.metrics.in_flight.inc()
-    gen = _stream(st, None, fmt, req.include_usage, started, tool_output(plan),
-                  extra_output(st.strings, req, sampling, prompt.token_ids),
-                  frames=resumed_batches(reader, seq), tag=_Tagged(log_id, seq))  # fmt: skip
+    tag = Tagged(log_id, seqs)
+    if req.n > 1:
+        gen = choices.stream(st, None, fmt, req.include_usage, st.metrics.in_flight.dec,
+                             [tool_output(plan) for _ in logs],
+                             [extra_output(st.strings, req, sampling, prompt.token_ids)
+                              for _ in logs],
+                             ready=choices.resumed(readers, seqs), tag=tag)  # fmt: skip
+    else:
+        gen = _stream(st, None, fmt, req.include_usage, started, tool_output(plan),
+                      extra_output(st.strings, req, sampling, prompt.token_ids),
+                      frames=resumed_batches(readers[0], seqs[0]), tag=tag)  # fmt: skip
     return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
 
 

@@ -37,8 +37,8 @@ from fastapi.responses import JSONResponse, Response
 from api.errors import OpenAIError, bad_request
 from api.protocol import unsupported
 from api.responses import OutputItems, ResponsesRequest, chat_request, created_now, response_body
-from api.resume import FrameLogReader
-from api.routes_openai import chat_prompt, collect, end_request, start
+from api.resume import FrameLogReader, claim, event_id, frames_of, parse_event_id
+from api.routes_openai import chat_prompt, collect, drain, end_request, linger_on, start
 from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
@@ -46,7 +46,13 @@ from api.tool_parsers import Event, Text, ToolParser
 from api.tools import tool_plan
 from cluster.keys import KEY_PREFIX
 from cluster.resp import as_str
-from kvbm.protocol import CANCEL_CHANNEL, TokenFrame, cancelled_key, frames_key
+from kvbm.protocol import (
+    CANCEL_CHANNEL,
+    FRAMES_OPEN_TTL_S,
+    TokenFrame,
+    cancelled_key,
+    frames_key,
+)
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -74,6 +80,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     plan = tool_plan(req, st.tool_parser)
     prompt = chat_prompt(st, req)
     st.media.check_count(prompt.images)
+    if st.settings.api.resumable_streams and (last := request.headers.get("last-event-id")):
+        return await _resume(st, body, last)
     rid, (run,), _ = await start(  # the Responses API has no n: one run
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan
     )
@@ -81,7 +89,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.background:
         return await _background(st, body, run, out, started)
     if body.stream:
-        return SSEResponse(_stream(st, run, out, started), ping=15, headers={"x-request-id": rid})
+        key = None
+        if st.settings.api.resumable_streams:  # a stream to resume, and to GET, for a while
+            key = await _save_record(st, body, run, out, FRAMES_OPEN_TTL_S, background=False)
+        return SSEResponse(_stream(st, run, out, started, key), ping=15,
+                           headers={"x-request-id": rid})  # fmt: skip
     return await _collect(st, run, out, started)
 
 
@@ -125,9 +137,11 @@ class _Output:
         )
 
 
-def _sse(event: dict) -> bytes:
-    """One Responses stream event: its type on the ``event:`` line, as OpenAI sends them."""
-    return f"event: {event['type']}\r\ndata: {json_line(event)}\r\n\r\n".encode()
+def _sse(event: dict, response_id: str | None = None) -> bytes:
+    """One Responses stream event: its type on the ``event:`` line, as OpenAI sends them;
+    with ``response_id``, the ``id:`` a client resumes after (``Last-Event-ID``)."""
+    head = event_id(response_id, (event["sequence_number"],)) if response_id else b""
+    return head + f"event: {event['type']}\r\ndata: {json_line(event)}\r\n\r\n".encode()
 
 
 async def _events(
@@ -164,15 +178,29 @@ async def _events(
 
 
 async def _stream(
-    st: ApiState, run: RunningRequest, out: _Output, started: float
+    st: ApiState, run: RunningRequest, out: _Output, started: float, key: str | None
 ) -> AsyncIterator[bytes]:
+    """A foreground stream; with ``key`` (resumable streams: the response's record) its
+    events carry ids, its end is stored for GET, and a client that goes away has the
+    grace period to come back."""
+    ids = out.id if key is not None else None
+    ended = False  # the stream came to its end (not its client gone)
     try:
         async for events in _events(st, out, st.runner.batches(run)):
-            yield b"".join(map(_sse, events))
+            yield b"".join(_sse(e, ids) for e in events)
+        ended = True
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
-        yield b"".join(map(_sse, _failed_events(out, stream_failed(e, run.request_id))))
+        ended = True
+        failed = _failed_events(out, stream_failed(e, run.request_id))
+        yield b"".join(_sse(ev, ids) for ev in failed)
     finally:
-        end_request(st, [run], started)
+        end = partial(end_request, st, [run], started)
+        if not ended and key is not None and st.settings.api.resume_grace_s > 0:
+            linger_on(st, run.request_id, partial(drain, st, run), end)
+        else:
+            end()
+    if key is not None:
+        await _store_final(st, key, out, st.settings.api.resume_ttl_s)
 
 
 def _failed_events(out: _Output, err: OpenAIError) -> list[dict]:
@@ -192,21 +220,30 @@ async def _background(st: ApiState, body: ResponsesRequest, run: RunningRequest,
                       started: float) -> Response:  # fmt: skip
     """Record a background response, read it to its end here in a task of its own, and
     answer at once: the Response in progress, or its stream (from its frame log)."""
-    key = response_key(out.id)
-    record: dict[Any, Any] = {"body": body.model_dump_json(), "log": run.request_id,
-                                    "created": out.created, "cancelled": 0}  # fmt: skip
-    pipe = st.redis.pipeline(transaction=False)
-    pipe.hset(key, mapping=record)
-    pipe.expire(key, BACKGROUND_TTL_S)
-    await pipe.execute()
+    key = await _save_record(st, body, run, out, BACKGROUND_TTL_S, background=True)
     head = out.response("in_progress", None) | {"background": True}
     task = asyncio.get_running_loop().create_task(_relay(st, run, out, started, key))
     st.runner.hold(task)
     if body.stream:
-        rec = {k: str(v) for k, v in record.items()}
+        rec = {"body": body.model_dump_json(), "log": run.request_id,
+               "created": str(out.created), "background": "1"}  # fmt: skip
         return SSEResponse(_from_log(st, out.id, rec, -1), ping=15,
                            headers={"x-request-id": out.id})  # fmt: skip
     return JSONResponse(head, headers={"x-request-id": out.id})
+
+
+async def _save_record(st: ApiState, body: ResponsesRequest, run: RunningRequest, out: _Output,
+                       ttl_s: float, background: bool) -> str:  # fmt: skip
+    """Record a response whose stream can be read again (:func:`response_key`)."""
+    key = response_key(out.id)
+    record: dict[Any, Any] = {"body": body.model_dump_json(), "log": run.request_id,
+                              "created": out.created, "cancelled": 0,
+                              "background": int(background)}  # fmt: skip
+    pipe = st.redis.pipeline(transaction=False)
+    pipe.hset(key, mapping=record)
+    pipe.expire(key, int(ttl_s))
+    await pipe.execute()
+    return key
 
 
 async def _relay(st: ApiState, run: RunningRequest, out: _Output, started: float,
@@ -220,16 +257,16 @@ async def _relay(st: ApiState, run: RunningRequest, out: _Output, started: float
         _failed_events(out, stream_failed(e, run.request_id))
     finally:
         end_request(st, [run], started)
-    await _store_final(st, key, out)
+    await _store_final(st, key, out, BACKGROUND_TTL_S)
 
 
-async def _store_final(st: ApiState, key: str, out: _Output) -> None:
+async def _store_final(st: ApiState, key: str, out: _Output, ttl_s: float) -> None:
     if out.final is None:
         return
     try:
         pipe = st.redis.pipeline(transaction=False)
-        pipe.hset(key, "final", json.dumps(out.final | {"background": True}))
-        pipe.expire(key, BACKGROUND_TTL_S)
+        pipe.hset(key, "final", json.dumps(out.final | {"background": bool(out.body.background)}))
+        pipe.expire(key, int(ttl_s))
         await pipe.execute()
     except Exception as e:  # noqa: BLE001 - a GET rebuilds it from the frame log
         log.warning("[%s] could not store the final response: %s", out.id, e)
@@ -262,11 +299,17 @@ def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request, stream: bool = False,
                        starting_after: int = -1) -> Response:  # fmt: skip
-    """A background response: its status and output (any replica); with ``stream=true``
-    its events after ``starting_after``, then live to its end."""
+    """A background response (or, with resumable streams, a streamed one for a while after
+    it ended): its status and output (any replica); with ``stream=true`` its events after
+    ``starting_after`` (or the ``Last-Event-ID`` header's), then live to its end."""
     st = api_state(request)
     rec = await _record(st, response_id)
     if stream:
+        if starting_after < 0 and (last := request.headers.get("last-event-id")):
+            last_id, (starting_after,) = parse_event_id(last, (response_id,))
+            if last_id != response_id:
+                raise bad_request("Last-Event-ID names another response", "Last-Event-ID",
+                                  "invalid_event_id")  # fmt: skip
         if not await st.redis.exists(frames_key(rec["log"])):
             raise OpenAIError(404, f"the stream of response '{response_id}' is no longer "
                               "kept; GET it without stream", "invalid_request_error",
@@ -284,29 +327,44 @@ async def get_response(response_id: str, request: Request, stream: bool = False,
 
         async for _ in _events(st, out, once(), partial(_cancelled, st, response_key(out.id))):
             pass
+    background = out.body.background is True
     if out.final is not None:  # ended, and nobody stored it (its API died): store it now
-        await _store_final(st, response_key(out.id), out)
-        return JSONResponse(out.final | {"background": True})
-    return JSONResponse(out.response("in_progress", None) | {"background": True})
+        ttl_s = BACKGROUND_TTL_S if background else st.settings.api.resume_ttl_s
+        await _store_final(st, response_key(out.id), out, ttl_s)
+        return JSONResponse(out.final | {"background": background})
+    return JSONResponse(out.response("in_progress", None) | {"background": background})
 
 
 async def _from_log(st: ApiState, response_id: str, rec: dict[str, str],
                     after: int) -> AsyncIterator[bytes]:  # fmt: skip
-    """A background response's events numbered after ``after``, from its frame log."""
+    """A recorded response's events numbered after ``after``, from its frame log."""
     out = _rebuilt(st, response_id, rec)
     reader = FrameLogReader(st.redis, rec["log"], st.settings.api.frame_timeout_s)
-
-    async def batches() -> AsyncIterator[list[TokenFrame]]:
-        while not reader.done:
-            yield await reader.read()
-
     try:
-        async for events in _events(st, out, batches(), partial(_cancelled, st,
-                                                                response_key(out.id))):  # fmt: skip
+        async for events in _events(st, out, frames_of(reader), partial(
+                _cancelled, st, response_key(out.id))):  # fmt: skip
             if sel := [e for e in events if e["sequence_number"] > after]:
-                yield b"".join(map(_sse, sel))
+                yield b"".join(_sse(e, response_id) for e in sel)
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
-        yield b"".join(map(_sse, _failed_events(out, stream_failed(e, response_id))))
+        failed = _failed_events(out, stream_failed(e, response_id))
+        yield b"".join(_sse(ev, response_id) for ev in failed)
+
+
+async def _resume(st: ApiState, body: ResponsesRequest, last_event_id: str) -> Response:
+    """The rest of a streamed response a client lost (``Last-Event-ID`` on the same request
+    sent again): its events after that one, from its frame log (never run again)."""
+    if not body.stream:
+        raise bad_request("Last-Event-ID resumes a stream: send stream: true", "stream")
+    response_id, (after,) = parse_event_id(last_event_id, ("resp_",))
+    raw = await st.redis.hgetall(response_key(response_id))
+    rec = {as_str(k): as_str(v) for k, v in raw.items()}
+    if not rec or not await claim(st.redis, rec["log"]):
+        raise OpenAIError(404, f"no stream of response {response_id!r} to resume: it ended "
+                          f"more than {st.settings.api.resume_ttl_s:g} s ago, or never ran here",
+                          "invalid_request_error", "Last-Event-ID", "stream_not_found")  # fmt: skip
+    log.info("[%s] resumed after event %d", response_id, after)
+    return SSEResponse(_from_log(st, response_id, rec, after), ping=15,
+                       headers={"x-request-id": response_id})  # fmt: skip
 
 
 @router.post("/v1/responses/{response_id}/cancel")
@@ -314,6 +372,8 @@ async def cancel_response(response_id: str, request: Request) -> Response:
     """Cancel a background response wherever it runs; the Response as it stands."""
     st = api_state(request)
     rec = await _record(st, response_id)
+    if rec.get("background", "1") != "1":
+        raise bad_request("only a background response can be cancelled", "response_id")
     if "final" in rec:
         return JSONResponse(json.loads(rec["final"]))
     log_id = rec["log"]

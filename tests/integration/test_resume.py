@@ -300,3 +300,112 @@ def test_a_background_response_is_cancelled_from_any_api(
     assert 0 < done.usage.output_tokens < 400  # type: ignore[attr-defined]
     with pytest.raises(openai.NotFoundError):
         _responses(url2).responses.retrieve("resp_00000000000000000000000000000000")
+
+
+# --------------------------------------------------------------------------------------
+# n > 1 choices, and the Responses API's foreground streams
+# --------------------------------------------------------------------------------------
+def _by_choice(chunks: list[dict], n: int) -> list[str]:
+    """Each choice's text from a stream's chunks."""
+    out = [""] * n
+    for c in chunks:
+        for choice in c.get("choices") or []:
+            out[choice["index"]] += (choice.get("delta") or {}).get("content") or ""
+    return out
+
+
+def test_a_stream_of_two_choices_goes_on_through_another_api_within_the_grace_period(
+    deployment: tuple[Proc, str, Proc, str, Proc], tiny_model_dir: Path
+) -> None:
+    """The client drops a stream of n=2 from the first API and sends the same request to
+    the second with its last id: both choices go on from where each was, and the first
+    API keeps the request running through the gap (the grace period)."""
+    _, url1, _, url2, _ = deployment
+    body = {**_body("chat", tiny_model_dir.name), "n": 2}
+    c = openai.OpenAI(base_url=f"{url2}/v1", api_key="x", max_retries=0)
+    whole = c.chat.completions.create(  # type: ignore[call-overload]
+        **{k: v for k, v in body.items() if k not in ("stream", "stream_options", "ignore_eos")},
+        extra_body={"ignore_eos": True})  # fmt: skip
+    want = [ch.message.content for ch in sorted(whole.choices, key=lambda ch: ch.index)]
+    last_id, chunks = _read_some(url1, body, _path("chat"), 6)
+    assert "," in last_id.rsplit(":", 1)[1]  # a seq per choice
+    got, usage = _by_choice(chunks, 2), None
+    resumed = c.chat.completions.create(  # type: ignore[call-overload]
+        **{k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={"ignore_eos": True},
+        extra_headers={"Last-Event-ID": last_id})  # fmt: skip
+    rest = ["", ""]
+    for chunk in resumed:
+        for choice in chunk.choices:
+            rest[choice.index] += choice.delta.content or ""
+        usage = chunk.usage or usage
+    assert [a + b for a, b in zip(got, rest, strict=True)] == want
+    assert any(rest) and sum(map(len, rest)) < sum(map(len, want))  # the rest, not all
+    assert usage is not None and usage.completion_tokens == 2 * MAX_TOKENS
+    # an id with one seq does not name a stream of two choices
+    r = httpx.post(f"{url2}/v1/chat/completions", json=body,
+                   headers={"Last-Event-ID": last_id.rsplit(",", 1)[0]})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_event_id"
+
+
+def _read_response_events(url: str, body: dict, events: int) -> tuple[str, list[dict]]:
+    """Open a Responses stream and read ``events`` events; the last SSE id and the events
+    (the connection is left open)."""
+    client = httpx.Client(timeout=30)
+    r = client.send(client.build_request("POST", url + "/v1/responses", json=body), stream=True)
+    assert r.status_code == 200, r.read()
+    last_id, got = "", []
+    for line in r.iter_lines():
+        if line.startswith("id: "):
+            last_id = line[4:]
+        elif line.startswith("data: "):
+            got.append(json.loads(line[6:]))
+            if len(got) >= events:
+                break
+    assert last_id.endswith(f":{got[-1]['sequence_number']}"), (last_id, got[-1])
+    return last_id, got
+
+
+@pytest.mark.parametrize("how", ["killed", "dropped"])
+def test_a_response_stream_goes_on_through_another_api_after_its_api_is_killed(
+    deployment: tuple[Proc, str, Proc, str, Proc], tiny_model_dir: Path, how: str
+) -> None:
+    """The first API is killed, or the client drops the connection (the first API keeps
+    the response running for the grace period): the rest comes from the second API."""
+    api1, url1, _, url2, _ = deployment
+    model = tiny_model_dir.name
+    want = _responses(url2).responses.create(model=model, **_ask())  # type: ignore[arg-type]
+    body = {"model": model, "input": "Tell me about rivers.", "max_output_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    last_id, first = _read_response_events(url1, body, 8)  # its connection closes on return
+    if how == "killed":
+        api1.popen.send_signal(signal.SIGKILL)
+        api1.popen.wait(10)
+    rest = list(
+        _responses(url2).responses.create(  # type: ignore[call-overload]
+            model=model, stream=True, extra_headers={"Last-Event-ID": last_id}, **_ask()
+        )
+    )
+    seqs = [e["sequence_number"] for e in first] + [e.sequence_number for e in rest]
+    assert seqs == list(range(len(seqs))), seqs  # nothing lost or repeated, across APIs
+    assert rest and rest[-1].type == "response.completed"
+    final = rest[-1].response
+    text = "".join(e["delta"] for e in first if e["type"] == "response.output_text.delta")
+    text += "".join(e.delta for e in rest if e.type == "response.output_text.delta")
+    assert text == final.output_text == want.output_text
+    assert final.id == first[0]["response"]["id"] and final.status == "incomplete"
+    assert final.usage is not None and final.usage.output_tokens == MAX_TOKENS
+    # the response can be read back while its record is kept; it is not a background one
+    again = _responses(url2).responses.retrieve(final.id)
+    assert again.output_text == want.output_text and not again.background
+    with pytest.raises(openai.BadRequestError):
+        _responses(url2).responses.cancel(final.id)
+    # its stream read again by GET, after the event the Last-Event-ID header names
+    got = httpx.get(f"{url2}/v1/responses/{final.id}", params={"stream": "true"},
+                    headers={"Last-Event-ID": last_id}, timeout=30)  # fmt: skip
+    again_seqs = [json.loads(line[6:])["sequence_number"]
+                  for line in got.text.splitlines() if line.startswith("data: ")]  # fmt: skip
+    assert again_seqs == seqs[len(first) :]
+    # an unknown response's id: 404, in the error's shape
+    r = httpx.post(f"{url2}/v1/responses", json=body,
+                   headers={"Last-Event-ID": "resp_0123456789abcdef:3"})  # fmt: skip
+    assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
