@@ -21,7 +21,7 @@ from api.errors import OpenAIError, bad_request
 from api.state import api_state
 from tasks.batches import (
     ENDPOINTS,
-    LEASE_S,
+    QUEUED_S,
     WINDOWS,
     InvalidInput,
     batch_key,
@@ -128,7 +128,7 @@ async def create_batch(body: BatchRequest, request: Request) -> dict:
     pipe.hset(batch_key(batch["id"]), "b", json.dumps(batch))
     pipe.expire(batch_key(batch["id"]), BATCH_TTL_S)
     pipe.zadd(batches_key(), {batch["id"]: batch["created_at"]})
-    pipe.set(lease_key(batch["id"]), "queued", px=int(LEASE_S * 4 * 1000))
+    pipe.set(lease_key(batch["id"]), "queued", px=int(QUEUED_S * 1000))
     await pipe.execute()
     await asyncio.to_thread(send, batch["id"])
     return batch

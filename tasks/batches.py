@@ -20,10 +20,14 @@ need. A runner told to stop (its worker's warm shutdown) lets the requests in fl
 (one the API could not answer, as when the whole deployment restarts, is left unanswered)
 and returns: the next runner carries on.
 
-Who runs a batch is a lease (:func:`lease_key`, renewed while it runs): a runner takes a
-batch only if nobody holds it, so two never send the same requests. Every live runner
-looks every ``RECOVER_S`` for batches in progress that nobody holds (their runner stopped
-or died, their task lost with a restarted Redis's queue) and queues them again.
+Who runs a batch is a lease (:func:`lease_key`, ``CONVEYOR_BATCH_LEASE_S``, renewed while
+it runs): a runner takes a batch only if nobody holds it, so two never send the same
+requests; one that finds its lease taken (it stalled past it, and another runner took the
+batch or a scan queued it) stops sending. Every live runner looks every
+``CONVEYOR_BATCH_RECOVER_S`` for batches in progress that nobody holds (their runner
+stopped or was killed, their task lost with a restarted Redis's queue) and queues them
+again, once: a copy of the task the broker delivers again (a killed runner's, after the
+visibility timeout) finds the batch held or done.
 """
 
 from __future__ import annotations
@@ -82,8 +86,7 @@ def lease_key(batch_id: str) -> str:
     return f"{KEY_PREFIX}batch:{batch_id}:lease"
 
 
-LEASE_S = 30.0
-RECOVER_S = 10.0
+QUEUED_S = 120.0  # a queued task's lease: how long it may wait for a runner
 
 # Take the lease of KEYS[1] for ARGV[1] (ARGV[2] ms) if it is free or only queued; 1 if taken
 TAKE_LUA = """
@@ -91,6 +94,19 @@ local v = redis.call('GET', KEYS[1])
 if v and v ~= 'queued' and v ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
+"""
+# Renew the lease of KEYS[1] for ARGV[1] (ARGV[2] ms) while ARGV[1] holds it, or again if
+# it lapsed and nobody took it or queued the batch since; 0 once another has it
+RENEW_LUA = """
+local v = redis.call('GET', KEYS[1])
+if v and v ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+# Free the lease of KEYS[1] if ARGV[1] holds it
+RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -103,19 +119,19 @@ def runners_key() -> str:
 RUNNER_TTL_S = 10.0
 
 
-def heartbeat(r: redis.Redis, runner_id: str, stop: threading.Event) -> None:
+def heartbeat(r: redis.Redis, runner_id: str, stop: threading.Event, recover_s: float) -> None:
     """Keep ``runner_id`` live every few seconds, and queue again the batches in progress
-    that nobody holds, until ``stop`` (a thread's loop)."""
+    that nobody holds every ``recover_s``, until ``stop`` (a thread's loop)."""
     recovered = 0.0
     while True:
         try:
             r.zadd(runners_key(), {runner_id: int((time.time() + RUNNER_TTL_S) * 1000)})
-            if time.monotonic() - recovered >= RECOVER_S:
+            if time.monotonic() - recovered >= recover_s:
                 recovered = time.monotonic()
                 recover(r)
         except redis.RedisError as e:
             log.warning("batch runner heartbeat failed: %s", e)
-        if stop.wait(RUNNER_TTL_S / 3):
+        if stop.wait(min(RUNNER_TTL_S / 3, recover_s)):
             r.zrem(runners_key(), runner_id)
             return
 
@@ -129,10 +145,14 @@ def recover(r: redis.Redis) -> list[str]:
         if raw is None:
             r.zrem(batches_key(), batch_id)  # expired
             continue
-        if json.loads(raw)["status"] in TERMINAL or r.exists(lease_key(batch_id)):
+        if json.loads(raw)["status"] in TERMINAL:
+            continue
+        # queued only if nobody holds it: a runner that just took it keeps it (one check
+        # and set, or two runners' scans could both queue it, the second over the first)
+        if not r.set(lease_key(batch_id), "queued", px=int(QUEUED_S * 1000), nx=True):
             continue
         log.warning("batch %s: in progress and nobody runs it; queued again", batch_id)
-        send(batch_id, r)
+        send(batch_id)
         out.append(batch_id)
     return out
 
@@ -200,10 +220,9 @@ def with_counts(batch: dict, completed: int, failed: int) -> dict:
     return batch
 
 
-def send(batch_id: str, r: redis.Redis | None = None) -> None:
-    """Queue the batch's task (its lease says ``queued`` meanwhile: nobody queues it again)."""
-    if r is not None:
-        r.set(lease_key(batch_id), "queued", px=int(LEASE_S * 4 * 1000))
+def send(batch_id: str) -> None:
+    """Queue the batch's task (the caller set its lease to ``queued``: nobody queues it
+    again meanwhile)."""
     run_batch.apply_async((batch_id,), queue=queue(BATCH_QUEUE))
 
 
@@ -216,14 +235,14 @@ def run_batch(self: Task, batch_id: str) -> str:
     s = get_settings()
     r = redis.Redis.from_url(s.effective_redis_url)
     me = f"{self.request.hostname}:{self.request.id}"
-    if not r.eval(TAKE_LUA, 1, lease_key(batch_id), me, int(LEASE_S * 1000)):
+    if not r.eval(TAKE_LUA, 1, lease_key(batch_id), me, int(s.batch.lease_s * 1000)):
         log.info("batch %s: another runner holds it", batch_id)
         return "held elsewhere"
     runner = BatchRunner(s, r, DirFileStore(s.batch.files_dir), batch_id, lease=me)
     try:
         return runner.run()
     finally:  # handed on or done: free for the next runner (its recovery queues it)
-        r.delete(lease_key(batch_id))
+        r.eval(RELEASE_LUA, 1, lease_key(batch_id), me)
 
 
 class BatchRunner:
@@ -232,6 +251,7 @@ class BatchRunner:
         self.s, self.r, self.store, self.id = s, r, store, batch_id
         self.stop = stop
         self.lease, self._renewed = lease, time.monotonic()
+        self.lease_s = s.batch.lease_s
         self.url = s.batch.api_url or f"http://{_host(s.api.host)}:{s.api.port}"
         keys = s.api.api_key_list
         self.headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
@@ -252,7 +272,7 @@ class BatchRunner:
         todo = [line for line in lines if line["custom_id"] not in done]
         log.info("batch %s: %d of %d requests to run", self.id, len(todo), len(lines))
         outcome = self._send_all(batch, todo)
-        if outcome == "handed on":
+        if outcome in ("handed on", "lost the lease"):
             return outcome
         return self._finish(batch, lines, outcome)
 
@@ -280,16 +300,21 @@ class BatchRunner:
     def _wait_all(self, pending: set[Future]) -> None:
         """Wait for the requests in flight, holding the lease meanwhile."""
         while pending:
-            _, pending = wait(pending, timeout=LEASE_S / 3)
+            _, pending = wait(pending, timeout=self.lease_s / 4)
             self._renew()
 
-    def _renew(self) -> None:
-        if self.lease and time.monotonic() - self._renewed > LEASE_S / 3 - 1:
+    def _renew(self) -> bool:
+        """Renew the lease every quarter of its TTL; ``False`` once another holds it."""
+        if self.lease and time.monotonic() - self._renewed >= self.lease_s / 4:
             self._renewed = time.monotonic()
-            self.r.set(lease_key(self.id), self.lease, px=int(LEASE_S * 1000))
+            ms = int(self.lease_s * 1000)
+            return bool(self.r.eval(RENEW_LUA, 1, lease_key(self.id), self.lease, ms))
+        return True
 
     def _interrupted(self, batch: dict) -> str | None:
-        self._renew()
+        if not self._renew():  # stalled past the lease: another runner may have the batch
+            log.warning("batch %s: lease lost; another runner carries on", self.id)
+            return "lost the lease"
         if self.stop.is_set():
             return "handed on"
         if self.r.hget(batch_key(self.id), "cancel"):

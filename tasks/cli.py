@@ -322,7 +322,8 @@ def batch_runner(concurrency: int, **kw: Any) -> None:
     name = f"batch-{os.getpid()}@{socket.gethostname()}"
     done = threading.Event()
     client = redis.Redis.from_url(s.effective_redis_url)
-    beat = threading.Thread(target=heartbeat, args=(client, name, done), daemon=True)
+    beat = threading.Thread(target=heartbeat, args=(client, name, done, s.batch.recover_s),
+                            daemon=True)  # fmt: skip
     beat.start()  # the API takes batches only while a runner is live
     try:
         app.worker_main(["worker", "--queues", BATCH_QUEUE, "--hostname", name, "--pool",

@@ -640,6 +640,20 @@ class BatchSettings(_Area):
         description="Where the batch runner sends a batch's requests; default: this host's "
         "API (host and port settings).",
     )
+    lease_s: float = _flat(
+        "batch_lease_s",
+        30.0,
+        gt=0,
+        description="A batch's runner holds it under a lease it renews (every quarter of "
+        "this); a runner that dies without a word (SIGKILL, OOM) leaves it for this long.",
+    )
+    recover_s: float = _flat(
+        "batch_recover_s",
+        10.0,
+        gt=0,
+        description="Every live batch runner looks this often for batches in progress that "
+        "nobody holds and queues them again.",
+    )
 
 
 class PlannerSettings(_Area):

@@ -2,7 +2,9 @@
 batch-runner``) and the official openai client: a batch's output holds every request's
 answer once, in OpenAI's format, a bad request's error in the error file; a batch runner
 stopped mid-batch hands the batch on and the next one finishes it with no request lost or
-repeated; a cancel stops a batch with what was answered so far."""
+repeated, as does one killed (SIGKILL) once its lease lapses, with no two runners sending
+the same requests (one frozen past its lease stops sending once thawed); a cancel stops a
+batch with what was answered so far."""
 
 from __future__ import annotations
 
@@ -19,11 +21,13 @@ import openai
 import pytest
 import redis
 
-from tasks.batches import runners_key
+from tasks.app import queue
+from tasks.batches import BATCH_QUEUE, lease_key, results_key, run_batch, runners_key
 from tests.integration.conftest import (
     BIN,
     Proc,
     base_env,
+    celery_at,
     free_port,
     spawn,
     start_api,
@@ -35,13 +39,18 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.integration
 
 
+LEASE_S, RECOVER_S, IN_FLIGHT = 6.0, 1.0, 2  # a killed runner's batch waits out its lease
+
+
 @pytest.fixture
 def env(fresh_db: str, tiny_model_dir: Path, tmp_path: Path) -> dict[str, str]:
     # ~10 ms a token: a request of 8 tokens takes ~0.1 s
     return base_env(fresh_db, tiny_model_dir, CONVEYOR_ENGINE="mock",
                     CONVEYOR_MOCK__DECODE_STEP_MS="10", CONVEYOR_MOCK__SPEEDUP="1",
                     CONVEYOR_FILES_DIR=str(tmp_path / "files"),
-                    CONVEYOR_BATCH_MAX_IN_FLIGHT="2")  # fmt: skip
+                    CONVEYOR_BATCH_MAX_IN_FLIGHT=str(IN_FLIGHT),
+                    CONVEYOR_BATCH_LEASE_S=str(LEASE_S),
+                    CONVEYOR_BATCH_RECOVER_S=str(RECOVER_S))  # fmt: skip
 
 
 @pytest.fixture
@@ -162,6 +171,131 @@ def test_a_batch_survives_a_runner_restart_and_a_cancel_keeps_what_was_answered(
         assert 3 <= len(kept) == stopped.request_counts.completed < 40
     finally:
         second.stop()
+
+
+def test_a_batch_survives_a_killed_runner_once_its_lease_lapses(
+    deployment: tuple[str, Proc], env: dict[str, str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The runner's process group SIGKILLed mid-batch (an OOM kill: no warm shutdown, its
+    lease left behind, its task message unacked): nobody touches the batch while the dead
+    runner's lease lives, then one of two new runners takes it within the lease + the
+    recovery period and finishes it; copies of the batch's task (what the broker delivers
+    again after its visibility timeout) find it held and drop out. Every request is
+    answered exactly once, and the API got each once plus at most the ones in flight at the
+    kill: no two runners sent the same requests."""
+    url, runner = deployment
+    c = _client(url)
+    r = redis.Redis.from_url(env["CONVEYOR_REDIS_URL"], decode_responses=True)
+    n = 60  # ~0.1 s a request, 2 at a time: ~3 s of work
+    f = c.files.create(file=("in.jsonl", io.BytesIO(_jsonl(tiny_model_dir.name, n))),
+                       purpose="batch")  # fmt: skip
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                         completion_window="24h")  # fmt: skip
+    answered = lambda: r.hlen(results_key(b.id, "out"))  # noqa: E731
+    wait_for(lambda: answered() >= 10, 60, "a few requests answered", [runner])
+    dead = r.get(lease_key(b.id))
+    assert dead and dead.startswith(f"batch-{runner.popen.pid}@"), dead  # it runs the batch
+    os.killpg(runner.popen.pid, signal.SIGKILL)  # the worker and anything it started
+    killed = time.monotonic()
+    assert runner.popen.wait(10) == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.killpg(runner.popen.pid, 0)  # nothing of its group survives
+    mid = answered()
+    assert 10 <= mid < n and c.batches.retrieve(b.id).status == "in_progress"
+    assert r.get(lease_key(b.id)) == dead  # a SIGKILL frees nothing: the lease must lapse
+
+    celery_at(env["CONVEYOR_REDIS_URL"])
+    run_batch.apply_async((b.id,), queue=queue(BATCH_QUEUE))  # a copy while the lease lives
+    second, third = (spawn(f"batch-runner-{i}", [str(BIN / "conveyor"), "batch-runner"], env,
+                           tmp_path) for i in (2, 3))  # fmt: skip
+    try:
+        wait_for(lambda: _runners(env) >= 2, 60, "two new batch runners", [second, third])
+        # while the dead runner's lease lives, nobody sends the batch's requests
+        while (held := r.get(lease_key(b.id))) == dead:
+            assert answered() == mid, "a runner took a batch whose lease was still held"
+            assert time.monotonic() - killed < LEASE_S + 5, "the killed runner's lease lives on"
+            time.sleep(0.05)
+        wait_for(lambda: answered() > mid, LEASE_S + RECOVER_S + 30,
+                 "a new runner answering the batch's requests", [second, third])  # fmt: skip
+        took = time.monotonic() - killed
+        assert LEASE_S * 0.5 < took < LEASE_S + RECOVER_S + 30, took
+        holder = r.get(lease_key(b.id))
+        assert holder and holder not in (dead, "queued"), (held, holder)
+        run_batch.apply_async((b.id,), queue=queue(BATCH_QUEUE))  # a copy while it runs
+        done = _until(c, b.id, ("completed",), timeout=60)
+        out = _lines(c, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
+        assert len({x["custom_id"] for x in out}) == len(out) == n  # each exactly once
+        for x in out:
+            body = x["response"]["body"]
+            assert x["error"] is None and x["response"]["status_code"] == 200
+            assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 8
+            assert isinstance(body["choices"][0]["message"]["content"], str)
+        assert done.error_file_id is None
+        assert done.request_counts.model_dump() == {"total": n, "completed": n, "failed": 0}
+        wait_for(lambda: not r.exists(lease_key(b.id)), 10, "the lease freed")
+        # the API's own count: each request once, plus those in flight at the kill (their
+        # answers died with the runner); a second runner on the batch would add dozens
+        sent = _chat_requests(url)
+        assert n <= sent <= n + IN_FLIGHT, sent
+        # the copy sent while a runner held the batch dropped out; the two runners' scans
+        # queued the batch once at most (none when the first copy came after the lease)
+        logs = lambda: second.log.read_text() + third.log.read_text()  # noqa: E731
+        queued = lambda: logs().count("nobody runs it; queued again")  # noqa: E731
+        wait_for(lambda: logs().count("succeeded in") == 2 + queued(), 10,
+                 "each task of the batch (two copies, the scans' one) run once")  # fmt: skip
+        assert queued() <= 1 and "'held elsewhere'" in logs(), logs()
+    finally:
+        second.stop()
+        third.stop()
+    print(f"killed runner's batch taken over {took:.1f} s after the kill (lease {LEASE_S} s)")
+
+
+def test_a_stalled_runner_that_lost_its_lease_stops_sending(
+    deployment: tuple[str, Proc], env: dict[str, str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The runner frozen (SIGSTOP: a swapped-out or paused host) past its lease: a second
+    runner takes the batch; the first, thawed, finds its lease gone and stops sending, and
+    frees nothing of the second's: every request answered once in the output, the API sent
+    each once plus at most the first runner's requests in flight when it froze."""
+    url, runner = deployment
+    c = _client(url)
+    r = redis.Redis.from_url(env["CONVEYOR_REDIS_URL"], decode_responses=True)
+    n = 60
+    f = c.files.create(file=("in.jsonl", io.BytesIO(_jsonl(tiny_model_dir.name, n))),
+                       purpose="batch")  # fmt: skip
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                         completion_window="24h")  # fmt: skip
+    wait_for(lambda: r.hlen(results_key(b.id, "out")) >= 10, 60, "a few requests answered",
+             [runner])  # fmt: skip
+    frozen = r.get(lease_key(b.id))
+    os.killpg(runner.popen.pid, signal.SIGSTOP)
+    second = spawn("batch-runner-2", [str(BIN / "conveyor"), "batch-runner"], env, tmp_path)
+    try:
+        took = lambda: r.get(lease_key(b.id)) not in (frozen, "queued", None)  # noqa: E731
+        wait_for(took, LEASE_S + RECOVER_S + 30, "the second runner holding the batch", [second])
+        os.killpg(runner.popen.pid, signal.SIGCONT)  # mid-batch for the second runner
+        done = _until(c, b.id, ("completed",), timeout=60)
+        out = _lines(c, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
+        assert len(out) == n and done.request_counts.completed == n
+        sent = _chat_requests(url)
+        assert n <= sent <= n + IN_FLIGHT, sent
+        wait_for(lambda: "lease lost" in runner.log.read_text(), 10,
+                 "the thawed runner giving the batch up", [runner])  # fmt: skip
+        assert runner.popen.poll() is None  # it lives on, and serves other batches
+    finally:
+        os.killpg(runner.popen.pid, signal.SIGCONT)
+        second.stop()
+
+
+def _chat_requests(url: str) -> int:
+    """conveyor_requests_total for chat completions, every status."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("conveyor_requests_total{") and '"/v1/chat/completions"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
 
 
 def test_a_batch_survives_a_restart_of_serve(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -50,9 +50,11 @@ worker_id worker_max_requests worker_nice worker_ttl_s workers
 NEW_NAMES = [
     "api_workers",
     "batch_api_url",
+    "batch_lease_s",
     "batch_load_threshold",
     "batch_max_in_flight",
     "batch_priority",
+    "batch_recover_s",
     "files_dir",
     "kernel_dir",
     "log_requests",
