@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--online", type=int, help="online clients (default: max-num-seqs / 2)")
     ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--env", action="append", default=[], metavar="CONVEYOR_X=VALUE",
+                    help="a setting for the server (repeatable)")  # fmt: skip
     args = ap.parse_args()
     clients = args.online or max(1, args.max_num_seqs // 2)
     port, flower_port, redis_port = free_ports(3)
@@ -120,6 +122,7 @@ def main() -> None:
                CONVEYOR_MOCK__SPEEDUP="1", CONVEYOR_MAX_NUM_SEQS=str(args.max_num_seqs),
                CONVEYOR_FILES_DIR=str(tmp / "files"), CONVEYOR_REDIS_PORT=str(redis_port),
                CONVEYOR_SERVE_STATE_DIR=str(tmp / "state"))  # fmt: skip
+    env.update(kv.split("=", 1) for kv in args.env)
     log = tmp / "serve.log"
     argv = [CONVEYOR, "serve", "--port", str(port), "--flower-port", str(flower_port),
             "--no-flower"]  # fmt: skip

@@ -11,8 +11,11 @@ Priorities (vLLM's ``priority``: lower values first) order the waiting queue: a 
 queues behind every waiting one of its value or lower, a preempted one goes back in front
 of its own value; the sequence preempted is the most recently admitted of the running
 ones with the highest value; and when the batch is full, a waiting sequence of a lower
-value than a running one preempts it (recomputed later). With every priority equal (the
-default 0) that is first come, first served, exactly.
+value than a running one preempts it (recomputed later). A step prefills prompts of one
+priority only, and a prompt of a worse priority than a running sequence's alone (the
+batch class takes what online work leaves a prompt at a time, so it lengthens an online
+step by one prompt at most). With every priority equal (the default 0) that is first come,
+first served, exactly.
 
 A request of ``n`` choices comes as ``n`` sequences: the later ones wait (parked) until
 the first has computed the prompt, then fork from it in the step that does (sharing its
@@ -241,8 +244,16 @@ class Scheduler:
                 i += 1
         if preempted or not self._admit_now():
             return scheduled
+        # Prompts of different priorities are not prefilled in one step, and one of a worse
+        # priority than a running sequence's comes in alone: a batch-class prompt adds at
+        # most one prompt's time to a step the more urgent sequences wait on.
+        urgent = min((s.req.priority for s in self.running), default=None)
+        admitted: int | None = None  # the priority of the prompts this step admits
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            p = seq.req.priority
+            if admitted is not None and (p != admitted or (urgent is not None and p > urgent)):
+                break
             if seq.forks and self.running and \
                     len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:  # fmt: skip
                 break  # its choices join the batch with it
@@ -275,6 +286,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            admitted = p
         if self._imports_waiting:
             self._expire_imports()
         return scheduled

@@ -189,6 +189,43 @@ def test_a_full_batch_makes_room_for_a_more_urgent_request(tiny_model_dir: Path)
         assert (e.stats().preemptions > 0) == (high_priority < 0)
 
 
+def _admitted_per_step(engine: MockEngine) -> list[list[str]]:
+    """Run to the end; per step, the requests whose first token came out in it."""
+    steps, seen = [], set()
+    while engine.has_unfinished:
+        new = [o.request_id for o in engine.step() if o.token_ids and o.request_id not in seen]
+        seen.update(new)
+        steps.append(new)
+    return steps
+
+
+def test_a_step_prefills_one_priority_and_a_batch_prompt_alone_beside_urgent_work(
+    tiny_model_dir: Path,
+) -> None:
+    """Prompts of different priorities go in separate steps; while a more urgent sequence
+    runs, a worse priority's prompts come in one a step. All equal: one step for all."""
+    e = make(tiny_model_dir, max_num_seqs=8)
+    online = req("online", PROMPT[:30], 20, ignore_eos=True)
+    assert e.add_request(online) is None
+    e.step()  # online is running (decoding)
+    batch = [req(f"b{i}", PROMPT[i : i + 20], 2, ignore_eos=True) for i in range(3)]
+    late = req("late", PROMPT[:25], 2, ignore_eos=True)
+    for r in batch:
+        r.priority = 100
+        assert e.add_request(r) is None
+    assert e.add_request(late) is None  # priority 0: ahead of the batch in the queue
+    steps = [[r for r in s if r != "online"] for s in _admitted_per_step(e)]
+    assert [s for s in steps if s] == [["late"], ["b0"], ["b1"], ["b2"]], steps
+    # the same prompts at one priority start together
+    e = make(tiny_model_dir, max_num_seqs=8)
+    assert e.add_request(req("online", PROMPT[:30], 20, ignore_eos=True)) is None
+    e.step()
+    for r in [req(f"b{i}", PROMPT[i : i + 20], 2, ignore_eos=True) for i in range(3)]:
+        assert e.add_request(r) is None
+    steps = [[r for r in s if r != "online"] for s in _admitted_per_step(e)]
+    assert [s for s in steps if s] == [["b0", "b1", "b2"]], steps
+
+
 def test_decode_reads_its_context_every_step() -> None:
     t = MockTiming(prefill_us_per_token=100, decode_step_ms=5, decode_ms_per_seq=0.5,
                    decode_us_per_kv_token=0.1, speedup=2)  # fmt: skip
