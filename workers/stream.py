@@ -135,7 +135,8 @@ class FramePublisher:
     ``send_command`` puts other commands on the same connection the same way (the KV
     event batches: :class:`kvbm.events.KVEventPublisher`), their replies handed to a
     callback. Thread-safe: ``start_at``, ``publish_error`` and ``send_command`` may come
-    from other threads.
+    from other threads. With ``stream_interval`` > 1 a request's outputs are held and sent
+    N tokens to a frame (:mod:`workers.stream_interval`); ``stop`` sends what is held.
     """
 
     def __init__(

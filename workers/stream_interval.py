@@ -70,7 +70,7 @@ def merge(outs: list[RequestOutput]) -> RequestOutput:
     if len(outs) == 1:
         return outs[0]
     token_ids = [t for o in outs for t in o.token_ids]
-    logprobs = None
+    logprobs: list | None = None
     if any(o.logprobs is not None for o in outs):  # one per token id, as a frame has them
         logprobs = []
         for o in outs:
