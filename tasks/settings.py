@@ -363,6 +363,16 @@ class EngineSettings(_Area):
         description="While sequences decode, a new prompt waits this many times the last "
         "prefill step's duration (vLLM's scheduler_delay_factor); 0: admitted at once.",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Tokens per stream frame (vLLM's --stream-interval): a request's "
+        "outputs are held until this many tokens are, then sent as one frame; its first "
+        "token and its last frame (finish, error, abort) go out at once. Fewer frames cut "
+        "the engine's, Redis's and the API's CPU per token where the engine outruns the "
+        "pipeline; the API sees a gap of this many tokens' time between frames. 1: a frame "
+        "per engine step.",
+    )
     decode_attention: Literal["auto", "kernel", "torch"] = Field(
         "auto",
         description="Decode attention of the reference engine: kernel (a C kernel that "

@@ -202,6 +202,7 @@ class EngineConfig:
     # while sequences decode, a new prompt waits until this many times the last prefill
     # step's duration has passed since it arrived (vLLM's scheduler_delay_factor)
     scheduler_delay_factor: float
+    stream_interval: int  # tokens per stream frame (workers.stream_interval), not the engine's
     decode_attention: str  # "kernel" (workers/paged_kernel.py), "torch" or "auto"
     kernel_dir: str  # where the decode kernel is built and found
     # --- the KVBM area -------------------------------------------------------------------

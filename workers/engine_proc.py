@@ -366,8 +366,9 @@ def _start_engine(spec: EngineProcSpec, engine: Engine, client: redis.Redis,
                                  spec.kv_transfer_threads)  # fmt: skip
     server = _EngineServer(spec, engine, client, transfer, send, images, emb_transfer)
     publisher = (FramePublisher if spec.fastpath else StockFramePublisher)(
-        client, server.on_published, spec.frame_log_ttl_s
-    )
+        client, server.on_published, spec.frame_log_ttl_s,
+        spec.engine_config["stream_interval"],
+    )  # fmt: skip
     events = None
     if engine.records_kv_events:
         # on the frames' connection, from the engine loop's thread: no thread of its own

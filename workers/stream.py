@@ -34,6 +34,7 @@ from kvbm.protocol import (
     frames_key,
     tokens_channel,
 )
+from workers.stream_interval import IntervalBuffer
 
 if TYPE_CHECKING:  # keep this module torch-free
     from workers.engine_api import RequestOutput
@@ -134,7 +135,8 @@ class FramePublisher:
     ``send_command`` puts other commands on the same connection the same way (the KV
     event batches: :class:`kvbm.events.KVEventPublisher`), their replies handed to a
     callback. Thread-safe: ``start_at``, ``publish_error`` and ``send_command`` may come
-    from other threads.
+    from other threads. With ``stream_interval`` > 1 a request's outputs are held and sent
+    N tokens to a frame (:mod:`workers.stream_interval`); ``stop`` sends what is held.
     """
 
     def __init__(
@@ -142,11 +144,14 @@ class FramePublisher:
         client: redis.Redis,
         on_published: Callable[[list[RequestOutput]], None] | None = None,
         log_ttl_s: float = 0.0,
+        stream_interval: int = 1,
     ) -> None:
         # a dedicated connection (auth, TLS, unix sockets as the client's pool has them)
         self._conn = client.connection_pool.make_connection()
         self._on_published = on_published
         self.log_ttl_s = log_ttl_s  # > 0: frames also go into their stream's log
+        # > 1: a frame per that many tokens of a request (workers.stream_interval)
+        self._interval = IntervalBuffer(stream_interval) if stream_interval != 1 else None
         # per open stream: [its next frame's seq, its PUBLISH command's head]
         self._streams: dict[str, list] = {}
         self._lock = threading.Lock()
@@ -170,26 +175,41 @@ class FramePublisher:
     def publish_outputs(self, outputs: list[RequestOutput]) -> None:
         try:
             with self._lock:
-                items = []
-                logs: list[tuple] = []
-                for out in outputs:
-                    # a prefill worker's part of a stream ends with its first frame
-                    ends = out.finished or out.prefilled
-                    first = out.request_id not in self._streams
-                    seq, head = self._next(out.request_id, ends)
-                    frame = output_frame(out, seq).encode()
-                    items.append((head, frame))
-                    if self.log_ttl_s:
-                        logs += log_commands(out.request_id, frame, first, out.finished,
-                                             self.log_ttl_s)  # fmt: skip
-                if self._send_frames(items, logs):
-                    self.frames_published += len(outputs)
+                if self._interval is None:
+                    self._publish(outputs)
+                else:  # held back, or merged with what was (workers.stream_interval)
+                    self._publish(self._interval.due(outputs, self._streams))
         finally:
             if self._on_published is not None:
                 try:
                     self._on_published(outputs)
                 except Exception:  # noqa: BLE001
                     log.exception("on_published callback failed")
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        """Number, encode and write ``outputs``' frames (under the lock)."""
+        if not outputs:
+            return
+        items = []
+        logs: list[tuple] = []
+        for out in outputs:
+            # a prefill worker's part of a stream ends with its first frame
+            ends = out.finished or out.prefilled
+            first = out.request_id not in self._streams
+            seq, head = self._next(out.request_id, ends)
+            frame = output_frame(out, seq).encode()
+            items.append((head, frame))
+            if self.log_ttl_s:
+                logs += log_commands(out.request_id, frame, first, out.finished,
+                                     self.log_ttl_s)  # fmt: skip
+        if self._send_frames(items, logs):
+            self.frames_published += len(items)
+
+    def _flush_held(self) -> None:
+        """Send what the stream interval holds (the publisher stops: the API gets every
+        token computed here, and a migration resumes after them)."""
+        if self._interval is not None:
+            self._publish(self._interval.flush())
 
     def _send_frames(
         self, items: list[tuple[bytes, bytes]], logs: list[tuple] | None = None
@@ -253,6 +273,7 @@ class FramePublisher:
     def stop(self) -> None:
         with self._lock:
             try:
+                self._flush_held()
                 self._drain()
             except (redis.RedisError, OSError):
                 pass  # closing anyway
@@ -384,10 +405,12 @@ class StockFramePublisher(FramePublisher):
         client: redis.Redis,
         on_published: Callable[[list[RequestOutput]], None] | None = None,
         log_ttl_s: float = 0.0,
+        stream_interval: int = 1,
     ) -> None:
         self._r = client
         self._on_published = on_published
         self.log_ttl_s = log_ttl_s
+        self._interval = IntervalBuffer(stream_interval) if stream_interval != 1 else None
         self._streams = {}
         self._lock = threading.Lock()
         self._owed = deque()
@@ -425,4 +448,6 @@ class StockFramePublisher(FramePublisher):
         return True
 
     def stop(self) -> None:
+        with self._lock:
+            self._flush_held()
         self._r.close()

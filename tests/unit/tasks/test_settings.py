@@ -87,6 +87,7 @@ NEW_NAMES = [
     "resume_grace_s",
     "resume_ttl_s",
     "serve_drain_timeout_s",
+    "stream_interval",
     "tenant_tokens_per_min",
 ]
 
