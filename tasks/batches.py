@@ -121,19 +121,21 @@ RUNNER_TTL_S = 10.0
 
 def heartbeat(r: redis.Redis, runner_id: str, stop: threading.Event, recover_s: float) -> None:
     """Keep ``runner_id`` live every few seconds, and queue again the batches in progress
-    that nobody holds every ``recover_s``, until ``stop`` (a thread's loop)."""
+    that nobody holds every ``recover_s``, until ``stop`` or the worker's shutdown (a
+    thread's loop). A runner shutting down queues nothing: its worker no longer consumes,
+    and the message it would send could come back to it and be dropped."""
     recovered = 0.0
-    while True:
+    while not stopping.is_set():
         try:
             r.zadd(runners_key(), {runner_id: int((time.time() + RUNNER_TTL_S) * 1000)})
-            if time.monotonic() - recovered >= recover_s:
+            if time.monotonic() - recovered >= recover_s and not stopping.is_set():
                 recovered = time.monotonic()
                 recover(r)
         except redis.RedisError as e:
             log.warning("batch runner heartbeat failed: %s", e)
         if stop.wait(min(RUNNER_TTL_S / 3, recover_s)):
-            r.zrem(runners_key(), runner_id)
-            return
+            break
+    r.zrem(runners_key(), runner_id)
 
 
 def recover(r: redis.Redis) -> list[str]:
