@@ -48,7 +48,8 @@ async def stream(
     tools = tools or [None] * left
     extras = extras or [None] * left
     seqs = [-1] * left  # the last frame of each choice that went into a write
-    usages: list[Usage | None] = [None] * left  # each choice's, from its terminal frame
+    # each choice's, from its terminal frame (a run's usage is its terminal frame's too)
+    usages: list[Usage | None] = [None] * left
 
     def tagged(out: bytes) -> bytes:
         return tag.out(out, seqs) if tag is not None and out else out
@@ -99,9 +100,7 @@ async def stream(
                 if not left:  # the last finish, usage and [DONE]: one chunk
                     ended = True
                     if include_usage:
-                        usage = request_usage(runs) if runs is not None else \
-                            combined_usage(usages)  # fmt: skip
-                        out += sse_event(fmt.usage_chunk(usage_body(usage)))
+                        out += sse_event(fmt.usage_chunk(usage_body(combined_usage(usages))))
                     yield tagged(out + SSE_DONE)
                     return
                 if out := tagged(out):

@@ -284,7 +284,7 @@ async def drain(st: ApiState, run: RunningRequest) -> None:
 
 
 async def _drain_all(st: ApiState, runs: list[RunningRequest]) -> None:
-    """:func:`_drain` for every choice of a request."""
+    """:func:`drain` for every choice of a request."""
     async with aclosing(choices.merged(st.runner, runs)) as ready:
         async for _ in ready:
             pass

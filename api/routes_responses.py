@@ -91,7 +91,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if body.stream:
         key = None
         if st.settings.api.resumable_streams:  # a stream to resume, and to GET, for a while
-            key = await _save_record(st, body, run, out, FRAMES_OPEN_TTL_S, background=False)
+            key, _ = await _save_record(st, body, run, out, FRAMES_OPEN_TTL_S, background=False)
         return SSEResponse(_stream(st, run, out, started, key), ping=15,
                            headers={"x-request-id": rid})  # fmt: skip
     return await _collect(st, run, out, started)
@@ -220,30 +220,29 @@ async def _background(st: ApiState, body: ResponsesRequest, run: RunningRequest,
                       started: float) -> Response:  # fmt: skip
     """Record a background response, read it to its end here in a task of its own, and
     answer at once: the Response in progress, or its stream (from its frame log)."""
-    key = await _save_record(st, body, run, out, BACKGROUND_TTL_S, background=True)
+    key, rec = await _save_record(st, body, run, out, BACKGROUND_TTL_S, background=True)
     head = out.response("in_progress", None) | {"background": True}
     task = asyncio.get_running_loop().create_task(_relay(st, run, out, started, key))
     st.runner.hold(task)
     if body.stream:
-        rec = {"body": body.model_dump_json(), "log": run.request_id,
-               "created": str(out.created), "background": "1"}  # fmt: skip
         return SSEResponse(_from_log(st, out.id, rec, -1), ping=15,
                            headers={"x-request-id": out.id})  # fmt: skip
     return JSONResponse(head, headers={"x-request-id": out.id})
 
 
 async def _save_record(st: ApiState, body: ResponsesRequest, run: RunningRequest, out: _Output,
-                       ttl_s: float, background: bool) -> str:  # fmt: skip
-    """Record a response whose stream can be read again (:func:`response_key`)."""
+                       ttl_s: float, background: bool) -> tuple[str, dict[str, str]]:  # fmt: skip
+    """Record a response whose stream can be read again (:func:`response_key`); its key
+    and the record as :func:`_record` reads it back."""
     key = response_key(out.id)
     record: dict[Any, Any] = {"body": body.model_dump_json(), "log": run.request_id,
-                              "created": out.created, "cancelled": 0,
-                              "background": int(background)}  # fmt: skip
+                              "created": str(out.created), "cancelled": "0",
+                              "background": str(int(background))}  # fmt: skip
     pipe = st.redis.pipeline(transaction=False)
     pipe.hset(key, mapping=record)
     pipe.expire(key, int(ttl_s))
     await pipe.execute()
-    return key
+    return key, record
 
 
 async def _relay(st: ApiState, run: RunningRequest, out: _Output, started: float,
@@ -277,11 +276,17 @@ async def _cancelled(st: ApiState, key: str) -> bool:
 
 
 async def _record(st: ApiState, response_id: str) -> dict[str, str]:
-    raw = await st.redis.hgetall(response_key(response_id)) if response_id.startswith(
-        "resp_") else {}  # fmt: skip
-    if not raw:
+    if not (rec := await _read_record(st, response_id)):
         raise OpenAIError(404, f"No response found with id '{response_id}'.",
                           "invalid_request_error", "response_id", "not_found")  # fmt: skip
+    return rec
+
+
+async def _read_record(st: ApiState, response_id: str) -> dict[str, str]:
+    """A recorded response (:func:`response_key`); empty if there is none."""
+    if not response_id.startswith("resp_"):
+        return {}
+    raw = await st.redis.hgetall(response_key(response_id))
     return {as_str(k): as_str(v) for k, v in raw.items()}
 
 
@@ -356,8 +361,7 @@ async def _resume(st: ApiState, body: ResponsesRequest, last_event_id: str) -> R
     if not body.stream:
         raise bad_request("Last-Event-ID resumes a stream: send stream: true", "stream")
     response_id, (after,) = parse_event_id(last_event_id, ("resp_",))
-    raw = await st.redis.hgetall(response_key(response_id))
-    rec = {as_str(k): as_str(v) for k, v in raw.items()}
+    rec = await _read_record(st, response_id)
     if not rec or not await claim(st.redis, rec["log"]):
         raise OpenAIError(404, f"no stream of response {response_id!r} to resume: it ended "
                           f"more than {st.settings.api.resume_ttl_s:g} s ago, or never ran here",
