@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256, help="Prompt tokens a step at most")
     ap.add_argument("--load-interval-s", type=float, default=5.0)
-    ap.add_argument("--throughput-interval-s", type=float, default=60.0)
+    ap.add_argument("--throughput-interval-s", type=float, default=30.0)
     ap.add_argument("--planner-window-s", type=float, default=15.0)
     ap.add_argument("--window-s", type=float, default=10.0)
     ap.add_argument("--trace", type=Path)

@@ -6,13 +6,20 @@ requests and its share of the pool's queue, from the pool's fitted step model
 (:class:`planner.model.StepModel`), and ITL as the 90th percentile of its last steps'
 wall times. It adds one worker when *every* worker is over a target, and removes one when
 *every* worker is under ``sensitivity`` x each target and the pool one smaller still meets
-the targets at the observed rate. Before the model has a fit it goes by the API's observed
-TTFT/ITL quantiles instead.
+the targets at the observed rate, or when the pool is idle (no request in the window,
+nothing running). Before the model has a fit it goes by the API's observed TTFT/ITL
+quantiles instead.
 
 **Throughput loop** (every ``throughput_interval_s``, ~180 s). It forecasts the next
 interval's request rate, prompt and output lengths (:mod:`planner.forecast`) and sizes
-the pool from the model's per-worker capacity at the targets: that number is a floor the
-load loop does not go below, and the pool is raised to it at once.
+the pool from the model's per-worker capacity at the targets (TTFT with a margin): that
+number is a floor the load loop does not go below, and the pool is raised to it at once.
+While traffic has just begun (the API's window has not seen it for a whole window) the
+floor is sized on every tick from the rate since it began, for as long as that lasts.
+
+**Calibration.** The model's TTFT and ITL quantiles are corrected by the API's observed
+ones (:meth:`planner.model.StepModel.calibrate`) whenever the API's window saw the pool
+at one size, so the pool the model sizes is the one that meets the targets.
 
 Every decision is clamped to ``min_workers``..``max_workers`` and to the GPU budget, and
 goes to the connector. After an action the pool is held (no further action) until the
@@ -90,7 +97,8 @@ class PoolPlan:
     model: StepModel = field(default_factory=StepModel)  # the planner sets its quantile
     has: int = 0  # live workers at the last observation
     wanted: int = 0  # the last number asked for (or has, before any action)
-    floor: int = 0  # the throughput loop's prediction
+    floor: int = 0  # the throughput loop's prediction (the one in force)
+    forecast_floor: int = 0  # its last prediction from a forecast (not a cold start's)
     hold: Decision | None = None
     hold_since: float = 0.0
     estimates: list[WorkerEstimate] = field(default_factory=list)
@@ -99,6 +107,7 @@ class PoolPlan:
     decisions: dict[str, int] = field(default_factory=dict)  # "load-up" etc. -> count
     clamped: bool = False  # the last wish to grow was refused by the bounds
     last_up: float = float("-inf")  # when the pool was last grown
+    last_change: float = float("-inf")  # when the pool was last asked to change size
 
     def estimated(self, which: str) -> float | None:
         vals = [getattr(e, which) for e in self.estimates if getattr(e, which) is not None]
@@ -124,6 +133,7 @@ class Planner:
         self._tp_acc: list[TrafficView] = []  # readings since the last throughput tick
         self._last_load: float | None = None
         self._last_tp: float | None = None
+        self._traffic_since: float | None = None  # when the API's window last began to see any
 
     # ----------------------------------------------------------------------------------
     # The run loop
@@ -156,20 +166,33 @@ class Planner:
         if obs.traffic.finished and obs.traffic.osl:
             self.osl = obs.traffic.osl
         self._tp_acc.append(obs.traffic)
+        if not obs.traffic.requests:
+            self._traffic_since = None
+        elif self._traffic_since is None:
+            self._traffic_since = now
+        # traffic has just begun: the API's window has not yet seen it for a whole window
+        cold = self._traffic_since is not None and now - self._traffic_since <= self.cfg.window_s
+        if not cold:  # a floor sized while cold lasts only as long (the forecast's holds)
+            for plan in self.plans.values():
+                plan.floor = plan.forecast_floor
         for name, plan in self.plans.items():
             view = obs.pools.get(name, PoolView(name))
             self._absorb(plan, view, now)
+            if not cold:  # a cold window's quantiles lag its queue: no ratio to take
+                self._calibrate(plan, obs.traffic, now)
         out: list[Decision] = []
         fitted = any(p.model.coef is not None for p in self.plans.values())
-        if (
-            self.cfg.throughput_loop
-            and fitted
-            and (  # its first tick: once a model fits
-                self._last_tp is None or now - self._last_tp >= self.cfg.throughput_interval_s
-            )
-        ):
-            self._last_tp = now
-            out += self._throughput_tick(obs)
+        if self.cfg.throughput_loop and fitted:
+            if self._last_tp is None or now - self._last_tp >= self.cfg.throughput_interval_s:
+                self._last_tp = now  # its first tick: once a model fits
+                out += self._throughput_tick(obs)
+            elif cold and self._traffic_since is not None:
+                # size the floor on each tick from the rate since the traffic began (over
+                # the whole window it reads low): a cold pool would otherwise wait a
+                # throughput interval, its queue growing, for the next tick
+                seen = now - self._traffic_since + self.cfg.load_interval_s / 2
+                rate = obs.traffic.requests / max(self.cfg.load_interval_s, seen)
+                out += self._size_floors(obs, rate, self.isl, self.osl, "since traffic began")
         if self.cfg.load_loop and (
             self._last_load is None or now - self._last_load >= self.cfg.load_interval_s * 0.9
         ):
@@ -195,6 +218,24 @@ class Planner:
                           for w in view.workers]  # fmt: skip
         if plan.hold is not None:
             self._check_hold(plan, now)
+
+    def _calibrate(self, plan: PoolPlan, traffic: TrafficView, now: float) -> None:
+        """Correct the pool model's quantiles by the API's observed ones, when the window
+        the API's figures cover saw this pool at one size and enough requests: TTFT for a
+        pool that computes prompts, ITL for one that decodes."""
+        prefill, decode = ROLES.get(plan.pool, (False, False))
+        if (
+            plan.model.coef is None
+            or plan.hold is not None
+            or not plan.has
+            or traffic.requests < MIN_OBSERVED
+            or now - plan.last_change < max(traffic.window_s, self.cfg.window_s)
+        ):
+            return
+        load = Load(traffic.rate, self.isl, self.osl)
+        plan.model.calibrate(load, plan.has, prefill, decode,
+                             traffic.ttft if prefill else None,
+                             traffic.itl if decode else None)  # fmt: skip
 
     def _check_hold(self, plan: PoolPlan, now: float) -> None:
         d = plan.hold
@@ -242,7 +283,7 @@ class Planner:
             return None
         if plan.pool not in ROLES:  # encode: by its queue alone
             per = view.queued / len(view.workers)
-            idle = view.queued == 0 and all(w.running + w.waiting == 0 for w in view.workers)
+            idle = _idle(view)
             if per > QUEUED_PER_ENCODER:
                 why = f"load: {view.queued} queued for {plan.has} encoders"
                 return self._act(plan, plan.has + 1, "load-up", why, now)
@@ -253,6 +294,13 @@ class Planner:
         ests = plan.estimates
         have_model = plan.model.coef is not None
         if have_model:
+            if traffic.requests == 0 and _idle(view):
+                # nothing came for a whole window and nothing runs: what a request would
+                # see does not depend on the pool's size, whatever the estimates say
+                if now - plan.last_up < DOWN_AFTER_UP * self.cfg.load_interval_s:
+                    return None
+                return self._act(plan, plan.has - 1, "load-down",
+                                 "load: idle (no request in the window)", now)  # fmt: skip
             over = [e for e in ests if (e.ttft or 0) > t_ttft or (e.itl or 0) > t_itl]
             if len(over) == len(ests):
                 worst = max(ests, key=lambda e: max((e.ttft or 0) / t_ttft, (e.itl or 0) / t_itl))
@@ -286,7 +334,7 @@ class Planner:
         # request waits anywhere; if that was one too few, the next tick grows it again
         s = self.cfg.sensitivity
         calm = view.queued == 0 and all(w.waiting == 0 for w in view.workers)
-        idle = calm and all(w.running == 0 for w in view.workers)
+        idle = _idle(view)
         quiet = (traffic.requests >= MIN_OBSERVED and (obs_t or 0) < t_ttft * s
                  and (obs_i or 0) < t_itl * s)  # fmt: skip
         if plan.has > 1 and calm and (quiet or (idle and traffic.requests == 0)):
@@ -306,12 +354,19 @@ class Planner:
             return True
         prefill, decode = ROLES[plan.pool]
         s = plan.model.steady(rate, Load(rate, self.isl, self.osl), prefill, decode, n)
-        m = (1 + self.cfg.sensitivity) / 2  # a margin, so the pool does not flap
+        m = self._margin
         return (
             s is not None
             and s[0] <= m * self.cfg.ttft_target_s
             and s[1] <= m * self.cfg.itl_target_s
         )
+
+    @property
+    def _margin(self) -> float:
+        """The share of the TTFT target a pool is sized to, in steady state: a 10-s
+        window's p90 scatters around the steady one, and the pool must not flap between
+        the size the floor asks and the one the load loop's scale-down allows."""
+        return (1 + self.cfg.sensitivity) / 2
 
     @property
     def _q(self) -> int:
@@ -333,24 +388,40 @@ class Planner:
             self.forecast["osl"].observe(osl)
         self.predicted = {k: f.predict() for k, f in self.forecast.items()}
         p_rate, p_isl, p_osl = (self.predicted[k] for k in ("rate", "isl", "osl"))
-        if p_rate is not None and p_rate > rate:
+        # before any request has finished (a cold start) the lengths seen so far, or the
+        # defaults, stand for the forecast
+        p_isl, p_osl = p_isl or self.isl, p_osl or self.osl
+        if p_rate is None:
+            return []
+        if p_rate > rate:
             # the forecast is the next interval's mean; a rising load is higher at its
             # end, and the floor has to hold until the next tick
             p_rate += (p_rate - rate) / 2
+        return self._size_floors(obs, p_rate, p_isl, p_osl, "forecast")
+
+    def _size_floors(self, obs: Observation, p_rate: float, p_isl: float, p_osl: float,
+                     basis: str) -> list[Decision]:  # fmt: skip
+        """Each pool's floor for ``p_rate`` requests/s of the given lengths, and a pool
+        below its floor raised to it at once."""
         out = []
         for plan in self.plans.values():
-            if plan.pool not in ROLES or p_rate is None or not p_isl or not p_osl:
+            if plan.pool not in ROLES:
                 continue
             prefill, decode = ROLES[plan.pool]
-            need = plan.model.workers_for(Load(p_rate, p_isl, p_osl), self.cfg.ttft_target_s,
+            need = plan.model.workers_for(Load(p_rate, p_isl, p_osl),
+                                          self._margin * self.cfg.ttft_target_s,
                                           self.cfg.itl_target_s, prefill, decode,
                                           self.cfg.max_workers)  # fmt: skip
             if need is None:
                 continue
-            plan.floor = min(self.cfg.max_workers, max(self.cfg.min_workers, need))
+            floor = min(self.cfg.max_workers, max(self.cfg.min_workers, need))
+            if basis == "forecast":
+                plan.floor = plan.forecast_floor = floor
+            else:  # a cold start's floor: on top of the forecast's, for the cold window
+                plan.floor = max(floor, plan.forecast_floor)
             if plan.hold is None and plan.has and plan.floor > plan.has:
                 why = (f"throughput: {p_rate:.2f} req/s of ISL {p_isl:.0f} / OSL {p_osl:.0f} "
-                       f"forecast needs {need} workers")  # fmt: skip
+                       f"{basis} needs {need} workers")  # fmt: skip
                 d = self._act(plan, plan.floor, "throughput-up", why, obs.ts)
                 if d is not None:
                     out.append(d)
@@ -381,7 +452,7 @@ class Planner:
             plan.decisions["failed"] = plan.decisions.get("failed", 0) + 1
             return None
         log.info("planner: %s: %d -> %d workers (%s)", plan.pool, plan.has, want, reason)
-        plan.wanted, plan.hold, plan.hold_since = want, d, now
+        plan.wanted, plan.hold, plan.hold_since, plan.last_change = want, d, now, now
         if want > plan.has:
             plan.last_up = now
         plan.decisions[kind] = plan.decisions.get(kind, 0) + 1
@@ -423,6 +494,8 @@ class Planner:
                     "est_ttft": p.estimated("ttft"),
                     "est_itl": p.estimated("itl"),
                     "worker_seconds": p.worker_seconds,
+                    "ttft_scale": p.model.ttft_scale,
+                    "itl_scale": p.model.itl_scale,
                     "decisions": dict(p.decisions),
                     "model": None
                     if p.model.coef is None
@@ -446,6 +519,11 @@ class Planner:
             return
         ttl = max(15, int(self.cfg.load_interval_s * 4))
         self.client.set(planner_state_key(), json.dumps(self.state()), ex=ttl)
+
+
+def _idle(view: PoolView) -> bool:
+    """Nothing queued for the pool and nothing running or waiting on any worker."""
+    return view.queued == 0 and all(w.running + w.waiting == 0 for w in view.workers)
 
 
 def _weighted(pairs: list[tuple[float, int]]) -> float:

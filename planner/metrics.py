@@ -20,6 +20,8 @@ _POOL_GAUGES = (
     ("estimated_ttft_seconds", "est_ttft", "Estimated TTFT of a request sent now (workers mean)"),
     ("estimated_itl_seconds", "est_itl", "Estimated ITL at the batch now (workers mean)"),
     ("held", "held", "1 while the pool waits for its last scaling action to take effect"),
+    ("ttft_scale", "ttft_scale", "Observed over modelled TTFT quantile, applied to the model"),
+    ("itl_scale", "itl_scale", "Observed over modelled ITL quantile, applied to the model"),
 )  # fmt: skip
 
 

@@ -25,6 +25,11 @@ import numpy as np
 MIN_SAMPLES = 16  # fewer than this: no fit (the planner falls back on what it observes)
 SERVICE_CV2 = 0.25  # squared coefficient of variation of a prompt's prefill time
 VARIES = 0.05  # a quantity whose spread is under this share of its mean is not fitted
+CALIBRATE_WEIGHT = 0.2  # how far one observation moves a scale (about 5 ticks to settle)
+# observed / modelled quantile, as far as it is believed: never under 1 (a window's p90
+# lags a queue that is still growing, and the wait's quantile is the model's cautious
+# side: a reading under the model's figure is not taken as the pool doing better)
+SCALE_BOUNDS = (1.0, 2.0)
 
 
 @dataclass(slots=True)
@@ -61,6 +66,10 @@ class StepModel:
         self.quantile = quantile  # of the ITL the targets are at
         self.default_chunk = chunk_tokens
         self.max_prefill = 0  # the most prompt tokens seen in one step: the engine's chunk
+        # what the API observed over what the model said, for TTFT and ITL (see
+        # :meth:`calibrate`); every estimate the model gives is multiplied by them
+        self.ttft_scale = 1.0
+        self.itl_scale = 1.0
 
     @property
     def chunk_tokens(self) -> int:
@@ -116,12 +125,35 @@ class StepModel:
         self.coef = Coefficients(*(float(b) for b in beta))
         return self.coef
 
+    def calibrate(self, load: Load, workers: int, prefill: bool, decode: bool,
+                  ttft: float | None, itl: float | None) -> None:  # fmt: skip
+        """Move the scales toward what the API observed (``ttft``/``itl``, at the model's
+        quantile) over what the model says a pool of ``workers`` gives at ``load``. The
+        step fit is exact for the engine, but a request's TTFT also holds the API's and
+        the pipeline's time, prompts vary in length, and the router is not a perfect
+        least-loaded queue: the scales take up that difference, so that the pool the
+        model sizes is the pool that meets the targets. Each reading moves a scale by
+        :data:`CALIBRATE_WEIGHT` of the way, within :data:`SCALE_BOUNDS` (they only ever
+        make the model more cautious)."""
+        if self.coef is None or load.rate <= 0 or workers < 1:
+            return
+        raw = self._steady(load.rate, load, prefill, decode, workers)
+        if raw is None:  # the model says it cannot keep up: no ratio to take
+            return
+        lo, hi = SCALE_BOUNDS
+        if prefill and ttft and raw[0] > 0:
+            ratio = min(hi, max(lo, ttft / raw[0]))
+            self.ttft_scale += CALIBRATE_WEIGHT * (ratio - self.ttft_scale)
+        if decode and itl and raw[1] > 0:
+            ratio = min(hi, max(lo, itl / raw[1]))
+            self.itl_scale += CALIBRATE_WEIGHT * (ratio - self.itl_scale)
+
     # ----------------------------------------------------------------------------------
     def itl(self, seqs: float, kv: float, prefill_per_step: float = 0.0) -> float | None:
         """A decode step's time with ``seqs`` sequences reading ``kv`` KV tokens and
         ``prefill_per_step`` prompt tokens chunked in beside them."""
         c = self.coef
-        return None if c is None else c.step(prefill_per_step, seqs, kv)
+        return None if c is None else c.step(prefill_per_step, seqs, kv) * self.itl_scale
 
     def ttft(self, queued_tokens: float, seqs: float, kv: float) -> float | None:
         """Time until a request whose prompt is the last of ``queued_tokens`` prompt
@@ -131,7 +163,8 @@ class StepModel:
         if c is None:
             return None
         steps = max(1, math.ceil(queued_tokens / max(1, self.chunk_tokens)))
-        return steps * c.step(0.0, seqs, kv) + c.per_prefill_token * queued_tokens
+        raw = steps * c.step(0.0, seqs, kv) + c.per_prefill_token * queued_tokens
+        return raw * self.ttft_scale
 
     def capacity(self, load: Load, ttft_target: float, itl_target: float,
                  prefill: bool = True, decode: bool = True,
@@ -159,9 +192,16 @@ class StepModel:
                     prefill: bool = True, decode: bool = True,
                     most: int = 1024) -> int | None:  # fmt: skip
         """The fewest workers whose pool serves ``load.rate`` within both targets
-        (``most`` + 1 when even ``most`` cannot; ``None`` before a fit)."""
+        (``most`` + 1 when even ``most`` cannot; ``None`` before a fit). A target under
+        what one request alone gets (its own prefill on an idle worker, the bare step)
+        is out of reach at any size: it counts as that figure plus 5%, since more
+        workers would not bring it closer."""
         if self.coef is None:
             return None
+        alone = self.steady(0.0, load, prefill, decode, 1)
+        if alone is not None:
+            ttft_target = max(ttft_target, alone[0] * 1.05)
+            itl_target = max(itl_target, alone[1] * 1.05)
         for n in range(1, most + 1):
             s = self.steady(load.rate, load, prefill, decode, n)
             if s is not None and s[0] <= ttft_target and s[1] <= itl_target:
@@ -180,7 +220,14 @@ class StepModel:
         carrying the batch. Arrivals are random (Poisson) and the router sends each to
         the least loaded worker, so the prompts queue as at ``workers`` servers: the
         wait's quantile from Erlang's C formula (M/M/c), scaled to service times that
-        vary less than exponential ones (Allen-Cunneen)."""
+        vary less than exponential ones (Allen-Cunneen). Both answers are multiplied by
+        the calibrated scales."""
+        raw = self._steady(rate, load, prefill, decode, workers)
+        return None if raw is None else (raw[0] * self.ttft_scale, raw[1] * self.itl_scale)
+
+    def _steady(self, rate: float, load: Load, prefill: bool, decode: bool,
+                workers: int) -> tuple[float, float] | None:  # fmt: skip
+        """:meth:`steady` as the step fit alone says it (no calibration)."""
         c = self.coef
         if c is None or workers < 1:
             return None
@@ -206,10 +253,14 @@ class StepModel:
         decode_only = c.step(0.0, seqs, seqs * (load.isl + load.osl / 2))
         if not prefill:
             return 0.0, decode_only
-        steps = max(1, math.ceil(load.isl / max(1, self.chunk_tokens)))
+        # a step's token budget is shared: the next prompt fills what the last one's
+        # final chunk leaves, so a prompt takes isl / chunk steps of the prefill slot (a
+        # fraction, not rounded up), and its own first token comes after the step under
+        # way when it arrives and its own chunks
+        chunks = load.isl / max(1, self.chunk_tokens)
         chunk = min(load.isl, self.chunk_tokens)
         mixed = decode_only + c.per_prefill_token * chunk  # a step carrying a chunk
-        service = steps * mixed  # the prompt's time in its worker's prefill slot
+        service = chunks * mixed  # the prompt's time in its worker's prefill slot
         offered = rate * service  # Erlang: busy prefill slots on average
         if offered >= workers:
             return None
@@ -218,9 +269,9 @@ class StepModel:
         wait = _wait_quantile(workers, offered, service, self.quantile) * (1 + SERVICE_CV2) / 2
         # ITL at the quantile: once steps carrying a chunk are more than 1 - q of all
         # steps, the quantile is theirs (chunked prefill sets it, whatever the batch)
-        share = min(1.0, r * steps * itl)
+        share = min(1.0, r * max(1.0, chunks) * itl)
         itl_q = mixed if (decode and share > 1.0 - self.quantile) else decode_only
-        return service + wait, (itl_q if decode else 0.0)
+        return (chunks + 1) * mixed + wait, (itl_q if decode else 0.0)
 
 
 def _wait_quantile(servers: int, offered: float, service: float, q: float) -> float:

@@ -160,6 +160,24 @@ def test_no_scale_down_while_requests_queue() -> None:
     assert conn.asked == []
 
 
+def test_an_idle_pool_shrinks_whatever_its_estimates_say() -> None:
+    """No request in the window and nothing running: a request's TTFT does not depend on
+    the pool's size, so the pool shrinks one a tick even where each worker's estimate
+    (here: a target under one request's own prefill) is not under the target."""
+    conn, c = FakeConnector(), Cluster(3, running=0, ctx=200)
+    c.traffic = TrafficView(30, 0, 0, 0.0, 0.0, 0.0, None, None)
+    p = _planner(conn, ttft_target_s=1e-4)
+    p.step(c.observe())
+    assert [(d.previous, d.replicas) for d in conn.asked] == [(3, 2)]
+    assert "idle" in conn.asked[0].reason
+    c.running = 1  # something runs: the estimates decide again (all over 0.1 ms: grow)
+    conn.done, c.n = True, 2
+    p.step(c.observe())
+    p.step(c.observe())
+    assert [(d.previous, d.replicas) for d in conn.asked] == [(3, 2), (2, 3)]
+    assert "over target" in conn.asked[1].reason
+
+
 def test_throughput_loop_raises_the_pool_to_its_floor() -> None:
     conn, c = FakeConnector(), Cluster(1, running=8)
     c.traffic = TrafficView(30, 600, 600, 20.0, 1024, 128, 0.3, 0.02)
@@ -170,11 +188,48 @@ def test_throughput_loop_raises_the_pool_to_its_floor() -> None:
     d = conn.asked[0]
     model = p.plans["generate"].model
     load = Load(20.0, 1024, 128)
-    ok = model.steady(20.0, load, workers=d.replicas)  # the pool it asked for meets both
-    assert ok is not None and ok[0] <= 0.5 and ok[1] <= 0.05 and d.replicas > 1
-    short = model.steady(20.0, load, workers=d.replicas - 1)  # one fewer would not
-    assert short is None or short[0] > 0.5 or short[1] > 0.05
+    # the pool it asked for meets both (TTFT with the margin a 10-s window's p90 needs),
+    # one fewer would not
+    ttft = 0.5 * (1 + p.cfg.sensitivity) / 2
+    ok = model.steady(20.0, load, workers=d.replicas)
+    assert ok is not None and ok[0] <= ttft and ok[1] <= 0.05 and d.replicas > 1
+    short = model.steady(20.0, load, workers=d.replicas - 1)
+    assert short is None or short[0] > ttft or short[1] > 0.05
     assert "throughput" in d.reason and p.plans["generate"].floor == d.replicas
+
+
+def test_a_cold_pool_is_sized_as_traffic_begins_not_a_throughput_interval_later() -> None:
+    """Traffic that begins after the throughput loop's first tick: while the API's window
+    has not yet seen it for a whole window, each tick sizes the floor from the rate so far
+    (without feeding the forecasters), so the pool grows before its queue does."""
+    conn, c = FakeConnector(), Cluster(1, running=8)
+    c.traffic = TrafficView(30, 0, 0, 0.0, 0.0, 0.0, None, None)
+    p = _planner(conn, throughput_loop=True, load_loop=False, throughput_interval_s=180,
+                 max_workers=64, gpu_budget=64, window_s=30)  # fmt: skip
+    p.step(c.observe())  # the first tick: fitted, no traffic, nothing to do
+    assert conn.asked == [] and p.forecast["rate"].predict() == 0.0
+    c.traffic = TrafficView(30, 300, 0, 10.0, 1024, 0.0, None, None)  # no request done yet
+    p.step(c.observe())
+    # 300 requests, first seen on this tick: over at most one tick (5 s), not the window
+    assert len(conn.asked) == 1 and "60.00 req/s" in conn.asked[0].reason
+    assert "since traffic began" in conn.asked[0].reason
+    assert conn.asked[0].replicas > 1
+    assert p.forecast["rate"].predict() == 0.0  # the forecasters wait for their own tick
+    conn.done, c.n = True, conn.asked[0].replicas
+    c.traffic = TrafficView(30, 1800, 0, 60.0, 1024, 0.0, None, None)
+    p.step(c.observe())  # held until the first action took effect
+    p.step(c.observe())
+    assert len(conn.asked) == 2 and conn.asked[1].replicas > conn.asked[0].replicas
+    for _ in range(6):  # a window (30 s) after the traffic began: back to the interval
+        p.step(c.observe())
+    c.traffic = TrafficView(30, 3600, 0, 120.0, 1024, 0.0, None, None)
+    conn.done, c.n = True, conn.asked[-1].replicas
+    asked = len(conn.asked)
+    p.step(c.observe())
+    assert len(conn.asked) == asked
+    # the cold start's floor lasted only as long as the cold window: the forecast's (no
+    # traffic at the last throughput tick) is back, so the load loop may shrink the pool
+    assert p.plans["generate"].floor == 1
 
 
 def test_a_failed_action_is_counted_not_held() -> None:
@@ -259,3 +314,34 @@ def test_no_scale_down_soon_after_growing() -> None:
     assert len(conn.asked) == 1
     p.step(c.observe())  # 30 s after growing
     assert [(d.previous, d.replicas) for d in conn.asked][1:] == [(3, 2)]
+
+
+def test_the_model_is_calibrated_only_on_a_window_of_one_pool_size() -> None:
+    """The API's observed TTFT corrects the pool's model, but not while the window it
+    covers still holds requests served by a pool of another size, nor before it has
+    seen the traffic for a whole window."""
+    conn = FakeConnector()
+    c = Cluster(2)
+    c.traffic = TrafficView(30, 60, 60, 2.0, 1024, 128, 2.0, 0.02)  # TTFT well over the model's
+    p = _planner(conn, window_s=30, ttft_target_s=10.0, itl_target_s=1.0, min_workers=2)
+    model = p.plans["generate"].model
+    for _ in range(7):  # traffic just began: its window's quantiles lag the queue
+        p.step(c.observe())
+        assert model.ttft_scale == 1.0
+    p.step(c.observe())  # the window has seen the traffic for a whole window
+    first = model.ttft_scale
+    assert model.coef is not None and first > 1.0
+    p.step(c.observe())
+    assert model.ttft_scale > first  # a second reading: further toward the observed
+    # an action: the pool changes size; readings within the window after it do not count
+    c.waiting, c.queued = 200, 400
+    p.cfg.ttft_target_s = 0.5
+    assert p.step(c.observe()), "every worker over the target: the pool grows"
+    at_action = model.ttft_scale
+    conn.done, c.n, c.waiting, c.queued = True, 3, 0, 0
+    p.cfg.ttft_target_s, p.cfg.min_workers = 10.0, 3  # no further action
+    for _ in range(5):  # 25 s < the 30-s window
+        p.step(c.observe())
+        assert model.ttft_scale == at_action
+    p.step(c.observe(dt=10.0))
+    assert model.ttft_scale != at_action

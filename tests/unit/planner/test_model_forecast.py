@@ -146,3 +146,75 @@ def test_a_pool_queues_less_than_its_workers_alone() -> None:
     assert one is not None and eight is not None and eight > one
     need = m.workers_for(Load(8 * eight * 0.99, 1024, 128), 0.15, 1.0)
     assert need is not None and need <= 8
+
+
+def test_a_prompt_just_over_a_chunk_costs_a_fraction_of_a_step_more() -> None:
+    """Prompts share a step's token budget, so a prompt's time in its worker's prefill
+    slot grows with its length, not by a whole step at each chunk's edge (a mean ISL of
+    518 with 256-token chunks once sized a pool as if every prompt took 3 steps)."""
+    m = StepModel(quantile=0.9)
+    m.coef = Coefficients(base=0.16, per_prefill_token=1.2e-3, per_seq=1.6e-3,
+                          per_kv_token=0.4e-6)  # fmt: skip
+    m.max_prefill = 256
+    at = m.steady(4.0, Load(4.0, 512, 48), workers=6)
+    over = m.steady(4.0, Load(4.0, 518, 48), workers=6)
+    assert at is not None and over is not None
+    assert over[0] > at[0]
+    assert over[0] < at[0] * 1.05
+    need = [m.workers_for(Load(4.91, isl, 48), 4.0, 0.6) for isl in (512, 518)]
+    assert need[0] == need[1]
+
+
+def test_a_target_no_pool_can_meet_asks_for_no_more_workers_than_help() -> None:
+    """A TTFT target under one request's own prefill on an idle worker is out of reach
+    at any size: the pool sized is the one that comes near what one request alone gets
+    (an idle pool with such a target once asked for its maximum)."""
+    m = StepModel()
+    m.add("w", _samples(300))
+    m.fit()
+    load = Load(0.0, isl=1024, osl=128)
+    alone = m.steady(0.0, load)
+    assert alone is not None
+    assert m.workers_for(load, alone[0] / 2, 1.0) == 1  # idle: one worker
+    busy = Load(40.0, isl=1024, osl=128)
+    need = m.workers_for(busy, alone[0] / 2, 1.0)
+    assert need is not None and 1 < need < 1025
+    s = m.steady(busy.rate, busy, workers=need)
+    assert s is not None and s[0] <= alone[0] * 1.05
+
+
+def test_calibration_moves_the_model_toward_what_the_api_observed() -> None:
+    """The scales move a fifth of the way to observed / modelled on each reading, stay
+    within their bounds, and every estimate, and so the pool sized, follows them."""
+    from planner.model import CALIBRATE_WEIGHT, SCALE_BOUNDS
+
+    m = StepModel()
+    m.add("w", _samples(300))
+    m.fit()
+    load = Load(40.0, isl=1024, osl=128)  # enough that the pool's queue counts
+    raw, alone = m.steady(load.rate, load, workers=4), m.steady(0.0, load)
+    assert raw is not None and alone is not None
+    target = 2 * alone[0]  # within reach at scale 1.5 too
+    base_need = m.workers_for(load, target, 1.0)
+    m.calibrate(load, 4, True, True, ttft=raw[0] * 1.5, itl=raw[1] * 1.2)
+    assert m.ttft_scale == pytest.approx(1 + CALIBRATE_WEIGHT * 0.5)
+    assert m.itl_scale == pytest.approx(1 + CALIBRATE_WEIGHT * 0.2)
+    for _ in range(40):  # the same reading again and again: the scale settles on it
+        m.calibrate(load, 4, True, True, ttft=raw[0] * 1.5, itl=None)
+    assert m.ttft_scale == pytest.approx(1.5, rel=1e-3)
+    scaled = m.steady(load.rate, load, workers=4)
+    assert scaled is not None and scaled[0] == pytest.approx(raw[0] * 1.5, rel=1e-3)
+    need = m.workers_for(load, target, 1.0)
+    assert base_need is not None and need is not None and need > base_need
+    for _ in range(40):  # a wild reading is believed only as far as the bounds
+        m.calibrate(load, 4, True, False, ttft=raw[0] * 50, itl=None)
+    assert m.ttft_scale == pytest.approx(SCALE_BOUNDS[1], rel=1e-3)
+    for _ in range(40):  # a pool doing better than the model says: never below it
+        m.calibrate(load, 4, True, True, ttft=raw[0] * 0.2, itl=raw[1] * 0.2)
+    assert (m.ttft_scale, m.itl_scale) == pytest.approx((SCALE_BOUNDS[0],) * 2, rel=1e-3)
+    m.calibrate(load, 4, True, True, ttft=raw[0] * 1.5, itl=raw[1] * 1.2)
+    # a decode pool's TTFT says nothing about its model; a load it cannot carry, nothing
+    before = m.ttft_scale, m.itl_scale
+    m.calibrate(load, 4, False, True, ttft=raw[0] * 0.1, itl=None)
+    m.calibrate(Load(1e6, 1024, 128), 4, True, True, ttft=0.01, itl=0.001)
+    assert (m.ttft_scale, m.itl_scale) == before
