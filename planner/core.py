@@ -192,7 +192,7 @@ class Planner:
                 # throughput interval, its queue growing, for the next tick
                 seen = now - self._traffic_since + self.cfg.load_interval_s / 2
                 rate = obs.traffic.requests / max(self.cfg.load_interval_s, seen)
-                out += self._size_floors(obs, rate, self.isl, self.osl, "since traffic began")
+                out += self._size_floors(obs, rate, self.isl, self.osl, cold=True)
         if self.cfg.load_loop and (
             self._last_load is None or now - self._last_load >= self.cfg.load_interval_s * 0.9
         ):
@@ -294,10 +294,11 @@ class Planner:
         ests = plan.estimates
         have_model = plan.model.coef is not None
         if have_model:
+            settled = now - plan.last_up >= DOWN_AFTER_UP * self.cfg.load_interval_s
             if traffic.requests == 0 and _idle(view):
                 # nothing came for a whole window and nothing runs: what a request would
                 # see does not depend on the pool's size, whatever the estimates say
-                if now - plan.last_up < DOWN_AFTER_UP * self.cfg.load_interval_s:
+                if not settled:
                     return None
                 return self._act(plan, plan.has - 1, "load-down",
                                  "load: idle (no request in the window)", now)  # fmt: skip
@@ -315,7 +316,6 @@ class Planner:
             # within both targets
             s = self.cfg.sensitivity
             under = [e for e in ests if (e.ttft or 0) < t_ttft * s and (e.itl or 0) <= t_itl]
-            settled = now - plan.last_up >= DOWN_AFTER_UP * self.cfg.load_interval_s
             if (len(under) == len(ests) and view.queued == 0 and settled
                     and self._fits_smaller(plan)):  # fmt: skip
                 return self._act(plan, plan.has - 1, "load-down",
@@ -397,12 +397,13 @@ class Planner:
             # the forecast is the next interval's mean; a rising load is higher at its
             # end, and the floor has to hold until the next tick
             p_rate += (p_rate - rate) / 2
-        return self._size_floors(obs, p_rate, p_isl, p_osl, "forecast")
+        return self._size_floors(obs, p_rate, p_isl, p_osl, cold=False)
 
     def _size_floors(self, obs: Observation, p_rate: float, p_isl: float, p_osl: float,
-                     basis: str) -> list[Decision]:  # fmt: skip
-        """Each pool's floor for ``p_rate`` requests/s of the given lengths, and a pool
-        below its floor raised to it at once."""
+                     cold: bool) -> list[Decision]:  # fmt: skip
+        """Each pool's floor for ``p_rate`` requests/s of the given lengths (a forecast's,
+        or while ``cold`` the rate since traffic began), and a pool below its floor raised
+        to it at once."""
         out = []
         for plan in self.plans.values():
             if plan.pool not in ROLES:
@@ -415,13 +416,14 @@ class Planner:
             if need is None:
                 continue
             floor = min(self.cfg.max_workers, max(self.cfg.min_workers, need))
-            if basis == "forecast":
-                plan.floor = plan.forecast_floor = floor
-            else:  # a cold start's floor: on top of the forecast's, for the cold window
+            if cold:  # on top of the forecast's floor, for the cold window only
                 plan.floor = max(floor, plan.forecast_floor)
+            else:
+                plan.floor = plan.forecast_floor = floor
             if plan.hold is None and plan.has and plan.floor > plan.has:
                 why = (f"throughput: {p_rate:.2f} req/s of ISL {p_isl:.0f} / OSL {p_osl:.0f} "
-                       f"{basis} needs {need} workers")  # fmt: skip
+                       f"{'since traffic began' if cold else 'forecast'} needs {need} "
+                       "workers")  # fmt: skip
                 d = self._act(plan, plan.floor, "throughput-up", why, obs.ts)
                 if d is not None:
                     out.append(d)
