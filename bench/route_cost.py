@@ -27,6 +27,9 @@ batch of KV events every 100 ms, and reports routed requests/s and Redis's CPU.
     python bench/route_cost.py --workers 8,64,256 --tokens 4096
     python bench/route_cost.py --workers 64 --throughput 20 --processes 2
 
+The router commits as the API's does, through the API's own connection (``api.resp``,
+CONVEYOR_BROKER_FASTPATH's default); ``--stock`` commits through redis-py's client.
+
 Targets (issue 27): decision p99 <= 1 ms at 256 workers, Redis time <= 50 us per decision.
 The script uses only the router's and index's public calls, so it runs against earlier
 trees too (docs/performance.md, "Router: local scoring, O(1) commit").
@@ -48,6 +51,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -68,6 +72,11 @@ except ImportError:
 
     from kvbm.protocol import load_key  # type: ignore[attr-defined,no-redef]
 from tasks.router import Router, RouterConfig, RouteRequest  # noqa: E402
+
+try:  # the API's own connection for its hot-path commands (CONVEYOR_BROKER_FASTPATH)
+    from api.resp import RespConnection
+except ImportError:
+    RespConnection = None  # type: ignore[assignment,misc]
 
 POOL = "generate"
 TARGET_P99_MS = 1.0
@@ -175,9 +184,19 @@ async def _close(router: Router) -> None:
         await close()
 
 
-async def measure(url: str, prompt: list[int], iters: int, bs: int, ns: int) -> dict:
+def make_router(client: aioredis.Redis, url: str, bs: int, stock: bool) -> tuple[Router, Any]:
+    """A router as the API builds one: its commits go through the API's lean connection
+    (the default, CONVEYOR_BROKER_FASTPATH=true) or, ``stock``, redis-py's asyncio client."""
+    fast = None if stock or RespConnection is None else RespConnection(url)
+    if fast is None:
+        return Router(client, RouterConfig(block_size=bs)), None
+    return Router(client, RouterConfig(block_size=bs), fast=fast), fast
+
+
+async def measure(url: str, prompt: list[int], iters: int, bs: int, ns: int,
+                  stock: bool = False) -> dict:  # fmt: skip
     client = aioredis.Redis.from_url(url)
-    router = Router(client, RouterConfig(block_size=bs))
+    router, fast = make_router(client, url, bs, stock)
     hash_s: list[float] = []
     total_s: list[float] = []
     for i in range(iters + 50):
@@ -220,6 +239,8 @@ async def measure(url: str, prompt: list[int], iters: int, bs: int, ns: int) -> 
 
     inner = await asyncio.to_thread(inner_calls, url, calibrate)
     await _close(router)
+    if fast is not None:
+        fast.close()
     await client.aclose()
     gc.unfreeze()  # the next scenario's router starts afresh
     total = sum(u for _, u in spent.values()) / n
@@ -323,6 +344,9 @@ def main() -> None:
     ap.add_argument("--tiered", action="store_true",
                     help="also the tiered scenario (trees with KVBM tiers only)")  # fmt: skip
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--stock", action="store_true", help="commit through redis-py's asyncio "
+                    "client (CONVEYOR_BROKER_FASTPATH=false) rather than the API's default "
+                    "connection")  # fmt: skip
     args = ap.parse_args()
     proc = None
     url = args.redis_url
@@ -341,7 +365,8 @@ def main() -> None:
             for w in counts:
                 for scenario in ("all-hold", "some-hold", "cold", *["tiered"][: args.tiered]):
                     setup(url, w, prompt, scenario, args.block_size, ns)
-                    m = asyncio.run(measure(url, prompt, args.iters, args.block_size, ns))
+                    m = asyncio.run(measure(url, prompt, args.iters, args.block_size, ns,
+                                            args.stock))  # fmt: skip
                     results.append({"workers": w, "scenario": scenario,
                                     "hash_p50_ms": pct(m["hash"], 0.5),
                                     "p50_ms": pct(m["total"], 0.5),
@@ -368,8 +393,11 @@ def main() -> None:
                   f"{row['redis_cpu'] * 100:>9.1f}%")  # fmt: skip
         return
     n_blocks = args.tokens // args.block_size
-    print(f"\nrouting decision cost: {args.tokens}-token prompt ({n_blocks} blocks), "
-          f"{args.iters} picks/scenario, cpus={os.cpu_count()}")  # fmt: skip
+    path = "redis-py (stock)" if args.stock or RespConnection is None else "the API connection"
+    print(
+        f"\nrouting decision cost: {args.tokens}-token prompt ({n_blocks} blocks), "
+        f"{args.iters} picks/scenario, cpus={os.cpu_count()}, commits through {path}"
+    )
     print(f"{'workers':>7} {'scenario':<10} {'hash p50':>9} {'pick p50':>9} {'pick p99':>9} "
           f"{'max':>7} {'redis us':>9} {'(2x)':>6}   targets: p99 <= {TARGET_P99_MS} ms at "
           f"256 workers, redis <= {TARGET_REDIS_US:.0f} us")  # fmt: skip

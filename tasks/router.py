@@ -77,6 +77,7 @@ from tasks.settings import EngineSettings, RouterSettings, Settings
 log = logging.getLogger(__name__)
 
 MODES = ("kv", "round_robin", "random")
+_NO_LOAD = (0, 0)
 MAX_CONFLICTS = 3  # candidates refused by the commit before the least loaded is taken
 
 
@@ -348,15 +349,21 @@ class Router:
         costs = {}
         inside: list[str] = []
         outside: list[str] = []
-        loads, pending = v.loads, v.pending
+        loads = v.loads
+        # ow x (blocks to prefill), per distinct overlap: most workers share one (a prefix
+        # held everywhere, or nowhere)
+        to_prefill: dict[tuple[int, int, int], float] = {}
         for w in ids:
-            b, q = loads.get(w, (0, 0))
-            if pending:
-                q += pending.get(w, 0)
-            n1, n12, n = tov[w]
-            saved = w1 * n1 + w2 * (n12 - n1) + w3 * (n - n12)  # cached blocks, by tier
-            costs[w] = ow * (nblocks - saved + -(-q // bs)) + b
-            (inside if load.get(w, 0) <= limit else outside).append(w)
+            t = tov[w]
+            p = to_prefill.get(t)
+            if p is None:
+                n1, n12, n = t
+                saved = w1 * n1 + w2 * (n12 - n1) + w3 * (n - n12)  # cached blocks, by tier
+                p = to_prefill[t] = ow * (nblocks - saved)
+            b = loads.get(w, _NO_LOAD)[0]
+            lw = load.get(w, b)  # b + the prefill queued on w (pending picks too), in blocks
+            costs[w] = p + ow * (lw - b) + b
+            (inside if lw <= limit else outside).append(w)
         outside.sort(key=lambda w: load.get(w, 0))
         if c.temperature <= 0:
             inside.sort(key=costs.__getitem__)

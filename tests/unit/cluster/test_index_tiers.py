@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -99,3 +100,19 @@ def test_without_lower_tiers_the_tier_overlaps_are_the_overlaps() -> None:
     assert idx.tier_overlaps(["a", "b"], [1, 2, 3, 4])["b"] == (1, 1, 3)
     idx.apply("b", 2, batch(("removed", [2, 3], G3)))
     assert idx.tier_overlaps(["a", "b"], [1, 2, 3])["b"] == (1, 1, 1)
+
+
+def test_approximate_overlaps_equal_a_walk_of_what_was_remembered() -> None:
+    """Approximate mode (no KV events): the blocks a router sent each worker, until they
+    expire; the bisection over them equals a block-by-block walk, the expired count 0."""
+    rng = random.Random(5)
+    chain = block_hashes([rng.randrange(100) for _ in range(16 * 50)], 16)
+    idx = LocalIndex()
+    cuts = {f"w{i}": rng.randrange(len(chain) + 1) for i in range(40)}
+    for w, k in cuts.items():
+        now = time.monotonic()
+        idx.remember(w, chain[:k], expiry=now + (100 if w != "w0" else -1))  # w0's expired
+    ids = sorted(cuts)
+    got = idx.overlaps(ids, chain, approx=True)
+    assert list(got) == ids
+    assert got == {w: 0 if w == "w0" else k for w, k in cuts.items()}
