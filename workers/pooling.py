@@ -7,6 +7,8 @@ Public part:
                          whether it L2-normalises; :func:`load_pooling_config` reads it
     PoolingEngine        an engine that computes embeddings (has a ``pooler``); others
                          refuse them with a 400
+    SelfPoolingEngine    an engine that runs embedding requests in its own scheduling
+                         (vLLM started with its pooling runner)
     PoolingUnavailable   an engine's pooler cannot serve (its checkpoint's config says a
                          pooling it does not do)
     EmbeddingRunner      runs the engine process's embedding requests
@@ -147,6 +149,16 @@ class PoolingEngine(Protocol):
         """Its pooler; raises :class:`PoolingUnavailable` when it cannot serve the model."""
 
 
+@runtime_checkable
+class SelfPoolingEngine(Protocol):
+    """An engine that runs an embedding request itself, in its own scheduling (vLLM with
+    its pooling runner): no chunks here, one blocking call per request."""
+
+    def embed_prompt(self, request_id: str, token_ids: list[int],
+                     params: Pooling) -> RequestOutput:  # fmt: skip
+        """The request's one terminal output: its vector, or the error."""
+
+
 def refusal(request_id: str, num_tokens: int, engine_name: str, why: str = "") -> RequestOutput:
     """The failed output of an embedding request this engine does not serve: a 400."""
     return failed(request_id, num_tokens,
@@ -210,6 +222,8 @@ class EmbeddingRunner:
 
     def _embed(self, rid: str, token_ids: list[int], params: Pooling) -> RequestOutput:
         n = len(token_ids)
+        if isinstance(self.engine, SelfPoolingEngine):  # it pools in its own steps (vLLM)
+            return self.engine.embed_prompt(rid, token_ids, params)
         if not isinstance(self.engine, PoolingEngine):
             return refusal(rid, n, getattr(self.engine, "name", "this"))
         if self._pooler is None:  # built from the engine's fields: it runs nothing

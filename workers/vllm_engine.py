@@ -32,6 +32,7 @@ without it (the main suite's layering checks import every module).
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import tempfile
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from cluster.stats import EngineStats, TransferTotals
 from kvbm.block_pool import KVEvent
-from kvbm.protocol import G1, StructuredOutput, model_namespace
+from kvbm.protocol import G1, Pooling, StructuredOutput, model_namespace
 from workers.engine_api import (
     FEATURES,
     EngineConfig,
@@ -54,6 +55,7 @@ from workers.engine_api import (
     refuse_prompt,
     refuse_unsupported,
 )
+from workers.pooling import refusal
 from workers.structured import GrammarError, grammar_text
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
 
@@ -236,9 +238,13 @@ class VllmEngine:
         self.vllm_block_size = cache.block_size
         self.num_blocks = cache.num_gpu_blocks or 0
         self.max_model_len = self.llm.model_config.max_model_len
-        log.info("vLLM engine ready: block size %d (Conveyor's %d), %d KV blocks, context %d",
+        # vLLM runs a model either for generation or for pooling (``runner: pooling``, as
+        # `vllm serve --runner pooling`): a pooling engine serves /v1/embeddings only
+        self.pooling = getattr(self.llm.model_config, "runner_type", "generate") == "pooling"
+        log.info("vLLM engine ready: block size %d (Conveyor's %d), %d KV blocks, context %d%s",
                  self.vllm_block_size, config.block_size, self.num_blocks,
-                 self.max_model_len)  # fmt: skip
+                 self.max_model_len, ", pooling runner: embeddings only" if self.pooling
+                 else "")  # fmt: skip
 
     async def _create(self):
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -300,6 +306,10 @@ class VllmEngine:
             log.warning("[%s] is already running: the second copy is dropped", rid)
             return None
         n = len(req.prompt_token_ids)
+        if self.pooling:
+            return failed(rid, n, "this worker's vLLM engine runs the model for pooling "
+                          "(runner pooling): it serves /v1/embeddings only",
+                          "unsupported_parameter")  # fmt: skip
         if (refused := refuse_prompt(rid, n, self.max_model_len)) is not None:
             return refused
         if (refused := refuse_unsupported(rid, n, req.params, self.name,
@@ -348,6 +358,46 @@ class VllmEngine:
         self._reqs[rid] = st
         st.future = self._call(self._run(rid, prompt, sp, req.priority))
         return None
+
+    def embed_prompt(self, request_id: str, token_ids: list[int],
+                     params: Pooling) -> RequestOutput:  # fmt: skip
+        """One embedding request through vLLM's pooling runner (``AsyncLLM.encode``), run
+        to its end: the embedding runner's thread waits on it while vLLM schedules it
+        beside its other requests. vLLM pools, normalises and cuts to ``dimensions`` by
+        the model's own pooling config, as `vllm serve` does."""
+        n = len(token_ids)
+        if not self.pooling:
+            return refusal(request_id, n, self.name, "this worker's vLLM engine runs the "
+                           "model for generation; vLLM serves embeddings from an engine "
+                           "started for pooling: a worker of its own with "
+                           "CONVEYOR_VLLM__RUNNER=pooling")  # fmt: skip
+        if (refused := refuse_prompt(request_id, n, self.max_model_len)) is not None:
+            return refused
+        from vllm.exceptions import VLLMClientError
+        from vllm.pooling_params import PoolingParams
+
+        pp = PoolingParams(task="embed", dimensions=params.dimensions,
+                           use_activation=params.normalize)  # fmt: skip
+        try:
+            vector = self._call(self._encode(request_id, token_ids, pp)).result()
+        except VLLMClientError as e:  # what vLLM's server answers with a 400
+            return failed(request_id, n, f"vLLM refused the request: {e}",
+                          "unsupported_parameter")  # fmt: skip
+        return RequestOutput(request_id, [], "", finished=True, finish_reason="stop",
+                             num_prompt_tokens=n,
+                             embedding=base64.b64encode(vector).decode())  # fmt: skip
+
+    async def _encode(self, rid: str, token_ids: list[int], pp: object) -> bytes:
+        """The pooled vector of ``token_ids`` as little-endian float32 bytes."""
+        import torch
+        from vllm.inputs import TokensPrompt
+
+        last = None
+        async for out in self.llm.encode(TokensPrompt(prompt_token_ids=token_ids), pp, rid):
+            last = out
+        assert last is not None, "vLLM's encode ended without an output"
+        data = last.outputs.data.to(device="cpu", dtype=torch.float32).contiguous()
+        return data.numpy().astype("<f4", copy=False).tobytes()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         st = self._reqs.pop(request_id, None)

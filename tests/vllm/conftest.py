@@ -63,12 +63,13 @@ def vllm_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
                     CONVEYOR_VLLM=json.dumps(VLLM_OPTIONS), **extra)  # fmt: skip
 
 
-def offline(model_dir: Path, requests: list[dict], workdir: Path) -> list[dict]:
+def offline(model_dir: Path, requests: list[dict], workdir: Path,
+            embed: bool = False) -> list[dict]:  # fmt: skip
     """vLLM's offline ``LLM.generate`` on ``requests`` ({"prompt_token_ids", "params"}),
-    in a process of its own."""
+    in a process of its own; ``embed``: ``LLM.embed`` (its pooling runner) instead."""
     spec, out = workdir / "spec.json", workdir / "out.json"
     spec.write_text(json.dumps({"model": str(model_dir), "options": VLLM_OPTIONS,
-                                "requests": requests}))  # fmt: skip
+                                "requests": requests, "embed": embed}))  # fmt: skip
     r = subprocess.run([sys.executable, str(HERE / "offline_ref.py"), str(spec), str(out)],
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]

@@ -7,6 +7,8 @@ optionally ``image``: a PNG path; ``params.structured_outputs`` as a dict of vLL
 ``StructuredOutputsParams``); OUT gets, per request, the generated token ids, text,
 finish reason and stop reason, and the logprobs asked for (per position: the chosen
 token's ``[logprob, rank]`` and ``{token id: logprob}`` of the entries vLLM returned).
+With ``"embed": true`` in SPEC it runs vLLM's pooling runner instead (``LLM.embed``) and
+OUT gets each prompt's ``embedding``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ def main() -> None:
         "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
         **spec["options"],
     }
+    if spec.get("embed"):  # vLLM's pooling runner: LLM.embed, one vector per prompt
+        llm = LLM(model=spec["model"], seed=0, runner="pooling", **spec["options"])
+        outs = llm.embed([{"prompt_token_ids": r["prompt_token_ids"]} for r in spec["requests"]],
+                         use_tqdm=False)  # fmt: skip
+        with open(sys.argv[2], "w") as f:
+            json.dump([{"embedding": list(o.outputs.embedding)} for o in outs], f)
+        llm.llm_engine.engine_core.shutdown()
+        return
     llm = LLM(model=spec["model"], seed=0, **options)
     prompts, params = [], []
     for r in spec["requests"]:

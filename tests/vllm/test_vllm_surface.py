@@ -11,7 +11,8 @@ vLLM's own offline ``LLM.generate`` on the same checkpoint and options as the re
 * structured outputs (json_schema from the corpus, regex, choice) validate and equal vLLM's
   own constrained greedy text;
 * ``n`` > 1, tools (named and required), the Responses API run on it;
-* embeddings are refused with a 400 naming the field;
+* embeddings on a generating engine are refused with a 400 naming the setting that
+  serves them (``tests/vllm/test_vllm_embeddings.py``);
 * the same requests against a reference-engine deployment give answers of the same shape,
   field for field (values aside), streamed and not.
 """
@@ -224,10 +225,15 @@ def test_n_tools_and_responses_run_on_vllm(vllm_cluster: Cluster) -> None:
     assert resp.status in ("completed", "incomplete") and resp.usage.output_tokens > 0  # type: ignore[union-attr]
 
 
-def test_embeddings_are_refused_on_vllm(vllm_cluster: Cluster) -> None:
+def test_a_generation_engine_refuses_embeddings_naming_the_pooling_runner(
+    vllm_cluster: Cluster,
+) -> None:
+    """vLLM runs a model for generation or for pooling: this worker generates, so an
+    embedding request is a 400 that says how to serve them (test_vllm_embeddings)."""
     with pytest.raises(openai.BadRequestError) as e:
         vllm_cluster.client().embeddings.create(model=vllm_cluster.model_name, input="x")
     assert e.value.code == "unsupported_parameter"
+    assert "CONVEYOR_VLLM__RUNNER=pooling" in e.value.message
 
 
 def test_a_priority_needs_vllms_priority_policy(vllm_cluster: Cluster) -> None:

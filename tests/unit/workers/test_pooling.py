@@ -237,3 +237,32 @@ def test_runner_abort_and_refusals(tiny_model_dir: Path, tmp_path: Path) -> None
             loop.stop()
         assert (out.finish_reason, out.error_code) == ("error", "unsupported_parameter")
         assert why in (out.error or ""), out.error
+
+
+def test_runner_hands_a_self_pooling_engines_request_to_it(tiny_model_dir: Path) -> None:
+    """An engine that pools in its own scheduling (vLLM's pooling runner) gets the whole
+    request in one call, on the runner's thread, and its output is the request's frame."""
+
+    class SelfPooling(MockEngine):
+        def embed_prompt(self, request_id: str, token_ids: list[int],
+                         params: Pooling) -> RequestOutput:  # fmt: skip
+            calls.append((request_id, token_ids, params, threading.current_thread().name))
+            return RequestOutput(request_id, [], "", finished=True, finish_reason="stop",
+                                 num_prompt_tokens=len(token_ids),
+                                 embedding="AACAPw==")  # fmt: skip
+
+    calls: list[tuple] = []
+    engine = SelfPooling.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256),
+                                        MockTiming())  # fmt: skip
+    sink = Sink()
+    loop = EngineLoop(engine, sink).start()
+    runner = EmbeddingRunner(engine, loop, sink, 64)
+    try:
+        runner.submit("v", [1, 2, 3], Pooling(normalize=False))
+        out = sink.wait_done("v")
+    finally:
+        runner.close()
+        loop.stop()
+    assert (out.finish_reason, out.embedding) == ("stop", "AACAPw==")
+    assert [c[:3] for c in calls] == [("v", [1, 2, 3], Pooling(normalize=False))]
+    assert calls[0][3].startswith("embed") and runner.chunks == 0  # no chunks of ours

@@ -1,0 +1,106 @@
+"""Embeddings on the vLLM engine: a worker whose vLLM runs the model for pooling
+(``CONVEYOR_VLLM__RUNNER=pooling``, as ``vllm serve --runner pooling``) serves
+``/v1/embeddings`` through ``AsyncLLM.encode``.
+
+A real ``conveyor worker --engine vllm`` behind the API, the official ``openai`` client,
+and vLLM's own offline ``LLM.embed`` (its pooling runner, same checkpoint and options) as
+the reference:
+
+* the vectors of several inputs at once equal vLLM's own, as floats and as base64;
+* ``use_activation=False`` gives the vector before normalisation (its direction the same);
+* generation on that worker is a 400 saying it serves embeddings only.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.integration.conftest import Cluster, RedisDbs, start_api, start_worker, stop_on_error
+from tests.integration.conftest import wait_for as wait
+from tests.vllm.conftest import VLLM_OPTIONS, offline, vllm_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+INPUTS = [[1, 22, 301, 17, 96, 450, 9, 31, 77], [1, 5] * 20, [1] + list(range(40, 110))]
+
+
+@pytest.fixture(scope="module")
+def pooling_cluster(
+    vllm_dbs: RedisDbs, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    logdir = tmp_path_factory.mktemp("vllm-embed")
+    url = vllm_dbs.take(__name__)
+    env = {**vllm_env(url, llama_dir),
+           "CONVEYOR_VLLM": json.dumps({**VLLM_OPTIONS, "runner": "pooling"})}  # fmt: skip
+    worker = start_worker("vllm-embed-w", "generate", "vllm-embed-w", env, logdir)
+    with stop_on_error(worker):
+        api, api_url = start_api("vllm-embed-api", env, logdir)
+    c = Cluster(api_url, url, llama_dir, llama_dir.name, [worker], api)
+    with stop_on_error(worker, api):
+        wait(lambda: httpx.get(f"{api_url}/health", timeout=1).json()["workers"]["generate"]
+             == 1, 400, "the pooling worker", [worker, api])  # fmt: skip
+    yield c
+    for p in (api, worker):
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def want(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[float]]:
+    """vLLM's own vectors for INPUTS (offline, its pooling runner)."""
+    outs = offline(llama_dir, [{"prompt_token_ids": ids} for ids in INPUTS],
+                   tmp_path_factory.mktemp("embed-ref"), embed=True)  # fmt: skip
+    return [o["embedding"] for o in outs]
+
+
+def test_embeddings_equal_vllms_own(pooling_cluster: Cluster, want: list[list[float]]) -> None:
+    client = pooling_cluster.client(timeout=120)
+    r = client.embeddings.create(model=pooling_cluster.model_name, input=INPUTS)
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert r.usage.prompt_tokens == sum(len(ids) for ids in INPUTS)
+    for d, ref in zip(r.data, want, strict=True):
+        assert len(d.embedding) == len(ref) > 0
+        np.testing.assert_allclose(d.embedding, ref, rtol=1e-4, atol=1e-5)
+        assert math.isclose(sum(x * x for x in d.embedding), 1.0, rel_tol=1e-4)  # normalised
+    # base64: the same float32 values, little-endian
+    b = client.embeddings.create(model=pooling_cluster.model_name, input=INPUTS[0],
+                                 encoding_format="base64")  # fmt: skip
+    raw = b.data[0].embedding
+    vec = np.frombuffer(base64.b64decode(raw if isinstance(raw, str) else ""), dtype="<f4")
+    np.testing.assert_allclose(vec, want[0], rtol=1e-4, atol=1e-5)
+
+
+def test_use_activation_false_keeps_the_raw_vector(
+    pooling_cluster: Cluster, want: list[list[float]]
+) -> None:
+    client = pooling_cluster.client(timeout=120)
+    r = client.embeddings.create(model=pooling_cluster.model_name, input=INPUTS[1],
+                                 extra_body={"use_activation": False})  # fmt: skip
+    raw = np.asarray(r.data[0].embedding)
+    norm = float(np.linalg.norm(raw))
+    assert not math.isclose(norm, 1.0, rel_tol=1e-3), norm  # not normalised ...
+    np.testing.assert_allclose(raw / norm, want[1], rtol=1e-4, atol=1e-5)  # ... same direction
+
+
+def test_generation_on_a_pooling_worker_is_a_400(pooling_cluster: Cluster) -> None:
+    client = pooling_cluster.client(timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=pooling_cluster.model_name, prompt="Hi", max_tokens=2)
+    assert e.value.code == "unsupported_parameter"
+    assert "/v1/embeddings only" in e.value.message
+    for stream in (False, True):  # a chat too, streamed or not: never a hang or a 500
+        with pytest.raises(openai.BadRequestError):
+            out = client.chat.completions.create(
+                model=pooling_cluster.model_name, max_tokens=2, stream=stream,
+                messages=[{"role": "user", "content": "Hi"}],
+            )  # fmt: skip
+            if stream:
+                list(out)  # type: ignore[call-overload]
