@@ -19,10 +19,21 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
-from tests.integration.conftest import Proc, RedisDbs, base_env, session_redis
+from tests.integration.conftest import (
+    Cluster,
+    Proc,
+    RedisDbs,
+    base_env,
+    session_redis,
+    start_api,
+    start_worker,
+    stop_on_error,
+    wait_for,
+)
 from workers.model_init import PRESETS, init_model
 
 # the engine options both sides use (`vllm serve` flags without dashes)
@@ -74,6 +85,18 @@ def offline(model_dir: Path, requests: list[dict], workdir: Path,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def deploy(url: str, model: Path, env: dict[str, str], logdir: Path, name: str) -> Cluster:
+    """One generate worker (``<name>-w``) and the API with ``env``, the worker live."""
+    worker = start_worker(f"{name}-w", "generate", f"{name}-w", env, logdir)
+    with stop_on_error(worker):
+        api, api_url = start_api(f"{name}-api", env, logdir)
+    c = Cluster(api_url, url, model, model.name, [worker], api)
+    with stop_on_error(worker, api):
+        wait_for(lambda: httpx.get(f"{api_url}/health", timeout=1).json()["workers"]
+                 ["generate"] == 1, 400, f"the {name} worker", [worker, api])  # fmt: skip
+    return c
 
 
 def worker_info(redis_url: str, pool: str, worker_id: str) -> dict:

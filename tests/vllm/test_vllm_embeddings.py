@@ -19,14 +19,12 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
 
-from tests.integration.conftest import Cluster, RedisDbs, start_api, start_worker, stop_on_error
-from tests.integration.conftest import wait_for as wait
-from tests.vllm.conftest import VLLM_OPTIONS, offline, vllm_env
+from tests.integration.conftest import Cluster, RedisDbs
+from tests.vllm.conftest import VLLM_OPTIONS, deploy, offline, vllm_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -37,19 +35,12 @@ INPUTS = [[1, 22, 301, 17, 96, 450, 9, 31, 77], [1, 5] * 20, [1] + list(range(40
 def pooling_cluster(
     vllm_dbs: RedisDbs, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    logdir = tmp_path_factory.mktemp("vllm-embed")
     url = vllm_dbs.take(__name__)
     env = {**vllm_env(url, llama_dir),
            "CONVEYOR_VLLM": json.dumps({**VLLM_OPTIONS, "runner": "pooling"})}  # fmt: skip
-    worker = start_worker("vllm-embed-w", "generate", "vllm-embed-w", env, logdir)
-    with stop_on_error(worker):
-        api, api_url = start_api("vllm-embed-api", env, logdir)
-    c = Cluster(api_url, url, llama_dir, llama_dir.name, [worker], api)
-    with stop_on_error(worker, api):
-        wait(lambda: httpx.get(f"{api_url}/health", timeout=1).json()["workers"]["generate"]
-             == 1, 400, "the pooling worker", [worker, api])  # fmt: skip
+    c = deploy(url, llama_dir, env, tmp_path_factory.mktemp("vllm-embed"), "vllm-embed")
     yield c
-    for p in (api, worker):
+    for p in (c.api, *c.workers):
         p.stop()
 
 

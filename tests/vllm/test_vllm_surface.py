@@ -32,28 +32,13 @@ from tests.integration.conftest import (
     Cluster,
     RedisDbs,
     base_env,
-    start_api,
-    start_worker,
-    stop_on_error,
-    wait_for,
 )
-from tests.vllm.conftest import offline, vllm_env
+from tests.vllm.conftest import deploy, offline, vllm_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "json_schemas.json"
 PROMPTS = [[1, 22, 301, 17, 96, 450, 9, 31, 77], [1, 5] * 20, [1] + list(range(40, 110))]
-
-
-def _deploy(url: str, model: Path, env: dict[str, str], logdir: Path, name: str) -> Cluster:
-    worker = start_worker(f"{name}-w", "generate", f"{name}-w", env, logdir)
-    with stop_on_error(worker):
-        api, api_url = start_api(f"{name}-api", env, logdir)
-    c = Cluster(api_url, url, model, model.name, [worker], api)
-    with stop_on_error(worker, api):
-        wait_for(lambda: httpx.get(f"{api_url}/health", timeout=1).json()["workers"]
-                 ["generate"] == 1, 400, f"the {name} worker", [worker, api])  # fmt: skip
-    return c
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +47,7 @@ def vllm_cluster(
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("vllm-surface")
     url = vllm_dbs.take(__name__)
-    c = _deploy(url, llama_dir, vllm_env(url, llama_dir), logdir, "vllm")
+    c = deploy(url, llama_dir, vllm_env(url, llama_dir), logdir, "vllm")
     yield c
     for p in (c.api, *c.workers):
         p.stop()
@@ -74,7 +59,7 @@ def ref_cluster(
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("ref-surface")
     url = vllm_dbs.take(__name__)
-    c = _deploy(url, llama_dir, base_env(url, llama_dir), logdir, "ref")
+    c = deploy(url, llama_dir, base_env(url, llama_dir), logdir, "ref")
     yield c
     for p in (c.api, *c.workers):
         p.stop()
