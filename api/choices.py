@@ -83,6 +83,8 @@ async def stream(
                             deltas += reader.finish()
                         out += b"".join(sse_event(fmt.chunk(d, None, include_usage, index=i))
                                         for d in deltas)  # fmt: skip
+                        if extra is not None:  # logprobs too: the batch's tokens, in a chunk
+                            out += extra.beside_tools(fmt, frames, include_usage, i)
                     if failed:
                         ended = True
                         yield tagged(out + sse_event(frame_error(last).body()))

@@ -26,7 +26,7 @@ import json
 from tokenizers import Tokenizer
 
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.sse import Formatter, json_line
+from api.sse import Formatter, json_line, sse_event
 from kvbm.protocol import Sampling, TokenFrame
 
 
@@ -166,6 +166,17 @@ class ExtraOutput:
             return b""
         return fmt.logprobs_event(text, self.renderer.render(tokens, lps, text), include_usage,
                                   index)  # fmt: skip
+
+    def beside_tools(self, fmt: Formatter, frames: list[TokenFrame], include_usage: bool,
+                     index: int = 0) -> bytes:  # fmt: skip
+        """A tool-parsed stream's logprobs: its frames' tokens in a chunk of their own, with
+        an empty delta after the batch's content and tool-call deltas (those are parsed from
+        the text, not cut where the tokens end), so every token's logprob goes out once."""
+        tokens, lps = _tokens(frames) if self.renderer is not None else ([], [])
+        if not tokens or self.renderer is None:
+            return b""
+        return sse_event(fmt.chunk(fmt.empty_delta(), None, include_usage, index=index,
+                                   logprobs=self.renderer.full(tokens, lps)))  # fmt: skip
 
     def full(self, frames: list[TokenFrame], text: str) -> tuple[str, dict | None, list | None]:
         """A whole response's (text, logprobs, prompt logprobs) from all its frames."""

@@ -168,9 +168,6 @@ async def start(
             "min_tokens",
         )
     sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
-    if sampling.logprobs is not None and tool_output(plan) is not None:
-        raise bad_request("logprobs together with tools (tool_choice other than none) are not "
-                          "supported", "logprobs", "unsupported_parameter")  # fmt: skip
     images = []
     if prompt.images:  # fetched and checked only once the rest of the request is valid
         loaded = await st.media.load(prompt.images)
@@ -224,6 +221,8 @@ async def _stream(
             if tools is not None:  # content and tool calls, parsed as they come
                 deltas = tools.feed(text) + (tools.finish() if last.done and not failed else [])
                 event = b"".join(sse_event(fmt.chunk(d, None, include_usage)) for d in deltas)
+                if extra is not None:  # logprobs too: the batch's tokens, in a chunk
+                    event += extra.beside_tools(fmt, frames_, include_usage)
             elif extra is not None:  # logprobs, an echoed prompt
                 event = extra.event(fmt, frames_, text, include_usage)
             else:

@@ -386,3 +386,56 @@ def test_langchain_responses_api(cluster: Cluster, hf: tuple) -> None:
     out = llm.invoke([HumanMessage("Hello, world!")])
     ids = template_ids(hf, [{"role": "user", "content": "Hello, world!"}], None)
     assert out.text == hf[0].decode(hf_greedy(hf, ids, 10), skip_special_tokens=True)
+
+
+def _logprob_entries(lp) -> list[tuple[str, float, list[str]]]:  # type: ignore[no-untyped-def]
+    return [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in lp.content]
+
+
+@needs_structured
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_logprobs_beside_tool_calls(cluster: Cluster, tool_choice: str) -> None:
+    """Logprobs with tools (as vLLM serves them): a whole answer carries every generated
+    token's logprob beside its tool calls; a stream carries the same entries, each batch's
+    in a chunk of its own (empty delta), so joined they equal the whole answer's, and the
+    calls are the same. With n = 2, every choice's tokens are there."""
+    client = cluster.client()
+    choice = ("required" if tool_choice == "required"
+              else {"type": "function", "function": {"name": "take_note"}})  # fmt: skip
+    kw = dict(model=cluster.model_name, messages=[{"role": "user", "content": "Note it."}],
+              tools=TOOLS, tool_choice=choice, max_tokens=300, temperature=0, logprobs=True,
+              top_logprobs=2)  # fmt: skip
+    r = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+    want = _logprob_entries(r.choices[0].logprobs)
+    reason = "tool_calls" if tool_choice == "required" else "stop"  # a forced function's
+    assert r.choices[0].message.tool_calls and r.choices[0].finish_reason == reason
+    assert len(want) == r.usage.completion_tokens > 0
+    assert all(lp <= 0 and len(top) == 2 for _, lp, top in want)
+
+    got, calls, usage = [], {}, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={  # type: ignore[call-overload]
+            "include_usage": True}, **kw):  # fmt: skip
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                assert not c.delta.content and not c.delta.tool_calls, "logprobs ride alone"
+                got += _logprob_entries(c.logprobs)
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"name": None, "arguments": ""})
+                call["name"] = call["name"] or tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+    assert got == want
+    assert [calls[i] for i in sorted(calls)] == [
+        {"name": c.function.name, "arguments": c.function.arguments}
+        for c in r.choices[0].message.tool_calls]  # fmt: skip
+    assert usage is not None and usage.completion_tokens == len(want)
+
+    per_choice: dict[int, int] = {}
+    for chunk in client.chat.completions.create(stream=True, n=2, stream_options={  # type: ignore[call-overload]
+            "include_usage": True}, **kw):  # fmt: skip
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                per_choice[c.index] = per_choice.get(c.index, 0) + len(c.logprobs.content)
+    assert per_choice == {0: len(want), 1: len(want)}  # greedy: both as the single one
+    assert usage is not None and usage.completion_tokens == 2 * len(want)
