@@ -55,6 +55,7 @@ from workers.engine_api import (
     refuse_prompt,
     refuse_unsupported,
 )
+from workers.logprobs import LOGPROB_FLOOR
 from workers.pooling import refusal
 from workers.structured import GrammarError, grammar_text
 from workers.vllm_events import KVEventTranslator, ZmqEventReader
@@ -716,10 +717,13 @@ def _structured(spec: StructuredOutput | None):
 
 def _logprob(entry: dict, token_id: int, k: int) -> list:
     """One position of vLLM's logprobs (token id -> Logprob(logprob, rank, ...), the chosen
-    token's and the top k) as a ``kvbm.protocol.Logprob``."""
+    token's and the top k) as a ``kvbm.protocol.Logprob``; -inf (a token a grammar or a
+    ban masked, among the top k) reads LOGPROB_FLOOR, as the reference engine's do: JSON
+    has no -inf."""
     chosen = entry[token_id]
     top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank <= k)
-    return [chosen.logprob, chosen.rank, [[tid, lp] for _, tid, lp in top]]
+    return [max(chosen.logprob, LOGPROB_FLOOR), chosen.rank,
+            [[tid, max(lp, LOGPROB_FLOOR)] for _, tid, lp in top]]  # fmt: skip
 
 
 def _prompt_logprobs(entries: list, prompt_ids: list[int], k: int) -> list:

@@ -205,8 +205,9 @@ def test_n_tools_and_responses_run_on_vllm(vllm_cluster: Cluster) -> None:
     whole = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     want = [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
     assert whole.choices[0].message.tool_calls and len(want) == whole.usage.completion_tokens
-    got = [(e.token, e.logprob) for ch in client.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
-           for c in ch.choices if c.logprobs is not None for e in c.logprobs.content or []]  # fmt: skip
+    chunks = list(client.chat.completions.create(stream=True, **kw))  # type: ignore[call-overload]
+    got = [(e.token, e.logprob) for ch in chunks for c in ch.choices
+           if c.logprobs is not None for e in c.logprobs.content or []]  # fmt: skip
     assert got == want
     req = client.chat.completions.create(model=model, messages=msgs, tools=tools,  # type: ignore[arg-type]
                                          tool_choice="required", parallel_tool_calls=False,
