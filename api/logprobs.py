@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.sse import Formatter, json_line, sse_event
-from kvbm.protocol import Sampling, TokenFrame
+from kvbm.protocol import LOGPROB_FLOOR, Sampling, TokenFrame
 
 
 class TokenStrings:
@@ -94,7 +94,7 @@ class LogprobsRenderer:
         items = []
         for tid, lp in zip(token_ids, logprobs, strict=True):
             if lp is None:  # none came (an engine that sent none): OpenAI's -inf stand-in
-                lp = [-9999.0, 0, []]
+                lp = [LOGPROB_FLOOR, 0, []]
             tops = ",".join(f'{{{s.chat(t)},"logprob":{x!r}}}' for t, x in lp[2][:top])
             items.append(f'{{{s.chat(tid)},"logprob":{lp[0]!r},"top_logprobs":[{tops}]}}')
         return '{"content":[' + ",".join(items) + "]}"

@@ -228,6 +228,8 @@ def request_extra_keys(
 # [the token's logprob, its rank among the vocabulary (1: the most likely), the top
 # logprobs asked for as [token id, logprob] pairs, most likely first]
 Logprob = list
+# a logprob below it reads it: OpenAI's stand-in for -inf (JSON has none); every engine's
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(slots=True)

@@ -25,10 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvbm.protocol import LOGPROB_FLOOR
 from workers.logits import state_of
 from workers.scheduler import Seq
-
-LOGPROB_FLOOR = -9999.0
 
 
 def prompt_rows(batch: Sequence[tuple[Seq, int, int]]) -> list[tuple[int, Seq, int]]:

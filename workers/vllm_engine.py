@@ -44,7 +44,7 @@ from pathlib import Path
 
 from cluster.stats import EngineStats, TransferTotals
 from kvbm.block_pool import KVEvent
-from kvbm.protocol import G1, Pooling, StructuredOutput, model_namespace
+from kvbm.protocol import G1, LOGPROB_FLOOR, Pooling, StructuredOutput, model_namespace
 from workers.engine_api import (
     FEATURES,
     EngineConfig,
@@ -55,7 +55,6 @@ from workers.engine_api import (
     refuse_prompt,
     refuse_unsupported,
 )
-from workers.logprobs import LOGPROB_FLOOR
 from workers.pooling import refusal
 from workers.structured import GrammarError, grammar_text
 from workers.vllm_events import KVEventTranslator, ZmqEventReader

@@ -78,10 +78,6 @@ def test_unknown_model_404(cluster: Cluster) -> None:
             },
             "tool_choice.function.name",
         ),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True},
-            "logprobs",
-        ),
         ({"stop": ["a"] * 20}, "stop"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
