@@ -172,8 +172,10 @@ class ExtraOutput:
         """A tool-parsed stream's logprobs: its frames' tokens in a chunk of their own, with
         an empty delta after the batch's content and tool-call deltas (those are parsed from
         the text, not cut where the tokens end), so every token's logprob goes out once."""
-        tokens, lps = _tokens(frames) if self.renderer is not None else ([], [])
-        if not tokens or self.renderer is None:
+        if self.renderer is None:
+            return b""
+        tokens, lps = _tokens(frames)
+        if not tokens:
             return b""
         return sse_event(fmt.chunk(fmt.empty_delta(), None, include_usage, index=index,
                                    logprobs=self.renderer.full(tokens, lps)))  # fmt: skip

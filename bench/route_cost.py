@@ -188,7 +188,7 @@ def make_router(client: aioredis.Redis, url: str, bs: int, stock: bool) -> tuple
     """A router as the API builds one: its commits go through the API's lean connection
     (the default, CONVEYOR_BROKER_FASTPATH=true) or, ``stock``, redis-py's asyncio client."""
     fast = None if stock or RespConnection is None else RespConnection(url)
-    if fast is None:
+    if fast is None:  # without the keyword: earlier trees' routers do not take it
         return Router(client, RouterConfig(block_size=bs)), None
     return Router(client, RouterConfig(block_size=bs), fast=fast), fast
 
