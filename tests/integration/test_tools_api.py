@@ -424,7 +424,10 @@ def test_logprobs_beside_tool_calls(cluster: Cluster, tool_choice: str) -> None:
                 call = calls.setdefault(tc.index, {"name": None, "arguments": ""})
                 call["name"] = call["name"] or tc.function.name
                 call["arguments"] += tc.function.arguments or ""
-    assert got == want
+    # the same tokens; logprobs equal up to float noise (another batch shape can move a
+    # float32 log-softmax's last digits)
+    assert [(t, top) for t, _, top in got] == [(t, top) for t, _, top in want]
+    assert [lp for _, lp, _ in got] == pytest.approx([lp for _, lp, _ in want], abs=1e-3)
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments}
         for c in r.choices[0].message.tool_calls]  # fmt: skip
