@@ -266,8 +266,10 @@ def test_a_frozen_encode_worker_its_requests_go_to_another(
     import os
     import signal
 
-    with deployment(fresh_db, tiny_model_dir, tmp_path, "e-pd", "redis",
-                    encoders=2) as (url, procs, rurl):  # fmt: skip
+    # round robin: the four requests go two to each encoder (an encode pick adds no load,
+    # so KV routing breaks the tie at random and could leave the frozen one none: 1 in 16)
+    with deployment(fresh_db, tiny_model_dir, tmp_path, "e-pd", "redis", encoders=2,
+                    CONVEYOR_ROUTER_MODE="round_robin") as (url, procs, rurl):  # fmt: skip
         wait_for(lambda: httpx.get(f"{url}/health").json()["workers"]["encode"] == 2, 60,
                  "two encode workers", procs)  # fmt: skip
         frozen = next(p for p in procs if p.name.endswith("-encode"))
@@ -278,15 +280,16 @@ def test_a_frozen_encode_worker_its_requests_go_to_another(
                 return await asyncio.gather(*(_chat(url, tiny_model_dir.name, p, n)
                                               for p, n in CHAT[:4]))  # fmt: skip
 
-            got = asyncio.run(run_all())  # the router spreads them over both encoders
+            got = asyncio.run(run_all())
         finally:
             os.killpg(frozen.popen.pid, signal.SIGKILL)
         assert [t for t, _ in got] == hf_texts[:4]
-        metrics = httpx.get(f"{url}/metrics").text
-        redone = next(float(x.split()[-1]) for x in metrics.splitlines()
-                      if x.startswith("conveyor_requests_redispatched_total"))  # fmt: skip
-        assert redone >= 1, metrics
+        # the frozen encoder's two came back by either road: the API sent them again (its
+        # stream watcher saw the worker die), or a router's prune moved them from its queue
+        # to the pool's, whichever came first; the other encoder ran all four
         live = [p for p in procs if p is not frozen]
+        wait_for(lambda: any(w.get("encode_requests", 0) >= 4 for w in _reports(rurl).values()),
+                 15, "the live encoder ran all four", live)  # fmt: skip
         wait_for(lambda: all(w.get("blocks_used", 0) == 0 for w in _reports(rurl).values()),
                  15, "blocks freed", live)  # fmt: skip
 
