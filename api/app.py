@@ -46,6 +46,7 @@ from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
 from api.tool_parsers import parser_for_template
+from cluster.response_store import ResponseStore
 from cluster.traffic import flush_loop
 from tasks.app import configure as configure_celery
 from tasks.heap import freeze_startup_heap, trim_heap
@@ -91,6 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await st.hub.start()
         st.runner = await Runner(s, st.redis, st.hub, metrics).open()
         st.tenants = TenantBudget(st.redis, s.admission.tenant_tokens_per_min, metrics)
+        st.responses = ResponseStore(st.redis, s.api.responses_store_ttl_s)
         st.created = int(time.time())
         freeze_startup_heap("api")  # no full collection pauses every stream later
         trimmer = asyncio.get_running_loop().create_task(_trim_when_idle(metrics))

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API, stateless: the request as a chat request, the output as a
-Response object and as the Responses stream's events.
+"""OpenAI's Responses API: the request as a chat request, the output as a Response object
+and as the Responses stream's events.
 
 A ``POST /v1/responses`` body is turned into the :class:`ChatCompletionRequest` it means
 (:func:`chat_request`): ``instructions`` a system message first, ``input`` messages with
@@ -7,9 +7,10 @@ A ``POST /v1/responses`` body is turned into the :class:`ChatCompletionRequest` 
 ``tool_calls``, ``function_call_output`` items ``tool`` messages; function ``tools`` and
 ``tool_choice`` in chat's shape; ``text.format`` as ``response_format``;
 ``max_output_tokens`` as ``max_tokens``. From there it runs exactly as a chat request does
-(prompt, sampling, tool constraint, runner). Nothing is stored: ``store`` is accepted and
-ignored (vLLM's default), ``previous_response_id`` is refused; ``background`` is the
-route's (:mod:`api.routes_responses`: it needs the frame log).
+(prompt, sampling, tool constraint, runner). A ``previous_response_id``'s conversation
+comes in as ``history``: the stored turns' input and output items, before ``input`` (and
+after this request's ``instructions``: a previous response's are not carried over, as in
+OpenAI's API). Storing, and ``background``, are the route's (:mod:`api.routes_responses`).
 
 The output goes through the same tool parser a chat request's does; :class:`OutputItems`
 turns its events into output items (a ``message`` with one ``output_text`` part, then
@@ -31,7 +32,12 @@ from api.protocol import ChatCompletionRequest, ChatMessage
 from api.tool_parsers import CallArgs, CallStart, Event, Text
 from kvbm.protocol import Usage
 
-STATELESS = "Conveyor's Responses API is stateless: send the whole conversation in `input`"
+STATELESS = (
+    "the Conversations API is not served: send previous_response_id, or the whole "
+    "conversation in `input`"
+)
+# an input item's id prefix, by its type (input_items lists every item with an id)
+ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
 class ResponsesRequest(BaseModel):
@@ -48,7 +54,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
     stream: bool = False
-    store: bool | None = None  # accepted, nothing is stored
+    store: bool | None = None  # None: stored (OpenAI's default) where the store is on
     metadata: dict | None = None
     user: str | None = None
     include: list[str] | None = None
@@ -65,10 +71,11 @@ class ResponsesRequest(BaseModel):
     worker_id: str | None = Field(None, min_length=1, max_length=200)
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request a Responses request means; 400 naming the field it cannot take."""
+def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> ChatCompletionRequest:
+    """The chat request a Responses request means, ``history`` (the items of the turns its
+    ``previous_response_id`` continues) before its input; 400 naming the field it cannot
+    take."""
     refused = [
-        (req.previous_response_id is not None, "previous_response_id", STATELESS),
         (req.conversation is not None, "conversation", STATELESS),
         (bool(req.include), "include", "include is not supported (no extra output data)"),
         (
@@ -83,6 +90,8 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     messages: list[dict] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
+    for i, item in enumerate(history or []):
+        _add_item(messages, item, f"previous_response_id (item {i})")
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
     else:
@@ -251,8 +260,10 @@ def response_body(
     output: list[dict],
     status: str,
     usage: Usage | None,
+    stored: bool = False,
 ) -> dict:
-    """The Response object (``status``: in_progress, completed, incomplete or failed)."""
+    """The Response object (``status``: in_progress, completed, incomplete or failed;
+    ``stored``: whether the store keeps it)."""
     u = usage or Usage()
     return {
         "id": rid,
@@ -266,9 +277,9 @@ def response_body(
         "model": model,
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls,
-        "previous_response_id": None,
+        "previous_response_id": req.previous_response_id,
         "reasoning": None,
-        "store": False,
+        "store": stored,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": req.text or {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
@@ -286,11 +297,29 @@ def response_body(
         },
         "user": req.user,
         "metadata": req.metadata or {},
+        "background": bool(req.background),
     }
 
 
 def created_now() -> int:
     return int(time.time())
+
+
+def input_items(req: ResponsesRequest, response_id: str) -> list[dict]:
+    """The request's ``input`` as items, each with an id (a string input is one user
+    message), as a stored turn keeps them and ``input_items`` lists them."""
+    if isinstance(req.input, str):
+        text = [{"type": "input_text", "text": req.input}]
+        raw: list[dict] = [{"type": "message", "role": "user", "content": text}]
+    else:
+        raw = [dict(item) for item in req.input]
+    tag = response_id.removeprefix("resp_")
+    for i, item in enumerate(raw):
+        kind = item.get("type", "message" if "role" in item else "item")
+        item.setdefault("type", kind)
+        if not item.get("id"):
+            item["id"] = f"{ITEM_ID_PREFIX.get(kind, 'item')}_{tag}_{i}"
+    return raw
 
 
 # --------------------------------------------------------------------------------------

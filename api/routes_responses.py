@@ -1,4 +1,4 @@
-"""``POST /v1/responses``: OpenAI's Responses API, stateless, through the chat pipeline.
+"""``POST /v1/responses``: OpenAI's Responses API, through the chat pipeline.
 
 The body becomes the chat request it means (:func:`api.responses.chat_request`), which is
 checked, rendered, constrained and started exactly as ``/v1/chat/completions`` does it
@@ -19,6 +19,14 @@ log through the same formatter: events are made one frame at a time and item ids
 the response id, so the same frames always give the same events and sequence numbers, and
 ``?stream=true&starting_after=N`` sends those after N, then follows the log live.
 ``POST /v1/responses/{id}/cancel`` cancels it on its worker wherever it runs.
+
+**Stored responses** (``CONVEYOR_RESPONSES_STORE``, on by default; a request's
+``store: false`` opts out): once a response ends, its turn (input and output items) and the
+response it continued go into its record (:mod:`cluster.response_store`), before its last
+event or body leaves, so a client's next request always finds it. ``previous_response_id``
+puts the stored conversation before the request's input; ``GET /v1/responses/{id}``,
+``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` answer for it on
+every replica.
 """
 
 from __future__ import annotations
@@ -36,7 +44,14 @@ from fastapi.responses import JSONResponse, Response
 
 from api.errors import OpenAIError, bad_request
 from api.protocol import unsupported
-from api.responses import OutputItems, ResponsesRequest, chat_request, created_now, response_body
+from api.responses import (
+    OutputItems,
+    ResponsesRequest,
+    chat_request,
+    created_now,
+    input_items,
+    response_body,
+)
 from api.resume import FrameLogReader, claim, event_id, frames_of, parse_event_id
 from api.routes_openai import chat_prompt, collect, drain, end_request, linger_on, start
 from api.runner import RunningRequest, frame_error, stream_failed
@@ -44,8 +59,8 @@ from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
 from api.tool_parsers import Event, Text, ToolParser
 from api.tools import tool_plan
-from cluster.keys import KEY_PREFIX
 from cluster.resp import as_str
+from cluster.response_store import ChainBroken, Turn, response_key
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     FRAMES_OPEN_TTL_S,
@@ -60,12 +75,6 @@ log = logging.getLogger(__name__)
 BACKGROUND_TTL_S = 24 * 3600  # a background response's record, from its start
 
 
-def response_key(response_id: str) -> str:
-    """HASH: a background response: its request (``body``), the stream whose frame log
-    holds it (``log``), ``created``, ``cancelled``, and once it ended its ``final`` Response."""
-    return f"{KEY_PREFIX}response:{response_id}"
-
-
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     started = time.perf_counter()
@@ -75,7 +84,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         raise bad_request("background responses need the frame log: set "
                           "CONVEYOR_RESUMABLE_STREAMS=true", "background",
                           "unsupported_parameter")  # fmt: skip
-    req = chat_request(body)
+    req = chat_request(body, await _history(st, body))
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
     prompt = chat_prompt(st, req)
@@ -86,6 +95,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan
     )
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
+    out.stored = st.settings.api.responses_store and body.store is not False
     if body.background:
         return await _background(st, body, run, out, started)
     if body.stream:
@@ -95,6 +105,29 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return SSEResponse(_stream(st, run, out, started, key), ping=15,
                            headers={"x-request-id": rid})  # fmt: skip
     return await _collect(st, run, out, started)
+
+
+async def _history(st: ApiState, body: ResponsesRequest) -> list[dict]:
+    """The items of the conversation ``previous_response_id`` continues (oldest first)."""
+    prev = body.previous_response_id
+    if prev is None:
+        return []
+    if not st.settings.api.responses_store:
+        raise bad_request("previous_response_id needs stored responses "
+                          "(CONVEYOR_RESPONSES_STORE is off): send the whole conversation "
+                          "in `input`", "previous_response_id",
+                          "unsupported_parameter")  # fmt: skip
+    try:
+        turns = await st.responses.conversation(prev) if prev.startswith("resp_") else None
+    except ChainBroken as e:
+        what = "" if e.response_id == prev else f" (its conversation's {e.response_id!r} is gone)"
+        raise OpenAIError(404, f"Response with id '{prev}' not found{what}.",
+                          "invalid_request_error", "previous_response_id",
+                          "not_found") from None  # fmt: skip
+    if turns is None:
+        raise OpenAIError(404, f"Response with id '{prev}' not found.",
+                          "invalid_request_error", "previous_response_id", "not_found")  # fmt: skip
+    return [item for t in turns for item in t.items()]
 
 
 class _Output:
@@ -111,6 +144,7 @@ class _Output:
         self.items = OutputItems(self.id.removeprefix("resp_"))
         self.cancelled = False  # a background response cancelled by request
         self.final: dict | None = None  # the Response once the stream ended
+        self.stored = False  # kept in the response store once it ends
 
     def feed(self, text: str) -> list[dict]:
         parsed: list[Event] = self.parser.feed(text) if self.parser else [Text(text)]
@@ -132,9 +166,8 @@ class _Output:
 
     def response(self, status: str, last: TokenFrame | None) -> dict:
         usage = last.usage if last is not None else None
-        return response_body(
-            self.body, self.id, self.created, self.model, self.items.output, status, usage
-        )
+        return response_body(self.body, self.id, self.created, self.model, self.items.output,
+                             status, usage, self.stored)  # fmt: skip
 
 
 def _sse(event: dict, response_id: str | None = None) -> bytes:
@@ -187,11 +220,14 @@ async def _stream(
     ended = False  # the stream came to its end (not its client gone)
     try:
         async for events in _events(st, out, st.runner.batches(run)):
+            if out.final is not None:  # the last events: the response is stored first
+                await _store_final(st, key, out, st.settings.api.resume_ttl_s)
             yield b"".join(_sse(e, ids) for e in events)
         ended = True
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
         ended = True
         failed = _failed_events(out, stream_failed(e, run.request_id))
+        await _store_final(st, key, out, st.settings.api.resume_ttl_s)
         yield b"".join(_sse(ev, ids) for ev in failed)
     finally:
         end = partial(end_request, st, [run], started)
@@ -199,8 +235,6 @@ async def _stream(
             linger_on(st, run.request_id, partial(drain, st, run), end)
         else:
             end()
-    if key is not None:
-        await _store_final(st, key, out, st.settings.api.resume_ttl_s)
 
 
 def _failed_events(out: _Output, err: OpenAIError) -> list[dict]:
@@ -259,12 +293,21 @@ async def _relay(st: ApiState, run: RunningRequest, out: _Output, started: float
     await _store_final(st, key, out, BACKGROUND_TTL_S)
 
 
-async def _store_final(st: ApiState, key: str, out: _Output, ttl_s: float) -> None:
-    if out.final is None:
+async def _store_final(st: ApiState, key: str | None, out: _Output, ttl_s: float) -> None:
+    """Keep a response that ended: in the store (its turn too) if it is stored, else in
+    its record ``key`` (a background or resumable one) for ``ttl_s``; neither: nothing."""
+    if out.final is None or (key is None and not out.stored):
         return
+    final = out.final | {"background": bool(out.body.background)}
     try:
+        if out.stored:
+            turn = Turn(input_items(out.body, out.id), out.items.output)
+            extra = {} if key is not None else {"background": "0", "created": str(out.created)}
+            await st.responses.save(out.id, turn, out.body.previous_response_id, final, extra)
+            return
+        assert key is not None
         pipe = st.redis.pipeline(transaction=False)
-        pipe.hset(key, "final", json.dumps(out.final | {"background": bool(out.body.background)}))
+        pipe.hset(key, "final", json.dumps(final))
         pipe.expire(key, int(ttl_s))
         await pipe.execute()
     except Exception as e:  # noqa: BLE001 - a GET rebuilds it from the frame log
@@ -309,6 +352,9 @@ async def get_response(response_id: str, request: Request, stream: bool = False,
     ``starting_after`` (or the ``Last-Event-ID`` header's), then live to its end."""
     st = api_state(request)
     rec = await _record(st, response_id)
+    if stream and "log" not in rec:  # stored, but not streamed through the frame log
+        raise bad_request(f"response '{response_id}' has no stream to replay: GET it "
+                          "without stream", "stream")  # fmt: skip
     if stream:
         if starting_after < 0 and (last := request.headers.get("last-event-id")):
             last_id, (starting_after,) = parse_event_id(last, (response_id,))
@@ -362,7 +408,7 @@ async def _resume(st: ApiState, body: ResponsesRequest, last_event_id: str) -> R
         raise bad_request("Last-Event-ID resumes a stream: send stream: true", "stream")
     response_id, (after,) = parse_event_id(last_event_id, ("resp_",))
     rec = await _read_record(st, response_id)
-    if not rec or not await claim(st.redis, rec["log"]):
+    if "log" not in rec or not await claim(st.redis, rec["log"]):
         raise OpenAIError(404, f"no stream of response {response_id!r} to resume: it ended "
                           f"more than {st.settings.api.resume_ttl_s:g} s ago, or never ran here",
                           "invalid_request_error", "Last-Event-ID", "stream_not_found")  # fmt: skip
@@ -395,5 +441,53 @@ async def _collect(st: ApiState, run: RunningRequest, out: _Output, started: flo
     st.metrics.finish.labels(last.finish_reason or "unknown").inc()
     out.feed(text)
     out.finish(last)
-    body = out.response(out.status(last), last)
+    out.final = body = out.response(out.status(last), last)
+    await _store_final(st, None, out, 0)
     return JSONResponse(body, headers={"x-request-id": run.request_id})
+
+
+def _listed(item: dict) -> dict:
+    """An input item as input_items lists it: a message's text content as a part (the
+    stored item keeps the client's shape: it renders the conversation again)."""
+    if item.get("type") == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        return item | {"content": [{"type": part, "text": item["content"]}]}
+    return item
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> Response:
+    """Forget a response (a background one still running runs on, unrecorded)."""
+    st = api_state(request)
+    if not response_id.startswith("resp_") or not await st.responses.delete(response_id):
+        raise OpenAIError(404, f"No response found with id '{response_id}'.",
+                          "invalid_request_error", "response_id", "not_found")  # fmt: skip
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, after: str | None = None,
+                           limit: int = 20, order: str = "desc") -> Response:  # fmt: skip
+    """A stored response's input items (this turn's), as OpenAI pages them: ``order``
+    asc or desc (default), ``limit`` 1-100, ``after`` an item id."""
+    st = api_state(request)
+    if not 1 <= limit <= 100:
+        raise bad_request("limit must be between 1 and 100", "limit")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", "order")
+    turn = await st.responses.turn(response_id) if response_id.startswith("resp_") else None
+    if turn is None:
+        raise OpenAIError(404, f"No stored response found with id '{response_id}'.",
+                          "invalid_request_error", "response_id", "not_found")  # fmt: skip
+    listed = [_listed(item) for item in turn.input]
+    items = listed if order == "asc" else listed[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
+        if at is None:
+            raise bad_request(f"no input item {after!r} in response '{response_id}'", "after")
+        items = items[at + 1 :]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page,
+                         "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None,
+                         "has_more": len(items) > limit})  # fmt: skip

@@ -16,6 +16,7 @@ from api.runner import Runner
 from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
+from cluster.response_store import ResponseStore
 from tasks.settings import Settings
 
 
@@ -31,6 +32,7 @@ class ApiState:
     hub: StreamHub = field(init=False)
     runner: Runner = field(init=False)
     tenants: TenantBudget = field(init=False)
+    responses: ResponseStore = field(init=False)  # stored responses (the Responses API)
     created: int = 0  # when the API started serving (the model's ``created``)
     tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
     strings: TokenStrings = field(init=False)  # token ids as logprobs show them

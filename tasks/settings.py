@@ -152,6 +152,19 @@ class ApiSettings(_Area):
         gt=0,
         description="With resumable_streams: how long a finished stream's frames stay resumable.",
     )
+    responses_store: bool = Field(
+        True,
+        description="The Responses API stores a response unless its request says store: "
+        "false (OpenAI's default): GET, DELETE and input_items answer for it on every API "
+        "replica, and previous_response_id continues its conversation. Off: nothing is "
+        "stored, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE.",
+    )
+    responses_store_ttl_s: float = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description="How long a stored response is kept in Redis; a conversation continued "
+        "with previous_response_id renews every turn it reads.",
+    )
     migration_limit: int = Field(
         3,
         ge=0,

@@ -281,8 +281,8 @@ def test_responses_refusals(cluster: Cluster) -> None:
     client = cluster.client()
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=cluster.model_name, input="x",
-                                previous_response_id="resp_123")  # fmt: skip
-    assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+                                conversation="conv_123")  # fmt: skip
+    assert e.value.body["param"] == "conversation"  # type: ignore[index]
 
 
 class Weather(BaseModel):

@@ -13,7 +13,13 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from api.errors import OpenAIError
-from api.responses import OutputItems, ResponsesRequest, chat_request, response_body
+from api.responses import (
+    OutputItems,
+    ResponsesRequest,
+    chat_request,
+    input_items,
+    response_body,
+)
 from api.tool_parsers import HermesParser, NamedParser, Text
 from kvbm.protocol import Usage
 
@@ -112,7 +118,7 @@ def test_input_items_become_chat_messages() -> None:
 @pytest.mark.parametrize(
     ("patch", "param"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
         (
@@ -208,3 +214,35 @@ def test_stream_events_rebuild_the_response(factory, text: str, status: str, kin
             "response.content_part.done",
             "response.output_item.done",
         ]
+
+
+def test_history_sits_between_the_instructions_and_the_input() -> None:
+    """previous_response_id's turns: after this request's instructions, before its
+    input; output items (an assistant message's output_text, a function call) read back
+    as the assistant's turn."""
+    history = [
+        {"id": "msg_a_0", "type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "first"}]},
+        {"id": "msg_b", "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "reply", "annotations": []}]},
+        {"id": "fc_b_1", "type": "function_call", "call_id": "c1", "name": "f",
+         "arguments": "{}", "status": "completed"},
+    ]  # fmt: skip
+    req = ResponsesRequest(model="m", input="next", instructions="sys",
+                           previous_response_id="resp_b")  # fmt: skip
+    msgs = chat_request(req, history).messages
+    assert [m.role for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[2].tool_calls is not None and msgs[2].tool_calls[0].function.name == "f"
+    assert msgs[-1].content == "next"
+
+
+def test_input_items_get_ids_and_a_string_becomes_a_message() -> None:
+    items = input_items(ResponsesRequest(model="m", input="hi"), "resp_abc")
+    assert items == [{"type": "message", "role": "user", "id": "msg_abc_0",
+                      "content": [{"type": "input_text", "text": "hi"}]}]  # fmt: skip
+    given = [{"role": "user", "content": "a"},
+             {"type": "function_call_output", "call_id": "c", "output": "x"},
+             {"id": "mine", "role": "user", "content": "b"}]  # fmt: skip
+    ids = [i["id"] for i in input_items(ResponsesRequest(model="m", input=given), "resp_z")]
+    assert ids == ["msg_z_0", "fco_z_1", "mine"]
+    assert "id" not in given[0]  # the request's own items are left as they were

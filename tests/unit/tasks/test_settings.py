@@ -83,6 +83,8 @@ NEW_NAMES = [
     "planner_throughput_interval_s",
     "planner_ttft_ms",
     "planner_window_s",
+    "responses_store",
+    "responses_store_ttl_s",
     "resumable_streams",
     "resume_grace_s",
     "resume_ttl_s",
