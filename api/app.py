@@ -32,6 +32,7 @@ from api import (
     routes_openai,
     routes_ops,
     routes_responses,
+    routes_scores,
     routes_tokenize,
 )
 from api.admission import ClientLimitMiddleware
@@ -128,6 +129,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_embeddings.router)
+    app.include_router(routes_scores.router)
     app.include_router(routes_tokenize.router)
     app.include_router(routes_batches.router)
     app.include_router(routes_ops.router)

@@ -75,11 +75,30 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     check_model(st, req.model)
     pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
     inputs = embedding_inputs(req, st.builder)
-    pin = req.worker_id or request.headers.get(PIN_HEADER) or None
+    rid, vectors = await embed(st, request, inputs, pooling, started, req.worker_id, "embd")
+    n_tokens = sum(len(ids) for ids in inputs)
+    data = [{"object": "embedding", "index": i,
+             "embedding": v if req.encoding_format == "base64" else vector(v)}
+            for i, v in enumerate(vectors)]  # fmt: skip
+    body = {"id": rid, "object": "list", "created": int(time.time()),
+            "model": st.settings.model_name, "data": data,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}  # fmt: skip
+    # float32 values written as float32 (the shortest text that reads back the same)
+    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
+                    media_type="application/json", headers={"x-request-id": rid})  # fmt: skip
+
+
+async def embed(
+    st: ApiState, request: Request, inputs: list[list[int]], pooling: Pooling, started: float,
+    worker_id: str | None, prefix: str,
+) -> tuple[str, list[str]]:  # fmt: skip
+    """Embed token lists as one client request (its tenant's budget, the API's metrics):
+    its id (``prefix``-...) and each input's vector (base64 float32), in input order."""
+    pin = worker_id or request.headers.get(PIN_HEADER) or None
     n_tokens = sum(len(ids) for ids in inputs)
     tenant = client_id(request.scope, bool(st.settings.api.api_key_list))
     await st.tenants.admit(tenant, n_tokens)  # 429 when its minute is spent
-    rid = st.hub.new_request_id("embd")
+    rid = st.hub.new_request_id(prefix)
     m = st.metrics
     m.in_flight.inc()
     try:
@@ -90,16 +109,12 @@ async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     m.prompt_tokens.inc(n_tokens)
     m.embedding_inputs.inc(len(inputs))
     m.embedding_tokens.inc(n_tokens)
-    data = [{"object": "embedding", "index": i,
-             "embedding": v if req.encoding_format == "base64"
-             else np.frombuffer(base64.b64decode(v), dtype="<f4")}
-            for i, v in enumerate(vectors)]  # fmt: skip
-    body = {"id": rid, "object": "list", "created": int(time.time()),
-            "model": st.settings.model_name, "data": data,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}  # fmt: skip
-    # float32 values written as float32 (the shortest text that reads back the same)
-    return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
-                    media_type="application/json", headers={"x-request-id": rid})  # fmt: skip
+    return rid, vectors
+
+
+def vector(b64: str) -> np.ndarray:
+    """An embedding as the worker sent it (base64 of little-endian float32)."""
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4")
 
 
 # --------------------------------------------------------------------------------------

@@ -50,6 +50,11 @@ VLLM_OPTIONS = {
 # a cancel comes too late). vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU keeps one core out of
 # their binding; the offline reference runs with the same threads (the same sums).
 VLLM_CPU_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"} if (os.cpu_count() or 1) <= 4 else {}
+# For the same reason a worker's heartbeat (its Celery process runs niced) can miss the
+# suite-wide 3 s TTL while the other worker decodes; declared dead, it would lose its KV
+# index entries mid-test. A worker that really dies is declared dead by its engine process
+# at once, so the longer TTL slows no test.
+VLLM_WORKER_TTL_S = "10"
 HERE = Path(__file__).parent
 
 
@@ -77,8 +82,9 @@ def vllm_dbs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisDbs]:
 
 def vllm_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
     """A worker's or the API's environment: the vLLM engine with ``VLLM_OPTIONS``."""
-    return base_env(redis_url, model_dir, CONVEYOR_ENGINE="vllm",
-                    CONVEYOR_VLLM=json.dumps(VLLM_OPTIONS), **VLLM_CPU_ENV, **extra)  # fmt: skip
+    return base_env(redis_url, model_dir, **{
+        "CONVEYOR_ENGINE": "vllm", "CONVEYOR_VLLM": json.dumps(VLLM_OPTIONS),
+        "CONVEYOR_WORKER_TTL_S": VLLM_WORKER_TTL_S, **VLLM_CPU_ENV, **extra})  # fmt: skip
 
 
 def offline(model_dir: Path, requests: list[dict], workdir: Path,
