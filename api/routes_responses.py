@@ -95,7 +95,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan
     )
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
-    out.stored = st.settings.api.responses_store and body.store is not False
+    out.stored = _stores(st, body)
     if body.background:
         return await _background(st, body, run, out, started)
     if body.stream:
@@ -105,6 +105,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return SSEResponse(_stream(st, run, out, started, key), ping=15,
                            headers={"x-request-id": rid})  # fmt: skip
     return await _collect(st, run, out, started)
+
+
+def _stores(st: ApiState, body: ResponsesRequest) -> bool:
+    """Whether the response is kept once it ends (OpenAI's default, where the store is on)."""
+    return st.settings.api.responses_store and body.store is not False
 
 
 async def _history(st: ApiState, body: ResponsesRequest) -> list[dict]:
@@ -341,6 +346,7 @@ def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
     rid = "resp-" + response_id.removeprefix("resp_")
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
     out.created = int(rec["created"])
+    out.stored = _stores(st, body)
     return out
 
 
