@@ -100,8 +100,8 @@ def recompute(model_dir: Path) -> list[list[int]]:
     return [outs[str(i)].token_ids for i in range(len(PROMPTS))]
 
 
-def tiered(model_dir: Path, tier: str, disk_dir: Path) -> Engine:
-    cfg = engine_config(**BASE, host_cache_blocks=120 if tier == "g2" else 0,
+def tiered(model_dir: Path, tier: str, disk_dir: Path, **over: object) -> Engine:
+    cfg = engine_config(**{**BASE, **over}, host_cache_blocks=120 if tier == "g2" else 0,
                        disk_cache_blocks=120 if tier == "g3" else 0, disk_dir=str(disk_dir),
                        disk_offload_filter=False)  # fmt: skip
     return Engine.from_model_dir(model_dir, cfg)
@@ -228,7 +228,11 @@ def test_disaggregated_with_tiers_gives_the_recomputed_tokens(
     model_dir: Path, tmp_path: Path
 ) -> None:
     want = recompute(model_dir)
-    prefill = tiered(model_dir, "g2", tmp_path)
+    # room for all four prompts pinned at once even when each onboards its own copy of the
+    # shared prefix (prompts loading together do not share it): 33 blocks pinned, and the
+    # one still waiting needs 10. With 40 the harness deadlocked 1 run in 3: it releases
+    # the pins only once every prefill ended (a decode worker pulls them as they come).
+    prefill = tiered(model_dir, "g2", tmp_path, num_kv_blocks=48)
     decode = Engine.from_model_dir(model_dir, engine_config(**BASE))
     for wave in ("a", "b"):
         if wave == "b":
