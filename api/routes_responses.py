@@ -95,7 +95,6 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan
     )
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
-    out.stored = _stores(st, body)
     if body.background:
         return await _background(st, body, run, out, started)
     if body.stream:
@@ -123,15 +122,14 @@ async def _history(st: ApiState, body: ResponsesRequest) -> list[dict]:
                           "in `input`", "previous_response_id",
                           "unsupported_parameter")  # fmt: skip
     try:
-        turns = await st.responses.conversation(prev) if prev.startswith("resp_") else None
+        if not prev.startswith("resp_"):
+            raise ChainBroken(prev)  # no response of ours
+        turns = await st.responses.conversation(prev)
     except ChainBroken as e:
         what = "" if e.response_id == prev else f" (its conversation's {e.response_id!r} is gone)"
         raise OpenAIError(404, f"Response with id '{prev}' not found{what}.",
                           "invalid_request_error", "previous_response_id",
                           "not_found") from None  # fmt: skip
-    if turns is None:
-        raise OpenAIError(404, f"Response with id '{prev}' not found.",
-                          "invalid_request_error", "previous_response_id", "not_found")  # fmt: skip
     return [item for t in turns for item in t.items()]
 
 
@@ -149,7 +147,7 @@ class _Output:
         self.items = OutputItems(self.id.removeprefix("resp_"))
         self.cancelled = False  # a background response cancelled by request
         self.final: dict | None = None  # the Response once the stream ended
-        self.stored = False  # kept in the response store once it ends
+        self.stored = _stores(st, body)  # kept in the response store once it ends
 
     def feed(self, text: str) -> list[dict]:
         parsed: list[Event] = self.parser.feed(text) if self.parser else [Text(text)]
@@ -260,7 +258,7 @@ async def _background(st: ApiState, body: ResponsesRequest, run: RunningRequest,
     """Record a background response, read it to its end here in a task of its own, and
     answer at once: the Response in progress, or its stream (from its frame log)."""
     key, rec = await _save_record(st, body, run, out, BACKGROUND_TTL_S, background=True)
-    head = out.response("in_progress", None) | {"background": True}
+    head = out.response("in_progress", None)
     task = asyncio.get_running_loop().create_task(_relay(st, run, out, started, key))
     st.runner.hold(task)
     if body.stream:
@@ -303,16 +301,16 @@ async def _store_final(st: ApiState, key: str | None, out: _Output, ttl_s: float
     its record ``key`` (a background or resumable one) for ``ttl_s``; neither: nothing."""
     if out.final is None or (key is None and not out.stored):
         return
-    final = out.final | {"background": bool(out.body.background)}
     try:
         if out.stored:
             turn = Turn(input_items(out.body, out.id), out.items.output)
             extra = {} if key is not None else {"background": "0", "created": str(out.created)}
-            await st.responses.save(out.id, turn, out.body.previous_response_id, final, extra)
+            await st.responses.save(out.id, turn, out.body.previous_response_id, out.final,
+                                    extra)  # fmt: skip
             return
         assert key is not None
         pipe = st.redis.pipeline(transaction=False)
-        pipe.hset(key, "final", json.dumps(final))
+        pipe.hset(key, "final", json.dumps(out.final))
         pipe.expire(key, int(ttl_s))
         await pipe.execute()
     except Exception as e:  # noqa: BLE001 - a GET rebuilds it from the frame log
@@ -325,9 +323,13 @@ async def _cancelled(st: ApiState, key: str) -> bool:
 
 async def _record(st: ApiState, response_id: str) -> dict[str, str]:
     if not (rec := await _read_record(st, response_id)):
-        raise OpenAIError(404, f"No response found with id '{response_id}'.",
-                          "invalid_request_error", "response_id", "not_found")  # fmt: skip
+        raise _not_found(response_id)
     return rec
+
+
+def _not_found(response_id: str, kind: str = "response") -> OpenAIError:
+    return OpenAIError(404, f"No {kind} found with id '{response_id}'.",
+                       "invalid_request_error", "response_id", "not_found")  # fmt: skip
 
 
 async def _read_record(st: ApiState, response_id: str) -> dict[str, str]:
@@ -346,7 +348,6 @@ def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
     rid = "resp-" + response_id.removeprefix("resp_")
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
     out.created = int(rec["created"])
-    out.stored = _stores(st, body)
     return out
 
 
@@ -388,8 +389,8 @@ async def get_response(response_id: str, request: Request, stream: bool = False,
     if out.final is not None:  # ended, and nobody stored it (its API died): store it now
         ttl_s = BACKGROUND_TTL_S if background else st.settings.api.resume_ttl_s
         await _store_final(st, response_key(out.id), out, ttl_s)
-        return JSONResponse(out.final | {"background": background})
-    return JSONResponse(out.response("in_progress", None) | {"background": background})
+        return JSONResponse(out.final)
+    return JSONResponse(out.response("in_progress", None))
 
 
 async def _from_log(st: ApiState, response_id: str, rec: dict[str, str],
@@ -439,7 +440,7 @@ async def cancel_response(response_id: str, request: Request) -> Response:
     pipe.publish(CANCEL_CHANNEL, log_id)
     await pipe.execute()
     out = _rebuilt(st, response_id, rec)
-    return JSONResponse(out.response("cancelled", None) | {"background": True})
+    return JSONResponse(out.response("cancelled", None))
 
 
 async def _collect(st: ApiState, run: RunningRequest, out: _Output, started: float) -> Response:
@@ -466,8 +467,7 @@ async def delete_response(response_id: str, request: Request) -> Response:
     """Forget a response (a background one still running runs on, unrecorded)."""
     st = api_state(request)
     if not response_id.startswith("resp_") or not await st.responses.delete(response_id):
-        raise OpenAIError(404, f"No response found with id '{response_id}'.",
-                          "invalid_request_error", "response_id", "not_found")  # fmt: skip
+        raise _not_found(response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
@@ -483,8 +483,7 @@ async def list_input_items(response_id: str, request: Request, after: str | None
         raise bad_request("order must be 'asc' or 'desc'", "order")
     turn = await st.responses.turn(response_id) if response_id.startswith("resp_") else None
     if turn is None:
-        raise OpenAIError(404, f"No stored response found with id '{response_id}'.",
-                          "invalid_request_error", "response_id", "not_found")  # fmt: skip
+        raise _not_found(response_id, "stored response")
     listed = [_listed(item) for item in turn.input]
     items = listed if order == "asc" else listed[::-1]
     if after is not None:

@@ -62,6 +62,14 @@ class Turn:
     def items(self) -> list[dict]:
         return [*self.input, *self.output]
 
+    def encode(self) -> str:
+        return json.dumps({"input": self.input, "output": self.output})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Turn:
+        t = json.loads(raw)
+        return cls(t["input"], t["output"])
+
 
 class ChainBroken(Exception):
     """A response of the chain is not stored (never was, expired or was deleted)."""
@@ -85,15 +93,14 @@ class ResponseStore:
         reply = await self._chain(args=[response_key(""), response_id, self.ttl_s, MAX_TURNS])
         if int(reply[0]) != 1:
             raise ChainBroken(as_str(reply[1]))
-        turns = [json.loads(raw) for raw in reversed(reply[1:])]
-        return [Turn(t["input"], t["output"]) for t in turns]
+        return [Turn.decode(raw) for raw in reversed(reply[1:])]
 
     async def save(self, response_id: str, turn: Turn, previous: str | None,
                    final: dict[str, Any], extra: dict[str, str] | None = None) -> None:  # fmt: skip
         """Store a response that ended: its turn, the one it continued and its final
         Response (what ``GET /v1/responses/{id}`` answers), with any ``extra`` fields."""
         key = response_key(response_id)
-        fields: dict[Any, Any] = {"turn": json.dumps({"input": turn.input, "output": turn.output}),
+        fields: dict[Any, Any] = {"turn": turn.encode(),
                   "previous": previous or "", "final": json.dumps(final),
                   **(extra or {})}  # fmt: skip
         pipe = self._r.pipeline(transaction=False)
@@ -104,10 +111,7 @@ class ResponseStore:
     async def turn(self, response_id: str) -> Turn | None:
         """A stored response's own turn; ``None`` if it is not stored."""
         raw = await self._r.hget(response_key(response_id), "turn")
-        if raw is None:
-            return None
-        t = json.loads(raw)
-        return Turn(t["input"], t["output"])
+        return None if raw is None else Turn.decode(raw)
 
     async def delete(self, response_id: str) -> bool:
         """Forget a response (its record, stored or not); whether there was one."""
