@@ -29,6 +29,7 @@ from fastapi import FastAPI
 from api import (
     routes_batches,
     routes_embeddings,
+    routes_models,
     routes_openai,
     routes_ops,
     routes_responses,
@@ -47,6 +48,7 @@ from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
 from api.tool_parsers import parser_for_template
+from cluster.lora import LoraRegistry
 from cluster.response_store import ResponseStore
 from cluster.traffic import flush_loop
 from tasks.app import configure as configure_celery
@@ -94,6 +96,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.runner = await Runner(s, st.redis, st.hub, metrics).open()
         st.tenants = TenantBudget(st.redis, s.admission.tenant_tokens_per_min, metrics)
         st.responses = ResponseStore(st.redis, s.api.responses_store_ttl_s)
+        st.loras = LoraRegistry(st.redis)
+        static = await routes_models.register_static(st)
         st.created = int(time.time())
         freeze_startup_heap("api")  # no full collection pauses every stream later
         trimmer = asyncio.get_running_loop().create_task(_trim_when_idle(metrics))
@@ -101,6 +105,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         flusher = asyncio.get_running_loop().create_task(flush_loop(metrics.traffic, st.redis))
         log.info("api up: model %s, mode %s, redis %s, fast path %s", s.model_name, s.mode,
                  s.redis_url_for_logs, "on" if s.broker_fastpath else "off")  # fmt: skip
+        if static:
+            log.info("LoRA adapters: %s", ", ".join(f"{r.name}={r.path}" for r in static))
         try:
             yield
         finally:
@@ -126,6 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keys = s.api.api_key_list
     if keys:  # outermost: an unauthenticated request is answered before anything reads it
         app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api.api_keys_protect_ops)
+    app.include_router(routes_models.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_embeddings.router)

@@ -72,7 +72,7 @@ class EmbeddingRequest(BaseModel):
 async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    check_model(st, req.model)
+    await check_model(st, req.model, adapters=False)
     pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
     inputs = embedding_inputs(req, st.builder)
     rid, vectors = await embed(st, request, inputs, pooling, started, req.worker_id, "embd")

@@ -1,5 +1,5 @@
-"""The OpenAI-compatible endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``
-(stream and non-stream) and ``GET /v1/models``.
+"""The OpenAI-compatible endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions``
+(stream and non-stream); ``/v1/models`` is :mod:`api.routes_models`'s.
 
 A handler validates the body, builds the prompt (chat template, tokenizer, image
 placeholders), checks it against the context window, has the media guard fetch and check
@@ -40,34 +40,18 @@ from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
+from cluster.lora import LoraRef
 from kvbm.protocol import Sampling, TokenFrame, choice_request_id, choice_stream_id
 
 router = APIRouter()
 log = logging.getLogger(__name__)
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> dict:
-    st = api_state(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": st.settings.model_name,
-                "object": "model",
-                "created": st.created,
-                "owned_by": "conveyor",
-                "max_model_len": st.builder.max_model_len,
-            }
-        ],
-    }
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    check_model(st, req.model)
+    lora = await check_model(st, req.model)
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
     prompt = chat_prompt(st, req)
@@ -76,21 +60,22 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     if (resumed := _last_event_id(st, request)) is not None:
         return await resume(st, req, prompt, max_tokens, "chat", started, "messages", resumed,
                             plan)  # fmt: skip
-    return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages", plan)
+    return await _serve(st, req, request, prompt, max_tokens, "chat", started, "messages", plan,
+                        lora)  # fmt: skip
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    check_model(st, req.model)
+    lora = await check_model(st, req.model)
     unsupported(req)
     prompt = Prompt(st.builder.completion_ids(req.prompt))
     if (resumed := _last_event_id(st, request)) is not None:
         return await resume(st, req, prompt, req.max_tokens, "completion", started, "prompt",
                             resumed)  # fmt: skip
     return await _serve(st, req, request, prompt, req.max_tokens, "completion", started,
-                        "prompt")  # fmt: skip
+                        "prompt", lora=lora)  # fmt: skip
 
 
 def _last_event_id(st: ApiState, request: Request) -> str | None:
@@ -117,10 +102,11 @@ async def _serve(
     started: float,
     prompt_param: str,
     plan: ToolPlan | None = None,
+    lora: LoraRef | None = None,
 ) -> Response:
     rid, runs, sampling = await start(st, req, request, prompt, max_tokens, kind, started,
-                                      prompt_param, plan)  # fmt: skip
-    fmt = Formatter(kind, rid, st.settings.model_name)
+                                      prompt_param, plan, lora)  # fmt: skip
+    fmt = Formatter(kind, rid, req.model)  # the base model or the adapter it named
     # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
     # text alone, the plain per-token path)
     tools = [tool_output(plan) for _ in runs]
@@ -155,11 +141,12 @@ async def start(
     started: float,
     prompt_param: str,
     plan: ToolPlan | None = None,
+    lora: LoraRef | None = None,
 ) -> tuple[str, list[RunningRequest], Sampling]:
     """Check the request against the model, resolve its sampling (with its tool choice's
     constraint), store its images and start it: routed, sent, its first frame in. Returns
     the request's id, its runs (one, or one per choice, ``n > 1``; a run's stream id may be
-    a retry's) and its sampling."""
+    a retry's) and its sampling. ``lora``: the adapter its model names (check_model)."""
     prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
     max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
     if req.min_tokens > max_tokens:
@@ -181,7 +168,7 @@ async def start(
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
         runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images,
-                                     priority=req.priority)  # fmt: skip
+                                     priority=req.priority, lora=lora)  # fmt: skip
     except BaseException:
         st.metrics.in_flight.dec()
         raise
@@ -308,7 +295,7 @@ async def resume(
     max_tokens = st.builder.check_length(len(prompt.token_ids), max_tokens, prompt_param)
     sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
     rid = log_id.split(".", 1)[0]  # the client's id (a retry's stream: <id>.r1)
-    fmt = Formatter(kind, rid, st.settings.model_name)
+    fmt = Formatter(kind, rid, req.model)  # the base model or the adapter it named
     readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s) for x in logs]
     log.info("[%s] resumed after event %s", log_id, seqs)
     st.metrics.in_flight.inc()

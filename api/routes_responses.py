@@ -79,7 +79,7 @@ BACKGROUND_TTL_S = 24 * 3600  # a background response's record, from its start
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    check_model(st, body.model)
+    lora = await check_model(st, body.model)
     if body.background and not st.settings.api.resumable_streams:
         raise bad_request("background responses need the frame log: set "
                           "CONVEYOR_RESUMABLE_STREAMS=true", "background",
@@ -92,7 +92,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if st.settings.api.resumable_streams and (last := request.headers.get("last-event-id")):
         return await _resume(st, body, last)
     rid, (run,), _ = await start(  # the Responses API has no n: one run
-        st, req, request, prompt, req.max_tokens, "response", started, "input", plan
+        st, req, request, prompt, req.max_tokens, "response", started, "input", plan, lora
     )
     out = _Output(st, body, rid, plan.parser() if plan is not None else None)
     if body.background:
@@ -141,7 +141,7 @@ class _Output:
     ) -> None:
         self.body = body
         self.id = "resp_" + rid.split("-", 1)[1]
-        self.model = st.settings.model_name
+        self.model = body.model  # the base model or the LoRA adapter it named
         self.created = created_now()
         self.parser = parser
         self.items = OutputItems(self.id.removeprefix("resp_"))

@@ -120,7 +120,7 @@ async def _scores(st: ApiState, request: Request, body: _Scoring, queries: list[
     ``/v1/embeddings`` does, then cut to ``max_tokens_per_query`` / ``_doc``) and score
     each pair: the request id, the scores in pair order and the prompt tokens."""
     if body.model is not None:
-        check_model(st, body.model)
+        await check_model(st, body.model, adapters=False)
 
     def ids(texts: list[str], cap: int) -> list[list[int]]:
         req = EmbeddingRequest(model=st.settings.model_name, input=texts,

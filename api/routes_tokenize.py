@@ -47,7 +47,7 @@ class DetokenizeRequest(BaseModel):
 
 @router.post("/tokenize")
 async def tokenize(req: TokenizeRequest, request: Request) -> dict:
-    b = _builder(request, req.model)
+    b = await _builder(request, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt", "invalid_value")
     if req.messages is not None:
@@ -65,7 +65,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
 
 @router.post("/detokenize")
 async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
-    b = _builder(request, req.model)
+    b = await _builder(request, req.model)
     bad = [t for t in req.tokens if t >= b.vocab_size]
     if bad:
         raise bad_request(f"token id {bad[0]} is out of vocabulary [0, {b.vocab_size})",
@@ -73,9 +73,10 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     return {"prompt": b.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
 
-def _builder(request: Request, model: str | None) -> PromptBuilder:
-    """The API's tokenizer and template, once ``model`` (if given) is the served one."""
+async def _builder(request: Request, model: str | None) -> PromptBuilder:
+    """The API's tokenizer and template, once ``model`` (if given) is served: the base
+    model or one of its LoRA adapters (which tokenize as their base model does)."""
     st = api_state(request)
     if model is not None:
-        check_model(st, model)
+        await check_model(st, model)
     return st.builder

@@ -33,6 +33,7 @@ from api.metrics import ApiMetrics
 from api.resp import RespConnection
 from api.resume import moved_commands
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
+from cluster.lora import LoraRef
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     REQUEST_ERROR_CODES,
@@ -183,7 +184,7 @@ class Runner:
     async def start(
         self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         pin: str | None = None, images: list[ImageRef] | None = None,
-        pooling: Pooling | None = None, priority: int = 0,
+        pooling: Pooling | None = None, priority: int = 0, lora: LoraRef | None = None,
     ) -> list[RunningRequest]:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
         request that cannot run gets a proper HTTP status, not a broken stream). The
@@ -200,19 +201,20 @@ class Runner:
         ``pooling``: an embedding request (one ``embed`` task; its first frame is its last
         and carries the vector), routed by load alone (the engine neither reads nor fills
         its prefix cache for it). ``priority``: vLLM's (lower first), in the admission wait
-        and the engine's waiting queue."""
+        and the engine's waiting queue. ``lora``: the adapter it runs through (its blocks
+        are named in the adapter's namespace, here and in the engine)."""
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
             raise OpenAIError(503, "Redis is not answering (token streams are down)",
                               "server_error", None, "redis_unavailable")  # fmt: skip
         attempts = self.s.api.dispatch_attempts
         images = images or []
-        route_req = self.route_request(prompt_ids, images, pin) if pooling is None \
+        route_req = self.route_request(prompt_ids, images, pin, lora) if pooling is None \
             else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
         route_req.choices = sampling.n
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
             runs = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
-                                        images, pooling, priority)  # fmt: skip
+                                        images, pooling, priority, lora)  # fmt: skip
             try:
                 for run in runs:
                     run.first_frame = await self._next(run)
@@ -240,19 +242,22 @@ class Runner:
                           "server_error", None, "worker_lost")  # fmt: skip
 
     def route_request(
-        self, prompt_ids: list[int], images: list[ImageRef], pin: str | None = None
-    ) -> RouteRequest:
+        self, prompt_ids: list[int], images: list[ImageRef], pin: str | None = None,
+        lora: LoraRef | None = None,
+    ) -> RouteRequest:  # fmt: skip
         """What the router scores: the prompt's block hashes as the workers' block pools
-        name them (the model's namespace; an image's key in the blocks it covers)."""
+        name them (the model's namespace, or its LoRA adapter's; an image's key in the
+        blocks it covers)."""
         bs = self.s.engine.block_size
         extra = request_extra_keys(images, len(prompt_ids), bs) if images else None
-        return RouteRequest(block_hashes(prompt_ids, bs, self._namespace, extra),
+        ns = self._namespace if lora is None else model_namespace(self.s.model_name, lora.name)
+        return RouteRequest(block_hashes(prompt_ids, bs, ns, extra),
                             len(prompt_ids), pin, images=len(images))  # fmt: skip
 
     async def _dispatch(
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         route_req: RouteRequest, images: list[ImageRef] | None = None,
-        pooling: Pooling | None = None, priority: int = 0,
+        pooling: Pooling | None = None, priority: int = 0, lora: LoraRef | None = None,
     ) -> list[RunningRequest]:  # fmt: skip
         planner = plan if pooling is None else plan_pooling
         try:
@@ -304,6 +309,7 @@ class Runner:
             images=images or [],
             pooling=pooling,
             priority=priority,
+            lora=lora,
         )
         runs = []
         group = ChoiceGroup(stream_id, sampling.n) if sampling.n > 1 else None
@@ -430,7 +436,8 @@ class Runner:
             base, run.group = choice_stream_id(base, run.choice), None
         stream_id = f"{base}.m{run.migrations}"
         prompt = run.payload.prompt_token_ids
-        route_req = self.route_request(prompt + run.output_ids, run.payload.images)
+        route_req = self.route_request(prompt + run.output_ids, run.payload.images,
+                                       lora=run.payload.lora)  # fmt: skip
         route_req.exclude = {dead.worker_id}
         route_req.admitted = True  # accepted already: the worker cap does not refuse it
         try:

@@ -16,6 +16,7 @@ from api.runner import Runner
 from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
+from cluster.lora import LoraRef, LoraRegistry
 from cluster.response_store import ResponseStore
 from tasks.settings import Settings
 
@@ -33,6 +34,7 @@ class ApiState:
     runner: Runner = field(init=False)
     tenants: TenantBudget = field(init=False)
     responses: ResponseStore = field(init=False)  # stored responses (the Responses API)
+    loras: LoraRegistry = field(init=False)  # the LoRA adapters served (their registry)
     created: int = 0  # when the API started serving (the model's ``created``)
     tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
     strings: TokenStrings = field(init=False)  # token ids as logprobs show them
@@ -45,9 +47,21 @@ def api_state(request: Request) -> ApiState:
     return request.app.state.conveyor
 
 
-def check_model(st: ApiState, name: str) -> None:
-    """A 404 unless ``name`` is the served model (OpenAI's ``model_not_found``)."""
+async def check_model(st: ApiState, name: str, adapters: bool = True) -> LoraRef | None:
+    """What ``name`` serves: the base model (None) or a registered LoRA adapter (its ref;
+    one Redis read, for adapter names only). A 404 for any other name (OpenAI's
+    ``model_not_found``); a 400 for an adapter where only the base model serves
+    (``adapters`` False: embeddings and scores)."""
     served = st.settings.model_name
-    if name != served:
-        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}`.",
-                          "invalid_request_error", "model", "model_not_found")  # fmt: skip
+    if name == served:
+        return None
+    lora = await st.loras.get(name) if name else None
+    if lora is None:
+        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}` "
+                          "and the LoRA adapters /v1/models lists.", "invalid_request_error",
+                          "model", "model_not_found")  # fmt: skip
+    if not adapters:
+        raise OpenAIError(400, f"`{name}` is a LoRA adapter; it serves chat, completions and "
+                          f"responses. This endpoint runs the base model `{served}`.",
+                          "invalid_request_error", "model", "unsupported_model")  # fmt: skip
+    return lora

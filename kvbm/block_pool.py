@@ -263,7 +263,8 @@ class BlockPool:
 class _Table:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # of the first len(hashes) blocks
-    extra_keys: list[ExtraKeys] | None = None  # per block (images, adapters), if any
+    extra_keys: list[ExtraKeys] | None = None  # per block (images), if any
+    namespace: int = 0  # what names its blocks apart: the model's, or a LoRA adapter's
 
 
 class KVCacheManager:
@@ -297,43 +298,50 @@ class KVCacheManager:
         return self.blocks_needed(num_tokens) - have <= self.pool.num_free
 
     def find_prefix(
-        self, seq_id: str, token_ids: list[int], extra_keys: list[ExtraKeys] | None = None
-    ) -> int:
+        self, seq_id: str, token_ids: list[int], extra_keys: list[ExtraKeys] | None = None,
+        namespace: int | None = None,
+    ) -> int:  # fmt: skip
         """Start ``seq_id`` on the cached blocks of its longest cached prefix; returns the
         number of tokens they cover (0 without a hit). At least one token is always left
         to compute, since the step that computes it also yields the next token.
         ``extra_keys``: per block, what else its content depends on (an image's hash);
-        they name the sequence's blocks from now on."""
-        return self.match_prefix(seq_id, token_ids, extra_keys).tokens
+        they name the sequence's blocks from now on, in ``namespace`` (default: the
+        pool's; a LoRA adapter's request has its own: kvbm.protocol.model_namespace)."""
+        return self.match_prefix(seq_id, token_ids, extra_keys, namespace).tokens
 
     def match_prefix(
-        self, seq_id: str, token_ids: list[int], extra_keys: list[ExtraKeys] | None = None
-    ) -> PrefixMatch:
+        self, seq_id: str, token_ids: list[int], extra_keys: list[ExtraKeys] | None = None,
+        namespace: int | None = None,
+    ) -> PrefixMatch:  # fmt: skip
         """:meth:`find_prefix`, also returning the hashes of every full block of
         ``token_ids`` (where a lower tier may continue the match)."""
         assert seq_id not in self._tables, f"{seq_id} already has blocks"
         if not self.caching:
             return PrefixMatch(0, [])
-        hashes = block_hashes(token_ids, self.block_size, self.namespace, extra_keys)
+        ns = self.namespace if namespace is None else namespace
+        hashes = block_hashes(token_ids, self.block_size, ns, extra_keys)
         hits = self.pool.lookup(hashes)
         if hits and len(hits) * self.block_size >= len(token_ids):
             hits = hits[:-1]
         if not hits:
-            self._tables[seq_id] = _Table(extra_keys=extra_keys)
+            self._tables[seq_id] = _Table(extra_keys=extra_keys, namespace=ns)
             return PrefixMatch(0, hashes)
         self.pool.incref(hits)
-        self._tables[seq_id] = _Table(list(hits), hashes[: len(hits)], extra_keys)
+        self._tables[seq_id] = _Table(list(hits), hashes[: len(hits)], extra_keys, ns)
         return PrefixMatch(len(hits) * self.block_size, hashes)
 
     def allocate_slots(
-        self, seq_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None
-    ) -> Allocation | None:
+        self, seq_id: str, num_tokens: int, extra_keys: list[ExtraKeys] | None = None,
+        namespace: int | None = None,
+    ) -> Allocation | None:  # fmt: skip
         """Make ``seq_id``'s table cover ``num_tokens`` tokens. ``None``: not enough room
-        (nothing is allocated in that case). ``extra_keys`` name the blocks of a new table
-        (a sequence whose KV is imported, not found by :meth:`find_prefix`)."""
+        (nothing is allocated in that case). ``extra_keys`` and ``namespace`` name the
+        blocks of a new table (a sequence whose KV is imported, not found by
+        :meth:`find_prefix`)."""
         table = self._tables.get(seq_id)
         if table is None:
-            table = self._tables[seq_id] = _Table(extra_keys=extra_keys)
+            ns = self.namespace if namespace is None else namespace
+            table = self._tables[seq_id] = _Table(extra_keys=extra_keys, namespace=ns)
         extra = self.blocks_needed(num_tokens) - len(table.block_ids)
         if extra > 0:
             new = self.pool.allocate(extra)
@@ -356,7 +364,7 @@ class KVCacheManager:
             return done
         parent = table.hashes[-1] if table.hashes else ROOT_PARENT
         new = block_hashes(token_ids[: full * self.block_size], self.block_size,
-                           self.namespace, table.extra_keys, start=done,
+                           table.namespace, table.extra_keys, start=done,
                            parent=parent)  # fmt: skip
         for i, h in enumerate(new, start=done):
             self.pool.cache(table.block_ids[i], h, parent)
@@ -377,7 +385,8 @@ class KVCacheManager:
         new = self.pool.allocate(1) if partial else []
         assert new is not None, "forked without a free block for the partial last one"
         self.pool.incref(shared)
-        self._tables[child_id] = _Table(shared + new, src.hashes[:full], src.extra_keys)
+        self._tables[child_id] = _Table(shared + new, src.hashes[:full], src.extra_keys,
+                                        src.namespace)  # fmt: skip
         return (src.block_ids[full], new[0]) if partial else None
 
     def fork_blocks(self, num_tokens: int) -> int:

@@ -40,6 +40,7 @@ import xxhash
 from pydantic import BaseModel, Field, model_validator
 
 from cluster.keys import KEY_PREFIX
+from cluster.lora import LoraRef
 
 # ======================================================================================
 # Redis keys and channels of the data plane (the cluster's own: cluster.keys)
@@ -113,9 +114,9 @@ def media_key(image_hash: str) -> str:
 # ======================================================================================
 # Block hashing
 # ======================================================================================
-# The hash of block i covers (the hash of block i-1, the token ids of block i, a namespace
-# such as the model, and the extra keys of block i: the content hash of an image whose
-# placeholder tokens fall in it, a LoRA name), so equal hashes mean equal prefixes. It is
+# The hash of block i covers (the hash of block i-1, the token ids of block i, a namespace:
+# the model, and a LoRA adapter's name, and the extra keys of block i: the content hash of
+# an image whose placeholder tokens fall in it), so equal hashes mean equal prefixes. It is
 # xxh3-64 with a fixed seed over a canonical byte encoding: the same value in the API and
 # in every worker, on every machine (never Python's salted ``hash``). Only full blocks
 # are hashed; a partial last block has no identity yet.
@@ -131,9 +132,13 @@ def namespace_hash(*parts: str) -> int:
     return xxhash.xxh3_64_intdigest("\x1f".join(parts).encode(), seed=HASH_SEED)
 
 
-def model_namespace(model_name: str) -> int:
+def model_namespace(model_name: str, lora_name: str | None = None) -> int:
     """The namespace of a served model's blocks: the API's router and every worker's block
-    pool call this with the served model name (0 for none)."""
+    pool call this with the served model name (0 for none) and, for a request through a
+    LoRA adapter, the adapter's name: its KV differs from the base model's for the same
+    tokens, so its blocks are named apart (a prefix is shared only under one adapter)."""
+    if lora_name:
+        return namespace_hash(model_name, "lora", lora_name)
     return namespace_hash(model_name) if model_name else 0
 
 
@@ -242,7 +247,7 @@ class Usage:
 # Error codes of a request the engine refuses as it stands (the caller's to fix): their
 # frames say ``invalid_request_error`` and the API answers 400, naming ``param``
 REQUEST_ERROR_CODES = frozenset({"invalid_sampling_params", "unsupported_parameter",
-                                 "invalid_structured_output"})  # fmt: skip
+                                 "invalid_structured_output", "invalid_lora_adapter"})  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -525,6 +530,8 @@ class StagePayload(BaseModel):
     resume: Resume | None = None  # a migrated stream: what the client already has
     pooling: Pooling | None = None  # an embedding request: pool the prompt, sample nothing
     priority: int = 0  # vLLM's: lower values are served first
+    # the LoRA adapter the request names as its model, if any (cluster.lora.LoraRef)
+    lora: LoraRef | None = None
 
     @property
     def stream_ids(self) -> list[str]:

@@ -165,6 +165,18 @@ class ApiSettings(_Area):
         description="How long a stored response is kept in Redis; a conversation continued "
         "with previous_response_id renews every turn it reads.",
     )
+    lora_modules: str | None = Field(
+        None,
+        description="LoRA adapters served from the start, each a model clients may name: "
+        "'name=/path/to/peft/dir' pairs separated by commas (vllm serve --lora-modules), "
+        'or a JSON list of {"name", "path"}. Every worker must see the paths.',
+    )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters added or removed at runtime, for every "
+        "API replica at once.",
+    )
     migration_limit: int = Field(
         3,
         ge=0,
@@ -394,6 +406,15 @@ class EngineSettings(_Area):
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse cached KV blocks of shared prompt prefixes (by block hash)."
+    )
+    max_loras: int = Field(
+        8,
+        ge=1,
+        description="LoRA adapters a worker keeps loaded (least recently used goes first; "
+        "one in use stays). A batch may mix any of them with the base model.",
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, description="The highest LoRA rank served (vLLM's --max-lora-rank)."
     )
     kv_pin_timeout_s: float = Field(
         60.0, gt=0, description="Prefilled KV no decode worker pulled is freed after this."

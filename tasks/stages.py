@@ -167,7 +167,8 @@ def _pick_prefill(req: StagePayload, exclude: str) -> str | None:
     from tasks.settings import get_settings
 
     s = get_settings()
-    hashes = block_hashes(req.prompt_token_ids, s.engine.block_size, model_namespace(req.model))
+    ns = model_namespace(req.model, req.lora.name if req.lora is not None else None)
+    hashes = block_hashes(req.prompt_token_ids, s.engine.block_size, ns)
 
     async def pick() -> str | None:
         client = aioredis.Redis.from_url(s.effective_redis_url)

@@ -120,14 +120,14 @@ def load_text_weights(
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open has no __iter__
-                plain = _plain_name(name)
+                plain = plain_name(name)
                 if plain is None:
                     continue
                 out[plain] = fh.get_tensor(name).to(device=device, dtype=dtype)
     return out
 
 
-def _plain_name(name: str) -> str | None:
+def plain_name(name: str) -> str | None:
     for old, new in _TEXT_PREFIXES:
         if name.startswith(old):
             return new + name[len(old) :]

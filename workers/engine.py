@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from cluster.lora import LoraError
 from kvbm.protocol import Sampling
 from workers import paged_kernel
 from workers.checkpoint import TextModelConfig, load_text_weights
@@ -35,6 +36,7 @@ from workers.kv_copier import TorchBlockCopier
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
 from workers.logits import process
 from workers.logprobs import prompt_rows, record_prompt, take_prompt, token_logprobs
+from workers.lora import LoraCache, LoraStep, LoraWeights
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
 from workers.pooler import TorchPooler
 from workers.pooling import PoolingConfig, PoolingUnavailable, load_pooling_config
@@ -65,6 +67,7 @@ class Engine(EngineCore):
         super().__init__(tokenizer, config, config.max_model_len or cfg.max_position_embeddings,
                          cfg.eos_token_ids)  # fmt: skip
         self.model = model
+        self.loras = LoraCache(model.w, config.max_loras, config.max_lora_rank)
         self.kv = PagedKVCache(cfg, config.num_kv_blocks, config.block_size, model.dtype,
                                str(model.device))  # fmt: skip
         self.decode_kernel = _decode_kernel(config.decode_attention, config.kernel_dir, model)
@@ -110,6 +113,14 @@ class Engine(EngineCore):
         return TorchPooler(self.model, self.pooling, self.config.block_size, self.max_model_len)
 
     def add_request(self, req: EngineRequest) -> RequestOutput | None:
+        if req.lora is not None:  # loaded now: one that cannot be fails the request alone
+            try:
+                self.loras.get(req.lora)
+            except (LoraError, OSError) as e:
+                log.warning("[%s] LoRA adapter %r: %s", req.request_id, req.lora.name, e)
+                return failed(req.request_id, len(req.prompt_token_ids),
+                              f"LoRA adapter {req.lora.name!r} could not be loaded: {e}",
+                              "invalid_lora_adapter", "model")  # fmt: skip
         if req.mm_inputs:
             why = self._check_mm(req)
             if why is not None:
@@ -122,6 +133,9 @@ class Engine(EngineCore):
                 mm.append(MMInput(m.offset, emb.to(device=dev, dtype=dtype).contiguous()))
             req = dataclasses.replace(req, mm_inputs=mm)
         return super().add_request(req)
+
+    def _adapter(self, req: EngineRequest) -> LoraWeights | None:
+        return None if req.lora is None else self.loras.get(req.lora)
 
     def _make_generator(self, params: Sampling) -> torch.Generator | None:
         return None if params.greedy else make_generator(params.seed)
@@ -204,10 +218,14 @@ class Engine(EngineCore):
         logits_index: list[int] = []
         mm_rows: list[int] = []  # rows of the step that take image embeddings ...
         mm_embeds: list[torch.Tensor] = []  # ... and those embeddings, in row order
+        lora: LoraStep | None = None  # rows that run through an adapter, by adapter
         for seq, start, end in batch:
             n = end - start
             table = self.scheduler.block_table(seq.id)
             row = len(ids)
+            if seq.adapter is not None:
+                lora = lora or LoraStep()
+                lora.add(seq.adapter, range(row, row + n))  # type: ignore[arg-type]
             if seq.req.mm_inputs:
                 for mm in seq.req.mm_inputs:
                     emb: torch.Tensor = mm.embeds  # type: ignore[assignment]
@@ -251,6 +269,7 @@ class Engine(EngineCore):
             self.kv,
             torch.tensor(logits_index + (extra_rows or []), dtype=torch.long, device=dev),
             inputs_embeds=embeds,
+            lora=lora.finish(len(ids), dev) if lora is not None else None,
         )
 
     # ----------------------------------------------------------------------------------

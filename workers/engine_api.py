@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from cluster.lora import LoraRef
 from cluster.stats import EngineStats
 from kvbm.block_pool import KVEvent
 from kvbm.protocol import ExtraKeys, Sampling
@@ -99,6 +100,7 @@ class EngineRequest:
     # whose prompt it shares once computed (blocks, and the logits of its first token)
     fork_of: str | None = None
     priority: int = 0  # vLLM's: lower values are scheduled first (workers.scheduler)
+    lora: LoraRef | None = None  # the LoRA adapter it runs through (its blocks' namespace)
 
 
 @dataclass(slots=True)
@@ -199,6 +201,8 @@ class EngineConfig:
     device: str
     kv_pin_timeout_s: float  # pinned prefill blocks nobody pulled are freed after
     enable_prefix_caching: bool
+    max_loras: int  # LoRA adapters kept loaded (workers.lora.LoraCache)
+    max_lora_rank: int
     # while sequences decode, a new prompt waits until this many times the last prefill
     # step's duration has passed since it arrived (vLLM's scheduler_delay_factor)
     scheduler_delay_factor: float

@@ -97,6 +97,11 @@ class EngineCore:
         sequence (those whose computed tokens reach their end), in order."""
         raise NotImplementedError
 
+    def _adapter(self, req: EngineRequest) -> object | None:
+        """The weights of ``req``'s LoRA adapter, kept on its sequence while it runs
+        (None: no adapter, or the engine computes none)."""
+        return None
+
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy the KV of each ``(source, destination)`` block (a forked choice's partial
         last block: workers.scheduler.Scheduler.fork)."""
@@ -185,6 +190,7 @@ class EngineCore:
                                        req.params.include_stop_str_in_output)  # fmt: skip
         seq = Seq(req, detok, self._make_generator(req.params), list(req.prompt_token_ids), n)
         seq.constraint = constraint
+        seq.adapter = self._adapter(req)
         if req.fork_of is not None and self.scheduler.park(seq, req.fork_of):
             return None  # starts when its first choice has computed the prompt
         if req.imported is not None:

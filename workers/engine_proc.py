@@ -442,7 +442,8 @@ def engine_request(cmd: Generate | Prefill | Decode, **extra: object) -> EngineR
     return EngineRequest(p.request_id, p.prompt_token_ids, p.sampling,
                          prefill_only=isinstance(cmd, Prefill),
                          forced_first_token=p.forced_first_token, resumed=resumed,
-                         priority=p.priority, **extra)  # type: ignore[arg-type]  # fmt: skip
+                         priority=p.priority, lora=p.lora,
+                         **extra)  # type: ignore[arg-type]  # fmt: skip
 
 
 def _is_multimodal(model_dir: str) -> bool:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from workers.checkpoint import TextModelConfig
+from workers.lora import LoraGroups
+from workers.lora import apply as apply_lora
 from workers.paged_kernel import PagedDecodeKernel
 
 
@@ -167,11 +169,14 @@ class LlamaModel:
         kv: PagedKVCache,
         logits_index: torch.Tensor,  # [S] indices into T whose logits are wanted
         inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: rows used instead of ids
+        lora: LoraGroups | None = None,  # rows that run through LoRA adapters
     ) -> torch.Tensor:
         """Run one step; returns float32 logits ``[len(logits_index), vocab]``. With
         ``inputs_embeds`` (:meth:`embed` of the ids, some rows replaced by an image's
-        embeddings) the layers read those rows and ``input_ids`` is not looked up."""
-        h = self.hidden_states(input_ids, positions, attn, kv, logits_index, inputs_embeds)
+        embeddings) the layers read those rows and ``input_ids`` is not looked up. With
+        ``lora`` each adapter's update joins the projections of its rows."""
+        h = self.hidden_states(input_ids, positions, attn, kv, logits_index, inputs_embeds,
+                               lora)  # fmt: skip
         return F.linear(h, self.w["lm_head.weight"]).float()
 
     @torch.inference_mode()
@@ -183,6 +188,7 @@ class LlamaModel:
         kv: PagedKVCache,
         rows: torch.Tensor,  # [S] indices into T whose hidden states are wanted
         inputs_embeds: torch.Tensor | None = None,
+        lora: LoraGroups | None = None,
     ) -> torch.Tensor:
         """Run one step; returns the last layer's hidden states of ``rows`` after the final
         norm ``[S, hidden]`` (what the LM head reads, and what embeddings pool)."""
@@ -192,10 +198,10 @@ class LlamaModel:
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
             x = _rms_norm(h, w[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-            attn_out = self._attention(x, p, layer, cos, sin, attn, kv)
+            attn_out = self._attention(x, p, layer, cos, sin, attn, kv, lora)
             h = h + attn_out
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            h = h + self._mlp(x, p)
+            h = h + self._mlp(x, p, lora)
         return _rms_norm(h[rows], w["model.norm.weight"], cfg.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -203,13 +209,14 @@ class LlamaModel:
         return self.w["model.embed_tokens.weight"][input_ids]
 
     # ----------------------------------------------------------------------------------
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+    def _linear(self, x: torch.Tensor, name: str, lora: LoraGroups | None = None) -> torch.Tensor:
+        y = F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+        return y if not lora else apply_lora(y, x, name, lora)
 
-    def _mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        gate = self._linear(x, p + "mlp.gate_proj")
-        up = self._linear(x, p + "mlp.up_proj")
-        return self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+    def _mlp(self, x: torch.Tensor, p: str, lora: LoraGroups | None = None) -> torch.Tensor:
+        gate = self._linear(x, p + "mlp.gate_proj", lora)
+        up = self._linear(x, p + "mlp.up_proj", lora)
+        return self._linear(F.silu(gate) * up, p + "mlp.down_proj", lora)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
@@ -225,13 +232,14 @@ class LlamaModel:
         sin: torch.Tensor,
         attn: AttentionMetadata,
         kv: PagedKVCache,
+        lora: LoraGroups | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q = self._linear(x, p + "self_attn.q_proj").view(t, nh, hd)
-        k = self._linear(x, p + "self_attn.k_proj").view(t, nkv, hd)
-        v = self._linear(x, p + "self_attn.v_proj").view(t, nkv, hd)
+        q = self._linear(x, p + "self_attn.q_proj", lora).view(t, nh, hd)
+        k = self._linear(x, p + "self_attn.k_proj", lora).view(t, nkv, hd)
+        v = self._linear(x, p + "self_attn.v_proj", lora).view(t, nkv, hd)
         q = _apply_rope(q, cos, sin)
         k = _apply_rope(k, cos, sin)
 
@@ -282,7 +290,7 @@ class LlamaModel:
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
             out[seg.start : seg.start + n] = o.transpose(0, 1)
-        return self._linear(out.reshape(t, -1), p + "self_attn.o_proj")
+        return self._linear(out.reshape(t, -1), p + "self_attn.o_proj", lora)
 
 
 # --------------------------------------------------------------------------------------

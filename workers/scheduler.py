@@ -82,6 +82,7 @@ class Seq:
     forks: list[Seq] = field(default_factory=list)
     constraint: Constraint | None = None  # a structured output's grammar state
     sampling: object | None = None  # the engine's per-request sampling state
+    adapter: object | None = None  # the engine's loaded LoRA adapter (req.lora's weights)
 
     @property
     def whole_prompt(self) -> bool:
@@ -453,9 +454,10 @@ class Scheduler:
         which it waits for in the loading state (True). ``None``: no room to onboard."""
         if seq.whole_prompt:  # its blocks are still named, for the requests after it
             seq.matched, seq.num_computed = True, 0
-            self.kv.allocate_slots(seq.id, 0, seq.req.block_extra_keys)
+            self.kv.allocate_slots(seq.id, 0, seq.req.block_extra_keys, self._namespace(seq))
             return False
-        m = self.kv.match_prefix(seq.id, seq.token_ids, seq.req.block_extra_keys)
+        m = self.kv.match_prefix(seq.id, seq.token_ids, seq.req.block_extra_keys,
+                                 self._namespace(seq))  # fmt: skip
         seq.matched = True
         seq.num_computed = m.tokens
         off = self.offload
@@ -481,6 +483,12 @@ class Scheduler:
         self._start_load(_Load(seq, job=job, base=m.tokens))
         return True
 
+    def _namespace(self, seq: Seq) -> int | None:
+        """The namespace ``seq``'s blocks are named in: its LoRA adapter's, else the
+        pool's (None)."""
+        lora = seq.req.lora
+        return None if lora is None else model_namespace(self.config.namespace, lora.name)
+
     def _commit_lookup(self, seq: Seq) -> None:
         """``seq`` is admitted (to run, or to load): its prefix lookup counts now, for the
         statistics (first admission only) and the tiers' recency and disk admission."""
@@ -495,7 +503,8 @@ class Scheduler:
     def _start_import(self, seq: Seq) -> bool:
         """A disaggregated decode: blocks for its prompt, filled by its KV source while it
         waits in the loading state. False: no room yet."""
-        alloc = self.kv.allocate_slots(seq.id, seq.num_prompt, seq.req.block_extra_keys)
+        alloc = self.kv.allocate_slots(seq.id, seq.num_prompt, seq.req.block_extra_keys,
+                                       self._namespace(seq))  # fmt: skip
         if alloc is None:
             return False
         seq.matched = True

@@ -48,6 +48,7 @@ worker_id worker_max_requests worker_nice worker_ttl_s workers
 """.split()
 # read outside Settings before (workers/paged_kernel.py), a setting now under its old name
 NEW_NAMES = [
+    "allow_runtime_lora_updating",
     "api_workers",
     "batch_api_url",
     "batch_lease_s",
@@ -58,6 +59,9 @@ NEW_NAMES = [
     "files_dir",
     "kernel_dir",
     "log_requests",
+    "lora_modules",
+    "max_lora_rank",
+    "max_loras",
     "planner",
     "planner_compose_project",
     "planner_compose_services",

@@ -1,0 +1,134 @@
+"""The models served: ``GET /v1/models`` (and one by id), and LoRA adapters added and
+removed at runtime (vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``).
+
+The base model is this deployment's checkpoint; each LoRA adapter is a model of its own
+whose ``parent`` is the base (as vLLM lists them). Adapters live in a Redis registry
+(:class:`cluster.lora.LoraRegistry`), so one loaded through any API replica is listed and
+served by all of them at once; the workers load an adapter's weights when a request first
+names it (``workers/lora.py``). The API checks an adapter's ``adapter_config.json`` before
+registering it, so a bad path or an unsupported adapter is a 400 here, not at its first
+request.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, ConfigDict
+
+from api.errors import OpenAIError, bad_request
+from api.state import ApiState, api_state
+from cluster.lora import LoraError, LoraRef, check_name, parse_lora_modules, read_adapter
+
+router = APIRouter()
+log = logging.getLogger(__name__)
+
+
+def _card(st: ApiState, lora: LoraRef | None = None) -> dict:
+    base = st.settings.model_name
+    card = {
+        "id": base if lora is None else lora.name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "conveyor",
+        "root": str(st.settings.model) if lora is None else lora.path,
+        "parent": None if lora is None else base,
+        "max_model_len": st.builder.max_model_len,
+    }
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    st = api_state(request)
+    adapters = await st.loras.all()
+    return {"object": "list", "data": [_card(st)] + [_card(st, a) for a in adapters]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict:
+    st = api_state(request)
+    if model == st.settings.model_name:
+        return _card(st)
+    lora = await st.loras.get(model)
+    if lora is None:
+        raise OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
+                          "model", "model_not_found")  # fmt: skip
+    return _card(st, lora)
+
+
+# --------------------------------------------------------------------------------------
+class LoadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # vLLM's: replace an adapter of that name
+
+
+class UnloadLoraRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; names are what Conveyor keys adapters by
+
+
+def checked(st: ApiState, name: str, path: str) -> LoraRef:
+    """``name`` and ``path`` as an adapter this deployment can serve (400 otherwise)."""
+    try:
+        check_name(name)
+    except LoraError as e:
+        raise bad_request(str(e), "lora_name", "invalid_value") from None
+    if name == st.settings.model_name:
+        raise bad_request(f"`{name}` is the base model's name", "lora_name", "invalid_value")
+    try:
+        read_adapter(path, st.settings.engine.max_lora_rank)
+    except LoraError as e:
+        raise bad_request(str(e), "lora_path", "invalid_lora_adapter") from None
+    return LoraRef(name=name, path=path)
+
+
+def _runtime_updates(st: ApiState) -> None:
+    if not st.settings.api.allow_runtime_lora_updating:
+        raise OpenAIError(404, "loading and unloading LoRA adapters at runtime is off; set "
+                          "CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING=true", "invalid_request_error",
+                          None, "not_found")  # fmt: skip
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraRequest, request: Request) -> PlainTextResponse:
+    st = api_state(request)
+    _runtime_updates(st)
+    ref = checked(st, body.lora_name, body.lora_path)
+    if not body.load_inplace and await st.loras.get(ref.name) is not None:
+        raise bad_request(f"The LoRA adapter `{ref.name}` is already loaded (load_inplace: "
+                          "true replaces it)", "lora_name", "already_exists")  # fmt: skip
+    await st.loras.add(ref)
+    log.info("LoRA adapter %r added from %s", ref.name, ref.path)
+    return PlainTextResponse(f"Success: LoRA adapter '{ref.name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraRequest, request: Request) -> PlainTextResponse:
+    st = api_state(request)
+    _runtime_updates(st)
+    if not await st.loras.remove(body.lora_name):
+        raise OpenAIError(404, f"The LoRA adapter `{body.lora_name}` cannot be found.",
+                          "invalid_request_error", "lora_name", "not_found")  # fmt: skip
+    log.info("LoRA adapter %r removed", body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+async def register_static(st: ApiState) -> list[LoraRef]:
+    """The adapters of the ``lora_modules`` setting, checked and registered (the API
+    refuses to start with one it cannot serve, as ``vllm serve`` does)."""
+    refs = parse_lora_modules(st.settings.api.lora_modules)
+    for ref in refs:
+        try:
+            checked(st, ref.name, ref.path)
+        except OpenAIError as e:
+            raise ValueError(f"lora_modules: adapter {ref.name!r}: {e.message}") from None
+        await st.loras.add(ref)
+    return refs
