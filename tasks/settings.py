@@ -1068,6 +1068,8 @@ def engine_config(s: Settings | None = None, **overrides: Any) -> EngineConfig:
         "disk_dir": str(kvbm.disk_dir),
         "disk_offload_filter": kvbm.disk_offload_filter,
     }
+    if s is not None:  # adapters are named at start or may be loaded at runtime
+        fields["enable_lora"] = bool(s.api.lora_modules) or s.api.allow_runtime_lora_updating
     return EngineConfig(**{**fields, **overrides})
 
 

@@ -214,6 +214,7 @@ class EngineConfig:
     disk_offload_filter: bool  # G3 admits a block once stored and hit twice
     # --- not settings: what the worker knows of its model and host ----------------------
     namespace: str = ""  # the served model name: kvbm.protocol.model_namespace of it
+    enable_lora: bool = False  # the deployment serves LoRA adapters (vLLM must be told)
     record_kv_events: bool = True  # queue stored/removed events for the router's index
     # KVBM tiers below the engine pool (kvbm.offload), sized from the KVBM area's GB and
     # the model's block bytes: 0 blocks = tier off

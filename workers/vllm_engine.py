@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from cluster.lora import LoraRef
 from cluster.stats import EngineStats, TransferTotals
 from kvbm.block_pool import KVEvent
 from kvbm.protocol import G1, LOGPROB_FLOOR, Pooling, StructuredOutput, model_namespace
@@ -93,6 +94,9 @@ def engine_args(
     ]
     if config.max_model_len:
         argv.append(f"--max-model-len={config.max_model_len}")
+    if config.enable_lora:  # the deployment serves LoRA adapters (lora_modules, runtime)
+        argv += ["--enable-lora", f"--max-loras={config.max_loras}",
+                 f"--max-lora-rank={config.max_lora_rank}"]  # fmt: skip
     if kv_role is not None and not any(a.startswith("--kv-transfer-config") for a in vllm_args):
         from vllm.platforms import current_platform
 
@@ -180,6 +184,10 @@ class VllmEngine:
         # image content hash -> its placeholder count, for the KV events' image keys; the
         # most recent IMAGE_NAMES only (an image older than that has left vLLM's cache)
         self._image_tokens: OrderedDict[str, int] = OrderedDict()
+        # LoRA adapters vLLM was handed: (name, path) -> its int id, and back to the name
+        # (vLLM's KV events name an adapter's blocks by the id)
+        self._lora_ids: dict[tuple[str, str], int] = {}
+        self._lora_names: dict[int, str] = {}
         self._sched = None  # the last SchedulerStats vLLM reported
         self._counts = EngineStats()
         # KV pulled by vLLM's connector (decode side), as the heartbeat's kv_transfer
@@ -213,7 +221,8 @@ class VllmEngine:
                          "topic": "kv"}  # fmt: skip
             self._translator = KVEventTranslator(config.block_size,
                                                  model_namespace(config.namespace),
-                                                 self._image_tokens.get)  # fmt: skip
+                                                 self._image_tokens.get,
+                                                 self._lora_namespace)  # fmt: skip
             # connected before vLLM binds (ipc allows it): no batch is missed at start
             self._reader = ZmqEventReader(self._kv_endpoint, self._kv_replay,
                                           self._on_vllm_events, topic="kv").start()  # fmt: skip
@@ -319,6 +328,13 @@ class VllmEngine:
             return failed(rid, n, "priority other than 0 needs vLLM's priority scheduling: "
                           "set CONVEYOR_VLLM__SCHEDULING_POLICY=priority on the workers",
                           "unsupported_parameter", "priority")  # fmt: skip
+        lora = None
+        if req.lora is not None:
+            if not self.llm.vllm_config.lora_config:
+                return failed(rid, n, "this worker's vLLM engine was started without LoRA "
+                              "(CONVEYOR_LORA_MODULES or CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING "
+                              "turn it on)", "unsupported_parameter", "model")  # fmt: skip
+            lora = self._lora_request(req.lora)
         st = _Req(n, req.prefill_only and req.params.max_tokens > 1)
         st.top_logprobs = req.params.logprobs
         st.top_prompt_logprobs = req.params.prompt_logprobs or 0
@@ -356,7 +372,7 @@ class VllmEngine:
         except (TypeError, ValueError) as e:
             return failed(rid, n, f"vLLM refused the request: {e}")
         self._reqs[rid] = st
-        st.future = self._call(self._run(rid, prompt, sp, req.priority))
+        st.future = self._call(self._run(rid, prompt, sp, req.priority, lora))
         return None
 
     def embed_prompt(self, request_id: str, token_ids: list[int],
@@ -621,9 +637,27 @@ class VllmEngine:
                 prompt["multi_modal_uuids"] = {"image": uuids}
         return prompt
 
-    async def _run(self, rid: str, prompt: dict, sp, priority: int = 0) -> None:
+    def _lora_namespace(self, lora_id: int) -> int | None:
+        """The namespace of the blocks of the adapter vLLM knows as ``lora_id``."""
+        name = self._lora_names.get(lora_id)
+        return None if name is None else model_namespace(self.config.namespace, name)
+
+    def _lora_request(self, ref: LoraRef):
+        """vLLM's ``LoRARequest`` for ``ref``: an int id per (name, path), kept, so vLLM
+        loads each adapter once and reloads one registered again from another path."""
+        from vllm.lora.request import LoRARequest
+
+        key = (ref.name, ref.path)
+        lid = self._lora_ids.get(key)
+        if lid is None:
+            lid = self._lora_ids[key] = len(self._lora_ids) + 1
+            self._lora_names[lid] = ref.name
+        return LoRARequest(lora_name=ref.name, lora_int_id=lid, lora_path=ref.path)
+
+    async def _run(self, rid: str, prompt: dict, sp, priority: int = 0, lora=None) -> None:
         try:
-            async for out in self.llm.generate(prompt, sp, rid, priority=priority):
+            async for out in self.llm.generate(prompt, sp, rid, priority=priority,
+                                               lora_request=lora):  # fmt: skip
                 self._push(rid, out)
         except asyncio.CancelledError:
             raise  # aborted here: generate() has told vLLM

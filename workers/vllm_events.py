@@ -56,17 +56,21 @@ class KVEventTranslator:
 
     ``image_tokens`` gives an image's placeholder count by its identifier (the content
     hash Conveyor hands vLLM as the image's uuid): the Conveyor blocks its span covers
-    carry :func:`kvbm.protocol.image_extra_key`, as in the API's router."""
+    carry :func:`kvbm.protocol.image_extra_key`, as in the API's router. ``lora_namespace``
+    gives the namespace of a LoRA adapter's blocks by vLLM's int id of the adapter (an
+    event's ``lora_id``), as :func:`kvbm.protocol.model_namespace` names them."""
 
     def __init__(
         self,
         block_size: int,
         namespace: int,
         image_tokens: Callable[[str], int | None] = lambda _: None,
+        lora_namespace: Callable[[int], int | None] = lambda _: None,
     ) -> None:
         self.block_size = block_size
         self.namespace = namespace
         self._image_tokens = image_tokens
+        self._lora_namespace = lora_namespace
         self._blocks: dict[object, _Block] = {}
         self._held: Counter[int] = Counter()  # Conveyor hash -> vLLM blocks naming it
         self.unmapped = 0  # stored blocks whose parent was unknown (an event was lost)
@@ -104,6 +108,14 @@ class KVEventTranslator:
             return []
         per = len(tokens) // len(hashes)
         extra = list(ev.extra_keys or [])
+        namespace = self.namespace
+        lora_id = getattr(ev, "lora_id", None)
+        if lora_id:  # an adapter's blocks: its own namespace (none known: not indexed)
+            ns = self._lora_namespace(lora_id)
+            if ns is None:
+                self.unmapped += len(hashes)
+                return []
+            namespace = ns
         parent_key = ev.parent_block_hash
         leftover: tuple[int, ...]
         if parent_key is None:
@@ -133,7 +145,7 @@ class KVEventTranslator:
                 # where this Conveyor block starts within the vLLM block's own tokens
                 # (negative: it began with the parent's leftover)
                 lo = j * bs - len(leftover)
-                last = block_hash(last, chunk, self.namespace, self._image_keys(keys, lo, bs))
+                last = block_hash(last, chunk, namespace, self._image_keys(keys, lo, bs))
                 new.append(last)
             leftover = tuple(run[n_full * bs :])
             self._blocks[h] = _Block(parent_key, new, last, leftover)

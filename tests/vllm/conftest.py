@@ -87,12 +87,13 @@ def vllm_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
         "CONVEYOR_WORKER_TTL_S": VLLM_WORKER_TTL_S, **VLLM_CPU_ENV, **extra})  # fmt: skip
 
 
-def offline(model_dir: Path, requests: list[dict], workdir: Path,
-            embed: bool = False) -> list[dict]:  # fmt: skip
+def offline(model_dir: Path, requests: list[dict], workdir: Path, embed: bool = False,
+            options: dict | None = None) -> list[dict]:  # fmt: skip
     """vLLM's offline ``LLM.generate`` on ``requests`` ({"prompt_token_ids", "params"}),
-    in a process of its own; ``embed``: ``LLM.embed`` (its pooling runner) instead."""
+    in a process of its own; ``embed``: ``LLM.embed`` (its pooling runner) instead;
+    ``options``: engine options besides ``VLLM_OPTIONS``."""
     spec, out = workdir / "spec.json", workdir / "out.json"
-    spec.write_text(json.dumps({"model": str(model_dir), "options": VLLM_OPTIONS,
+    spec.write_text(json.dumps({"model": str(model_dir), "options": VLLM_OPTIONS | (options or {}),
                                 "requests": requests, "embed": embed}))  # fmt: skip
     r = subprocess.run([sys.executable, str(HERE / "offline_ref.py"), str(spec), str(out)],
                        capture_output=True, text=True, timeout=600,

@@ -4,7 +4,8 @@ Run as a script in a process of its own (vLLM spawns its EngineCore; the test pr
 stays clean): ``python offline_ref.py SPEC.json OUT.json``. SPEC holds the model dir,
 vLLM's engine options and the requests (prompt token ids, sampling parameters, and
 optionally ``image``: a PNG path; ``params.structured_outputs`` as a dict of vLLM's
-``StructuredOutputsParams``); OUT gets, per request, the generated token ids, text,
+``StructuredOutputsParams``; ``lora``: ``{"name", "id", "path"}``, a LoRA adapter, with
+``enable_lora`` among the options); OUT gets, per request, the generated token ids, text,
 finish reason and stop reason, and the logprobs asked for (per position: the chosen
 token's ``[logprob, rank]`` and ``{token id: logprob}`` of the entries vLLM returned).
 With ``"embed": true`` in SPEC it runs vLLM's pooling runner instead (``LLM.embed``) and
@@ -50,7 +51,9 @@ def main() -> None:
         if kw.get("structured_outputs") is not None:
             kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
         params.append(SamplingParams(**kw))
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    loras = [_lora(r.get("lora")) for r in spec["requests"]]
+    outs = llm.generate(prompts, params, use_tqdm=False,
+                        lora_request=loras if any(loras) else None)  # fmt: skip
     result = [
         {
             "token_ids": list(o.outputs[0].token_ids),
@@ -65,6 +68,14 @@ def main() -> None:
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
     llm.llm_engine.engine_core.shutdown()
+
+
+def _lora(spec):  # type: ignore[no-untyped-def]
+    if not spec:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=spec["name"], lora_int_id=spec["id"], lora_path=spec["path"])
 
 
 def _positions(entries, token_ids):  # type: ignore[no-untyped-def]
