@@ -26,13 +26,13 @@ from api.resume import FrameLogReader, Tagged, frames_of, split_at
 from api.runner import Runner, RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, sse_event, usage_body
 from api.state import ApiState
-from api.tools import ChatToolOutput
+from api.tools import ChatOutput
 from kvbm.protocol import TokenFrame, Usage
 
 
 async def stream(
     st: ApiState, runs: list[RunningRequest] | None, fmt: Formatter, include_usage: bool,
-    end: Callable[[], None], tools: list[ChatToolOutput | None] | None = None,
+    end: Callable[[], None], tools: list[ChatOutput | None] | None = None,
     extras: list[ExtraOutput | None] | None = None, *,
     ready: AsyncGenerator[Ready, None] | None = None, tag: Tagged | None = None,
     dropped: Callable[[], None] | None = None,
@@ -120,7 +120,7 @@ async def collect(
     runs: list[RunningRequest],
     fmt: Formatter,
     end: Callable[[], None],
-    tools: list[ChatToolOutput | None] | None = None,
+    tools: list[ChatOutput | None] | None = None,
     extras: list[ExtraOutput | None] | None = None,
 ) -> JSONResponse:
     """The whole body of a request of ``len(runs)`` choices; ``end()``, ``tools`` and
@@ -162,7 +162,7 @@ async def collect(
 
 
 def whole_choice(
-    fmt: Formatter, index: int, text: str, last: TokenFrame, tools: ChatToolOutput | None,
+    fmt: Formatter, index: int, text: str, last: TokenFrame, tools: ChatOutput | None,
     extra: ExtraOutput | None, frames: list[TokenFrame] | None,
 ) -> dict:  # fmt: skip
     """One choice of a whole body from its text, terminal frame and (with ``extra``) its

@@ -132,6 +132,8 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     echo: bool = False
+    # vLLM's: with a reasoning parser, whether the thinking is returned (``reasoning``)
+    include_reasoning: bool = True
 
 
 class CompletionRequest(_SamplingFields):

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, ChatMessage
-from api.tool_parsers import CallArgs, CallStart, Event, Text
+from api.tool_parsers import CallArgs, CallStart, Event, Reasoning, Text
 from kvbm.protocol import Usage
 
 STATELESS = (
@@ -129,11 +129,12 @@ class OutputItems:
     """A response's output items, built from its tool parser's events (or plain text):
     :meth:`events` gives the stream events for a batch of them, :meth:`items` the output.
 
-    One ``message`` item holds the content (it opens at the first text; an output with
-    neither text nor calls still has one, empty); each call is a ``function_call`` item
-    after it. Items close in order: a call's start closes the message. Item ids are the
-    response's (``id_base``) and their place: the same frames give the same events, so a
-    background response's stream can be read again from its frame log."""
+    A reasoning model's thinking is a ``reasoning`` item first (api.reasoning). One
+    ``message`` item holds the content (it opens at the first text; an output with
+    nothing else still has one, empty); each call is a ``function_call`` item after it.
+    Items close in order: a call's start closes the message. Item ids are the response's
+    (``id_base``) and their place: the same frames give the same events, so a background
+    response's stream can be read again from its frame log."""
 
     def __init__(self, id_base: str | None = None) -> None:
         self._id_base = id_base if id_base is not None else secrets.token_hex(8)
@@ -145,7 +146,12 @@ class OutputItems:
     def events(self, parsed: list[Event]) -> list[dict]:
         out: list[dict] = []
         for ev in parsed:
-            if isinstance(ev, Text):
+            if isinstance(ev, Reasoning):
+                item = self._reasoning(out)
+                item["content"][0]["text"] += ev.text
+                out.append(self._part_event("response.reasoning_text.delta", item,
+                                            delta=ev.text))  # fmt: skip
+            elif isinstance(ev, Text):
                 if not ev.text:
                     continue
                 msg = self._message(out)
@@ -193,6 +199,23 @@ class OutputItems:
         self._close(out, status)
         return out
 
+    def _reasoning(self, out: list[dict]) -> dict:
+        """The open reasoning item (a reasoning model's thinking), opened if need be."""
+        if self._open is not None and self._open["type"] == "reasoning":
+            return self._open
+        self._close(out)
+        item: dict[str, Any] = {"id": f"rs_{self._id_base}_{len(self.output)}",
+                                "type": "reasoning", "status": "in_progress", "summary": [],
+                                "content": []}  # fmt: skip
+        self.output.append(item)
+        self._open = item
+        out.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                               item=_copy(item)))  # fmt: skip
+        part = {"type": "reasoning_text", "text": ""}
+        item["content"].append(part)
+        out.append(self._part_event("response.content_part.added", item, part=dict(part)))
+        return item
+
     def _message(self, out: list[dict]) -> dict:
         if self._open is not None and self._open["type"] == "message":
             return self._open
@@ -224,6 +247,10 @@ class OutputItems:
             out.append(self._part_event("response.output_text.done", item, text=part["text"],
                                         logprobs=[]))  # fmt: skip
             out.append(self._part_event("response.content_part.done", item, part=dict(part)))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out.append(self._part_event("response.reasoning_text.done", item, text=part["text"]))
+            out.append(self._part_event("response.content_part.done", item, part=dict(part)))
         else:
             out.append(
                 self._event(
@@ -237,7 +264,7 @@ class OutputItems:
         out.append(self._event("response.output_item.done", output_index=index, item=_copy(item)))
 
     def _part_event(self, kind: str, msg: dict, **fields: object) -> dict:
-        """An event about a message's (only) text part."""
+        """An event about a message's (or a reasoning item's) only text part."""
         return self._event(kind, item_id=msg["id"], output_index=self.output.index(msg),
                            content_index=0, **fields)  # fmt: skip
 

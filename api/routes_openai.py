@@ -27,6 +27,7 @@ from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
+from api.reasoning import output_parser
 from api.resume import (
     FrameLogReader,
     Tagged,
@@ -39,7 +40,7 @@ from api.runner import RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
-from api.tools import ChatToolOutput, ToolPlan, constrain, tool_plan
+from api.tools import ChatOutput, ToolPlan, constrain, tool_plan
 from cluster.lora import LoraRef
 from kvbm.protocol import Sampling, TokenFrame, choice_request_id, choice_stream_id
 
@@ -109,7 +110,7 @@ async def _serve(
     fmt = Formatter(kind, rid, req.model)  # the base model or the adapter it named
     # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
     # text alone, the plain per-token path)
-    tools = [tool_output(plan) for _ in runs]
+    tools = [chat_output(st, req, plan, sampling) for _ in runs]
     extras = [extra_output(st.strings, req, sampling, prompt.token_ids) for _ in runs]
     if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each read on its own
         end = partial(end_request, st, runs, started)
@@ -178,15 +179,22 @@ async def start(
     return rid, runs, sampling
 
 
-def tool_output(plan: ToolPlan | None) -> ChatToolOutput | None:
-    """What reads one choice's text into content and tool calls (None: plain text)."""
-    parser = plan.parser() if plan is not None else None
-    return ChatToolOutput(plan, parser) if plan is not None and parser is not None else None
+def chat_output(
+    st: ApiState, req: ChatCompletionRequest | CompletionRequest, plan: ToolPlan | None,
+    sampling: Sampling,
+) -> ChatOutput | None:  # fmt: skip
+    """What reads one choice's chat text into content, tool calls and a reasoning model's
+    thinking (None: the text is the content, as completions' always is)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    parser = output_parser(st.settings.api.reasoning_parser, plan, req.chat_template_kwargs,
+                           req.include_reasoning, sampling)  # fmt: skip
+    return ChatOutput(plan, parser) if parser is not None else None
 
 
 async def _stream(
     st: ApiState, run: RunningRequest | None, fmt: Formatter, include_usage: bool,
-    started: float, tools: ChatToolOutput | None = None, extra: ExtraOutput | None = None,
+    started: float, tools: ChatOutput | None = None, extra: ExtraOutput | None = None,
     *, frames: AsyncIterator[list[TokenFrame]] | None = None, tag: Tagged | None = None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """A started request's SSE events (``run``); or, with ``frames`` (and no ``run``), a
@@ -302,12 +310,13 @@ async def resume(
     tag = Tagged(log_id, seqs)
     if req.n > 1:
         gen = choices.stream(st, None, fmt, req.include_usage, st.metrics.in_flight.dec,
-                             [tool_output(plan) for _ in logs],
+                             [chat_output(st, req, plan, sampling) for _ in logs],
                              [extra_output(st.strings, req, sampling, prompt.token_ids)
                               for _ in logs],
                              ready=choices.resumed(readers, seqs), tag=tag)  # fmt: skip
     else:
-        gen = _stream(st, None, fmt, req.include_usage, started, tool_output(plan),
+        out = chat_output(st, req, plan, sampling)
+        gen = _stream(st, None, fmt, req.include_usage, started, out,
                       extra_output(st.strings, req, sampling, prompt.token_ids),
                       frames=resumed_batches(readers[0], seqs[0]), tag=tag)  # fmt: skip
     return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
@@ -315,7 +324,7 @@ async def resume(
 
 async def _collect(
     st: ApiState, run: RunningRequest, fmt: Formatter, started: float,
-    tools: ChatToolOutput | None = None, extra: ExtraOutput | None = None,
+    tools: ChatOutput | None = None, extra: ExtraOutput | None = None,
 ) -> JSONResponse:  # fmt: skip
     frames: list[TokenFrame] | None = [] if extra is not None else None
     text, last = await collect(st, run, started, frames)

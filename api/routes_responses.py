@@ -43,7 +43,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.errors import OpenAIError, bad_request
-from api.protocol import unsupported
+from api.params import sampling_of
+from api.protocol import ChatCompletionRequest, unsupported
+from api.reasoning import output_parser
 from api.responses import (
     OutputItems,
     ResponsesRequest,
@@ -58,12 +60,13 @@ from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
 from api.tool_parsers import Event, Text, ToolParser
-from api.tools import tool_plan
+from api.tools import ToolPlan, constrain, tool_plan
 from cluster.resp import as_str
 from cluster.response_store import ChainBroken, Turn, response_key
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     FRAMES_OPEN_TTL_S,
+    Sampling,
     TokenFrame,
     cancelled_key,
     frames_key,
@@ -91,10 +94,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     st.media.check_count(prompt.images)
     if st.settings.api.resumable_streams and (last := request.headers.get("last-event-id")):
         return await _resume(st, body, last)
-    rid, (run,), _ = await start(  # the Responses API has no n: one run
+    rid, (run,), sampling = await start(  # the Responses API has no n: one run
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan, lora
     )
-    out = _Output(st, body, rid, plan.parser() if plan is not None else None)
+    out = _Output(st, body, rid, _parser(st, req, plan, sampling))
     if body.background:
         return await _background(st, body, run, out, started)
     if body.stream:
@@ -340,13 +343,22 @@ async def _read_record(st: ApiState, response_id: str) -> dict[str, str]:
     return {as_str(k): as_str(v) for k, v in raw.items()}
 
 
+def _parser(st: ApiState, req: ChatCompletionRequest, plan: ToolPlan | None,
+            sampling: Sampling) -> ToolParser | None:  # fmt: skip
+    """What reads the output into items: tool calls, a reasoning model's thinking."""
+    return output_parser(st.settings.api.reasoning_parser, plan, req.chat_template_kwargs,
+                         req.include_reasoning, sampling)  # fmt: skip
+
+
 def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
     """A background response's formatter, as the API that accepted it made it."""
     body = ResponsesRequest.model_validate_json(rec["body"])
-    plan = tool_plan(chat_request(body.model_copy(update={"background": False})),
-                     st.tool_parser)  # fmt: skip
+    req = chat_request(body.model_copy(update={"background": False}))
+    plan = tool_plan(req, st.tool_parser)
     rid = "resp-" + response_id.removeprefix("resp_")
-    out = _Output(st, body, rid, plan.parser() if plan is not None else None)
+    # the sampling's constraint decides whether the output starts with thinking
+    out = _Output(st, body, rid, _parser(st, req, plan, constrain(sampling_of(req, 1, st.builder),
+                                                                  plan)))  # fmt: skip
     out.created = int(rec["created"])
     return out
 

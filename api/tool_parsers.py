@@ -3,9 +3,11 @@
 A parser is fed the output text as it arrives (:meth:`ToolParser.feed`) and closed once
 (:meth:`ToolParser.finish`); it returns events: :class:`Text` (content), :class:`CallStart`
 (a call's index, id and function name) and :class:`CallArgs` (a piece of that call's
-argument text, verbatim from the output). A non-streamed response is the same parser fed
-the whole text at once, so a stream's pieces always reassemble to exactly the non-streamed
-message: every parser here gives the same events, joined, however the text is split.
+argument text, verbatim from the output); :class:`Reasoning` comes from
+:class:`api.reasoning.ThinkParser`, which sits in front of a tool parser. A non-streamed
+response is the same parser fed the whole text at once, so a stream's pieces always
+reassemble to exactly the non-streamed message: every parser here gives the same events,
+joined, however the text is split.
 
 Parsers for ``tool_choice: "auto"``, one per model family (vLLM's ``--tool-call-parser``
 names): ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after
@@ -47,7 +49,14 @@ class CallArgs:
     text: str
 
 
-Event = Text | CallStart | CallArgs
+@dataclass(slots=True)
+class Reasoning:
+    """A reasoning model's thinking (api.reasoning.ThinkParser): not content."""
+
+    text: str
+
+
+Event = Text | CallStart | CallArgs | Reasoning
 
 
 def call_id() -> str:

@@ -33,6 +33,7 @@ from api.tool_parsers import (
     CallStart,
     Event,
     NamedParser,
+    Reasoning,
     RequiredParser,
     Text,
     ToolParser,
@@ -168,14 +169,16 @@ def required_schema(plan: ToolPlan) -> dict:
 # The output, in chat completions' shapes
 
 
-class ChatToolOutput:
-    """One choice's output through its tool parser: stream deltas as it comes, and the
-    whole message at the end (the same events, so they always agree)."""
+class ChatOutput:
+    """One choice's chat output through its parser (tool calls; a reasoning model's
+    thinking, api.reasoning): stream deltas as it comes, and the whole message at the end
+    (the same events, so they always agree). ``plan``: the request's tools, if any."""
 
-    def __init__(self, plan: ToolPlan, parser: ToolParser) -> None:
+    def __init__(self, plan: ToolPlan | None, parser: ToolParser) -> None:
         self.plan = plan
         self.parser = parser
         self.content: list[str] = []
+        self.reasoning: list[str] = []
         self.calls: list[dict] = []
         self._finished = False
 
@@ -188,6 +191,8 @@ class ChatToolOutput:
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         assert self._finished, "finish_reason() before the output was parsed (it counts calls)"
+        if self.plan is None:
+            return engine_reason
         return self.plan.finish_reason(engine_reason, len(self.calls))
 
     def message(self, text: str) -> dict:
@@ -199,13 +204,22 @@ class ChatToolOutput:
             msg["tool_calls"] = self.calls
         elif msg["content"] is None:
             msg["content"] = ""
+        if self.reasoning:  # vLLM's field, and the older name DeepSeek's API still uses
+            msg["reasoning"] = msg["reasoning_content"] = "".join(self.reasoning)
         return msg
 
     def _deltas(self, events: list[Event]) -> list[dict]:
         """Stream deltas for ``events`` (consecutive pieces of one kind merged)."""
         out: list[dict] = []
         for ev in events:
-            if isinstance(ev, Text):
+            if isinstance(ev, Reasoning):
+                self.reasoning.append(ev.text)
+                if out and "reasoning" in out[-1]:
+                    out[-1]["reasoning"] += ev.text
+                    out[-1]["reasoning_content"] += ev.text
+                else:
+                    out.append({"reasoning": ev.text, "reasoning_content": ev.text})
+            elif isinstance(ev, Text):
                 self.content.append(ev.text)
                 if out and "content" in out[-1]:
                     out[-1]["content"] += ev.text

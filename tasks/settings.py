@@ -124,6 +124,12 @@ class ApiSettings(_Area):
         "'auto' (vLLM's --tool-call-parser names); default: the format the chat template "
         "asks for (llama3_json for a Llama 3 template, else hermes).",
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None,
+        description="A reasoning model's thinking (<think>...</think>) split from its answer "
+        "(vLLM's --reasoning-parser): chat's reasoning field and the Responses API's "
+        "reasoning item; unset: the output is all content.",
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Request bodies above this get 413.")
     first_frame_timeout_s: float = Field(
         120.0, description="Seconds the API waits for a request's first stream frame."

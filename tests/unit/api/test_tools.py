@@ -10,7 +10,7 @@ import pytest
 
 from api.errors import OpenAIError
 from api.protocol import ChatCompletionRequest
-from api.tools import ChatToolOutput, constrain, tool_plan
+from api.tools import ChatOutput, constrain, tool_plan
 from kvbm.protocol import Sampling, StructuredOutput
 
 WEATHER = {
@@ -157,13 +157,13 @@ def test_stream_reassembles_to_the_message(
 ) -> None:
     plan = tool_plan(req(tools=[WEATHER, NOW], tool_choice=choice), "hermes")
     assert plan is not None
-    whole = ChatToolOutput(plan, plan.parser())  # type: ignore[arg-type]
+    whole = ChatOutput(plan, plan.parser())  # type: ignore[arg-type]
     message = whole.message(text)
     assert len(message.get("tool_calls", [])) == calls
     assert whole.finish_reason("stop") == reason
     rng = random.Random(7)
     for _ in range(20):
-        out = ChatToolOutput(plan, plan.parser())  # type: ignore[arg-type]
+        out = ChatOutput(plan, plan.parser())  # type: ignore[arg-type]
         cuts = sorted(rng.sample(range(1, len(text)), 6))
         deltas = []
         for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True):
@@ -184,7 +184,7 @@ def test_stream_reassembles_to_the_message(
 
 def test_required_cut_by_length_is_not_tool_calls() -> None:
     plan = tool_plan(req(tools=[WEATHER], tool_choice="required"), "hermes")
-    out = ChatToolOutput(plan, plan.parser())  # type: ignore[arg-type, union-attr]
+    out = ChatOutput(plan, plan.parser())  # type: ignore[arg-type, union-attr]
     msg = out.message('[{"name":"get_weather","parameters":{"ci')
     assert msg["tool_calls"][0]["function"]["arguments"] == '{"ci'
     assert out.finish_reason("length") == "length"
@@ -232,7 +232,7 @@ def test_constraints_compile_and_parse_back(tiny_model_dir, choice: str) -> None
         if not matcher.is_terminated():
             continue  # an unbounded array of calls that has not closed yet
         finished += 1
-        out = ChatToolOutput(plan, plan.parser())  # type: ignore[arg-type]
+        out = ChatOutput(plan, plan.parser())  # type: ignore[arg-type]
         msg = out.message(tok.decode([i for i in ids if i != eos]))
         assert msg["tool_calls"] and out.finish_reason("stop") in ("tool_calls", "stop")
         if choice != "required":

@@ -87,6 +87,7 @@ NEW_NAMES = [
     "planner_throughput_interval_s",
     "planner_ttft_ms",
     "planner_window_s",
+    "reasoning_parser",
     "responses_store",
     "responses_store_ttl_s",
     "resumable_streams",

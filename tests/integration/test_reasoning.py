@@ -1,0 +1,96 @@
+"""A reasoning model's thinking split from its answer (``CONVEYOR_REASONING_PARSER``),
+through the official client: an API process with the deepseek_r1 parser beside the
+session cluster's (which has none) on the same workers, so the same greedy request gives
+the same text on both and the split can be checked against the whole.
+
+The tiny model never writes ``</think>`` by itself: a regex (structured outputs) makes it
+think, then answer; left free, it never closes its thinking, so all of its output is
+reasoning, as vLLM's deepseek_r1 parser reads it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.integration.conftest import Cluster, base_env, start_api
+
+pytestmark = pytest.mark.integration
+
+THINK_THEN_ANSWER = r"<think>[a-z]{2,6}( [a-z]{2,6}){1,3}</think>[A-Z][a-z]{2,6}"
+MSGS = [{"role": "user", "content": "Is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def reasoning(
+    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[openai.OpenAI]:
+    env = base_env(cluster.redis_url, cluster.model_dir, CONVEYOR_REASONING_PARSER="deepseek_r1")
+    api, url = start_api("api-reasoning", env, tmp_path_factory.mktemp("reasoning"))
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    api.stop()
+
+
+def _chat(client: openai.OpenAI, model: str, **kw: object):  # type: ignore[no-untyped-def]
+    return client.chat.completions.create(model=model, messages=MSGS, temperature=0,  # type: ignore[arg-type]
+                                          **kw)  # fmt: skip
+
+
+def test_thinking_then_an_answer(cluster: Cluster, reasoning: openai.OpenAI) -> None:
+    kw = {"max_tokens": 120, "extra_body": {"structured_outputs": {"regex": THINK_THEN_ANSWER}}}
+    whole = cluster.client(max_retries=0)
+    plain = _chat(whole, cluster.model_name, **kw).choices[0].message
+    assert plain.model_extra.get("reasoning") is None  # no parser: the tags are content
+    m = re.fullmatch(r"<think>(.*)</think>(.*)", plain.content or "")
+    assert m is not None, plain.content
+
+    split = _chat(reasoning, cluster.model_name, **kw).choices[0].message
+    assert (split.model_extra["reasoning"], split.content) == (m.group(1), m.group(2))  # type: ignore[index]
+    assert split.model_extra["reasoning_content"] == m.group(1)  # type: ignore[index]
+
+    # streamed: the reasoning deltas, then the content's, the same text
+    chunks = list(_chat(reasoning, cluster.model_name, stream=True, **kw))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
+    said = "".join(d.content or "" for d in deltas)
+    assert (thought, said) == (m.group(1), m.group(2))
+    firsts = [i for i, d in enumerate(deltas) if d.content]
+    lasts = [i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning")]
+    assert max(lasts) < min(firsts)
+
+    # include_reasoning: false (vLLM's) drops it
+    kw["extra_body"]["include_reasoning"] = False  # type: ignore[index]
+    dropped = _chat(reasoning, cluster.model_name, **kw).choices[0].message
+    assert dropped.content == m.group(2) and "reasoning" not in (dropped.model_extra or {})
+
+
+def test_unclosed_thinking_is_all_reasoning(cluster: Cluster, reasoning: openai.OpenAI) -> None:
+    whole = cluster.client(max_retries=0)
+    text = _chat(whole, cluster.model_name, max_tokens=8).choices[0].message.content
+    assert text and "</think>" not in text
+    split = _chat(reasoning, cluster.model_name, max_tokens=8).choices[0]
+    assert split.message.content == "" and split.message.model_extra["reasoning"] == text  # type: ignore[index]
+    assert split.finish_reason == "length"
+
+    # the Responses API: a reasoning item, then the (empty) message
+    r = reasoning.responses.create(model=cluster.model_name, input="Is the sky blue?",
+                                   max_output_tokens=8, temperature=0, store=False)  # fmt: skip
+    plain = whole.responses.create(model=cluster.model_name, input="Is the sky blue?",
+                                   max_output_tokens=8, temperature=0, store=False)  # fmt: skip
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == plain.output_text  # type: ignore[union-attr, index]
+    assert r.output_text == ""
+    ask = {
+        "model": cluster.model_name,
+        "input": "Is the sky blue?",
+        "max_output_tokens": 8,
+        "temperature": 0,
+        "store": False,
+    }
+    with reasoning.responses.stream(**ask) as s:  # type: ignore[arg-type]
+        deltas = [e.delta for e in s if e.type == "response.reasoning_text.delta"]
+        final = s.get_final_response()
+    assert "".join(deltas) == plain.output_text
+    assert final.output[0].model_dump() == r.output[0].model_dump() | {"id": final.output[0].id}
