@@ -21,7 +21,7 @@ answer after it.
 
 from __future__ import annotations
 
-from api.tool_parsers import Event, Reasoning, Text, ToolParser
+from api.tool_parsers import Event, Reasoning, Text, ToolParser, partial_suffix
 from api.tools import ToolPlan
 from kvbm.protocol import Sampling
 
@@ -73,7 +73,7 @@ class ThinkParser(ToolParser):
         if end >= 0:
             self._thinking = False
             return self._think(text[:end]) + self._answer(text[end + len(THINK_END) :])
-        keep = _tag_prefix(text, THINK_END)  # "</th" at the end: maybe the tag
+        keep = partial_suffix(text, THINK_END)  # "</th" at the end: maybe the tag
         self._held = text[len(text) - keep :] if keep else ""
         return self._think(text[: len(text) - keep])
 
@@ -97,14 +97,6 @@ class ThinkParser(ToolParser):
         if self.inner is not None:
             return self.inner.feed(text)
         return [Text(text)] if text else []
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def thinks(parser: str | None, chat_template_kwargs: dict | None) -> bool:

@@ -109,7 +109,7 @@ class HermesParser(ToolParser):
         self._buf += text
         at = self._buf.find(self.OPEN)
         if at < 0:  # keep back what may be the start of OPEN
-            keep = _partial_suffix(self._buf, self.OPEN)
+            keep = partial_suffix(self._buf, self.OPEN)
             out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
             return [Text(out)] if out else []
         events: list[Event] = [Text(self._buf[:at])] if at else []
@@ -475,7 +475,7 @@ def _call_object(text: str, arg_keys: tuple[str, ...]) -> tuple[str, str] | None
     return name, "{}"  # type: ignore[return-value]
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that is a proper start of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
