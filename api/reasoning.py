@@ -25,7 +25,6 @@ from api.tool_parsers import Event, Reasoning, Text, ToolParser, partial_suffix
 from api.tools import ToolPlan
 from kvbm.protocol import Sampling
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
 
 

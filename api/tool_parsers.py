@@ -11,8 +11,10 @@ joined, however the text is split.
 
 Parsers for ``tool_choice: "auto"``, one per model family (vLLM's ``--tool-call-parser``
 names): ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after
-optional content) and ``llama3_json`` (the whole output is ``{"name": ..., "parameters": ...}``
-objects, ``;``-separated, after an optional ``<|python_tag|>``). A call is announced once its
+optional content), ``llama3_json`` (the whole output is ``{"name": ..., "parameters": ...}``
+objects, ``;``-separated, after an optional ``<|python_tag|>``), ``pythonic`` (Llama 4's
+``[f(a=1), g()]``) and ``mistral`` (content, then ``[TOOL_CALLS]`` and the calls, in
+Mistral's JSON-array or ``name[ARGS]{...}`` form). A call is announced once its
 block is complete and parses (a free-running model may break its JSON halfway); when an
 output that looked like tool calls yields none, all of it is content after all.
 
@@ -23,6 +25,7 @@ arguments) and :class:`RequiredParser` (a JSON array of ``{"name", "parameters"}
 
 from __future__ import annotations
 
+import ast
 import json
 import secrets
 from dataclasses import dataclass
@@ -200,6 +203,170 @@ class Llama3JsonParser(ToolParser):
                 break
             events += self._call(*call)
             self._pos = end
+        return events
+
+
+class PythonicParser(ToolParser):
+    """Pythonic tool calls (Llama 4, Llama 3.2; vLLM's ``pythonic``): an output that starts
+    (after whitespace, and an optional ``<|python_start|>``) with ``[`` is a Python list of
+    calls, ``[get_weather(city="Paris"), now()]``: keyword arguments whose values are
+    literals (Python's spelling of JSON's values). The list is read once it closes: its
+    calls come then, their arguments as JSON. Any other output is content, streamed as it
+    comes; a list that does not read as calls is content whole."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""
+        self._mode: str | None = None  # None: undecided, "text", "tools"
+        self._done = False  # the list was read (what follows is dropped)
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        if self._mode is None:
+            head = self._buf.lstrip()
+            if head.startswith(self.START):
+                head = head[len(self.START) :].lstrip()
+            elif self.START.startswith(head):
+                return []  # undecided yet ("", "<|python")
+            if not head:
+                return []
+            self._mode = "tools" if head.startswith("[") else "text"
+        if self._mode == "text":
+            out, self._buf = self._buf, ""
+            return [Text(out)] if out else []
+        if self._done or not self._buf.rstrip().endswith("]"):
+            return []
+        return self._read()
+
+    def finish(self) -> list[Event]:
+        if self._mode != "tools":
+            return [Text(self._buf)] if self._buf else []
+        events = [] if self._done else self._read()
+        return events if self.calls else [Text(self._buf)]
+
+    def _read(self) -> list[Event]:
+        body = self._buf.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        calls = _pythonic_calls(body)
+        if calls is None:
+            return []
+        self._done = True
+        return [ev for name, args in calls for ev in self._call(name, args)]
+
+
+def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """``[f(a=1), g()]`` as ``[(name, JSON arguments)]``; None unless ``text`` is exactly a
+    list of calls by name with literal keyword arguments."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if not isinstance(tree, ast.List):
+        return None
+    out = []
+    for call in tree.elts:
+        if not isinstance(call, ast.Call) or call.args or not isinstance(call.func, ast.Name):
+            return None
+        if any(kw.arg is None for kw in call.keywords):  # **kwargs
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+            out.append((call.func.id, json.dumps(args)))
+        except (ValueError, TypeError, SyntaxError):  # not a literal, or not JSON's
+            return None
+    return out
+
+
+class MistralParser(ToolParser):
+    """Mistral's tool calls (vLLM's ``mistral``): content, then ``[TOOL_CALLS]`` and the
+    calls, in either of Mistral's forms: a JSON array of ``{"name", "arguments"}`` objects
+    (older tokenizers), or ``name[ARGS]{...}`` per call, each after its own
+    ``[TOOL_CALLS]`` (v11 and later). A call is announced once its JSON is complete and
+    parses. No call at all: the whole output is content."""
+
+    MARK, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""  # content not yet sent (a possible start of MARK)
+        self._in_tools = False
+        self._held = ""  # everything from the first MARK on: content if no call parses
+        self._pos = 0  # in _held: where the next call is looked for
+        self._stopped = False
+
+    def feed(self, text: str) -> list[Event]:
+        if self._in_tools:
+            self._held += text
+            return self._calls()
+        self._buf += text
+        at = self._buf.find(self.MARK)
+        if at < 0:
+            keep = partial_suffix(self._buf, self.MARK)
+            out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+            return [Text(out)] if out else []
+        events: list[Event] = [Text(self._buf[:at])] if at else []
+        self._in_tools, self._held, self._buf = True, self._buf[at:], ""
+        self._pos = len(self.MARK)
+        return events + self._calls()
+
+    def finish(self) -> list[Event]:
+        if not self._in_tools:
+            return [Text(self._buf)] if self._buf else []
+        return [] if self.calls else [Text(self._held)]
+
+    def _calls(self) -> list[Event]:
+        events: list[Event] = []
+        while not self._stopped:
+            i = _skip(self._held, self._pos, " \t\r\n")
+            if self._held.startswith(self.MARK, i):
+                i = _skip(self._held, i + len(self.MARK), " \t\r\n")
+            if i >= len(self._held):
+                return events
+            if self._held[i] in "[{":  # the JSON form: one array (or one object)
+                end = _value_end(self._held, i)
+                if end is None:
+                    return events
+                events += self._json_calls(self._held[i:end])
+                self._pos, self._stopped = end, True
+                return events
+            args = self._held.find(self.ARGS, i)  # the v11 form: name[ARGS]{...}
+            if args < 0:
+                return events
+            j = _skip(self._held, args + len(self.ARGS), " \t\r\n")
+            if j >= len(self._held):
+                return events
+            name, raw = self._held[i:args].strip(), self._held[j:]
+            if not raw.startswith("{") or not name:
+                self._stopped = True
+                break
+            end = _value_end(raw, 0)
+            if end is None:
+                return events
+            if _members(raw[:end]) is None:  # not one JSON object
+                self._stopped = True
+                break
+            events += self._call(name, raw[:end])  # the arguments as the model wrote them
+            self._pos = j + end
+        return events
+
+    def _json_calls(self, text: str) -> list[Event]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return []
+        items = value if isinstance(value, list) else [value]
+        events: list[Event] = []
+        for item in items:
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+                return events
+            args = item.get("arguments", {})
+            if isinstance(args, str):
+                events += self._call(item["name"], args)
+            elif isinstance(args, dict):
+                events += self._call(item["name"], json.dumps(args))
+            else:
+                return events
         return events
 
 
@@ -486,16 +653,26 @@ def partial_suffix(text: str, tag: str) -> int:
 # --------------------------------------------------------------------------------------
 # The registry: vLLM's names
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "pythonic": PythonicParser,
+    "mistral": MistralParser,
+}
 
 
 def parser_for_template(template: str | None) -> str:
-    """The parser a chat template's tool-call format asks for: ``llama3_json`` for a
-    template that writes ``<|python_tag|>`` or Llama 3's ``"parameters"`` calls, else
+    """The parser a chat template's tool-call format asks for: ``mistral`` for one that
+    writes ``[TOOL_CALLS]``, ``pythonic`` for Llama 4's ``<|python_start|>``,
+    ``llama3_json`` for ``<|python_tag|>`` or Llama 3's ``"parameters"`` calls, else
     ``hermes`` (``<tool_call>`` blocks, the most common format, and the default model's)."""
     t = template or ""
     if "<tool_call>" in t:
         return "hermes"
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|python_start|>" in t:
+        return "pythonic"
     if "<|python_tag|>" in t or ("<|eot_id|>" in t and "parameters" in t):
         return "llama3_json"
     return "hermes"

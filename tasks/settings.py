@@ -118,11 +118,12 @@ class ApiSettings(_Area):
     api_keys_protect_ops: bool = Field(
         False, description="Require an API key for /health and /metrics too."
     )
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "pythonic", "mistral"] | None = Field(
         None,
         description="How tool calls are read out of the model's text for tool_choice "
         "'auto' (vLLM's --tool-call-parser names); default: the format the chat template "
-        "asks for (llama3_json for a Llama 3 template, else hermes).",
+        "asks for (mistral for [TOOL_CALLS], pythonic for Llama 4's <|python_start|>, "
+        "llama3_json for a Llama 3 template, else hermes).",
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None,

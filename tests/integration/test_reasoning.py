@@ -94,3 +94,23 @@ def test_unclosed_thinking_is_all_reasoning(cluster: Cluster, reasoning: openai.
         final = s.get_final_response()
     assert "".join(deltas) == plain.output_text
     assert final.output[0].model_dump() == r.output[0].model_dump() | {"id": final.output[0].id}
+
+
+def test_thinking_then_a_tool_call(cluster: Cluster, reasoning: openai.OpenAI) -> None:
+    """The tool parser reads the answer only: a call after the thinking is a call, and
+    the thinking is reasoning, streamed and not."""
+    from tests.integration.test_tools_api import TOOLS, same_calls, streamed, whole
+
+    regex = (r'<think>[a-z]{2,6}( [a-z]{2,6}){1,2}</think><tool_call>\n\{"name": '
+             r'"get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}'
+             r'\n</tool_call>')  # fmt: skip
+    kw = dict(model=cluster.model_name, messages=MSGS, tools=TOOLS, max_tokens=300,
+              temperature=0, extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
+    resp = reasoning.chat.completions.create(**kw)  # type: ignore[call-overload]
+    got = whole(resp)
+    assert resp.choices[0].finish_reason == "tool_calls" and got["content"] is None
+    assert [c["name"] for c in got["calls"]] == ["get_weather"]
+    assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,2}",
+                        resp.choices[0].message.model_extra["reasoning"])  # type: ignore[index]  # fmt: skip
+    msg, reason = streamed(reasoning, **kw)
+    assert same_calls(msg, got) and reason == "tool_calls"

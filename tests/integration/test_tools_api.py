@@ -21,7 +21,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, base_env, start_api
 from tests.integration.test_openai_api import hf_greedy
 from workers.engine import Engine
 
@@ -219,6 +219,40 @@ def test_auto_parses_the_models_calls(cluster: Cluster) -> None:
     jsonschema.validate(json.loads(got["calls"][0]["arguments"]), WEATHER_PARAMS)
     msg, reason = streamed(client, **kw)
     assert same_calls(msg, got) and reason == "tool_calls"
+
+
+OTHER_FORMATS = {
+    # Llama 4's pythonic calls, and Mistral's v11 form, each forced on the output
+    "pythonic": (r'\[get_weather\(city="(Oslo|Rome)", unit="celsius"\)\]', ""),
+    "mistral": (r'Checking\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Oslo|Rome)", '
+                r'"unit": "celsius"\}', "Checking."),
+}  # fmt: skip
+
+
+@needs_structured
+@pytest.mark.parametrize("parser", sorted(OTHER_FORMATS))
+def test_auto_with_the_other_parsers(cluster: Cluster, parser: str,
+                                     tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+    """CONVEYOR_TOOL_CALL_PARSER names the format: an API process with it, on the
+    session's workers, reads the calls out of output forced into that format."""
+    regex, content = OTHER_FORMATS[parser]
+    env = base_env(cluster.redis_url, cluster.model_dir, CONVEYOR_TOOL_CALL_PARSER=parser)
+    api, url = start_api(f"api-{parser}", env, tmp_path_factory.mktemp(parser))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        kw = dict(model=cluster.model_name, messages=[{"role": "user", "content": "Weather?"}],
+                  tools=TOOLS, max_tokens=300, temperature=0,
+                  extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
+        resp = client.chat.completions.create(**kw)  # type: ignore[call-overload]
+        got = whole(resp)
+        assert (got["content"] or "") == content
+        assert resp.choices[0].finish_reason == "tool_calls"
+        assert [c["name"] for c in got["calls"]] == ["get_weather"]
+        jsonschema.validate(json.loads(got["calls"][0]["arguments"]), WEATHER_PARAMS)
+        msg, reason = streamed(client, **kw)
+        assert same_calls(msg, got) and reason == "tool_calls"
+    finally:
+        api.stop()
 
 
 # --------------------------------------------------------------------------------------

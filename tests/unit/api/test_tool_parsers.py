@@ -13,7 +13,9 @@ from api.tool_parsers import (
     CallStart,
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     NamedParser,
+    PythonicParser,
     RequiredParser,
     Text,
     ToolParser,
@@ -108,6 +110,64 @@ def test_llama3_json(text: str, expected: tuple) -> None:
     assert same_in_pieces(Llama3JsonParser, text) == expected
 
 
+PYTHONIC = [
+    (
+        '[get_weather(city="Paris", units=None, days=[1, 2]), now()]',
+        ("", [("get_weather", '{"city": "Paris", "units": null, "days": [1, 2]}'), ("now", "{}")]),
+    ),  # fmt: skip
+    (
+        '<|python_start|>[f(flag=True, s="a ] b")]<|python_end|>',
+        ("", [("f", '{"flag": true, "s": "a ] b"}')]),
+    ),
+    ("  [f(x={'k': (1, 2)})]", ("", [("f", '{"x": {"k": [1, 2]}}')])),
+    ("The answer is [1, 2].", ("The answer is [1, 2].", [])),
+    ("[1, 2]", ("[1, 2]", [])),  # a list, not calls: content
+    ("[f(1)]", ("[f(1)]", [])),  # positional arguments
+    ("[f(x=y)]", ("[f(x=y)]", [])),  # a name, not a literal
+    ("[f(x=1", ("[f(x=1", [])),  # cut short
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), PYTHONIC)
+def test_pythonic(text: str, expected: tuple) -> None:
+    assert same_in_pieces(PythonicParser, text) == expected
+
+
+MISTRAL = [
+    (
+        'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "now", "arguments": {}}]',
+        ("Sure. ", [("get_weather", '{"city": "Paris"}'), ("now", "{}")]),
+    ),
+    (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "t": "}"}[TOOL_CALLS]now[ARGS]{}',
+        ("", [("get_weather", '{"city": "Oslo", "t": "}"}'), ("now", "{}")]),
+    ),
+    ('[TOOL_CALLS]{"name": "f", "arguments": "{\\"a\\": 1}"}', ("", [("f", '{"a": 1}')])),
+    ("a [TOOL or [TOOLS]", ("a [TOOL or [TOOLS]", [])),
+    ("[TOOL_CALLS] not json", ("[TOOL_CALLS] not json", [])),
+    ('[TOOL_CALLS]f[ARGS]{"a": ', ('[TOOL_CALLS]f[ARGS]{"a": ', [])),  # cut short
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), MISTRAL)
+def test_mistral(text: str, expected: tuple) -> None:
+    assert same_in_pieces(MistralParser, text) == expected
+
+
+def test_pythonic_and_mistral_stream_content_and_wait_for_calls() -> None:
+    p = PythonicParser()
+    assert p.feed("  ") == [] and p.feed("Hi [") == [Text("  Hi [")]
+    q = PythonicParser()
+    assert q.feed('[f(a="x"') == [] and q.feed(")") == []
+    got = q.feed("]")
+    assert [type(e) for e in got] == [CallStart, CallArgs] and q.feed("tail") == []
+    m = MistralParser()
+    assert m.feed("Hi [TOOL") == [Text("Hi ")]
+    assert m.feed("_CALLS]f[ARGS]{") == []
+    assert [type(e) for e in m.feed("}")] == [CallStart, CallArgs]
+
+
 def test_content_streams_before_the_calls() -> None:
     """Content goes out as it comes, holding back only what may start a tag."""
     p = HermesParser()
@@ -155,4 +215,6 @@ def test_parser_for_template() -> None:
     assert set(PARSERS) >= {"hermes", "llama3_json"}
     assert parser_for_template("... <tool_call> ...") == "hermes"
     assert parser_for_template("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert parser_for_template("{{- '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
+    assert parser_for_template("{{- '<|python_start|>' }}") == "pythonic"
     assert parser_for_template(None) == "hermes"
