@@ -89,7 +89,39 @@ class ToolParser:
 # "auto": the model's own format
 
 
-class HermesParser(ToolParser):
+class _ContentThenCalls(ToolParser):
+    """Content until the first ``MARK``, streamed as it comes (holding back only what may
+    be the start of ``MARK``); from ``MARK`` on, the tool part (``_held``), which the
+    subclass reads with :meth:`_calls`."""
+
+    MARK = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buf = ""  # content not yet sent (a possible start of MARK)
+        self._in_tools = False
+        self._held = ""  # everything from the first MARK on: content if no call parses
+        self._pos = 0  # in _held: where the next call is looked for
+
+    def feed(self, text: str) -> list[Event]:
+        if self._in_tools:
+            self._held += text
+            return self._calls()
+        self._buf += text
+        at = self._buf.find(self.MARK)
+        if at < 0:  # keep back what may be the start of MARK
+            keep = partial_suffix(self._buf, self.MARK)
+            out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+            return [Text(out)] if out else []
+        events: list[Event] = [Text(self._buf[:at])] if at else []
+        self._in_tools, self._held, self._buf = True, self._buf[at:], ""
+        return events + self._calls()
+
+    def _calls(self) -> list[Event]:
+        raise NotImplementedError
+
+
+class HermesParser(_ContentThenCalls):
     """``content<tool_call>{"name": "f", "arguments": {...}}</tool_call>...``: content is
     the text before the first ``<tool_call>``; each complete block whose body is a JSON
     object with a string ``name`` (and ``arguments``, ``{}`` when absent) is a call; text
@@ -97,27 +129,7 @@ class HermesParser(ToolParser):
     block counts if its body parses. No call at all: the whole output is content."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._buf = ""  # content not yet sent (a possible start of OPEN), or the tool part
-        self._in_tools = False
-        self._held = ""  # everything from the first OPEN on: content if no call parses
-        self._pos = 0  # in _held: where the next block is looked for
-
-    def feed(self, text: str) -> list[Event]:
-        if self._in_tools:
-            self._held += text
-            return self._blocks()
-        self._buf += text
-        at = self._buf.find(self.OPEN)
-        if at < 0:  # keep back what may be the start of OPEN
-            keep = partial_suffix(self._buf, self.OPEN)
-            out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
-            return [Text(out)] if out else []
-        events: list[Event] = [Text(self._buf[:at])] if at else []
-        self._in_tools, self._held, self._buf = True, self._buf[at:], ""
-        return events + self._blocks()
+    MARK = OPEN
 
     def finish(self) -> list[Event]:
         if not self._in_tools:
@@ -130,7 +142,7 @@ class HermesParser(ToolParser):
             events.append(Text(self._held))
         return events
 
-    def _blocks(self) -> list[Event]:
+    def _calls(self) -> list[Event]:
         events: list[Event] = []
         while True:
             start = self._held.find(self.OPEN, self._pos)
@@ -278,7 +290,7 @@ def _pythonic_calls(text: str) -> list[tuple[str, str]] | None:
     return out
 
 
-class MistralParser(ToolParser):
+class MistralParser(_ContentThenCalls):
     """Mistral's tool calls (vLLM's ``mistral``): content, then ``[TOOL_CALLS]`` and the
     calls, in either of Mistral's forms: a JSON array of ``{"name", "arguments"}`` objects
     (older tokenizers), or ``name[ARGS]{...}`` per call, each after its own
@@ -289,26 +301,7 @@ class MistralParser(ToolParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""  # content not yet sent (a possible start of MARK)
-        self._in_tools = False
-        self._held = ""  # everything from the first MARK on: content if no call parses
-        self._pos = 0  # in _held: where the next call is looked for
         self._stopped = False
-
-    def feed(self, text: str) -> list[Event]:
-        if self._in_tools:
-            self._held += text
-            return self._calls()
-        self._buf += text
-        at = self._buf.find(self.MARK)
-        if at < 0:
-            keep = partial_suffix(self._buf, self.MARK)
-            out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
-            return [Text(out)] if out else []
-        events: list[Event] = [Text(self._buf[:at])] if at else []
-        self._in_tools, self._held, self._buf = True, self._buf[at:], ""
-        self._pos = len(self.MARK)
-        return events + self._calls()
 
     def finish(self) -> list[Event]:
         if not self._in_tools:
