@@ -316,6 +316,16 @@ def test_disagg_workers_share_the_cpu_image_and_pick_a_kv_transfer(services, nam
     assert "deploy" not in svc or "devices" not in str(svc["deploy"]), name
 
 
+def _as_setting(text: str, default: object) -> object:
+    """A compose default as the setting reads it: an empty one is unset (None), a bool's
+    is true / false, the rest by the default's type."""
+    if default is None:
+        return None if text == "" else text
+    if isinstance(default, bool):
+        return {"true": True, "false": False}[text.lower()]
+    return type(default)(text)
+
+
 def test_compose_defaults_match_settings(services):
     """`${CONVEYOR_X:-default}` defaults repeat tasks/settings.py's; keep them in step."""
     settings = pytest.importorskip("tasks.settings")
@@ -329,7 +339,8 @@ def test_compose_defaults_match_settings(services):
                 default = settings.field_info(key.removeprefix("CONVEYOR_").lower()).default
             except KeyError:
                 raise AssertionError(f"{name}: {key} is no setting") from None
-            assert type(default)(m[2]) == default, f"{name}: {key} default {m[2]!r} != {default!r}"
+            got = _as_setting(m[2], default)
+            assert got == default, f"{name}: {key} default {m[2]!r} != {default!r}"
             checked.add(key)
     assert {
         "CONVEYOR_MODE",
@@ -338,6 +349,8 @@ def test_compose_defaults_match_settings(services):
         "CONVEYOR_KV_PIN_TIMEOUT_S",
         "CONVEYOR_TRANSFER_TIMEOUT_S",
         "CONVEYOR_PREFILL_RETRIES",
+        "CONVEYOR_LORA_MODULES",
+        "CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING",
     } <= checked
 
 
