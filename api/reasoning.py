@@ -21,9 +21,9 @@ answer after it.
 
 from __future__ import annotations
 
+from api.protocol import ChatCompletionRequest
 from api.tool_parsers import Event, Reasoning, Text, ToolParser, partial_suffix
 from api.tools import ToolPlan
-from kvbm.protocol import Sampling
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -108,15 +108,14 @@ def thinks(parser: str | None, chat_template_kwargs: dict | None) -> bool:
 
 
 def output_parser(
-    name: str | None, plan: ToolPlan | None, chat_template_kwargs: dict | None,
-    include_reasoning: bool, sampling: Sampling,
+    name: str | None, plan: ToolPlan | None, req: ChatCompletionRequest, constrained: bool
 ) -> ToolParser | None:  # fmt: skip
-    """The parser one choice's output goes through: the tool plan's (if any), behind a
-    :class:`ThinkParser` where the output starts with thinking (:func:`thinks`; ``name``:
-    the reasoning parser set, if any). None: the text is all content."""
+    """The parser one choice's output of ``req`` goes through: the tool plan's (if any),
+    behind a :class:`ThinkParser` where the output may hold thinking (:func:`thinks`;
+    ``name``: the reasoning parser set, if any). ``constrained``: a grammar constrains the
+    output from its first token (structured outputs, a forced tool choice), so it thinks
+    only if it opens with <think>. None: the text is all content."""
     tools = plan.parser() if plan is not None else None
-    if not thinks(name, chat_template_kwargs):
+    if not thinks(name, req.chat_template_kwargs):
         return tools
-    # a grammar that constrains the output from its first token (structured outputs, a
-    # forced tool choice) decides whether it thinks: only if it opens with <think>
-    return ThinkParser(tools, implicit=sampling.structured is None, keep=include_reasoning)
+    return ThinkParser(tools, implicit=not constrained, keep=req.include_reasoning)

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def _card(st: ApiState, lora: LoraRef | None = None) -> dict:
     base = st.settings.model_name
-    card = {
+    return {
         "id": base if lora is None else lora.name,
         "object": "model",
         "created": st.created,
@@ -37,7 +37,6 @@ def _card(st: ApiState, lora: LoraRef | None = None) -> dict:
         "parent": None if lora is None else base,
         "max_model_len": st.builder.max_model_len,
     }
-    return card
 
 
 @router.get("/v1/models")

@@ -187,8 +187,8 @@ def chat_output(
     thinking (None: the text is the content, as completions' always is)."""
     if not isinstance(req, ChatCompletionRequest):
         return None
-    parser = output_parser(st.settings.api.reasoning_parser, plan, req.chat_template_kwargs,
-                           req.include_reasoning, sampling)  # fmt: skip
+    parser = output_parser(st.settings.api.reasoning_parser, plan, req,
+                           sampling.structured is not None)  # fmt: skip
     return ChatOutput(plan, parser) if parser is not None else None
 
 

@@ -43,7 +43,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.errors import OpenAIError, bad_request
-from api.params import sampling_of
+from api.params import structured_of
 from api.protocol import ChatCompletionRequest, unsupported
 from api.reasoning import output_parser
 from api.responses import (
@@ -60,13 +60,12 @@ from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
 from api.tool_parsers import Event, Text, ToolParser
-from api.tools import ToolPlan, constrain, tool_plan
+from api.tools import ToolPlan, tool_plan
 from cluster.resp import as_str
 from cluster.response_store import ChainBroken, Turn, response_key
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     FRAMES_OPEN_TTL_S,
-    Sampling,
     TokenFrame,
     cancelled_key,
     frames_key,
@@ -97,7 +96,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     rid, (run,), sampling = await start(  # the Responses API has no n: one run
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan, lora
     )
-    out = _Output(st, body, rid, _parser(st, req, plan, sampling))
+    out = _Output(st, body, rid, _parser(st, req, plan, sampling.structured is not None))
     if body.background:
         return await _background(st, body, run, out, started)
     if body.stream:
@@ -344,10 +343,9 @@ async def _read_record(st: ApiState, response_id: str) -> dict[str, str]:
 
 
 def _parser(st: ApiState, req: ChatCompletionRequest, plan: ToolPlan | None,
-            sampling: Sampling) -> ToolParser | None:  # fmt: skip
+            constrained: bool) -> ToolParser | None:  # fmt: skip
     """What reads the output into items: tool calls, a reasoning model's thinking."""
-    return output_parser(st.settings.api.reasoning_parser, plan, req.chat_template_kwargs,
-                         req.include_reasoning, sampling)  # fmt: skip
+    return output_parser(st.settings.api.reasoning_parser, plan, req, constrained)
 
 
 def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
@@ -356,9 +354,10 @@ def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
     req = chat_request(body.model_copy(update={"background": False}))
     plan = tool_plan(req, st.tool_parser)
     rid = "resp-" + response_id.removeprefix("resp_")
-    # the sampling's constraint decides whether the output starts with thinking
-    out = _Output(st, body, rid, _parser(st, req, plan, constrain(sampling_of(req, 1, st.builder),
-                                                                  plan)))  # fmt: skip
+    # a grammar (the request's own, or its tool choice's) decides whether it thinks
+    constrained = structured_of(req) is not None or (plan is not None
+                                                     and plan.constraint is not None)  # fmt: skip
+    out = _Output(st, body, rid, _parser(st, req, plan, constrained))
     out.created = int(rec["created"])
     return out
 

@@ -46,6 +46,12 @@ def load_owners_key(pool: str) -> str:
     return f"{KEY_PREFIX}loadowners:{pool}"
 
 
+def lora_registry_key() -> str:
+    """HASH adapter name -> JSON ``{"path": ...}``: the LoRA adapters every API replica
+    serves (:mod:`cluster.lora`)."""
+    return f"{KEY_PREFIX}lora-adapters"
+
+
 def traffic_key(bucket: int) -> str:
     """HASH: the API processes' traffic counts of one time bucket (:mod:`cluster.traffic`;
     ``bucket`` = unix time // its BUCKET_S), expiring an hour on."""

@@ -25,18 +25,14 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from cluster.keys import KEY_PREFIX
+from cluster.keys import lora_registry_key
+from cluster.resp import as_str
 
 # the Llama projections an adapter may adapt (PEFT's module names); LoRA on the embeddings
 # or the LM head, as vLLM serves for some models, is not served here
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
-
-
-def lora_registry_key() -> str:
-    """HASH adapter name -> JSON ``{"path": ...}``: the adapters every API replica serves."""
-    return f"{KEY_PREFIX}lora-adapters"
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +162,7 @@ class LoraRegistry:
 
     async def all(self) -> list[LoraRef]:
         found = await self.redis.hgetall(self.key)
-        refs = [_ref(k.decode() if isinstance(k, bytes) else k, v) for k, v in found.items()]
+        refs = [_ref(as_str(k), v) for k, v in found.items()]
         return sorted(refs, key=lambda r: r.name)
 
 

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
+from api.protocol import ChatCompletionRequest
 from api.reasoning import ThinkParser, output_parser, thinks
 from api.responses import OutputItems
 from api.tool_parsers import CallArgs, CallStart, Event, HermesParser, Reasoning, Text
 from api.tools import ChatOutput
-from kvbm.protocol import Sampling, StructuredOutput
 
 
 def _joined(events: list[Event]) -> tuple[str, str, list[tuple[str, str]]]:
@@ -77,12 +77,19 @@ def test_dropped_thinking_and_thinking_turned_off() -> None:
     assert thinks("qwen3", {"enable_thinking": False}) is False
     assert thinks("deepseek_r1", {"enable_thinking": False}) is True
     assert thinks(None, None) is False
-    free, schema = Sampling(), Sampling(structured=StructuredOutput(json_object=True))
-    p = output_parser("deepseek_r1", None, None, True, free)
-    assert isinstance(p, ThinkParser) and p.implicit
-    p = output_parser("deepseek_r1", None, None, True, schema)
+    msgs = [{"role": "user", "content": "hi"}]
+    req = ChatCompletionRequest(model="m", messages=msgs)  # type: ignore[arg-type]
+    p = output_parser("deepseek_r1", None, req, constrained=False)
+    assert isinstance(p, ThinkParser) and p.implicit and p.keep
+    p = output_parser("deepseek_r1", None, req, constrained=True)
     assert isinstance(p, ThinkParser) and not p.implicit
-    assert output_parser("qwen3", None, {"enable_thinking": False}, True, free) is None
+    off = ChatCompletionRequest(model="m", messages=msgs,  # type: ignore[arg-type]
+                                chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    assert output_parser("qwen3", None, off, constrained=False) is None
+    dropped = ChatCompletionRequest(model="m", messages=msgs,  # type: ignore[arg-type]
+                                    include_reasoning=False)  # fmt: skip
+    p = output_parser("deepseek_r1", None, dropped, constrained=False)
+    assert isinstance(p, ThinkParser) and not p.keep
 
 
 def test_chat_message_and_deltas_carry_reasoning() -> None:
