@@ -48,8 +48,10 @@ from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
 from api.tool_parsers import parser_for_template
+from api.tracing import TracingMiddleware
 from cluster.lora import LoraRegistry
 from cluster.response_store import ResponseStore
+from cluster.tracing import start_tracing
 from cluster.traffic import flush_loop
 from tasks.app import configure as configure_celery
 from tasks.heap import freeze_startup_heap, trim_heap
@@ -87,13 +89,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     st = ApiState(s, metrics, cluster, builder, media)
     st.tool_parser = s.api.tool_call_parser or parser_for_template(builder.template_text)
     configure_celery(s)
+    # traces (cluster.tracing): None, and no middleware, unless an endpoint is set
+    tracing = start_tracing(s.otlp_traces_endpoint, s.otlp_traces_protocol, "conveyor-api")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         st.redis = aioredis.Redis.from_url(s.effective_redis_url)
         st.hub = StreamHub(s.effective_redis_url, fast=s.broker_fastpath)
         await st.hub.start()
-        st.runner = await Runner(s, st.redis, st.hub, metrics).open()
+        st.runner = await Runner(s, st.redis, st.hub, metrics, tracing).open()
         st.tenants = TenantBudget(st.redis, s.admission.tenant_tokens_per_min, metrics)
         st.responses = ResponseStore(st.redis, s.api.responses_store_ttl_s)
         st.loras = LoraRegistry(st.redis)
@@ -120,6 +124,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await st.media.aclose()
             await st.hub.close()
             await st.redis.aclose()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # the last spans out
 
     app = FastAPI(title="Conveyor", version="0.1.0", lifespan=lifespan)
     app.state.conveyor = st
@@ -132,6 +138,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keys = s.api.api_key_list
     if keys:  # outermost: an unauthenticated request is answered before anything reads it
         app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api.api_keys_protect_ops)
+    if tracing is not None:  # outermost: every answer is in the span, a 401 included
+        app.add_middleware(TracingMiddleware, tracing=tracing)
     app.include_router(routes_models.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)

@@ -33,7 +33,9 @@ from api.metrics import ApiMetrics
 from api.resp import RespConnection
 from api.resume import moved_commands
 from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
+from api.tracing import RequestTrace, request_trace
 from cluster.lora import LoraRef
+from cluster.tracing import Tracing
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     REQUEST_ERROR_CODES,
@@ -101,6 +103,9 @@ class RunningRequest:
     choice: int | None = None  # n > 1: the index of the choice this stream carries
     group: ChoiceGroup | None = None  # ... and what it shares with the others
     tenant: str = ""  # who sent it (api.tenants): its completion tokens count there
+    first_token_at: float | None = None  # perf_counter
+    end: TokenFrame | None = None  # its terminal frame
+    trace: RequestTrace | None = None  # its request's trace, when traced (api.tracing)
 
 
 @dataclass
@@ -143,8 +148,10 @@ class Runner:
         client: aioredis.Redis,
         hub: StreamHub,
         metrics: ApiMetrics,
+        tracing: Tracing | None = None,
     ) -> None:
         self.s = settings
+        self.tracing = tracing
         # a line per request at INFO only when asked (CONVEYOR_LOG_REQUESTS)
         self._request_log = logging.INFO if settings.log_requests else logging.DEBUG
         self.hub = hub
@@ -211,10 +218,13 @@ class Runner:
         route_req = self.route_request(prompt_ids, images, pin, lora) if pooling is None \
             else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
         route_req.choices = sampling.n
+        trace = None if self.tracing is None else request_trace(
+            request_id, lora.name if lora else self.s.model_name,
+            sampling if pooling is None else None, len(prompt_ids), started)  # fmt: skip
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
             runs = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
-                                        images, pooling, priority, lora)  # fmt: skip
+                                        images, pooling, priority, lora, trace)  # fmt: skip
             try:
                 for run in runs:
                     run.first_frame = await self._next(run)
@@ -258,8 +268,10 @@ class Runner:
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         route_req: RouteRequest, images: list[ImageRef] | None = None,
         pooling: Pooling | None = None, priority: int = 0, lora: LoraRef | None = None,
+        trace: RequestTrace | None = None,
     ) -> list[RunningRequest]:  # fmt: skip
         planner = plan if pooling is None else plan_pooling
+        t0 = time.perf_counter()
         try:
             p = await self.admission.admit(partial(planner, self.router, self.s, route_req),
                                            priority)  # fmt: skip
@@ -284,6 +296,9 @@ class Runner:
         except (RedisError, OSError) as e:  # the router's state lives in Redis
             raise OpenAIError(503, f"Redis did not answer the router: {e}", "server_error",
                               None, "redis_unavailable") from e  # fmt: skip
+        if trace is not None:
+            assert self.tracing is not None, "a request is traced only where tracing is on"
+            trace.route(self.tracing, t0, p.steps)
         for why in p.fallbacks:
             self.metrics.disagg_fallbacks.labels(why).inc()
         n_blocks = len(route_req.block_hashes)
@@ -310,13 +325,14 @@ class Runner:
             pooling=pooling,
             priority=priority,
             lora=lora,
+            trace=trace.parent if trace is not None else None,
         )
         runs = []
         group = ChoiceGroup(stream_id, sampling.n) if sampling.n > 1 else None
         try:
             for i, sid in enumerate(payload.stream_ids):
                 sub = await self.hub.subscribe(tokens_channel(sid))
-                run = RunningRequest(sid, sub, p, started, payload=payload)
+                run = RunningRequest(sid, sub, p, started, payload=payload, trace=trace)
                 if group is not None:  # what the choice would carry alone (migration)
                     run.payload = payload.model_copy(
                         update={"sampling": choice_sampling(sampling, i)})  # fmt: skip
@@ -479,6 +495,11 @@ class Runner:
     def finish(self, run: RunningRequest) -> None:
         """Release everything the request holds; cancel it on the worker if unfinished.
         Runs as a detached task so it completes even when the caller is being cancelled."""
+        if run.trace is not None and not run.migrated:  # before the response's span ends
+            end = run.end
+            run.trace.ended(run.choice or 0, run.usage, end.finish_reason if end else None,
+                            end.error.message if end and end.error else None,
+                            run.first_token_at, run.migrations)  # fmt: skip
         task = asyncio.get_running_loop().create_task(self._cleanup(run))
         self._cleanup_tasks.add(task)
         task.add_done_callback(self._cleanup_tasks.discard)
@@ -512,6 +533,7 @@ class Runner:
                 run.prefill_pending = False
                 self._forget_prefill(run)
             if run.last_frame_at is None:
+                run.first_token_at = now
                 if not run.choice:  # one per request: its first choice's
                     self.metrics.ttft.observe(now - run.started)
                     self.metrics.traffic.first_token(now - run.started)
@@ -522,6 +544,7 @@ class Runner:
         if frame.done:
             run.finished = True
             run.usage = frame.usage
+            run.end = frame
 
     def _forget_prefill(self, run: RunningRequest) -> None:
         """The first token is out: the prompt no longer queues for prefill anywhere (the

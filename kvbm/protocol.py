@@ -532,6 +532,9 @@ class StagePayload(BaseModel):
     priority: int = 0  # vLLM's: lower values are served first
     # the LoRA adapter the request names as its model, if any (cluster.lora.LoraRef)
     lora: LoraRef | None = None
+    # the W3C traceparent of the API's span for the request, when it is traced
+    # (cluster.tracing): each stage task's span on its worker joins that trace
+    trace: str | None = None
 
     @property
     def stream_ids(self) -> list[str]:

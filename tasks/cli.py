@@ -200,6 +200,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
     from celery.signals import worker_ready, worker_shutting_down
 
     from cluster.queues import pool_queue, worker_queue
+    from cluster.tracing import start_tracing
     from tasks.app import configure as configure_app
     from tasks.heap import freeze_startup_heap
     from workers.engine_proc import EngineDied, parse_cpus
@@ -217,6 +218,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
     if s.engine.kind == "mock" and (moves_kv or encodes):
         raise click.UsageError(f"the mock engine serves the generate pool only, not {pool}")
     _ensure_model(s)
+    _check_tracing(s)
     host_blocks, disk_blocks = _kvbm_tiers(s)
     wid = s.worker.id or f"{socket.gethostname()}-{os.getpid()}"
     own_queue = worker_queue(pool, wid)
@@ -245,6 +247,12 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
         encoder_max_batch=s.multimodal.encoder_max_batch,
         log_requests=s.log_requests,
         frame_log_ttl_s=s.api.resume_ttl_s if s.api.resumable_streams else 0.0,
+        tracing=start_tracing(
+            s.otlp_traces_endpoint,
+            s.otlp_traces_protocol,
+            "conveyor-worker",
+            **{"conveyor.worker.id": wid, "conveyor.pool": pool},
+        ),
     )
     app = configure_app(s, extra_queues=[own_queue])
     try:
@@ -335,6 +343,19 @@ def batch_runner(concurrency: int, **kw: Any) -> None:
         beat.join(5)
 
 
+def _check_tracing(s: Settings) -> None:
+    """A traces transport this install lacks is a configuration error, said in one line
+    (serve does not restart a process that exits with it)."""
+    from cluster.tracing import TracingUnavailable, check_transport
+    from workers.start_errors import EXIT_CONFIG
+
+    try:
+        check_transport(s.otlp_traces_endpoint, s.otlp_traces_protocol)
+    except TracingUnavailable as e:
+        log.error("%s", e)
+        sys.exit(EXIT_CONFIG)
+
+
 # ----------------------------------------------------------------------------------------
 # conveyor api
 # ----------------------------------------------------------------------------------------
@@ -360,6 +381,7 @@ def api(**kw: object) -> None:
     import uvicorn
 
     s = configure(**kw)
+    _check_tracing(s)
     _raise_open_files_limit()
     workers = s.api.api_workers
     if workers > 1:  # each process's counters in files /metrics sums (api.metrics)

@@ -914,6 +914,20 @@ class Settings(BaseSettings):
         "finishes, and Celery's task received / succeeded lines (vLLM's "
         "--enable-log-requests). Off: those lines are DEBUG, as they cost CPU per request.",
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="Send OpenTelemetry traces here (vLLM's --otlp-traces-endpoint): a span "
+        "per HTTP request on the API, its admission and routing, and each stage task on its "
+        "worker, in the caller's trace when it sends a traceparent header. An http(s) URL: "
+        "the collector's OTLP/HTTP traces URL (a bare host:port gets /v1/traces), or its "
+        "gRPC address with otlp_traces_protocol=grpc. Unset: no tracing, at no cost.",
+    )
+    otlp_traces_protocol: Literal["http/protobuf", "grpc"] = Field(
+        "http/protobuf",
+        description="OTLP transport of the traces: http/protobuf (built in) or grpc (pip "
+        "install 'conveyor[tracing-grpc]'). OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER and the "
+        "exporter's other OTEL_* variables apply as the OpenTelemetry SDK reads them.",
+    )
     broker_fastpath: bool = Field(
         True,
         description="Use Conveyor's fast paths through kombu, Celery and redis-py (batched "
@@ -966,6 +980,14 @@ class Settings(BaseSettings):
     def _known_mode(cls, v: str) -> str:
         get_mode(v)  # ValueError listing the known modes
         return v
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _traces_url(cls, v: str | None) -> str | None:
+        if v and (urlsplit(v).scheme not in ("http", "https") or not urlsplit(v).hostname):
+            raise ValueError(f"{v!r} is not an http(s) URL of an OTLP collector "
+                             "(http://collector:4318/v1/traces)")  # fmt: skip
+        return v or None
 
     def to_env(self) -> dict[str, str]:
         """Every field that is set, as the ``CONVEYOR_*`` variable that sets it (how

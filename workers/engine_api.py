@@ -127,6 +127,16 @@ class RequestOutput:
     prefilled: bool = False  # prefill-only request done; its blocks are pinned
     kv_block_ids: list[int] | None = None
     kv_transfer_params: dict | None = None  # vLLM prefill: where its connector keeps the KV
+    timing: EngineTiming | None = None  # a finished request's, where the engine keeps it
+
+
+@dataclass(slots=True)
+class EngineTiming:
+    """How a finished request went through the engine (its trace's stage span)."""
+
+    queued_s: float | None = None  # arrival to its first step (vLLM's time_in_queue)
+    first_token_s: float | None = None  # arrival to its first output token
+    preemptions: int = 0
 
 
 def failed(

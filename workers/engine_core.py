@@ -41,7 +41,7 @@ from workers.engine_api import (
     refuse_prompt,
     refuse_unsupported,
 )
-from workers.output_processor import OutputProcessor, finished
+from workers.output_processor import OutputProcessor, finished, timing_of
 from workers.scheduler import Scheduler, Seq
 
 if TYPE_CHECKING:
@@ -276,6 +276,7 @@ class EngineCore:
                 # prefill done: keep the prompt's blocks for the decode worker to pull
                 out.prefilled = True
                 out.kv_block_ids = self.scheduler.pin(seq)
+                out.timing = timing_of(seq)
             outputs.append(out)
         return outputs
 

@@ -20,10 +20,13 @@ nor the encoder process imports the other (``workers.engine_proc`` starts either
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from cluster.stats import EngineStats
 from kvbm.protocol import EmbeddingRef, EncodeHandle, PrefillHandle, StagePayload
+
+if TYPE_CHECKING:
+    from workers.engine_api import EngineTiming
 
 # --------------------------------------------------------------------------------------
 # Commands: worker process -> engine process
@@ -121,6 +124,8 @@ class Completion:
     handle: PrefillHandle | EncodeHandle | None = None  # what the next stage pulls from
     transfer_failed: bool = False  # decode: the KV could not be pulled
     engine_died: bool = False  # the engine process is gone; the request is lost with it
+    cached_tokens: int = 0  # prompt tokens its prefix cache served
+    timing: EngineTiming | None = None  # how it went through the engine (its trace)
 
 
 @dataclass(slots=True)

@@ -102,6 +102,7 @@ class EngineProcSpec:
 class _Waiter:
     event: threading.Event = field(default_factory=threading.Event)
     result: Completion | None = None
+    submitted_ns: int = field(default_factory=time.time_ns)  # wall clock (its trace span)
 
 
 class EngineDied(RuntimeError):
@@ -631,7 +632,13 @@ class _EngineServer:
         """Frames are out: report finished requests; export prefilled ones' KV."""
         done = [
             Completion(
-                o.request_id, o.finish_reason, o.num_prompt_tokens, o.num_output_tokens, o.error
+                o.request_id,
+                o.finish_reason,
+                o.num_prompt_tokens,
+                o.num_output_tokens,
+                o.error,
+                cached_tokens=o.num_cached_tokens,
+                timing=o.timing,
             )  # fmt: skip
             for o in outs
             if o.finished
@@ -680,7 +687,21 @@ class _EngineServer:
             transfer=meta,
             embeddings=embeddings,
         )
-        self.send(Done([Completion(rid, None, out.num_prompt_tokens, 1, handle=handle)]))
+        self.send(
+            Done(
+                [
+                    Completion(
+                        rid,
+                        None,
+                        out.num_prompt_tokens,
+                        1,
+                        handle=handle,
+                        cached_tokens=out.num_cached_tokens,
+                        timing=out.timing,
+                    )
+                ]
+            )
+        )
 
     def _pull_and_decode(self, cmd: Decode, mm_inputs=None, extra=None) -> None:
         """The decode request joins the engine at once and waits there, in the loading

@@ -8,9 +8,10 @@ into a frame. ``min_tokens`` holds every stop back until that many tokens are ou
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from workers.engine_api import RequestOutput
+from workers.engine_api import EngineTiming, RequestOutput
 from workers.scheduler import Seq
 
 
@@ -38,6 +39,8 @@ class OutputProcessor:
         seq.token_ids.append(tok)
         seq.output_ids.append(tok)
         n_out = len(seq.output_ids)
+        if not seq.first_token:
+            seq.first_token = time.monotonic()
         ended = seq.constraint is not None and seq.constraint.accept(tok)  # its grammar's end
         step = seq.detok.step(tok, check_stop=n_out >= p.min_tokens)
         reason: str | None = None
@@ -79,4 +82,12 @@ def finished(
         num_prompt_tokens=seq.num_prompt,
         num_output_tokens=len(seq.output_ids),
         num_cached_tokens=seq.num_cached,
+        timing=timing_of(seq),
     )
+
+
+def timing_of(seq: Seq) -> EngineTiming:
+    """How ``seq`` went through the engine so far."""
+    return EngineTiming(seq.scheduled - seq.arrival if seq.scheduled else None,
+                        seq.first_token - seq.arrival if seq.first_token else None,
+                        seq.num_preemptions)  # fmt: skip

@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 
 from cluster.membership import Heartbeat, HeartbeatReport, declare_dead
+from cluster.tracing import Tracing
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     EncodeHandle,
@@ -28,7 +29,7 @@ from kvbm.protocol import (
     choice_request_id,
 )
 from workers.engine_api import EngineConfig
-from workers.engine_ipc import Completion, Decode, Embed, Encode, Generate, Prefill
+from workers.engine_ipc import Completion, Decode, Embed, Encode, Generate, Prefill, Run
 from workers.engine_proc import EngineClient, EngineDied, EngineProcSpec, _Waiter
 from workers.stream import publish_error_frame
 
@@ -66,8 +67,10 @@ class WorkerRuntime:
         encoder_max_batch: int,
         log_requests: bool,
         frame_log_ttl_s: float,
+        tracing: Tracing | None = None,  # cluster.tracing: a span per stage task
     ) -> None:
         self.pool = pool
+        self.tracing = tracing
         # a line per finished request at INFO only when asked (CONVEYOR_LOG_REQUESTS)
         self._request_log = logging.INFO if log_requests else logging.DEBUG
         self.worker_id = worker_id
@@ -139,6 +142,8 @@ class WorkerRuntime:
         except redis.RedisError:
             pass
         self.engine.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # the last spans out
 
     def load_report(self) -> HeartbeatReport:
         """The engine's side of this worker's heartbeat (the heartbeat stamps the rest)."""
@@ -164,6 +169,8 @@ class WorkerRuntime:
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
+        if cmd.payload.trace is not None:
+            self._span(cmd, waiter, out)
         log.log(
             self._request_log,
             "[%s] %s: %d prompt + %d output tokens in %.3fs%s",
@@ -222,6 +229,8 @@ class WorkerRuntime:
                                      finished=True, finish_reason="abort")  # fmt: skip
             waiter = self.engine.run(cmd)
         out = self._wait(request_id, waiter)
+        if cmd.payload.trace is not None:
+            self._span(cmd, waiter, out, kv_backend=getattr(out.handle, "backend", None))
         if out.handle is not None:
             assert isinstance(out.handle, PrefillHandle), "a prefill's result hands over its KV"
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
@@ -239,7 +248,11 @@ class WorkerRuntime:
         request_id, handle = cmd.request_id, cmd.handle
         if self._abandoned(request_id):
             return StageSummary(request_id=request_id, finish_reason="abort")
-        out = self._wait(request_id, self.engine.run(cmd))
+        waiter = self.engine.run(cmd)
+        out = self._wait(request_id, waiter)
+        if cmd.payload.trace is not None:
+            self._span(cmd, waiter, out, kv_backend=handle.backend,
+                       prefill_worker=handle.prefill_worker)  # fmt: skip
         if out.transfer_failed:
             raise KVPullFailed(out.error or "KV pull failed")
         log.info("[%s] %s: decoded %d tokens after a %s pull in %.3fs", request_id,
@@ -255,7 +268,10 @@ class WorkerRuntime:
         if self._abandoned(request_id):
             return EncodeHandle(request_id=request_id, encode_worker=self.worker_id,
                                 error="abandoned")  # fmt: skip
-        out = self._wait(request_id, self.engine.run(cmd))
+        waiter = self.engine.run(cmd)
+        out = self._wait(request_id, waiter)
+        if cmd.payload.trace is not None:
+            self._span(cmd, waiter, out, images=len(cmd.payload.images))
         if not isinstance(out.handle, EncodeHandle):
             why = out.error or f"not encoded ({out.finish_reason})"
             return EncodeHandle(request_id=request_id, encode_worker=self.worker_id, error=why)
@@ -263,6 +279,30 @@ class WorkerRuntime:
                  time.perf_counter() - t0,
                  f": {out.handle.error}" if out.handle.error else "")  # fmt: skip
         return out.handle
+
+    def _span(self, cmd: Run, waiter: _Waiter, out: Completion, **extra: object) -> None:
+        """The stage task's span in its request's trace: from the request's start in the
+        engine (its message's arrival, when begun on receipt) to its end here."""
+        if self.tracing is None:
+            return
+        p, t = cmd.payload, out.timing
+        attrs: dict[str, object] = {
+            "conveyor.request_id": cmd.request_id,
+            "conveyor.worker.id": self.worker_id,
+            "conveyor.pool": self.pool,
+            "gen_ai.usage.input_tokens": out.prompt_tokens,
+            "gen_ai.usage.output_tokens": out.completion_tokens,
+            "conveyor.usage.cached_tokens": out.cached_tokens,
+            "gen_ai.response.finish_reasons": [out.finish_reason] if out.finish_reason else None,
+            "gen_ai.latency.time_in_queue": t.queued_s if t else None,
+            "gen_ai.latency.time_to_first_token": t.first_token_s if t else None,
+            "conveyor.preemptions": t.preemptions if t else None,
+            "conveyor.prefill_redo": p.attempt or None,
+            "conveyor.migration": p.resume.migration if p.resume else None,
+        }  # fmt: skip
+        attrs.update({f"conveyor.{k}": v for k, v in extra.items()})
+        self.tracing.span(cmd.kind, p.trace, waiter.submitted_ns, time.time_ns(), attrs,
+                          kind="CONSUMER", error=out.error)  # fmt: skip
 
     def _abandoned(self, request_id: str) -> bool:
         """Whether the API is done with the request (it ended, or was given up on): a task

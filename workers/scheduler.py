@@ -72,6 +72,8 @@ class Seq:
     num_preemptions: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache at first admission
     arrival: float = field(default_factory=time.monotonic)
+    scheduled: float = 0.0  # when it first ran a step (monotonic; 0: not yet)
+    first_token: float = 0.0  # when its first output token was sampled (monotonic)
     matched: bool = False  # its cached prefix was looked up (again after a preemption)
     counted: bool = False  # its prompt entered the prefix-cache statistics
     offered: int = 0  # blocks of its chain known to be in G2 (where the next offer starts)
@@ -285,6 +287,8 @@ class Scheduler:
                 self.prompt_tokens_cached += seq.num_cached
             self.waiting.popleft()
             self.running.append(seq)
+            if not seq.scheduled:
+                seq.scheduled = time.monotonic()
             scheduled.append((seq, n))
             budget -= n
             admitted = p

@@ -333,7 +333,12 @@ def test_compose_defaults_match_settings(services):
     for name in CONVEYOR_SERVICES:
         for key, value in _env(services[name]).items():
             m = re.fullmatch(r"\$\{(\w+):-([^}]*)\}", value)
-            if not m or m[1] != key or key in ("CONVEYOR_MODEL",):
+            if (
+                not m
+                or m[1] != key
+                or key in ("CONVEYOR_MODEL",)
+                or not key.startswith("CONVEYOR_")
+            ):  # OTEL_*: the SDK's, not ours
                 continue
             try:
                 default = settings.field_info(key.removeprefix("CONVEYOR_").lower()).default
@@ -351,6 +356,7 @@ def test_compose_defaults_match_settings(services):
         "CONVEYOR_PREFILL_RETRIES",
         "CONVEYOR_LORA_MODULES",
         "CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING",
+        "CONVEYOR_OTLP_TRACES_ENDPOINT",
     } <= checked
 
 

@@ -62,6 +62,8 @@ NEW_NAMES = [
     "lora_modules",
     "max_lora_rank",
     "max_loras",
+    "otlp_traces_endpoint",
+    "otlp_traces_protocol",
     "planner",
     "planner_compose_project",
     "planner_compose_services",
@@ -255,3 +257,13 @@ def test_the_cli_help_shows_each_settings_default_from_settings() -> None:
             seen += 1
             assert isinstance(p, click.Option)
     assert seen >= 40  # every command's setting flags (45 today)
+
+
+@pytest.mark.parametrize("bad", ["collector:4318", "grpc://c:4317", "http://"])
+def test_a_traces_endpoint_must_be_an_http_url(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _clean_env(monkeypatch)
+    with pytest.raises(ValueError, match="not an http"):
+        Settings(otlp_traces_endpoint=bad)
+    monkeypatch.setenv("CONVEYOR_OTLP_TRACES_ENDPOINT", "")  # compose's empty default: off
+    assert Settings().otlp_traces_endpoint is None
+    assert Settings(otlp_traces_endpoint="https://c/v1/traces").otlp_traces_endpoint

@@ -316,3 +316,17 @@ def test_the_loop_samples_the_last_steps_with_their_wall_time(tiny_model_dir: Pa
     # through the heartbeat's JSON, as the planner reads it
     rep = HeartbeatReport.decode(HeartbeatReport("w", "generate", stats=st).encode())
     assert rep.stats.step_samples == samples and rep.stats.decode_kv_tokens == st.decode_kv_tokens
+
+
+def test_a_finished_request_reports_its_time_in_the_engine(tiny_model_dir: Path) -> None:
+    """Its trace's stage span reads these (workers.runtime): the queue wait, the first token
+    (from arrival), preemptions. One sequence at a time: b waits for all of a."""
+    e = make(tiny_model_dir, max_num_seqs=1)
+    outs = run(e, req("a", PROMPT, max_tokens=6), req("b", PROMPT[:40], max_tokens=6))
+    a, b = outs["a"][-1].timing, outs["b"][-1].timing
+    assert a is not None and b is not None
+    assert all(o.timing is None for o in outs["a"][:-1])  # the last output carries it
+    assert a.queued_s is not None and a.first_token_s is not None
+    assert 0 <= a.queued_s <= a.first_token_s and a.preemptions == 0
+    assert b.queued_s is not None and b.first_token_s is not None
+    assert b.queued_s >= a.first_token_s and b.first_token_s >= b.queued_s
