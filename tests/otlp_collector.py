@@ -102,10 +102,11 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-def serve_http(collector: Collector) -> tuple[ThreadingHTTPServer, str]:
-    """An OTLP/HTTP receiver on a free loopback port; returns it and its traces URL."""
+def serve_http(collector: Collector, port: int = 0) -> tuple[ThreadingHTTPServer, str]:
+    """An OTLP/HTTP receiver on loopback (a free port by default); returns it and its
+    traces URL."""
     handler = type("Handler", (_Handler,), {"collector": collector})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/v1/traces"
 
@@ -125,3 +126,14 @@ def serve_grpc(collector: Collector) -> tuple[Any, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"http://127.0.0.1:{port}"
+
+
+if __name__ == "__main__":  # a stand-alone collector (docs/performance.md, "Tracing")
+    import sys
+
+    c = Collector()
+    _, url = serve_http(c, int(sys.argv[1]) if len(sys.argv) > 1 else 4318)
+    print(f"OTLP/HTTP collector on {url}", flush=True)
+    while True:
+        time.sleep(10)
+        print(f"{len(c.spans)} spans in {c.requests['http']} requests", flush=True)
