@@ -30,13 +30,6 @@ from tasks.settings import DEFAULT_MODEL_DIR, Settings, configure, engine_config
 log = logging.getLogger("conveyor")
 
 
-def _setup_logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
-    )
-
-
 def _ensure_model(s: Settings) -> None:
     """Generate the default model if it is what's configured and it is missing."""
     from workers.checkpoint import is_model_dir  # torch-free: mock workers never load torch
@@ -168,10 +161,16 @@ def _engine_opts(f):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              envvar="CONVEYOR_LOG_FORMAT", show_default=True,
+              help="text lines, or one JSON object per line [CONVEYOR_LOG_FORMAT]")  # fmt: skip
 @click.pass_context
-def main(ctx: click.Context, log_level: str) -> None:
+def main(ctx: click.Context, log_level: str, log_format: str) -> None:
     """Conveyor: LLM serving on a Celery + Redis task pipeline (OpenAI-compatible)."""
-    _setup_logging(log_level)
+    from cluster.logs import setup_logging
+
+    setup_logging(log_level, log_format)
+    os.environ["CONVEYOR_LOG_FORMAT"] = log_format  # the settings, and the processes started
     ctx.obj = {"log_level": log_level}
 
 
@@ -253,6 +252,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
             "conveyor-worker",
             **{"conveyor.worker.id": wid, "conveyor.pool": pool},
         ),
+        log_format=s.log_format,
     )
     app = configure_app(s, extra_queues=[own_queue])
     try:
@@ -283,6 +283,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
         for name in ("celery.app.trace", "celery.worker.strategy"):  # per request
             logging.getLogger(name).setLevel(logging.WARNING)
     argv = [
+        *_celery_quiet(s),
         "worker",
         "--queues",
         f"{pool_queue(pool)},{own_queue}",
@@ -334,13 +335,19 @@ def batch_runner(concurrency: int, **kw: Any) -> None:
                             daemon=True)  # fmt: skip
     beat.start()  # the API takes batches only while a runner is live
     try:
-        app.worker_main(["worker", "--queues", BATCH_QUEUE, "--hostname", name, "--pool",
-                         "threads", "--concurrency", str(concurrency), "--task-events",
-                         "--without-gossip", "--without-mingle", "--loglevel",
+        app.worker_main([*_celery_quiet(s), "worker", "--queues", BATCH_QUEUE, "--hostname",
+                         name, "--pool", "threads", "--concurrency", str(concurrency),
+                         "--task-events", "--without-gossip", "--without-mingle", "--loglevel",
                          click.get_current_context().obj["log_level"]])  # fmt: skip
     finally:
         done.set()
         beat.join(5)
+
+
+def _celery_quiet(s: Settings) -> list[str]:
+    """Celery's global options: no start-up banner where every line must be JSON (it is
+    printed, not logged)."""
+    return ["--quiet"] if s.log_format == "json" else []
 
 
 def _check_tracing(s: Settings) -> None:
@@ -395,6 +402,8 @@ def api(**kw: object) -> None:
         port=s.api.port,
         workers=workers,
         log_level="warning",
+        # json: uvicorn's loggers write through the root logger's JSON lines
+        log_config=None if s.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         timeout_graceful_shutdown=5,
     )
 

@@ -914,6 +914,13 @@ class Settings(BaseSettings):
         "finishes, and Celery's task received / succeeded lines (vLLM's "
         "--enable-log-requests). Off: those lines are DEBUG, as they cost CPU per request.",
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="How every process logs (Flower aside): text lines, or json, one "
+        "object per line with time, level, logger, pid, message, and request_id, trace_id "
+        "and span_id where known (as Dynamo's DYN_LOGGING_JSONL); also `conveyor "
+        "--log-format`.",
+    )
     otlp_traces_endpoint: str | None = Field(
         None,
         description="Send OpenTelemetry traces here (vLLM's --otlp-traces-endpoint): a span "

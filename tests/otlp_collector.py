@@ -128,7 +128,9 @@ def serve_grpc(collector: Collector) -> tuple[Any, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
-if __name__ == "__main__":  # a stand-alone collector (docs/performance.md, "Tracing")
+if (
+    __name__ == "__main__"
+):  # a stand-alone collector (docs/performance.md, "Tracing: what a traced request costs")
     import sys
 
     c = Collector()

@@ -34,6 +34,7 @@ from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.logs import setup_logging
 from cluster.stats import EngineStats
 from kvbm.protocol import PrefillHandle, kv_release_channel
 from workers.choices import ChoiceGroups
@@ -90,6 +91,7 @@ class EngineProcSpec:
     cpus: tuple[int, ...] | None  # pin the engine process to these CPUs
     stats_period_s: float
     log_level: int
+    log_format: str  # cluster.logs: text | json
     fastpath: bool  # frames on a raw connection (workers.stream); else redis-py's
     role: str  # engine: the text model; encoder: the vision tower alone (encode pool)
     embedding_transfer: str  # how image embeddings move between workers
@@ -297,10 +299,7 @@ def _serve(spec: EngineProcSpec, conn: Connection) -> None:
     # the worker would report an engine crash while shutting down on purpose.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=spec.log_level,
-        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
-    )
+    setup_logging(spec.log_level, spec.log_format)
     import redis
 
     send_lock = threading.Lock()

@@ -68,6 +68,7 @@ class WorkerRuntime:
         log_requests: bool,
         frame_log_ttl_s: float,
         tracing: Tracing | None = None,  # cluster.tracing: a span per stage task
+        log_format: str = "text",  # the engine process's (cluster.logs)
     ) -> None:
         self.pool = pool
         self.tracing = tracing
@@ -91,6 +92,7 @@ class WorkerRuntime:
             cpus=engine_cpus,
             stats_period_s=min(0.25, heartbeat_s / 2),
             log_level=logging.getLogger().getEffectiveLevel(),
+            log_format=log_format,
             fastpath=fastpath,
             role=role,
             embedding_transfer=embedding_transfer,

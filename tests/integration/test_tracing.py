@@ -8,6 +8,7 @@ from its own process, with the request's attributes."""
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ def traced(
         CONVEYOR_DISAGG_MIN_PROMPT_TOKENS=str(MIN_PD),
         CONVEYOR_OTLP_TRACES_ENDPOINT=endpoint,
         OTEL_BSP_SCHEDULE_DELAY="100",  # export within 0.1 s, not the SDK's 5 s
+        CONVEYOR_LOG_FORMAT="json",  # and their log lines name the trace (cluster.logs)
     )  # fmt: skip
     pre = start_worker("trace-prefill", "prefill", "trace-p", env, logdir)
     dec = start_worker("trace-decode", "decode", "trace-d", env, logdir)
@@ -135,6 +137,26 @@ def test_a_disaggregated_request_is_one_trace_across_its_processes(traced: Trace
     assert dec.attributes["gen_ai.usage.output_tokens"] == r.usage.completion_tokens
     assert dec.attributes["gen_ai.response.finish_reasons"] == [r.choices[0].finish_reason]
     assert pre.start_ns <= dec.start_ns
+
+    # the processes log JSON lines (CONVEYOR_LOG_FORMAT=json); a request's lines name it,
+    # and the API's, logged inside its span, name the trace too
+    lines = {p.name: _json_lines(p) for p in traced.procs}
+    sent = [ln for ln in lines["trace-api"] if ln.get("request_id") == r.id]
+    assert sent and all(ln["trace_id"] == trace_id for ln in sent), sent
+    assert any(ln.get("request_id") == r.id for ln in lines["trace-prefill"])
+    assert {"time", "level", "logger", "pid", "message"} <= set(sent[0])
+
+
+def _json_lines(p: Proc) -> list[dict]:
+    """Every line ``p`` wrote, each of which must be a JSON object."""
+    out = []
+    for ln in p.log.read_text().splitlines():
+        if ln.strip():
+            try:
+                out.append(json.loads(ln))
+            except ValueError:
+                raise AssertionError(f"{p.name} wrote a line that is not JSON: {ln!r}") from None
+    return out
 
 
 def test_a_streamed_request_without_a_caller_starts_its_own_trace(traced: Traced) -> None:

@@ -58,6 +58,7 @@ NEW_NAMES = [
     "batch_recover_s",
     "files_dir",
     "kernel_dir",
+    "log_format",
     "log_requests",
     "lora_modules",
     "max_lora_rank",
