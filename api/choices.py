@@ -58,7 +58,8 @@ async def stream(
     try:
         if fmt.chat:  # chat streams open with the assistant role, for every choice
             if role := tagged(b"".join(
-                    sse_event(fmt.chunk(fmt.role_delta(), None, include_usage, index=i))
+                    sse_event(_opened(extras[i], fmt.chunk(fmt.role_delta(), None, include_usage,
+                                                           index=i)))
                     for i in range(left))):  # fmt: skip
                 yield role
         frames_in = ready if ready is not None else merged(st.runner, runs or [])
@@ -113,6 +114,11 @@ async def stream(
         yield sse_event(stream_failed(e, fmt.rid).body())
     finally:
         (end if ended or dropped is None else dropped)()
+
+
+def _opened(extra: ExtraOutput | None, chunk: dict) -> dict:
+    """A chat stream's first chunk, with what ``extra`` puts on it."""
+    return chunk if extra is None else extra.open(chunk)
 
 
 async def collect(
@@ -176,6 +182,8 @@ def whole_choice(
     choice = fmt.choice(index, text, reason, last.stop_reason, message, logprobs, prompt)
     if fmt.chat and prompt is not None:
         choice["prompt_logprobs"] = prompt
+    if extra is not None:
+        extra.whole_ids(choice, frames or [])
     return choice
 
 

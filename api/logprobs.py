@@ -63,6 +63,23 @@ class TokenStrings:
         return k
 
 
+class TokenIdStrings(TokenStrings):
+    """Each token's string as ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``):
+    a token that is no valid UTF-8 alone is still told apart from its neighbours."""
+
+    def __init__(self) -> None:
+        super().__init__(None)  # type: ignore[arg-type]  # it decodes nothing
+
+    def text(self, tid: int) -> str:
+        s = self._text.get(tid)
+        if s is None:
+            s = self._text[tid] = f"token_id:{tid}"
+        return s
+
+
+ID_STRINGS = TokenIdStrings()
+
+
 class LogprobsRenderer:
     """One request's logprobs, chunk by chunk (``top``: how many top logprobs it asked
     for per token). Completions keep the text offset across chunks, as vLLM counts it: a
@@ -133,13 +150,26 @@ class ExtraOutput:
     logprobs). The first frame carries the prompt's logprobs."""
 
     def __init__(self, strings: TokenStrings, renderer: LogprobsRenderer | None,
-                 prompt_ids: list[int], echo: str | None, prompt_lps: bool) -> None:  # fmt: skip
+                 prompt_ids: list[int], echo: str | None, prompt_lps: bool,
+                 ids: bool = False) -> None:  # fmt: skip
         self.strings = strings
         self.renderer = renderer
         self.prompt_ids = prompt_ids
         self.echo = echo  # the prompt's text, until it went out
         self.prompt_lps = prompt_lps
-        self._held: tuple[list[int], list] = ([], [])  # tokens whose text is still to come
+        # vLLM's return_token_ids: each chunk's token ids, the prompt's in the first
+        self.ids = ids
+        self._opened = False  # completions: the prompt's ids went out on a chunk
+        # tokens whose text is still to come: for logprobs (an echo's prompt included) and
+        # as output ids
+        self._held: tuple[list[int], list, list[int]] = ([], [], [])
+
+    def open(self, chunk: dict) -> dict:
+        """Chat's first chunk (the role's), with the prompt's ids where they were asked for
+        (vLLM: on the chunk, in chat)."""
+        if self.ids:
+            chunk["prompt_token_ids"] = self.prompt_ids
+        return chunk
 
     def event(self, fmt: Formatter, frames: list[TokenFrame], text: str,
               include_usage: bool, index: int = 0) -> bytes:  # fmt: skip
@@ -147,38 +177,62 @@ class ExtraOutput:
         back (it ends inside a character, or may begin a stop string) waits for the next
         event with text, or the stream's end: its logprobs ride with the text it begins,
         one event fewer (vLLM sends it alone, with empty content)."""
-        tokens, lps = _tokens(frames) if self.renderer is not None else ([], [])
+        tokens, lps = _tokens(frames) if self.renderer is not None or self.ids else ([], [])
+        out_ids = tokens  # the output's own (an echoed prompt's join the logprobs only)
         if self.echo is not None:
             text = self.echo + text
             self.echo = None
             if self.renderer is not None:
                 tokens, lps = self._with_prompt(frames, tokens, lps)
-        if self.renderer is None:
+        if self.renderer is None and not self.ids:
             return fmt.text_event(text, include_usage, index) if text else b""
-        held_tokens, held_lps = self._held
+        held_tokens, held_lps, held_ids = self._held
         if held_tokens:
-            tokens, lps = held_tokens + tokens, held_lps + lps
+            tokens, lps, out_ids = held_tokens + tokens, held_lps + lps, held_ids + out_ids
         if not text and not (frames and frames[-1].done):
-            self._held = (tokens, lps)
+            self._held = (tokens, lps, out_ids)
             return b""
-        self._held = ([], [])
+        self._held = ([], [], [])
         if not tokens and not text:
             return b""
-        return fmt.logprobs_event(text, self.renderer.render(tokens, lps, text), include_usage,
-                                  index)  # fmt: skip
+        if not self.ids:
+            return fmt.logprobs_event(text, self.renderer.render(tokens, lps, text),  # type: ignore[union-attr]
+                                      include_usage, index)  # fmt: skip
+        logprobs = self.renderer.full(tokens, lps, text) if self.renderer is not None else None
+        chunk = fmt.chunk(fmt.text_delta(text), None, include_usage, index=index,
+                          logprobs=logprobs)  # fmt: skip
+        return sse_event(self._with_ids(chunk, out_ids))
+
+    def _with_ids(self, chunk: dict, out_ids: list[int]) -> dict:
+        """``chunk`` with its tokens' ids; a completion's first with the prompt's too (on
+        the choice, where vLLM puts them in completions)."""
+        choice = chunk["choices"][0]
+        choice["token_ids"] = out_ids
+        if not chunk["object"].startswith("chat") and not self._opened:
+            choice["prompt_token_ids"] = self.prompt_ids
+        self._opened = True
+        return chunk
 
     def beside_tools(self, fmt: Formatter, frames: list[TokenFrame], include_usage: bool,
                      index: int = 0) -> bytes:  # fmt: skip
         """A tool-parsed stream's logprobs: its frames' tokens in a chunk of their own, with
         an empty delta after the batch's content and tool-call deltas (those are parsed from
         the text, not cut where the tokens end), so every token's logprob goes out once."""
-        if self.renderer is None:
+        if self.renderer is None and not self.ids:
             return b""
         tokens, lps = _tokens(frames)
         if not tokens:
             return b""
-        return sse_event(fmt.chunk(fmt.empty_delta(), None, include_usage, index=index,
-                                   logprobs=self.renderer.full(tokens, lps)))  # fmt: skip
+        logprobs = self.renderer.full(tokens, lps) if self.renderer is not None else None
+        chunk = fmt.chunk(fmt.empty_delta(), None, include_usage, index=index, logprobs=logprobs)
+        return sse_event(self._with_ids(chunk, tokens) if self.ids else chunk)
+
+    def whole_ids(self, choice: dict, frames: list[TokenFrame]) -> None:
+        """A whole response's choice with its token ids and the prompt's, where asked for
+        (chat's prompt ids move onto the body: :meth:`api.sse.Formatter.whole`)."""
+        if self.ids:
+            choice["token_ids"] = _tokens(frames)[0]
+            choice["prompt_token_ids"] = self.prompt_ids
 
     def full(self, frames: list[TokenFrame], text: str) -> tuple[str, dict | None, list | None]:
         """A whole response's (text, logprobs, prompt logprobs) from all its frames."""
@@ -200,8 +254,10 @@ class ExtraOutput:
 
 
 def extra_output(strings: TokenStrings, req: ChatCompletionRequest | CompletionRequest,
-                 sampling: Sampling, prompt_ids: list[int]) -> ExtraOutput | None:  # fmt: skip
-    """What ``req`` asks for on top of its text; ``None``: nothing (the plain path)."""
+                 sampling: Sampling, prompt_ids: list[int],
+                 as_ids: bool = False) -> ExtraOutput | None:  # fmt: skip
+    """What ``req`` asks for on top of its text; ``None``: nothing (the plain path).
+    ``as_ids``: the deployment's return_tokens_as_token_ids (the request's overrides it)."""
     echo = None
     if isinstance(req, CompletionRequest) and req.echo:
         prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
@@ -211,13 +267,17 @@ def extra_output(strings: TokenStrings, req: ChatCompletionRequest | CompletionR
             if isinstance(prompt, str)
             else strings.decode(prompt_ids, req.skip_special_tokens)
         )
-    if sampling.logprobs is None and sampling.prompt_logprobs is None and echo is None:
+    if sampling.logprobs is None and sampling.prompt_logprobs is None and echo is None \
+            and not req.return_token_ids:  # fmt: skip
         return None
     chat = isinstance(req, ChatCompletionRequest)
     renderer = None
     if sampling.logprobs is not None:
-        renderer = LogprobsRenderer(strings, chat, sampling.logprobs)
-    return ExtraOutput(strings, renderer, prompt_ids, echo, sampling.prompt_logprobs is not None)
+        named = req.return_tokens_as_token_ids
+        renderer = LogprobsRenderer(ID_STRINGS if (as_ids if named is None else named)
+                                    else strings, chat, sampling.logprobs)  # fmt: skip
+    return ExtraOutput(strings, renderer, prompt_ids, echo, sampling.prompt_logprobs is not None,
+                       req.return_token_ids)  # fmt: skip
 
 
 def _tokens(frames: list[TokenFrame]) -> tuple[list[int], list]:

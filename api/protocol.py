@@ -84,6 +84,10 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=-1)
+    # the prompt's and the output's token ids in the response (prompt_token_ids, token_ids)
+    return_token_ids: bool = False
+    # logprobs name each token "token_id:<id>" (None: CONVEYOR_RETURN_TOKENS_AS_TOKEN_IDS)
+    return_tokens_as_token_ids: bool | None = None
     # structured outputs: vLLM's object, or its older guided_* fields (one kind at most)
     structured_outputs: dict | None = None
     guided_json: str | dict | None = None

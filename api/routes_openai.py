@@ -111,7 +111,7 @@ async def _serve(
     # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
     # text alone, the plain per-token path)
     tools = [chat_output(st, req, plan, sampling) for _ in runs]
-    extras = [extra_output(st.strings, req, sampling, prompt.token_ids) for _ in runs]
+    extras = [_extra(st, req, sampling, prompt.token_ids) for _ in runs]
     if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each read on its own
         end = partial(end_request, st, runs, started)
         if req.stream:
@@ -205,7 +205,8 @@ async def _stream(
     ended = False  # the stream came to its end (not its client gone)
     try:
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
-            role = sse_event(fmt.chunk(fmt.role_delta(), None, include_usage))
+            opening = fmt.chunk(fmt.role_delta(), None, include_usage)
+            role = sse_event(extra.open(opening) if extra is not None else opening)
             if out := (tag.out(role, (-1,)) if tag is not None else role):
                 yield out
         async for batch in batches:
@@ -260,6 +261,13 @@ async def _stream(
             end_request(st, [run], started)
 
 
+def _extra(st: ApiState, req: ChatCompletionRequest | CompletionRequest, sampling: Sampling,
+           prompt_ids: list[int]) -> ExtraOutput | None:  # fmt: skip
+    """What a choice of ``req`` carries beside its text (api.logprobs.extra_output)."""
+    return extra_output(st.strings, req, sampling, prompt_ids,
+                        st.settings.api.return_tokens_as_token_ids)  # fmt: skip
+
+
 def linger_on(st: ApiState, log_id: str, drain: Callable[[], Awaitable[None]],
               end: Callable[[], None]) -> None:  # fmt: skip
     """A stream whose client went away runs on for the grace period (:func:`linger`)."""
@@ -311,13 +319,13 @@ async def resume(
     if req.n > 1:
         gen = choices.stream(st, None, fmt, req.include_usage, st.metrics.in_flight.dec,
                              [chat_output(st, req, plan, sampling) for _ in logs],
-                             [extra_output(st.strings, req, sampling, prompt.token_ids)
+                             [_extra(st, req, sampling, prompt.token_ids)
                               for _ in logs],
                              ready=choices.resumed(readers, seqs), tag=tag)  # fmt: skip
     else:
         out = chat_output(st, req, plan, sampling)
         gen = _stream(st, None, fmt, req.include_usage, started, out,
-                      extra_output(st.strings, req, sampling, prompt.token_ids),
+                      _extra(st, req, sampling, prompt.token_ids),
                       frames=resumed_batches(readers[0], seqs[0]), tag=tag)  # fmt: skip
     return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
 

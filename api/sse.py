@@ -192,4 +192,8 @@ class Formatter:
         body["usage"] = usage
         if self.chat and prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
+        if self.chat:  # vLLM's return_token_ids: the prompt's ids once, on the body
+            ids = [c.pop("prompt_token_ids", None) for c in choices]
+            if ids and ids[0] is not None:
+                body["prompt_token_ids"] = ids[0]
         return body

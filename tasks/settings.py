@@ -118,6 +118,12 @@ class ApiSettings(_Area):
     api_keys_protect_ops: bool = Field(
         False, description="Require an API key for /health and /metrics too."
     )
+    return_tokens_as_token_ids: bool = Field(
+        False,
+        description="Logprobs name each token 'token_id:<id>' rather than its text (vLLM's "
+        "--return-tokens-as-token-ids; a request's return_tokens_as_token_ids overrides it): "
+        "tokens that are no valid UTF-8 alone stay told apart.",
+    )
     tool_call_parser: Literal["hermes", "llama3_json", "pythonic", "mistral"] | None = Field(
         None,
         description="How tool calls are read out of the model's text for tool_choice "

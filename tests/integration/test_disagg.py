@@ -241,6 +241,22 @@ def test_disagg_logprobs_equal_agg(disagg: Disagg, cluster: Cluster) -> None:
         assert streamed == want.logprobs.tokens  # the first one (the prefill's) included
 
 
+def test_disagg_token_ids_equal_agg(disagg: Disagg, cluster: Cluster) -> None:
+    """return_token_ids: the prefill worker's first token, then the decode worker's, the
+    aggregated run's ids, streamed or not."""
+    dis = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="x", max_retries=0)
+    kw: dict = dict(prompt=PROMPTS[11], max_tokens=8, temperature=0,
+                    extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    want = cluster.client(max_retries=0).completions.create(model=cluster.model_name, **kw)
+    ids = want.choices[0].model_extra["token_ids"]
+    assert len(ids) == 8
+    got = dis.completions.create(model=disagg.model, **kw).choices[0].model_extra
+    assert (got["token_ids"], got["prompt_token_ids"]) == (ids, PROMPTS[11])
+    chunks = list(dis.completions.create(model=disagg.model, stream=True, **kw))
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids")
+            or []] == ids  # fmt: skip
+
+
 def test_cancel_mid_decode_frees_both_sides(disagg: Disagg) -> None:
     wait_for(disagg.idle, 10, "idle")
     body = {

@@ -218,3 +218,39 @@ def test_a_token_without_text_rides_with_the_next_chunk(strings: TokenStrings) -
     body = json.loads(last[6:-4])["choices"][0]
     assert body["delta"]["content"] == ""
     assert [e["token"] for e in body["logprobs"]["content"]] == [strings.text(i) for i in ids[2:4]]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion", "echo"])
+def test_token_ids_ride_the_chunks_held_ones_included(kind: str, strings: TokenStrings) -> None:
+    """vLLM's return_token_ids: each chunk's output ids (a token whose text is held back
+    rides with the next chunk's, as its logprobs do), the prompt's on the first chunk (the
+    role's, in chat: ExtraOutput.open) or the whole body's; an echo's prompt is not output."""
+    ids = _ids(strings, "é中 and more")
+    prompt = [1, 50, 60]
+    chat = kind == "chat"
+    fmt = Formatter("chat" if chat else "completion", "x", "m")
+    echo = "the prompt" if kind == "echo" else None
+
+    def extra() -> ExtraOutput:
+        return ExtraOutput(strings, None, prompt, echo, False, ids=True)
+
+    x = extra()
+    # the first token is half of "é": its text comes with the second's
+    texts = ["", "é"] + [strings._tok.decode(ids[: i + 1])[len(strings._tok.decode(ids[:i])):]
+                         for i in range(2, len(ids))]  # fmt: skip
+    frames = [TokenFrame(i, [t], texts[i], done=i == len(ids) - 1) for i, t in enumerate(ids)]
+    bodies = [json.loads(ev[6:-4]) for f in frames if (ev := x.event(fmt, [f], f.text, False))]
+    assert [t for b in bodies for t in b["choices"][0]["token_ids"]] == ids
+    assert len(bodies) < len(frames)  # the held byte went out with the next text
+    firsts = [b["choices"][0].get("prompt_token_ids") for b in bodies]
+    assert firsts[1:] == [None] * (len(bodies) - 1)
+    assert firsts[0] == (None if chat else prompt)
+    if chat:
+        assert extra().open({"choices": []})["prompt_token_ids"] == prompt
+    whole = fmt.choice(0, "t", "stop", None)
+    extra().whole_ids(whole, frames)
+    assert whole["token_ids"] == ids
+    body = fmt.whole([whole], {})
+    where = body if chat else body["choices"][0]
+    assert where["prompt_token_ids"] == prompt
+    assert chat == ("prompt_token_ids" not in body["choices"][0])

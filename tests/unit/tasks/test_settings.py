@@ -96,6 +96,7 @@ NEW_NAMES = [
     "resumable_streams",
     "resume_grace_s",
     "resume_ttl_s",
+    "return_tokens_as_token_ids",
     "serve_drain_timeout_s",
     "stream_interval",
     "tenant_tokens_per_min",
