@@ -33,6 +33,7 @@ from api import (
     routes_openai,
     routes_ops,
     routes_responses,
+    routes_sagemaker,
     routes_scores,
     routes_tokenize,
 )
@@ -148,4 +149,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_tokenize.router)
     app.include_router(routes_batches.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_sagemaker.router)
     return app

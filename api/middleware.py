@@ -14,9 +14,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.errors import error_body
 from api.metrics import ApiMetrics
 
-# vLLM's tokenizer endpoints: outside /v1/, but counted and keyed like it (vLLM leaves
-# them open to callers without a key; here a key that guards the API guards them too)
-TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+# vLLM's endpoints outside /v1/ that run the model or its tokenizer: counted and keyed like
+# /v1/ (vLLM leaves them open to callers without a key; here a key that guards the API
+# guards them too)
+MODEL_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank",
+                         "/invocations"})  # fmt: skip
+# health and metrics: keyed only with CONVEYOR_API_KEYS_PROTECT_OPS
+OPS_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 class _TooLarge(Exception):
@@ -93,13 +97,13 @@ class AccessMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _count(self, path: str, status: int) -> None:
-        if path.startswith("/v1/") or path in TOKENIZER_PATHS:
+        if path.startswith("/v1/") or path in MODEL_PATHS:
             self.metrics.requests.labels(path, str(status)).inc()
 
 
 class AuthMiddleware:
     """``Authorization: Bearer <key>`` with one of ``keys`` for ``/v1/...`` and
-    ``TOKENIZER_PATHS`` (and, with ``protect_ops``, ``/health`` and ``/metrics``), as
+    ``MODEL_PATHS`` (and, with ``protect_ops``, ``OPS_PATHS``), as
     OpenAI and vLLM's ``--api-key`` do; anything else answers 401 in OpenAI's error shape.
     Keys compare in constant time."""
 
@@ -136,6 +140,6 @@ class AuthMiddleware:
         await send({"type": "http.response.body", "body": body})
 
     def _protected(self, path: str) -> bool:
-        if path.startswith("/v1/") or path in TOKENIZER_PATHS:
+        if path.startswith("/v1/") or path in MODEL_PATHS:
             return True
-        return self.protect_ops and path in ("/health", "/metrics")
+        return self.protect_ops and path in OPS_PATHS

@@ -116,7 +116,7 @@ class ApiSettings(_Area):
         "separated, or '@/path/to/file' with one per line; unset: no auth.",
     )
     api_keys_protect_ops: bool = Field(
-        False, description="Require an API key for /health and /metrics too."
+        False, description="Require an API key for /health, /ping and /metrics too."
     )
     return_tokens_as_token_ids: bool = Field(
         False,

@@ -61,8 +61,17 @@ def test_requests_need_a_configured_key(
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="sk-first", max_retries=0)
         out = client.completions.create(model=tiny_model_dir.name, prompt="x", max_tokens=3)
         assert out.usage.completion_tokens == 3
-        ops = [httpx.get(f"{url}/health").status_code, httpx.get(f"{url}/metrics").status_code]
-        assert ops == ([401, 401] if protect_ops else [200, 200])
+        ops = [httpx.get(f"{url}/health").status_code, httpx.get(f"{url}/metrics").status_code,
+               httpx.get(f"{url}/ping").status_code]  # fmt: skip
+        assert ops == ([401, 401, 401] if protect_ops else [200, 200, 200])
+        assert httpx.get(f"{url}/version").status_code == 200  # open, as in vLLM
+        # the model's endpoints outside /v1/ are keyed too (vLLM leaves them open); the
+        # refused ones run nothing
+        for path, body in (("/invocations", {"prompt": "x", "max_tokens": 2}),
+                           ("/score", {"text_1": "a", "text_2": "b"}),
+                           ("/rerank", {"query": "a", "documents": ["b"]}),
+                           ("/v2/rerank", {"query": "a", "documents": ["b"]})):  # fmt: skip
+            assert httpx.post(f"{url}{path}", json=body).status_code == 401, path
         assert httpx.get(f"{url}/metrics", headers=auth).status_code == 200
         # vLLM's tokenizer endpoints are keyed like /v1/ (vLLM leaves them open)
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
