@@ -11,7 +11,9 @@ headers are that endpoint's own.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,8 +26,11 @@ from api.protocol import ChatCompletionRequest, CompletionRequest
 
 router = APIRouter()
 
+M = TypeVar("M", bound=BaseModel)
+Endpoint = Callable[[Any, Request], Awaitable[Response]]
+
 # (the field that tells the shape, the request model, the endpoint), tried in this order
-SHAPES = (
+SHAPES: tuple[tuple[str, type[BaseModel], Endpoint], ...] = (
     ("messages", ChatCompletionRequest, routes_openai.chat_completions),
     ("prompt", CompletionRequest, routes_openai.completions),
     ("input", routes_embeddings.EmbeddingRequest, routes_embeddings.embeddings),
@@ -50,7 +55,7 @@ async def invocations(request: Request) -> Response:
         raise bad_request("the body must be a JSON object", None)
     for field, model, endpoint in SHAPES:
         if field in body and not (field == "documents" and "query" not in body):
-            return await endpoint(_parsed(model, body), request)  # type: ignore[operator]
+            return await endpoint(_parsed(model, body), request)
     if any(a in body and b in body for a, b in routes_scores.PAIRS):
         return await routes_scores.score(_parsed(routes_scores.ScoreRequest, body), request)
     raise bad_request(
@@ -60,7 +65,7 @@ async def invocations(request: Request) -> Response:
     )
 
 
-def _parsed(model: type[BaseModel], body: dict) -> BaseModel:
+def _parsed(model: type[M], body: dict) -> M:
     """``body`` as ``model``; a bad field is the 400 the endpoint itself would give."""
     try:
         return model.model_validate(body)
