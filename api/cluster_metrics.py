@@ -87,8 +87,15 @@ class ClusterCollector:
         frame_errors = CounterMetricFamily("conveyor_worker_frame_publish_errors",
                                            "Frame batches a worker failed to publish",
                                            labels=["pool", "worker"])  # fmt: skip
+        # speculative decoding (vLLM's spec_decode_* counters); acceptance rate =
+        # accepted / draft tokens
+        spec = [(CounterMetricFamily(f"conveyor_spec_decode_{name}", doc,
+                                     labels=["pool", "worker"]), attr)
+                for name, doc, attr in _SPEC_COUNTERS]  # fmt: skip
         for w in self._workers:
             key, st = [w.pool, w.worker_id], w.stats
+            for fam, attr in spec:
+                fam.add_metric(key, getattr(st, attr))
             frames.add_metric(key, st.frames_published)
             frame_errors.add_metric(key, st.frame_publish_errors)
             used.add_metric(key, float(st.blocks_used))
@@ -96,6 +103,7 @@ class ClusterCollector:
             active.add_metric(key, float(w.active))
             _add_transfer(kv_moved, w.worker_id, st.kv_transfer)
         yield from (used, pinned, active, frames, frame_errors, *kv_moved.values())
+        yield from (fam for fam, _ in spec)
         yield from self._kvbm()
         yield from self._routing()
         yield from self._images()
@@ -285,6 +293,13 @@ class ClusterCollector:
             for pool, st in sorted(self._router.items()):
                 cfam.add_metric([pool], st[key])
             yield cfam
+
+
+_SPEC_COUNTERS = (
+    ("num_drafts", "Decode steps of a sequence that checked drafts", "spec_drafts"),
+    ("num_draft_tokens", "Draft tokens proposed", "spec_draft_tokens"),
+    ("num_accepted_tokens", "Draft tokens the model accepted", "spec_accepted_tokens"),
+)
 
 
 def _transfer_families(name: str, what: str) -> dict[str, CounterMetricFamily]:

@@ -108,6 +108,11 @@ class EngineStats:
     # (what attention reads: the planner's decode cost regression)
     decode_kv_tokens: int = 0
     loading: int = 0  # requests waiting for their KV (onboarding, a disagg pull)
+    # speculative decoding (workers.spec_decode): sequences' steps with drafts, the draft
+    # tokens, and those the model accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # KVBM tiers: occupancy, and the tiers' own report (None: tiers off)
     host_blocks_used: int = 0
     host_blocks_total: int = 0

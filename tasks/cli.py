@@ -238,7 +238,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
         engine_cpus=parse_cpus(s.worker.engine_cpus),
         engine=s.engine.kind,
         mock_timing=s.mock.model_dump(),
-        vllm_args=tuple(vllm_argv(s.vllm)),
+        vllm_args=tuple(vllm_argv(_vllm_options(s))),
         fastpath=s.broker_fastpath,
         role="encoder" if encodes else "engine",
         embedding_transfer=s.transfer.backend,
@@ -342,6 +342,15 @@ def batch_runner(concurrency: int, **kw: Any) -> None:
     finally:
         done.set()
         beat.join(5)
+
+
+def _vllm_options(s: Settings) -> dict[str, object]:
+    """The vLLM engine's flags: CONVEYOR_VLLM__*, and the engine settings vLLM shares
+    (CONVEYOR_SPECULATIVE_CONFIG, unless CONVEYOR_VLLM__SPECULATIVE_CONFIG says otherwise)."""
+    options: dict[str, object] = dict(s.vllm)
+    if s.engine.speculative_config and "speculative_config" not in options:
+        options["speculative_config"] = s.engine.speculative_config
+    return options
 
 
 def _celery_quiet(s: Settings) -> list[str]:

@@ -420,6 +420,14 @@ class EngineSettings(_Area):
     enable_prefix_caching: bool = Field(
         True, description="Reuse cached KV blocks of shared prompt prefixes (by block hash)."
     )
+    speculative_config: dict | None = Field(
+        None,
+        description="Speculative decoding (vLLM's --speculative-config), a JSON object: "
+        'the reference engine serves the ngram method ({"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": '
+        "2}: drafts looked up in the request's own context, checked in one forward pass, "
+        "for greedy requests); the vLLM engine gets it as its flag. Unset: off.",
+    )
     max_loras: int = Field(
         8,
         ge=1,
@@ -438,6 +446,20 @@ class EngineSettings(_Area):
         "compiler and CPU); unset: $XDG_CACHE_HOME/conveyor/kernels, else "
         "~/.cache/conveyor/kernels. The container image sets a directory built with it.",
     )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _spec(cls, v: object) -> object:
+        """JSON text (the environment's) read as its object. vLLM's methods other than
+        ngram pass (the vLLM engine serves them); the ngram method's keys are checked here,
+        where a mistake is a start-up error."""
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else None
+        if isinstance(v, dict) and v and v.get("method", "ngram") == "ngram":
+            from workers.spec_decode import SpecConfig  # torch-free
+
+            SpecConfig.parse(v)
+        return v or None
 
     def kernel_path(self) -> Path:
         """``kernel_dir``, or its default under the user's cache directory."""

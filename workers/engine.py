@@ -51,6 +51,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 class Engine(EngineCore):
     name = "reference"
+    speculates = True  # n-gram drafts checked in the step's forward (workers.spec_decode)
     pooling = PoolingConfig()  # how /v1/embeddings pools (the checkpoint's, from_model_dir)
     supports = EngineCore.supports | {
         "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
@@ -159,11 +160,17 @@ class Engine(EngineCore):
     @torch.inference_mode()  # the logits are inference tensors, processed in place
     def _forward(self, batch: list[tuple[Seq, int, int]], sampled: list[Seq]) -> list[int]:
         rows = prompt_rows(batch)  # none unless a request asks for prompt logprobs
-        logits = self._run(batch, [r for r, _, _ in rows])
+        drafts = self._draft_rows(batch) if self._drafts else []
+        logits = self._run(batch, [r for r, _, _ in rows] + [r for r, _ in drafts])
         vocab = logits.shape[-1]
+        ending = self._ending_rows
+        if drafts:  # the model's pick after each draft's predecessor (workers.spec_decode)
+            picks = logits[ending + len(rows) :].argmax(-1).tolist()
+            for (_, seq), pick in zip(drafts, picks, strict=True):
+                self._spec_picks.setdefault(seq.id, []).append(pick)
         if rows:  # the rows past those of the sequences ending in this step
-            ending = self._ending_rows
-            record_prompt(logits[ending:], rows, vocab)
+            record_prompt(logits[ending : ending + len(rows)], rows, vocab)
+        if rows or drafts:
             logits = logits[:ending]
         if not sampled:
             return []
@@ -193,6 +200,17 @@ class Engine(EngineCore):
                 entry = self._logprobs.setdefault(seq.id, [None, None])
                 entry[1] = take_prompt(seq, vocab)
         return tokens
+
+    def _draft_rows(self, batch: list[tuple[Seq, int, int]]) -> list[tuple[int, Seq]]:
+        """``(row, seq)`` of every row of a speculating sequence but its last (whose logits
+        every ending row has): its last token's and each draft's but the last, in order."""
+        out: list[tuple[int, Seq]] = []
+        row = 0
+        for seq, start, end in batch:
+            if seq.id in self._drafts:
+                out.extend((r, seq) for r in range(row, row + end - start - 1))
+            row += end - start
+        return out
 
     def _gather_logprobs(self, raw: torch.Tensor, seqs: list[Seq], tokens: list[int]) -> None:
         """The sampled tokens' logprobs (a re-prefill's forced first token's, if forced)."""
@@ -240,6 +258,10 @@ class Engine(EngineCore):
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if n == 1:
                 decodes.append((row, end, table))
+            elif seq.id in self._drafts:  # its last token and drafts: a decode per row (the
+                # step's KV is written before attention reads it; each row's context ends
+                # at its own position), so they take the decode kernel, as one token would
+                decodes.extend((row + i, start + i + 1, table) for i in range(n))
             else:
                 nb = -(-end // bs)
                 bt = torch.tensor(table[:nb], dtype=torch.long, device=self.model.device)

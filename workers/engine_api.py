@@ -218,6 +218,8 @@ class EngineConfig:
     scheduler_delay_factor: float
     stream_interval: int  # tokens per stream frame (workers.stream_interval), not the engine's
     decode_attention: str  # "kernel" (workers/paged_kernel.py), "torch" or "auto"
+    # vLLM's --speculative-config (workers.spec_decode.SpecConfig; None: off)
+    speculative_config: dict | None
     kernel_dir: str  # where the decode kernel is built and found
     # --- the KVBM area -------------------------------------------------------------------
     disk_dir: str | None  # G3's files

@@ -41,8 +41,9 @@ from workers.engine_api import (
     refuse_prompt,
     refuse_unsupported,
 )
-from workers.output_processor import OutputProcessor, finished, timing_of
+from workers.output_processor import OutputProcessor, Verdict, finished, timing_of
 from workers.scheduler import Scheduler, Seq
+from workers.spec_decode import NgramIndex, SpecConfig, SpecStats, accepted, eligible
 
 if TYPE_CHECKING:
     from workers.structured import Constraint, StructuredOutputs
@@ -56,6 +57,8 @@ class EngineCore:
     name = "core"  # what refusals call this engine
     # the optional sampling features (workers.engine_api.FEATURES) this engine serves
     supports: frozenset[str] = frozenset({"n"})
+    # whether _forward checks drafts (fills _spec_picks): speculative decoding is served
+    speculates = False
     # grammars, matchers and masks of constrained requests, where the engine serves them
     structured: StructuredOutputs | None = None
 
@@ -85,6 +88,16 @@ class EngineCore:
         self._ending_rows = 0  # of the step under way: the sequences whose tokens end in it
         self._stalled = False
         self._disk_lock: int | None = None  # held while this engine uses its disk dir
+        # speculative decoding (workers.spec_decode): drafts of this step by sequence id,
+        # and the model's picks at their rows (set by _forward)
+        self.spec = SpecConfig.parse(config.speculative_config)
+        if self.spec is not None and not self.speculates:
+            log.warning("%s engine: speculative decoding is not served here; ignored",
+                        self.name)  # fmt: skip
+            self.spec = None
+        self.spec_stats = SpecStats()
+        self._drafts: dict[str, list[int]] = {}
+        self._spec_picks: dict[str, list[int]] = {}
 
     # --- what a subclass provides ---------------------------------------------------------
     def _make_generator(self, params: Sampling) -> object | None:
@@ -235,6 +248,8 @@ class EngineCore:
             return dropped
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
+        if self.spec is not None:
+            batch = self._speculate(batch)
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
         self._count_step(batch)
         self._ending_rows = len(sampled)  # the forward's logits rows: one per sequence ending
@@ -250,10 +265,15 @@ class EngineCore:
         except BaseException:
             for _, child in forks:  # not forked: fail_all ends them with the others
                 self.scheduler.add(child)
+            self._drop_drafts(batch)
             raise
         finally:
             self._fork_rows = None
-        if any(n > 1 for _, n in scheduled):
+        # a speculating sequence's (position of its last token, its tokens of this step)
+        spoken: dict[str, tuple[int, list[int]]] = {}
+        if self._drafts:
+            batch, spoken = self._verify(batch, sampled, tokens)
+        if any(n > 1 and seq.id not in spoken for seq, n in scheduled):
             self.scheduler.last_prefill_s = time.monotonic() - t0
         for seq, _, end in batch:
             self.scheduler.computed(seq, end)
@@ -262,13 +282,18 @@ class EngineCore:
             if copies := [p for p in pairs if p is not None]:
                 self._copy_blocks(copies)
         self.scheduler.flush()  # the blocks this step named go down, in one copy
-        self.decode_tokens += len(tokens)
+        self.decode_tokens += len(tokens) + sum(len(t) - 1 for _, t in spoken.values())
         outputs: list[RequestOutput] = dropped
         for seq, tok in zip(sampled, tokens, strict=True):
             forced = seq.req.forced_first_token
             if forced is not None and not seq.output_ids:
                 tok = forced
-            verdict = self.outputs.append(seq, tok)
+            if seq.id in spoken:
+                start, toks = spoken[seq.id]
+                del seq.token_ids[start + 1 :]  # the accepted drafts go in again, as output
+                verdict = self._append_all(seq, toks)
+            else:
+                verdict = self.outputs.append(seq, tok)
             out = verdict.output
             if verdict.finished:
                 self.scheduler.finish(seq)
@@ -279,6 +304,78 @@ class EngineCore:
                 out.timing = timing_of(seq)
             outputs.append(out)
         return outputs
+
+    # --- speculative decoding (workers.spec_decode) -------------------------------------
+    def _speculate(self, batch: list[tuple[Seq, int, int]]) -> list[tuple[Seq, int, int]]:
+        """Each decoding sequence that can take drafts gets them (from its own context)
+        behind its last token, in its blocks and in this step's chunk."""
+        spec = self.spec
+        assert spec is not None, "speculation off"
+        out = []
+        for seq, start, end in batch:
+            if end - start == 1 and end == seq.num_tokens and start >= seq.num_prompt \
+                    and not seq.req.prefill_only and eligible(seq):  # fmt: skip
+                p = seq.req.params
+                k = min(spec.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
+                        self.max_model_len - seq.num_tokens - 1)  # fmt: skip
+                if k > 0:
+                    if seq.ngrams is None:
+                        seq.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+                    drafts = seq.ngrams.propose(seq.token_ids, k)
+                    if drafts and self.scheduler.kv.allocate_slots(
+                            seq.id, end + len(drafts)) is not None:  # fmt: skip
+                        seq.token_ids.extend(drafts)
+                        self._drafts[seq.id] = drafts
+                        self.spec_stats.drafts += 1
+                        self.spec_stats.draft_tokens += len(drafts)
+                        end += len(drafts)
+            out.append((seq, start, end))
+        return out
+
+    def _verify(
+        self, batch: list[tuple[Seq, int, int]], sampled: list[Seq], tokens: list[int]
+    ) -> tuple[list[tuple[Seq, int, int]], dict[str, tuple[int, list[int]]]]:
+        """The drafts checked against the model's picks: each speculating sequence's tokens
+        of this step (its accepted drafts, then the model's next); its context keeps the
+        accepted drafts only, and only their KV (and its last token's) counts as computed."""
+        last = {seq.id: tok for seq, tok in zip(sampled, tokens, strict=True)}
+        spoken: dict[str, tuple[int, list[int]]] = {}
+        out = []
+        for seq, start, end in batch:
+            drafts = self._drafts.pop(seq.id, None)
+            if drafts is not None:
+                picks = self._spec_picks.pop(seq.id) + [last[seq.id]]
+                toks = accepted(drafts, picks)
+                spoken[seq.id] = (start, toks)
+                end = start + len(toks)  # the last token's KV and the accepted drafts'
+                del seq.token_ids[end:]
+                self.spec_stats.accepted_tokens += len(toks) - 1
+            out.append((seq, start, end))
+        self._spec_picks.clear()
+        return out, spoken
+
+    def _append_all(self, seq: Seq, toks: list[int]) -> Verdict:
+        """Several tokens of one step through the stop rules, as one output (up to the one
+        that ends the sequence)."""
+        verdict = self.outputs.append(seq, toks[0])
+        out = verdict.output
+        for tok in toks[1:]:
+            if verdict.finished:
+                break
+            verdict = self.outputs.append(seq, tok)
+            nxt = verdict.output
+            nxt.token_ids = out.token_ids + nxt.token_ids
+            nxt.text = out.text + nxt.text
+            out = nxt
+        verdict.output = out
+        return verdict
+
+    def _drop_drafts(self, batch: list[tuple[Seq, int, int]]) -> None:
+        """A failed step: the drafts leave the contexts they were added to."""
+        for seq, start, _ in batch:
+            if self._drafts.pop(seq.id, None) is not None:
+                del seq.token_ids[start + 1 :]
+        self._spec_picks.clear()
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         outs = []
@@ -313,6 +410,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         st = self.scheduler.stats(self.num_steps)
         st.decode_tokens, st.decode_kv_tokens = self.decode_tokens, self.decode_kv_tokens
+        sp = self.spec_stats
+        st.spec_drafts, st.spec_draft_tokens = sp.drafts, sp.draft_tokens
+        st.spec_accepted_tokens = sp.accepted_tokens
         return st
 
     # ----------------------------------------------------------------------------------

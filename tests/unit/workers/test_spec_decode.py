@@ -1,0 +1,184 @@
+"""Speculative decoding by n-gram lookup (workers.spec_decode) in the reference engine:
+greedy outputs token for token those of the same engine without it (and so Hugging Face's
+generate: tests/unit/workers/test_engine_parity.py), in mixed batches beside requests it
+does not serve, with the drafts' KV given back; the proposer, the acceptance rule and the
+configuration on their own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from kvbm.protocol import Sampling
+from tasks.settings import Settings, engine_config
+from workers.checkpoint import TextModelConfig, load_text_weights
+from workers.engine import Engine
+from workers.engine_api import EngineRequest, RequestOutput
+from workers.llama import LlamaModel
+from workers.spec_decode import NgramIndex, SpecConfig, accepted
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(tiny_model_dir: Path) -> tuple[LlamaModel, Tokenizer]:
+    cfg = TextModelConfig.from_dir(tiny_model_dir)
+    return LlamaModel(cfg, load_text_weights(tiny_model_dir)), Tokenizer.from_file(
+        str(tiny_model_dir / "tokenizer.json"))  # fmt: skip
+
+
+def _engine(model_and_tok, spec: dict | None, **kw: object) -> Engine:  # type: ignore[no-untyped-def]
+    cfg = engine_config(num_kv_blocks=kw.pop("num_kv_blocks", 96), max_model_len=512,
+                        speculative_config=spec, **kw)  # type: ignore[arg-type]  # fmt: skip
+    return Engine(*model_and_tok, cfg)
+
+
+def _run(engine: Engine, reqs: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
+    for r in reqs:
+        assert engine.add_request(r) is None
+    outs: dict[str, list[RequestOutput]] = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished:
+            break
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert not engine.has_unfinished and engine.stats().blocks_used == 0
+    return outs
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [1] + [5 + (seed * 131 + i * 37) % 507 for i in range(n - 1)]
+
+
+def _reqs() -> list[EngineRequest]:
+    """Greedy requests (some with a repeated phrase, so drafts are found in the prompt),
+    and others speculation does not serve, in one batch."""
+    phrase = [17, 230, 44, 91, 300, 12]
+    out = []
+    for i in range(8):
+        prompt = _prompt(20 + 9 * i, i) + phrase * (1 + i % 3)
+        out.append(EngineRequest(f"g{i}", prompt, Sampling(max_tokens=24 + i, temperature=0,
+                                                           ignore_eos=True)))  # fmt: skip
+    out.append(EngineRequest("stop", _prompt(30, 9) + phrase * 2,
+                             Sampling(max_tokens=40, temperature=0, stop=["e"])))  # fmt: skip
+    out.append(
+        EngineRequest(
+            "pen",
+            _prompt(25, 10) + phrase,
+            Sampling(max_tokens=20, temperature=0, presence_penalty=0.5),
+        )
+    )
+    out.append(EngineRequest("hot", _prompt(25, 11), Sampling(max_tokens=20, temperature=0.9,
+                                                             seed=3)))  # fmt: skip
+    out.append(
+        EngineRequest(
+            "lp", _prompt(25, 12) + phrase, Sampling(max_tokens=12, temperature=0, logprobs=2)
+        )
+    )
+    return out
+
+
+def _tokens(outs: dict[str, list[RequestOutput]]) -> dict[str, list[int]]:
+    return {rid: [t for o in os_ for t in o.token_ids] for rid, os_ in outs.items()}
+
+
+def _text(outs: dict[str, list[RequestOutput]]) -> dict[str, str]:
+    return {rid: "".join(o.text for o in os_) for rid, os_ in outs.items()}
+
+
+@pytest.mark.parametrize("attention", ["auto", "torch"])  # the C decode kernel, and torch's
+def test_greedy_outputs_are_those_without_speculation(model_and_tok, attention: str) -> None:  # type: ignore[no-untyped-def]
+    plain = _run(_engine(model_and_tok, None), _reqs())
+    e = _engine(model_and_tok, SPEC, decode_attention=attention)
+    spec = _run(e, _reqs())
+    assert _tokens(spec) == _tokens(plain)
+    assert _text(spec) == _text(plain)
+    for rid in plain:
+        a, b = plain[rid][-1], spec[rid][-1]
+        assert (a.finish_reason, a.stop_reason, a.num_output_tokens) == \
+            (b.finish_reason, b.stop_reason, b.num_output_tokens)  # fmt: skip
+    st = e.stats()
+    assert st.spec_drafts > 0 and 0 < st.spec_accepted_tokens <= st.spec_draft_tokens
+    # it paid: fewer steps for the same tokens
+    assert st.steps < _steps(model_and_tok)
+    assert st.decode_tokens == sum(len(t) for t in _tokens(spec).values())
+
+
+def _steps(model_and_tok) -> int:  # type: ignore[no-untyped-def]
+    e = _engine(model_and_tok, None)
+    _run(e, _reqs())
+    return e.stats().steps
+
+
+def test_drafts_under_a_tight_kv_pool_and_preemption(model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    """A pool too small for every draft: drafts that find no room are skipped, sequences
+    are preempted and recomputed, and the tokens are still those without speculation."""
+    kw = {"num_kv_blocks": 32, "max_num_seqs": 8}
+    plain = _run(_engine(model_and_tok, None, **kw), _reqs())
+    e = _engine(model_and_tok, SPEC, **kw)
+    assert _tokens(_run(e, _reqs())) == _tokens(plain)
+    assert e.stats().preemptions > 0
+
+
+def test_prefix_cache_after_speculation_gives_the_same_tokens(model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    """Blocks a speculating sequence named are cached with the tokens they hold: a second
+    request whose prompt is the first's prompt + output hits them and goes on alike."""
+    e = _engine(model_and_tok, SPEC)
+    base = _reqs()[2]
+    first = _tokens(_run(e, [base]))[base.request_id]
+    longer = base.prompt_token_ids + first
+    again = EngineRequest("again", longer, Sampling(max_tokens=10, temperature=0, ignore_eos=True))
+    cached = _run(e, [again])["again"]
+    fresh = _run(_engine(model_and_tok, None), [again])["again"]
+    assert cached[-1].num_cached_tokens >= 32
+    assert _tokens({"x": cached}) == _tokens({"x": fresh})
+
+
+def test_the_proposer() -> None:
+    idx = NgramIndex(1, 3)
+    toks = [1, 2, 3, 4, 5, 2, 3]
+    assert idx.propose(toks, 3) == [4, 5, 2]  # "2 3" seen before: what followed it
+    toks += [4, 9]
+    assert idx.propose(toks, 2) == []  # "9" never seen, nor "4 9", "5 ... 9"
+    toks += [1, 2]
+    assert idx.propose(toks, 4) == [3, 4, 5, 2]  # the longest match first ("1 2")
+    assert NgramIndex(2, 3).propose([7], 3) == []
+
+
+def test_acceptance() -> None:
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all, then the bonus token
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # up to the first miss, the model's
+    assert accepted([5], [4, 1]) == [4]
+
+
+def test_the_configuration() -> None:
+    assert SpecConfig.parse(None) is None
+    assert SpecConfig.parse({"num_speculative_tokens": 3}) == SpecConfig(3, 4, 2)
+    for bad, why in [({"method": "eagle", "num_speculative_tokens": 2}, "not served"),
+                     ({"num_speculative_tokens": 0}, "1 to 16"),
+                     ({"num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup"),
+                     ({"num_speculative_tokens": 2, "model": "x"}, "unknown")]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            SpecConfig.parse(bad)
+    # the settings check the ngram method at start; other methods are the vLLM engine's
+    with pytest.raises(ValueError, match="1 to 16"):
+        Settings(speculative_config='{"num_speculative_tokens": 99}')
+    s = Settings(speculative_config={"method": "eagle", "model": "m", "num_speculative_tokens": 2})
+    assert s.engine.speculative_config["method"] == "eagle"  # type: ignore[index]
+
+
+def test_the_vllm_engine_gets_the_same_setting_as_its_flag() -> None:
+    from tasks.cli import _vllm_options
+    from workers.vllm_engine import vllm_argv
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    assert vllm_argv(_vllm_options(Settings(speculative_config=spec))) == [
+        '--speculative-config={"method": "ngram", "num_speculative_tokens": 2}'
+    ]
+    own = {"method": "eagle", "model": "m", "num_speculative_tokens": 3}
+    s = Settings(speculative_config=spec, vllm={"speculative_config": own})
+    assert _vllm_options(s)["speculative_config"] == own  # CONVEYOR_VLLM__* says more
+    assert "speculative_config" not in _vllm_options(Settings())

@@ -1,0 +1,113 @@
+"""Speculative decoding by n-gram lookup (vLLM's ``{"method": "ngram"}``, "prompt lookup
+decoding"): draft tokens for a decoding sequence are read from its own context, where the
+last few tokens appeared before, and one forward pass checks them all.
+
+A step that speculates for a sequence computes its last token and the ``k`` drafts behind
+it as one chunk, with logits at every one of those ``k + 1`` rows. Row ``i`` predicts the
+token after draft ``i - 1``; the drafts are accepted up to the first one the model would
+not have picked, and the model's own token at that row follows them (or, all accepted, the
+token after the last draft). Only the KV of the last token and of the accepted drafts is
+kept; the rejected drafts' slots are written again by the next step.
+
+Greedy requests only (temperature 0), and only those whose next token is the logits'
+argmax as they stand: no penalties, biases, allowed or banned tokens, ``min_tokens``, grammar,
+logprobs, or a forced first token. For them the output is exactly the output without
+speculation, token for token; any other request decodes one token a step beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.scheduler import Seq
+
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """vLLM's ``--speculative-config`` for the n-gram method."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def parse(cls, raw: dict | None) -> SpecConfig | None:
+        """From vLLM's JSON object; ``None``: no speculation. ValueError names a bad key."""
+        if not raw:
+            return None
+        method = raw.get("method", "ngram")
+        if method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {method!r} is not served by this engine "
+                             f"(only {', '.join(SPEC_METHODS)}; --engine vllm serves the "
+                             "others)")  # fmt: skip
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if extra := sorted(set(raw) - known):
+            raise ValueError(f"unknown speculative_config keys {extra} (known: {sorted(known)})")
+        k = raw.get("num_speculative_tokens")
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be 1 to 16")
+        hi = raw.get("prompt_lookup_max", 4)
+        lo = raw.get("prompt_lookup_min", min(2, hi) if isinstance(hi, int) else 2)
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 16):
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
+                             "prompt_lookup_max <= 16")  # fmt: skip
+        return cls(k, hi, lo)
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """One sequence's n-grams (``lo`` to ``hi`` tokens) by where they last ended, indexed
+    as the sequence grows: a lookup costs a dict probe per n, not a scan of the context."""
+
+    lo: int
+    hi: int
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    upto: int = 0  # n-grams ending before this position are indexed
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest earlier occurrence of the context's
+        last ``n`` tokens (``hi`` down to ``lo``); ``[]`` when none occurred before."""
+        last = len(tokens) - 1
+        for end in range(self.upto, last):  # every n-gram ending before the last token
+            for n in range(self.lo, min(self.hi, end + 1) + 1):
+                self.ends[tuple(tokens[end - n + 1 : end + 1])] = end
+        self.upto = max(self.upto, last)
+        for n in range(min(self.hi, last + 1), self.lo - 1, -1):
+            at = self.ends.get(tuple(tokens[last - n + 1 :]))
+            if at is not None:
+                return tokens[at + 1 : at + 1 + k]
+        return []
+
+
+def eligible(seq: Seq) -> bool:
+    """Whether ``seq``'s next tokens are its logits' argmax as they stand (so a draft can
+    be checked against them): greedy, nothing that shapes or records the logits."""
+    p = seq.req.params
+    return (p.greedy and not p.processed and p.logprobs is None and p.prompt_logprobs is None
+            and seq.constraint is None and len(seq.output_ids) >= p.min_tokens
+            and seq.req.forced_first_token is None and not seq.forks)  # fmt: skip
+
+
+def accepted(drafts: list[int], picks: list[int]) -> list[int]:
+    """The tokens a step that checked ``drafts`` gives: the drafts the model agrees with
+    (``picks[i]``: its token after draft ``i - 1``), then its own next token."""
+    out = []
+    for d, p in zip(drafts, picks, strict=False):
+        if d != p:
+            break
+        out.append(d)
+    out.append(picks[len(out)])
+    return out
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """vLLM's spec-decode counters: drafts proposed, draft tokens, tokens accepted."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
