@@ -358,6 +358,7 @@ def test_compose_defaults_match_settings(services):
         "CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING",
         "CONVEYOR_OTLP_TRACES_ENDPOINT",
         "CONVEYOR_LOG_FORMAT",
+        "CONVEYOR_SPECULATIVE_CONFIG",
     } <= checked
 
 
