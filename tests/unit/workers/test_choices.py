@@ -7,31 +7,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from kvbm.block_pool import KVCacheManager
 from kvbm.protocol import Sampling, choice_sampling, choice_seed, choice_stream_id
 from tasks.settings import engine_config
-from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.choices import ChoiceGroups
 from workers.engine import Engine
 from workers.engine_api import EngineRequest, RequestOutput
 from workers.engine_core import EngineCore
 from workers.engine_ipc import Completion
-from workers.llama import LlamaModel
 from workers.mock_engine import MockEngine, MockTiming
 
 # greedy on the tiny model, this prompt's continuation varies token to token (a choice
 # decoding on KV that was not copied right goes elsewhere at once)
 PROMPT = [1, 78, 183, 256, 279, 154, 50, 268, 428, 158, 111, 366]
-
-
-@pytest.fixture(scope="module")
-def model_and_tok(tiny_model_dir: Path) -> tuple[LlamaModel, Tokenizer]:
-    cfg = TextModelConfig.from_dir(tiny_model_dir)
-    return LlamaModel(cfg, load_text_weights(tiny_model_dir)), Tokenizer.from_file(
-        str(tiny_model_dir / "tokenizer.json")
-    )
 
 
 @pytest.fixture

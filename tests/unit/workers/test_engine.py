@@ -4,30 +4,19 @@ and the EngineLoop thread wrapper."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer
 
 from kvbm.protocol import Sampling
 from tasks.settings import engine_config
-from workers.checkpoint import TextModelConfig, load_text_weights
 from workers.engine import Engine
 from workers.engine_api import EngineRequest, RequestOutput
 from workers.engine_loop import EngineLoop
-from workers.llama import LlamaModel
 from workers.model_init import EOS
 
 # Greedy continuation of this prompt on the tiny model emits EOS as its 16th token.
 EOS_PROMPT = [1, 78, 183, 256, 279, 154, 50, 268, 428, 158, 111, 366]
 EOS_AT = 15
-
-
-@pytest.fixture(scope="module")
-def model_and_tok(tiny_model_dir: Path) -> tuple[LlamaModel, Tokenizer]:
-    cfg = TextModelConfig.from_dir(tiny_model_dir)
-    model = LlamaModel(cfg, load_text_weights(tiny_model_dir))
-    return model, Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
 
 
 @pytest.fixture

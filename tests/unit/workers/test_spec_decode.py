@@ -6,28 +6,17 @@ configuration on their own."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from tokenizers import Tokenizer
 
 from kvbm.protocol import Sampling
 from tasks.settings import Settings, engine_config
-from workers.checkpoint import TextModelConfig, load_text_weights
+from tests.unit.workers.test_engine import _run as run_all
 from workers.engine import Engine
 from workers.engine_api import EngineRequest, RequestOutput
-from workers.llama import LlamaModel
 from workers.spec_decode import NgramIndex, SpecConfig, accepted
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model_and_tok(tiny_model_dir: Path) -> tuple[LlamaModel, Tokenizer]:
-    cfg = TextModelConfig.from_dir(tiny_model_dir)
-    return LlamaModel(cfg, load_text_weights(tiny_model_dir)), Tokenizer.from_file(
-        str(tiny_model_dir / "tokenizer.json"))  # fmt: skip
 
 
 def _engine(model_and_tok, spec: dict | None, **kw: object) -> Engine:  # type: ignore[no-untyped-def]
@@ -37,16 +26,10 @@ def _engine(model_and_tok, spec: dict | None, **kw: object) -> Engine:  # type: 
 
 
 def _run(engine: Engine, reqs: list[EngineRequest]) -> dict[str, list[RequestOutput]]:
+    """``reqs`` run to the end (every block given back: test_engine's _run)."""
     for r in reqs:
         assert engine.add_request(r) is None
-    outs: dict[str, list[RequestOutput]] = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished:
-            break
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    assert not engine.has_unfinished and engine.stats().blocks_used == 0
-    return outs
+    return run_all(engine)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
