@@ -422,12 +422,16 @@ class EngineCore:
 
     def _count_step(self, batch: list[tuple[Seq, int, int]]) -> None:
         """This step's counts (:attr:`step_counts`): a sequence computing one token past its
-        prompt decodes, reading its whole context; any other chunk is prefill."""
+        prompt decodes, reading its whole context (a speculating one, each of its rows:
+        workers.spec_decode); any other chunk is prefill."""
         prefill = seqs = kv = 0
         for seq, start, end in batch:
             if end - start == 1 and start >= seq.num_prompt:
                 seqs += 1
                 kv += end
+            elif seq.id in self._drafts:
+                seqs += end - start
+                kv += sum(range(start + 1, end + 1))
             else:
                 prefill += end - start
         c = self._step
