@@ -201,14 +201,14 @@ class ExtraOutput:
         logprobs = self.renderer.full(tokens, lps, text) if self.renderer is not None else None
         chunk = fmt.chunk(fmt.text_delta(text), None, include_usage, index=index,
                           logprobs=logprobs)  # fmt: skip
-        return sse_event(self._with_ids(chunk, out_ids))
+        return sse_event(self._with_ids(fmt, chunk, out_ids))
 
-    def _with_ids(self, chunk: dict, out_ids: list[int]) -> dict:
+    def _with_ids(self, fmt: Formatter, chunk: dict, out_ids: list[int]) -> dict:
         """``chunk`` with its tokens' ids; a completion's first with the prompt's too (on
         the choice, where vLLM puts them in completions)."""
         choice = chunk["choices"][0]
         choice["token_ids"] = out_ids
-        if not chunk["object"].startswith("chat") and not self._opened:
+        if not fmt.chat and not self._opened:
             choice["prompt_token_ids"] = self.prompt_ids
         self._opened = True
         return chunk
@@ -225,7 +225,7 @@ class ExtraOutput:
             return b""
         logprobs = self.renderer.full(tokens, lps) if self.renderer is not None else None
         chunk = fmt.chunk(fmt.empty_delta(), None, include_usage, index=index, logprobs=logprobs)
-        return sse_event(self._with_ids(chunk, tokens) if self.ids else chunk)
+        return sse_event(self._with_ids(fmt, chunk, tokens) if self.ids else chunk)
 
     def whole_ids(self, choice: dict, frames: list[TokenFrame]) -> None:
         """A whole response's choice with its token ids and the prompt's, where asked for

@@ -87,9 +87,7 @@ class RunningRequest:
     plan: Plan
     started: float
     first_frame: TokenFrame | None = None
-    finished: bool = False
     last_frame_at: float | None = None
-    usage: Usage | None = None
     prefilled_task: asyncio.Task[None] | None = None  # moves its load prefill -> decode
     alive: Callable[[], Awaitable[bool]] | None = None  # are its workers alive (Runner)
     # what a migration needs: the request, and what the client was sent of it so far
@@ -106,6 +104,15 @@ class RunningRequest:
     first_token_at: float | None = None  # perf_counter
     end: TokenFrame | None = None  # its terminal frame
     trace: RequestTrace | None = None  # its request's trace, when traced (api.tracing)
+
+    @property
+    def finished(self) -> bool:
+        return self.end is not None
+
+    @property
+    def usage(self) -> Usage | None:
+        """Its terminal frame's usage (None until it ended)."""
+        return self.end.usage if self.end is not None else None
 
 
 @dataclass
@@ -542,8 +549,6 @@ class Runner:
                 self.metrics.traffic.token_gap(now - run.last_frame_at)
             run.last_frame_at = now
         if frame.done:
-            run.finished = True
-            run.usage = frame.usage
             run.end = frame
 
     def _forget_prefill(self, run: RunningRequest) -> None:

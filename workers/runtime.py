@@ -171,8 +171,7 @@ class WorkerRuntime:
         else:
             waiter = begun
         out = self._wait(request_id, waiter)
-        if cmd.payload.trace is not None:
-            self._span(cmd, waiter, out)
+        self._span(cmd, waiter, out)
         log.log(
             self._request_log,
             "[%s] %s: %d prompt + %d output tokens in %.3fs%s",
@@ -231,8 +230,7 @@ class WorkerRuntime:
                                      finished=True, finish_reason="abort")  # fmt: skip
             waiter = self.engine.run(cmd)
         out = self._wait(request_id, waiter)
-        if cmd.payload.trace is not None:
-            self._span(cmd, waiter, out, kv_backend=getattr(out.handle, "backend", None))
+        self._span(cmd, waiter, out, kv_backend=getattr(out.handle, "backend", None))
         if out.handle is not None:
             assert isinstance(out.handle, PrefillHandle), "a prefill's result hands over its KV"
             log.info("[%s] prefilled %d tokens; KV exported via %s", request_id,
@@ -252,9 +250,8 @@ class WorkerRuntime:
             return StageSummary(request_id=request_id, finish_reason="abort")
         waiter = self.engine.run(cmd)
         out = self._wait(request_id, waiter)
-        if cmd.payload.trace is not None:
-            self._span(cmd, waiter, out, kv_backend=handle.backend,
-                       prefill_worker=handle.prefill_worker)  # fmt: skip
+        self._span(cmd, waiter, out, kv_backend=handle.backend,
+                   prefill_worker=handle.prefill_worker)  # fmt: skip
         if out.transfer_failed:
             raise KVPullFailed(out.error or "KV pull failed")
         log.info("[%s] %s: decoded %d tokens after a %s pull in %.3fs", request_id,
@@ -272,8 +269,7 @@ class WorkerRuntime:
                                 error="abandoned")  # fmt: skip
         waiter = self.engine.run(cmd)
         out = self._wait(request_id, waiter)
-        if cmd.payload.trace is not None:
-            self._span(cmd, waiter, out, images=len(cmd.payload.images))
+        self._span(cmd, waiter, out, images=len(cmd.payload.images))
         if not isinstance(out.handle, EncodeHandle):
             why = out.error or f"not encoded ({out.finish_reason})"
             return EncodeHandle(request_id=request_id, encode_worker=self.worker_id, error=why)
@@ -284,8 +280,9 @@ class WorkerRuntime:
 
     def _span(self, cmd: Run, waiter: _Waiter, out: Completion, **extra: object) -> None:
         """The stage task's span in its request's trace: from the request's start in the
-        engine (its message's arrival, when begun on receipt) to its end here."""
-        if self.tracing is None:
+        engine (its message's arrival, when begun on receipt) to its end here; none where
+        the request is not traced."""
+        if self.tracing is None or cmd.payload.trace is None:
             return
         p, t = cmd.payload, out.timing
         attrs: dict[str, object] = {
