@@ -282,7 +282,7 @@ class WorkerRuntime:
         """The stage task's span in its request's trace: from the request's start in the
         engine (its message's arrival, when begun on receipt) to its end here; none where
         the request is not traced."""
-        if self.tracing is None or cmd.payload.trace is None:
+        if cmd.payload.trace is None or self.tracing is None:
             return
         p, t = cmd.payload, out.timing
         attrs: dict[str, object] = {
