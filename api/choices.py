@@ -35,7 +35,7 @@ async def stream(
     end: Callable[[], None], tools: list[ChatOutput | None] | None = None,
     extras: list[ExtraOutput | None] | None = None, *,
     ready: AsyncGenerator[Ready, None] | None = None, tag: Tagged | None = None,
-    dropped: Callable[[], None] | None = None,
+    dropped: Callable[[], None] | None = None, n: int | None = None,
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The SSE events of a request of ``len(runs)`` choices; ``end()`` once it is over
     (accounting, and every choice's stream released: cancelled if unfinished), or
@@ -43,7 +43,8 @@ async def stream(
     one moment goes out as one chunk (one write). Per choice: ``tools``, what reads its
     text into content and tool calls, ``extras``, its logprobs or echoed prompt (None:
     plain text). A resumable stream's writes carry SSE ids (``tag``); a resumed one's
-    frames come from the logs (``ready``, and no ``runs``)."""
+    frames come from the logs (``ready``, and no ``runs``), a batch of prompts' from their
+    runs as each starts (``ready``, and ``n``: choices per prompt, for the usage)."""
     left = len(runs) if runs is not None else len(tools or extras or ())
     tools = tools or [None] * left
     extras = extras or [None] * left
@@ -103,7 +104,7 @@ async def stream(
                 if not left:  # the last finish, usage and [DONE]: one chunk
                     ended = True
                     if include_usage:
-                        out += sse_event(fmt.usage_chunk(usage_body(combined_usage(usages))))
+                        out += sse_event(fmt.usage_chunk(usage_body(combined_usage(usages, n))))
                     yield tagged(out + SSE_DONE)
                     return
                 if out := tagged(out):
@@ -123,22 +124,28 @@ def _opened(extra: ExtraOutput | None, chunk: dict) -> dict:
 
 async def collect(
     st: ApiState,
-    runs: list[RunningRequest],
+    runs: list[RunningRequest] | None,
     fmt: Formatter,
     end: Callable[[], None],
     tools: list[ChatOutput | None] | None = None,
     extras: list[ExtraOutput | None] | None = None,
+    *,
+    ready: AsyncGenerator[Ready, None] | None = None,
+    n: int | None = None,
 ) -> JSONResponse:
     """The whole body of a request of ``len(runs)`` choices; ``end()``, ``tools`` and
-    ``extras`` as in :func:`stream`."""
-    tools = tools or [None] * len(runs)
-    extras = extras or [None] * len(runs)
-    frames: list[list[TokenFrame]] = [[] for _ in runs]
-    texts: list[list[str]] = [[] for _ in runs]
-    last: list[TokenFrame | None] = [None] * len(runs)
+    ``extras`` as in :func:`stream`; a batch of prompts: its frames (``ready``, no
+    ``runs``), ``n`` choices per prompt, ``extras`` one per choice of the batch."""
+    count = len(runs) if runs is not None else len(extras or ())
+    tools = tools or [None] * count
+    extras = extras or [None] * count
+    frames: list[list[TokenFrame]] = [[] for _ in range(count)]
+    texts: list[list[str]] = [[] for _ in range(count)]
+    last: list[TokenFrame | None] = [None] * count
     try:
-        async with aclosing(merged(st.runner, runs)) as ready:
-            async for batches in ready:
+        frames_in = ready if ready is not None else merged(st.runner, runs or [])
+        async with aclosing(frames_in) as ready_:
+            async for batches in ready_:
                 for i, batch in batches:
                     for frame in batch:
                         if frame.error is not None:
@@ -163,7 +170,8 @@ async def collect(
         if fmt.chat:  # chat: the prompt's logprobs once, on the body (vLLM's place)
             prompt_logprobs = choice.pop("prompt_logprobs", None) or prompt_logprobs
         choices.append(choice)
-    body = fmt.whole(choices, usage_body(request_usage(runs)), prompt_logprobs)
+    usage = combined_usage([f.usage if f is not None else None for f in last], n)
+    body = fmt.whole(choices, usage_body(usage), prompt_logprobs)
     return JSONResponse(body, headers={"x-request-id": fmt.rid})
 
 
@@ -229,17 +237,35 @@ async def resumed(readers: list[FrameLogReader], after: list[int]) -> AsyncGener
 async def merge(sources: dict[int, AsyncIterator[list[TokenFrame]]]) -> AsyncGenerator[Ready, None]:
     """The choices' batches (``index -> its batches``) as they come, until every source
     ended: what had arrived at one moment in one list; a source's failure raises here."""
-    queue: asyncio.Queue[tuple[int, list[TokenFrame] | None, Exception | None]] = \
-        asyncio.Queue()  # fmt: skip
+    async with aclosing(_gather(sources, False)) as m:
+        async for ready in m:
+            yield ready
 
-    async def pump(i: int, batches: AsyncIterator[list[TokenFrame]]) -> None:
+
+async def fan_in(sources: list[AsyncIterator[Ready]]) -> AsyncGenerator[Ready, None]:
+    """:func:`merge` of sources that each hand out :data:`Ready` lists already (a batch of
+    prompts: each prompt's choices, merged, under their indices in the response)."""
+    async with aclosing(_gather(dict(enumerate(sources)), True)) as m:
+        async for ready in m:
+            yield ready
+
+
+async def _gather(
+    sources: dict[int, AsyncIterator], ready_lists: bool
+) -> AsyncGenerator[Ready, None]:
+    """Read every source in a task of its own; hand out what had arrived at one moment in
+    one list. A source yields a choice's batches (its key is the choice's index) or, with
+    ``ready_lists``, :data:`Ready` lists. Cancelling the reader cancels every source."""
+    queue: asyncio.Queue[tuple[Ready | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, items: AsyncIterator) -> None:
         try:
-            async for batch in batches:
-                queue.put_nowait((i, batch, None))
+            async for item in items:
+                queue.put_nowait((item if ready_lists else [(i, item)], None))
         except Exception as e:  # noqa: BLE001 - handed to the reader
-            queue.put_nowait((i, None, e))
+            queue.put_nowait((None, e))
             return
-        queue.put_nowait((i, None, None))
+        queue.put_nowait((None, None))
 
     pumps = [asyncio.create_task(pump(i, b)) for i, b in sources.items()]
     try:
@@ -249,13 +275,13 @@ async def merge(sources: dict[int, AsyncIterator[list[TokenFrame]]]) -> AsyncGen
             while not queue.empty():
                 items.append(queue.get_nowait())
             ready: Ready = []
-            for i, batch, err in items:
+            for got, err in items:
                 if err is not None:
                     raise err
-                if batch is None:
+                if got is None:
                     left -= 1
                 else:
-                    ready.append((i, batch))
+                    ready += got
             if ready:
                 yield ready
     finally:
@@ -269,12 +295,17 @@ def request_usage(runs: list[RunningRequest]) -> Usage | None:
     return combined_usage([r.usage for r in runs])
 
 
-def combined_usage(usages: list[Usage | None]) -> Usage | None:
-    """:func:`request_usage` from each stream's usage."""
+def combined_usage(usages: list[Usage | None], n: int | None = None) -> Usage | None:
+    """:func:`request_usage` from each stream's usage; a batch of prompts counts each
+    prompt once: ``n`` choices per prompt, prompt ``p``'s at ``p * n`` to ``p * n + n - 1``
+    (None: one prompt)."""
     got = [u for u in usages if u is not None]
     if not got:
         return None
     if len(usages) == 1:
         return got[0]
-    return Usage(got[0].prompt_tokens, sum(u.completion_tokens for u in got),
-                 got[0].cached_tokens)  # fmt: skip
+    n = n or len(usages)
+    firsts = [u for g in range(0, len(usages), n)
+              if (u := next((x for x in usages[g:g + n] if x is not None), None))]  # fmt: skip
+    return Usage(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in got),
+                 sum(u.cached_tokens for u in firsts))  # fmt: skip

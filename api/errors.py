@@ -47,8 +47,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, "invalid_request_error", param, code)
 
 
+# the names pydantic gives a union's members in an error's location (``prompt.str``,
+# ``input.list[int]``): not part of the field's path
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def _loc_to_param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    parts = [str(p) for p in loc if p != "body"]
+    parts = [p for p in parts if p not in _UNION_MEMBERS and "[" not in p]
     return ".".join(parts) or None
 
 

@@ -254,19 +254,16 @@ class ExtraOutput:
 
 
 def extra_output(strings: TokenStrings, req: ChatCompletionRequest | CompletionRequest,
-                 sampling: Sampling, prompt_ids: list[int],
-                 as_ids: bool = False) -> ExtraOutput | None:  # fmt: skip
+                 sampling: Sampling, prompt_ids: list[int], as_ids: bool = False,
+                 prompt: str | list[int] | None = None) -> ExtraOutput | None:  # fmt: skip
     """What ``req`` asks for on top of its text; ``None``: nothing (the plain path).
-    ``as_ids``: the deployment's return_tokens_as_token_ids (the request's overrides it)."""
+    ``as_ids``: the deployment's return_tokens_as_token_ids (the request's overrides it).
+    ``prompt``: a completion's prompt as sent (one of a batch's), which ``echo`` repeats
+    (a string as it came, token ids decoded)."""
     echo = None
     if isinstance(req, CompletionRequest) and req.echo:
-        prompt = req.prompt[0] if isinstance(req.prompt, list) and req.prompt and \
-            isinstance(req.prompt[0], (str, list)) else req.prompt  # fmt: skip
-        echo = (
-            prompt
-            if isinstance(prompt, str)
-            else strings.decode(prompt_ids, req.skip_special_tokens)
-        )
+        echo = prompt if isinstance(prompt, str) else \
+            strings.decode(prompt_ids, req.skip_special_tokens)  # fmt: skip
     if sampling.logprobs is None and sampling.prompt_logprobs is None and echo is None \
             and not req.return_token_ids:  # fmt: skip
         return None

@@ -139,9 +139,22 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's: with a reasoning parser, whether the thinking is returned (``reasoning``)
     include_reasoning: bool = True
 
+    def echoed(self) -> str | None:
+        """vLLM's chat ``echo``: the last message's text, which the answer's content starts
+        with, when that message is the assistant's (the answer's role); else None."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant":
+            return None
+        if isinstance(last.content, list):
+            return "".join(p.text or "" for p in last.content if p.type == "text")
+        return last.content or ""
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 16 unless given, as OpenAI's and vLLM's completions (null: the rest of the context);
+    # 0: with echo, the prompt alone (vLLM's)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -156,7 +169,6 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     ]  # fmt: skip
     if isinstance(req, ChatCompletionRequest):
         checks += [
-            (req.echo, "echo", "echo is not supported in chat completions"),
             (req.add_generation_prompt and req.continue_final_message, "continue_final_message",
              "continue_final_message and add_generation_prompt cannot both be true (set "
              "add_generation_prompt to false to continue the last message)"),
@@ -166,6 +178,9 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
             (req.suffix is not None, "suffix", "suffix is not supported"),
             (req.best_of not in (None, 1), "best_of", "best_of > 1 is not supported"),
         ]
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt "
+                              "alone)", "max_tokens", "invalid_value")  # fmt: skip
     for bad, param, message in checks:
         if bad:
             raise bad_request(message, param=param, code="unsupported_parameter")

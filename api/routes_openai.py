@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 
@@ -39,7 +39,7 @@ from api.resume import (
 from api.runner import RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
-from api.tokenization import Prompt
+from api.tokenization import MAX_PROMPTS, Prompt
 from api.tools import ChatOutput, ToolPlan, constrain, tool_plan
 from cluster.lora import LoraRef
 from kvbm.protocol import Sampling, TokenFrame, choice_request_id, choice_stream_id
@@ -71,12 +71,73 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     st = api_state(request)
     lora = await check_model(st, req.model)
     unsupported(req)
-    prompt = Prompt(st.builder.completion_ids(req.prompt))
-    if (resumed := _last_event_id(st, request)) is not None:
+    prompts = st.builder.completion_prompts(req.prompt)
+    resumed = _last_event_id(st, request)
+    if len(prompts) > 1:
+        if resumed is not None:
+            raise bad_request("a stream of several prompts cannot be resumed (Last-Event-ID); "
+                              "send one prompt per request to resume its stream", "prompt",
+                              "unsupported_parameter")  # fmt: skip
+        return await _serve_batch(st, req, request, prompts, started, lora)
+    ((sent, ids),) = prompts
+    prompt = Prompt(ids)
+    if resumed is not None:
         return await resume(st, req, prompt, req.max_tokens, "completion", started, "prompt",
-                            resumed)  # fmt: skip
+                            resumed, sent=sent)  # fmt: skip
     return await _serve(st, req, request, prompt, req.max_tokens, "completion", started,
-                        "prompt", lora=lora)  # fmt: skip
+                        "prompt", lora=lora, sent=sent)  # fmt: skip
+
+
+async def _serve_batch(
+    st: ApiState, req: CompletionRequest, request: Request,
+    prompts: list[tuple[str | list[int], list[int]]], started: float, lora: LoraRef | None,
+) -> Response:  # fmt: skip
+    """A batch of prompts (completions' list of strings or of token-id lists). Each prompt
+    runs as a request of its own (routed on its own, its ``n`` choices forked where it
+    runs); the response holds them all, prompt ``p``'s choice ``j`` at index ``p * n + j``
+    as OpenAI and vLLM number them, and its usage sums the prompts. Every prompt is checked
+    before any runs; the first starts before the response begins (its refusal is the
+    response's status), the others as it streams, each released as soon as its choices
+    end, so that their worker slots serve the prompts still waiting for admission."""
+    n = req.n
+    if len(prompts) * n > MAX_PROMPTS:
+        raise bad_request(f"a batch of prompts holds at most {MAX_PROMPTS} choices (prompts x "
+                          f"n), got {len(prompts)} x {n}", "n")  # fmt: skip
+    built = [Prompt(ids) for _, ids in prompts]
+    samplings = [prepare(st, req, p, req.max_tokens, "prompt") for p in built]
+    extras = [_extra(st, req, sampling, p.token_ids, sent)
+              for (sent, _), p, sampling in zip(prompts, built, samplings, strict=True)
+              for _ in range(n)]  # fmt: skip
+    rid, first = await launch(st, req, request, built[0], samplings[0], "completion", started,
+                              lora)  # fmt: skip
+    fmt = Formatter("completion", rid, req.model)
+    running: dict[int, list[RunningRequest]] = {0: first}  # started and not yet ended
+
+    def end(p: int) -> None:
+        if (runs := running.pop(p, None)) is not None:
+            end_request(st, runs, started)
+
+    def end_all() -> None:  # the response is over: whatever still runs is released
+        for p in list(running):
+            end(p)
+
+    async def one(p: int) -> AsyncGenerator[choices.Ready, None]:
+        if p not in running:
+            running[p] = (await launch(st, req, request, built[p], samplings[p], "completion",
+                                       started, lora))[1]  # fmt: skip
+        try:
+            async with aclosing(choices.merged(st.runner, running[p])) as ready:
+                async for got in ready:
+                    yield [(p * n + i, batch) for i, batch in got]
+        finally:
+            end(p)
+
+    ready = choices.fan_in([one(p) for p in range(len(built))])
+    if req.stream:
+        gen = choices.stream(st, None, fmt, req.include_usage, end_all, None, extras,
+                             ready=ready, n=n)  # fmt: skip
+        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+    return await choices.collect(st, None, fmt, end_all, None, extras, ready=ready, n=n)
 
 
 def _last_event_id(st: ApiState, request: Request) -> str | None:
@@ -104,14 +165,18 @@ async def _serve(
     prompt_param: str,
     plan: ToolPlan | None = None,
     lora: LoraRef | None = None,
+    sent: str | list[int] | None = None,
 ) -> Response:
+    """Start one prompt and answer with its choices; ``sent``: a completion's prompt as
+    sent (which ``echo`` repeats)."""
     rid, runs, sampling = await start(st, req, request, prompt, max_tokens, kind, started,
                                       prompt_param, plan, lora)  # fmt: skip
-    fmt = Formatter(kind, rid, req.model)  # the base model or the adapter it named
+    echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
+    fmt = Formatter(kind, rid, req.model, echo)  # the base model or the adapter it named
     # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
     # text alone, the plain per-token path)
     tools = [chat_output(st, req, plan, sampling) for _ in runs]
-    extras = [_extra(st, req, sampling, prompt.token_ids) for _ in runs]
+    extras = [_extra(st, req, sampling, prompt.token_ids, sent) for _ in runs]
     if len(runs) > 1:  # n > 1: a stream per choice (api.choices), each read on its own
         end = partial(end_request, st, runs, started)
         if req.stream:
@@ -148,14 +213,36 @@ async def start(
     constraint), store its images and start it: routed, sent, its first frame in. Returns
     the request's id, its runs (one, or one per choice, ``n > 1``; a run's stream id may be
     a retry's) and its sampling. ``lora``: the adapter its model names (check_model)."""
-    prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
-    max_tokens = st.builder.check_length(len(prompt_ids), max_tokens, prompt_param)
+    sampling = prepare(st, req, prompt, max_tokens, prompt_param, plan)
+    rid, runs = await launch(st, req, request, prompt, sampling, kind, started, lora)
+    return rid, runs, sampling
+
+
+def prepare(
+    st: ApiState, req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,
+    max_tokens: int | None, prompt_param: str, plan: ToolPlan | None = None,
+) -> Sampling:  # fmt: skip
+    """The request's sampling for ``prompt``, checked against the context window (a 400
+    before anything runs). ``max_tokens`` 0 (completions' echo: the prompt alone) runs one
+    token, which computes the prompt's logprobs; the runner drops it."""
+    if max_tokens == 0:
+        max_tokens = 1
+    max_tokens = st.builder.check_length(len(prompt.token_ids), max_tokens, prompt_param)
     if req.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
         )
-    sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
+    return constrain(sampling_of(req, max_tokens, st.builder), plan)
+
+
+async def launch(
+    st: ApiState, req: ChatCompletionRequest | CompletionRequest, request: Request,
+    prompt: Prompt, sampling: Sampling, kind: str, started: float, lora: LoraRef | None,
+) -> tuple[str, list[RunningRequest]]:  # fmt: skip
+    """Start a prepared prompt: its images stored, its tenant's budget charged, routed,
+    sent, its first frame in. Its id and runs, as :func:`start` returns them."""
+    prompt_ids = prompt.token_ids  # image placeholders included: they fill the context too
     images = []
     if prompt.images:  # fetched and checked only once the rest of the request is valid
         loaded = await st.media.load(prompt.images)
@@ -168,15 +255,17 @@ async def start(
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
+        prompt_only = isinstance(req, CompletionRequest) and req.max_tokens == 0
         runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images,
-                                     priority=req.priority, lora=lora)  # fmt: skip
+                                     priority=req.priority, lora=lora,
+                                     prompt_only=prompt_only)  # fmt: skip
     except BaseException:
         st.metrics.in_flight.dec()
         raise
     runs[0].tenant = tenant
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     st.metrics.traffic.started(len(prompt_ids))
-    return rid, runs, sampling
+    return rid, runs
 
 
 def chat_output(
@@ -261,11 +350,13 @@ async def _stream(
             end_request(st, [run], started)
 
 
-def _extra(st: ApiState, req: ChatCompletionRequest | CompletionRequest, sampling: Sampling,
-           prompt_ids: list[int]) -> ExtraOutput | None:  # fmt: skip
+def _extra(
+    st: ApiState, req: ChatCompletionRequest | CompletionRequest, sampling: Sampling,
+    prompt_ids: list[int], sent: str | list[int] | None = None,
+) -> ExtraOutput | None:  # fmt: skip
     """What a choice of ``req`` carries beside its text (api.logprobs.extra_output)."""
     return extra_output(st.strings, req, sampling, prompt_ids,
-                        st.settings.api.return_tokens_as_token_ids)  # fmt: skip
+                        st.settings.api.return_tokens_as_token_ids, sent)  # fmt: skip
 
 
 def linger_on(st: ApiState, log_id: str, drain: Callable[[], Awaitable[None]],
@@ -295,7 +386,7 @@ async def _drain_all(st: ApiState, runs: list[RunningRequest]) -> None:
 async def resume(
     st: ApiState, req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,
     max_tokens: int | None, kind: str, started: float, prompt_param: str, last_event_id: str,
-    plan: ToolPlan | None = None,
+    plan: ToolPlan | None = None, sent: str | list[int] | None = None,
 ) -> Response:  # fmt: skip
     """The rest of a stream a client lost (``Last-Event-ID``): the request it sends again is
     only read for how to format the stream (tools, logprobs, usage), never run again."""
@@ -311,7 +402,8 @@ async def resume(
     max_tokens = st.builder.check_length(len(prompt.token_ids), max_tokens, prompt_param)
     sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
     rid = log_id.split(".", 1)[0]  # the client's id (a retry's stream: <id>.r1)
-    fmt = Formatter(kind, rid, req.model)  # the base model or the adapter it named
+    echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
+    fmt = Formatter(kind, rid, req.model, echo)  # the base model or the adapter it named
     readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s) for x in logs]
     log.info("[%s] resumed after event %s", log_id, seqs)
     st.metrics.in_flight.inc()
@@ -319,13 +411,13 @@ async def resume(
     if req.n > 1:
         gen = choices.stream(st, None, fmt, req.include_usage, st.metrics.in_flight.dec,
                              [chat_output(st, req, plan, sampling) for _ in logs],
-                             [_extra(st, req, sampling, prompt.token_ids)
+                             [_extra(st, req, sampling, prompt.token_ids, sent)
                               for _ in logs],
                              ready=choices.resumed(readers, seqs), tag=tag)  # fmt: skip
     else:
         out = chat_output(st, req, plan, sampling)
         gen = _stream(st, None, fmt, req.include_usage, started, out,
-                      _extra(st, req, sampling, prompt.token_ids),
+                      _extra(st, req, sampling, prompt.token_ids, sent),
                       frames=resumed_batches(readers[0], seqs[0]), tag=tag)  # fmt: skip
     return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
 

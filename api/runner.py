@@ -104,6 +104,9 @@ class RunningRequest:
     first_token_at: float | None = None  # perf_counter
     end: TokenFrame | None = None  # its terminal frame
     trace: RequestTrace | None = None  # its request's trace, when traced (api.tracing)
+    # echo with max_tokens 0: the prompt alone; the one token run for its logprobs is
+    # taken off every frame as it arrives (none reaches the client or the usage)
+    prompt_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -199,6 +202,7 @@ class Runner:
         self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         pin: str | None = None, images: list[ImageRef] | None = None,
         pooling: Pooling | None = None, priority: int = 0, lora: LoraRef | None = None,
+        prompt_only: bool = False,
     ) -> list[RunningRequest]:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
         request that cannot run gets a proper HTTP status, not a broken stream). The
@@ -216,7 +220,8 @@ class Runner:
         and carries the vector), routed by load alone (the engine neither reads nor fills
         its prefix cache for it). ``priority``: vLLM's (lower first), in the admission wait
         and the engine's waiting queue. ``lora``: the adapter it runs through (its blocks
-        are named in the adapter's namespace, here and in the engine)."""
+        are named in the adapter's namespace, here and in the engine). ``prompt_only``: its
+        output is dropped (:attr:`RunningRequest.prompt_only`)."""
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
             raise OpenAIError(503, "Redis is not answering (token streams are down)",
                               "server_error", None, "redis_unavailable")  # fmt: skip
@@ -234,6 +239,7 @@ class Runner:
                                         images, pooling, priority, lora, trace)  # fmt: skip
             try:
                 for run in runs:
+                    run.prompt_only = prompt_only
                     run.first_frame = await self._next(run)
             except WorkerLost as e:
                 for run in runs:
@@ -504,7 +510,10 @@ class Runner:
         Runs as a detached task so it completes even when the caller is being cancelled."""
         if run.trace is not None and not run.migrated:  # before the response's span ends
             end = run.end
-            run.trace.ended(run.choice or 0, run.usage, end.finish_reason if end else None,
+            # a stream is its prompt's (a batch's prompts each have an id) and choice's: a
+            # retried attempt ends under the same key as the one it replaces
+            stream = (run.request_id.split(".", 1)[0], run.choice or 0)
+            run.trace.ended(stream, run.usage, end.finish_reason if end else None,
                             end.error.message if end and end.error else None,
                             run.first_token_at, run.migrations)  # fmt: skip
         task = asyncio.get_running_loop().create_task(self._cleanup(run))
@@ -550,6 +559,8 @@ class Runner:
             run.last_frame_at = now
         if frame.done:
             run.end = frame
+        if run.prompt_only:
+            _output_dropped(frame)
 
     def _forget_prefill(self, run: RunningRequest) -> None:
         """The first token is out: the prompt no longer queues for prefill anywhere (the
@@ -608,6 +619,17 @@ class Runner:
 # an image whose bytes are gone from Redis (it waited past their TTL) may be sent again;
 # anything else is ours.
 FRAME_ERROR_STATUS = {"image_unavailable": 503}
+
+
+def _output_dropped(frame: TokenFrame) -> None:
+    """A prompt-only request's frame without its output (counted for the metrics and
+    migration before this): no token, text or logprob; no completion tokens in its usage;
+    it ends for its length (0), whatever the token it ran would have ended for."""
+    frame.token_ids, frame.text, frame.logprobs, frame.stop_reason = [], "", None, None
+    if frame.done and frame.error is None:
+        frame.finish_reason = "length"
+    if frame.usage is not None:
+        frame.usage = Usage(frame.usage.prompt_tokens, 0, frame.usage.cached_tokens)
 
 
 def frame_error(frame: TokenFrame) -> OpenAIError:

@@ -76,8 +76,9 @@ class Formatter:
     """Builds chat.completion(.chunk) or text_completion bodies for one request (``index``:
     the choice a chunk or body part is of, when the request asked for ``n > 1``)."""
 
-    def __init__(self, kind: str, rid: str, model: str) -> None:
+    def __init__(self, kind: str, rid: str, model: str, echo: str | None = None) -> None:
         self.chat = kind == "chat"
+        self.echo = echo or ""  # chat's echo: the last (assistant) message, before the output
         self.rid = rid
         self.model = model
         self.created = int(time.time())
@@ -119,7 +120,7 @@ class Formatter:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
     def role_delta(self) -> dict:
-        return {"role": "assistant", "content": ""}
+        return {"role": "assistant", "content": self.echo}
 
     def text_delta(self, text: str) -> dict:
         return {"content": text} if self.chat else {"text": text}
@@ -176,7 +177,11 @@ class Formatter:
     ) -> dict:  # fmt: skip
         """One choice of a whole (non-streamed) body (the rest as in :meth:`full`)."""
         if self.chat:
-            return {"index": index, "message": message or {"role": "assistant", "content": text},
+            if message is None:
+                message = {"role": "assistant", "content": self.echo + text}
+            elif self.echo:
+                message["content"] = self.echo + (message.get("content") or "")
+            return {"index": index, "message": message,
                     "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}  # fmt: skip
         choice = {"index": index, "text": text, "logprobs": logprobs,

@@ -54,6 +54,9 @@ class Prompt:
                 for h, o in zip(hashes, self.image_offsets, strict=True)]  # fmt: skip
 
 
+MAX_PROMPTS = 2048  # prompts in one completions request (as OpenAI caps embedding inputs)
+
+
 class PromptBuilder:
     def __init__(
         self, model_dir: str | Path, max_model_len: int | None = None,
@@ -240,29 +243,41 @@ class PromptBuilder:
                 out.append(t)
         return Prompt(out, images, offsets, n)
 
-    def completion_ids(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[int]:
-        if isinstance(prompt, list):
-            if len(prompt) == 0:
-                raise bad_request("prompt must not be empty", "prompt")
-            if isinstance(prompt[0], (str, list)):
-                if len(prompt) != 1:
-                    raise bad_request(
-                        "batched prompts are not supported yet; send one prompt per request",
-                        "prompt",
-                        "unsupported_parameter",
-                    )
-                prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("prompt must not be empty", "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=True).ids
-        ids = [int(t) for t in prompt]
-        if not ids:
+    def completion_prompts(
+        self, prompt: str | list[int] | list[str] | list[list[int]],
+    ) -> list[tuple[str | list[int], list[int]]]:  # fmt: skip
+        """A completions ``prompt`` as its prompts (one, or a batch: a list of strings or of
+        token-id lists), each as sent and as token ids, checked (a 400 names which one is
+        empty or holds an id outside the vocabulary)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            items: list[str | list[int]] = list(prompt)
+        else:
+            items = [prompt]  # type: ignore[list-item]  # one: a string or token ids
+        if not items:
             raise bad_request("prompt must not be empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is out of range [0, {self.vocab_size})", "prompt")
-        return ids
+        if len(items) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(items)}",
+                              "prompt")  # fmt: skip
+        out: list[tuple[str | list[int], list[int]]] = []
+        for i, item in enumerate(items):
+            which = f"prompt {i}" if len(items) > 1 else "prompt"
+            if isinstance(item, str):
+                if not item:
+                    raise bad_request(f"{which} must not be empty", "prompt")
+                out.append((item, self.tokenizer.encode(item, add_special_tokens=True).ids))
+                continue
+            if not isinstance(item, list) or not all(isinstance(t, int) for t in item):
+                raise bad_request("a batch of prompts is a list of strings or a list of token-id "
+                                  "lists, not a mix", "prompt")  # fmt: skip
+            ids = list(item)
+            if not ids:
+                raise bad_request(f"{which} must not be empty", "prompt")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise bad_request(f"token id {bad[0]} in {which} is out of range "
+                                  f"[0, {self.vocab_size})", "prompt")  # fmt: skip
+            out.append((ids, ids))
+        return out
 
     def check_length(self, n_prompt: int, max_tokens: int | None, prompt_param: str) -> int:
         """Validate against the context window; returns the effective max_tokens."""

@@ -66,6 +66,7 @@ class TracingMiddleware:
             raise
         finally:
             context.detach(token)
+            _TRACES.pop(span.get_span_context().span_id, None)
             if status and status[0] >= 500:  # a server span's error: a 5xx (HTTP semconv)
                 span.set_status(Status(StatusCode.ERROR, f"HTTP {status[0]}"))
             span.end()
@@ -76,15 +77,17 @@ def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
     return v.decode("latin-1") if v else None
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestTrace:
     """A traced request's span and what its streams did, written onto the span as each
-    one ends (its choices' tokens and finish reasons add up)."""
+    one ends (its choices', and a batch's prompts', tokens and finish reasons add up)."""
 
     span: Span
     parent: str  # the span's traceparent, for the stage payloads
     started: float  # perf_counter at arrival
-    outputs: dict[int, tuple[int, str | None]] = field(default_factory=dict)
+    outputs: dict[object, tuple[int, str | None]] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    first_token_at: float | None = None  # the request's first token, of any stream
 
     def route(self, tracing: Tracing, t0: float, steps: list[tuple[str, Any]]) -> None:
         """The admission wait and the routing pick, from ``t0`` (perf counter) to now."""
@@ -97,19 +100,22 @@ class RequestTrace:
             "conveyor.route.overlap_blocks": [r.overlap_blocks for r in routes],
         })  # fmt: skip
 
-    def ended(self, choice: int, usage: Any, finish_reason: str | None, error: str | None,
+    def ended(self, stream: object, usage: Any, finish_reason: str | None, error: str | None,
               first_token_at: float | None, migrations: int) -> None:  # fmt: skip
-        """One stream of the request ended (its usage, if it got that far)."""
+        """One stream of the request ended (``stream``: what tells it from the request's
+        others; its usage, if it got that far)."""
         s = self.span
         if not s.is_recording():
             return
-        self.outputs[choice] = (usage.completion_tokens if usage else 0, finish_reason)
+        self.outputs[stream] = (usage.completion_tokens if usage else 0, finish_reason)
         s.set_attribute("gen_ai.usage.output_tokens", sum(n for n, _ in self.outputs.values()))
         s.set_attribute("gen_ai.response.finish_reasons",
                         [r or "abort" for _, r in self.outputs.values()])  # fmt: skip
         if usage is not None:
             s.set_attribute("conveyor.usage.cached_tokens", usage.cached_tokens)
-        if first_token_at is not None and not choice:
+        if first_token_at is not None and (self.first_token_at is None
+                                           or first_token_at < self.first_token_at):  # fmt: skip
+            self.first_token_at = first_token_at
             s.set_attribute("gen_ai.latency.time_to_first_token", first_token_at - self.started)
         s.set_attribute("gen_ai.latency.e2e", time.perf_counter() - self.started)
         if migrations:
@@ -120,19 +126,28 @@ class RequestTrace:
             s.set_status(Status(StatusCode.ERROR, error))
 
 
+# each traced request's RequestTrace, by its span's id, until the middleware ends the span:
+# the inputs of one request (embeddings, a batch of prompts) share one
+_TRACES: dict[int, RequestTrace] = {}
+
+
 def request_trace(request_id: str, model: str, sampling: Sampling | None, prompt_tokens: int,
                   started: float) -> RequestTrace | None:  # fmt: skip
     """The current request's trace (the middleware's span), its request attributes set
-    (``sampling``: None for an embedding); ``None`` when it is not sampled."""
+    (``sampling``: None for an embedding); ``None`` when it is not sampled. Another input
+    of the same request adds its prompt tokens to the first's trace."""
     from opentelemetry.trace import get_current_span
 
     span = get_current_span()
     parent = traceparent(span) if span.is_recording() else None
     if parent is None:
         return None
-    before = getattr(span, "attributes", None) or {}
-    if "gen_ai.request.id" in before:  # another input of the same request (embeddings)
-        prompt_tokens += before.get("gen_ai.usage.input_tokens", 0)
+    key = span.get_span_context().span_id
+    if (tr := _TRACES.get(key)) is not None and tr.span is span:
+        tr.prompt_tokens += prompt_tokens
+        span.set_attribute("gen_ai.usage.input_tokens", tr.prompt_tokens)
+        return tr
+    tr = _TRACES[key] = RequestTrace(span, parent, started, prompt_tokens=prompt_tokens)
     span.set_attributes({"gen_ai.request.id": request_id, "gen_ai.request.model": model,
                          "gen_ai.usage.input_tokens": prompt_tokens})  # fmt: skip
     if sampling is not None:
@@ -144,4 +159,4 @@ def request_trace(request_id: str, model: str, sampling: Sampling | None, prompt
         })  # fmt: skip
         if sampling.seed is not None:
             span.set_attribute("gen_ai.request.seed", sampling.seed)
-    return RequestTrace(span, parent, started)
+    return tr

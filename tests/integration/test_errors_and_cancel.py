@@ -70,7 +70,7 @@ def test_unknown_model_404(cluster: Cluster) -> None:
         ({"n": 0}, "n"),
         ({"n": 129}, "n"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
-        ({"echo": True}, "echo"),  # chat's (completions' is served)
+        ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
         (
             {
                 "tools": [{"type": "function", "function": {"name": "f"}}],
@@ -97,8 +97,11 @@ def test_invalid_completion_bodies_400(cluster: Cluster) -> None:
         _post(cluster, "/v1/completions", {"model": m, "prompt": [1, 99999]}), 400, "prompt"
     )
     _assert_error(
-        _post(cluster, "/v1/completions", {"model": m, "prompt": ["a", "b"]}), 400, "prompt"
-    )
+        _post(cluster, "/v1/completions", {"model": m, "prompt": ["a", ""]}), 400, "prompt"
+    )  # a batch with an empty prompt
+    _assert_error(
+        _post(cluster, "/v1/completions", {"model": m, "prompt": ["a", [1, 2]]}), 400, "prompt"
+    )  # strings and token ids mixed
     _assert_error(
         _post(cluster, "/v1/completions", {"model": m, "prompt": "x", "suffix": "y"}), 400,
         "suffix",

@@ -134,6 +134,38 @@ def test_chat_stream_equals_nonstream_and_hf(cluster: Cluster, hf: tuple) -> Non
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
+def test_continue_final_message_with_echo(cluster: Cluster, hf: tuple) -> None:
+    """vLLM's continue_final_message: the prompt ends inside the assistant's last message
+    (HF's template with continue_final_message), and the output continues it, greedy as HF
+    generates from that prompt. With echo the content starts with that message, streamed
+    (n=2: each choice) and not; without, it is the continuation alone."""
+    tok, _ = hf
+    client = cluster.client()
+    msgs = [{"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": "Once upon a time"}]  # fmt: skip
+    body = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    kw = dict(model=cluster.model_name, messages=msgs, max_tokens=8, temperature=0)
+    ids = tok.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = tok.decode(hf_greedy(hf, ids, 8), skip_special_tokens=True)
+    plain = client.chat.completions.create(extra_body=body, **kw)  # type: ignore[call-overload]
+    assert plain.choices[0].message.content == want
+    assert plain.usage.prompt_tokens == len(ids)
+    echoed = client.chat.completions.create(extra_body={**body, "echo": True},
+                                            **kw)  # type: ignore[call-overload]  # fmt: skip
+    assert echoed.choices[0].message.content == "Once upon a time" + want
+    chunks = list(client.chat.completions.create(extra_body={**body, "echo": True}, n=2,
+                                                 stream=True, **kw))  # type: ignore[call-overload]  # fmt: skip
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks
+                        if c.choices and c.choices[0].index == i) for i in (0, 1)}  # fmt: skip
+    assert texts == dict.fromkeys((0, 1), "Once upon a time" + want)
+    # a last message that is not the assistant's is not echoed (vLLM's rule)
+    user_last = client.chat.completions.create(
+        model=cluster.model_name, messages=msgs[:1], max_tokens=4, temperature=0,
+        extra_body={"echo": True})  # fmt: skip
+    assert not user_last.choices[0].message.content.startswith("Tell me")
+
+
 def test_max_completion_tokens_and_stream_without_usage(cluster: Cluster) -> None:
     c = cluster.client()
     r = c.chat.completions.create(

@@ -16,17 +16,36 @@ def test_unsupported_parameters_are_named() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     for patch, param in [
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
-        ({"echo": True}, "echo"),  # chat's echo (completions' is served)
+        ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
     ]:
         with pytest.raises(OpenAIError) as e:
             unsupported(ChatCompletionRequest(**base, **patch))
         assert e.value.status == 400 and e.value.param == param
-    for patch, param in [({"suffix": "x"}, "suffix"), ({"best_of": 2}, "best_of")]:
+    for patch, param in [
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ]:  # 0 only with echo
         with pytest.raises(OpenAIError) as e:
             unsupported(CompletionRequest(model="m", prompt="x", **patch))
         assert e.value.status == 400 and e.value.param == param
     unsupported(ChatCompletionRequest(**base))  # plain request passes
     unsupported(CompletionRequest(model="m", prompt="x", echo=True, logprobs=2))
+    unsupported(CompletionRequest(model="m", prompt="x", echo=True, max_tokens=0))
+    unsupported(ChatCompletionRequest(**base, echo=True))  # served (vLLM's meaning)
+
+
+def test_chat_echo_is_the_last_assistant_message() -> None:
+    def req(*messages: dict, echo: bool = True) -> ChatCompletionRequest:
+        return ChatCompletionRequest(model="m", messages=list(messages), echo=echo)
+
+    user = {"role": "user", "content": "Hi"}
+    assert req(user).echoed() is None  # the last message is not the answer's role
+    assert req(user, {"role": "assistant", "content": "Sure,"}).echoed() == "Sure,"
+    assert req(user, {"role": "assistant", "content": "Sure,"}, echo=False).echoed() is None
+    parts = {"role": "assistant", "content": [{"type": "text", "text": "A"},
+                                              {"type": "text", "text": "B"}]}  # fmt: skip
+    assert req(user, parts).echoed() == "AB"
 
 
 def test_schema_bounds() -> None:
@@ -52,7 +71,26 @@ def test_chat_template_matches_transformers(tiny_model_dir: Path) -> None:
     expected = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
     assert pb.chat_ids([ChatMessage(**m) for m in msgs]) == expected
-    assert pb.completion_ids("Hello world") == hf("Hello world").input_ids
+    assert pb.completion_prompts("Hello world") == [("Hello world", hf("Hello world").input_ids)]
+
+
+def test_completion_prompts_one_or_a_batch(tiny_model_dir: Path) -> None:
+    pb = PromptBuilder(tiny_model_dir)
+    ids = pb.completion_prompts("Hello")[0][1]
+    assert pb.completion_prompts(ids) == [(ids, ids)]  # token ids: one prompt
+    assert pb.completion_prompts(["Hello"]) == [("Hello", ids)]  # a batch of one
+    assert pb.completion_prompts(["Hello", "Hi there"]) == [
+        ("Hello", ids), ("Hi there", pb.completion_prompts("Hi there")[0][1])]  # fmt: skip
+    assert pb.completion_prompts([[5, 6], [7]]) == [([5, 6], [5, 6]), ([7], [7])]
+    for bad, says in [([], "prompt must not be empty"), ("", "prompt must not be empty"),
+                      (["a", ""], "prompt 1 must not be empty"),
+                      ([[1], []], "prompt 1 must not be empty"),
+                      ([[1], [pb.vocab_size]], f"token id {pb.vocab_size} in prompt 1"),
+                      (["a"] * 2049, "at most 2048 prompts")]:  # fmt: skip
+        with pytest.raises(OpenAIError) as e:
+            pb.completion_prompts(bad)  # type: ignore[arg-type]
+        assert e.value.status == 400 and e.value.param == "prompt", bad
+        assert says in e.value.message, (says, e.value.message)
 
 
 def test_context_window(tiny_model_dir: Path) -> None:

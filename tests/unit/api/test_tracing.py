@@ -36,8 +36,22 @@ async def chat(request: Request) -> StreamingResponse:
 
 
 async def embed(request: Request) -> JSONResponse:
-    request_trace("emb-1.0", "m", None, 3, 0.0)
-    request_trace("emb-1.1", "m", None, 4, 0.0)  # a second input of the same request
+    first = request_trace("emb-1.0", "m", None, 3, 0.0)
+    # a second input of the same request (after the first's streams let go of its trace)
+    SEEN["same"] = request_trace("emb-1.1", "m", None, 4, 0.0) is first
+    return JSONResponse({})
+
+
+async def batch(request: Request) -> JSONResponse:
+    """A batch of two prompts (each its own id), two choices each; a retried attempt of
+    the second prompt's first choice ends under its key first."""
+    a = request_trace("cmpl-a", "m", Sampling(max_tokens=4, n=2), 5, 0.0)
+    b = request_trace("cmpl-b", "m", Sampling(max_tokens=4, n=2), 6, 0.0)
+    assert a is b and a is not None
+    a.ended(("cmpl-b", 0), None, None, None, None, 0)  # the lost attempt
+    for key, out, at in [(("cmpl-a", 0), 1, 0.7), (("cmpl-a", 1), 2, None),
+                         (("cmpl-b", 0), 3, 0.4), (("cmpl-b", 1), 4, 0.9)]:  # fmt: skip
+        a.ended(key, Usage(5, out), "stop", None, at, 0)
     return JSONResponse({})
 
 
@@ -53,6 +67,7 @@ def _app():  # type: ignore[no-untyped-def]
     t, exporter = memory_tracing()
     app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                             Route("/v1/embeddings", embed, methods=["POST"]),
+                            Route("/v1/completions", batch, methods=["POST"]),
                             Route("/boom", boom), Route("/health", health)])  # fmt: skip
     return TracingMiddleware(app, t), exporter
 
@@ -89,6 +104,7 @@ def test_embeddings_add_up_and_errors_and_probes() -> None:
     (s,) = exporter.get_finished_spans()
     a = dict(s.attributes or {})
     assert a["gen_ai.usage.input_tokens"] == 7 and "gen_ai.request.max_tokens" not in a
+    assert SEEN["same"] is True and a["gen_ai.request.id"] == "emb-1.0"
     assert s.parent is None  # no caller: a trace of its own
     exporter.clear()
     asyncio.run(_send(app, "GET", "/boom"))
@@ -98,6 +114,17 @@ def test_embeddings_add_up_and_errors_and_probes() -> None:
         s.status.status_code == StatusCode.ERROR
         and s.attributes["http.response.status_code"] == 503
     )  # type: ignore[index]
+
+
+def test_a_batch_of_prompts_adds_up_on_one_trace() -> None:
+    app, exporter = _app()
+    asyncio.run(_send(app, "POST", "/v1/completions"))
+    (s,) = exporter.get_finished_spans()
+    a = dict(s.attributes or {})
+    assert (a["gen_ai.request.id"], a["gen_ai.usage.input_tokens"]) == ("cmpl-a", 11)
+    assert a["gen_ai.usage.output_tokens"] == 10  # the lost attempt replaced, not added
+    assert list(a["gen_ai.response.finish_reasons"]) == ["stop"] * 4  # type: ignore[arg-type]
+    assert a["gen_ai.latency.time_to_first_token"] == 0.4  # the earliest of any stream
 
 
 def test_no_span_no_trace() -> None:
