@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from api import (
     routes_batches,
+    routes_conversations,
     routes_embeddings,
     routes_models,
     routes_openai,
@@ -50,6 +51,7 @@ from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
 from api.tool_parsers import parser_for_template
 from api.tracing import TracingMiddleware
+from cluster.conversations import ConversationStore
 from cluster.lora import LoraRegistry
 from cluster.response_store import ResponseStore
 from cluster.tracing import start_tracing
@@ -101,6 +103,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.runner = await Runner(s, st.redis, st.hub, metrics, tracing).open()
         st.tenants = TenantBudget(st.redis, s.admission.tenant_tokens_per_min, metrics)
         st.responses = ResponseStore(st.redis, s.api.responses_store_ttl_s)
+        st.conversations = ConversationStore(st.redis, s.api.responses_store_ttl_s)
         st.loras = LoraRegistry(st.redis)
         static = await routes_models.register_static(st)
         st.created = int(time.time())
@@ -144,6 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_models.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
+    app.include_router(routes_conversations.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_scores.router)
     app.include_router(routes_tokenize.router)

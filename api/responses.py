@@ -32,10 +32,6 @@ from api.protocol import ChatCompletionRequest, ChatMessage
 from api.tool_parsers import CallArgs, CallStart, Event, Reasoning, Text
 from kvbm.protocol import Usage
 
-STATELESS = (
-    "the Conversations API is not served: send previous_response_id, or the whole "
-    "conversation in `input`"
-)
 # an input item's id prefix, by its type (input_items lists every item with an id)
 ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
@@ -73,10 +69,10 @@ class ResponsesRequest(BaseModel):
 
 def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> ChatCompletionRequest:
     """The chat request a Responses request means, ``history`` (the items of the turns its
-    ``previous_response_id`` continues) before its input; 400 naming the field it cannot
-    take."""
+    ``previous_response_id`` or ``conversation`` continues) before its input; 400 naming
+    the field it cannot take."""
+    conversation_id(req)  # a 400 for a malformed one, or one beside previous_response_id
     refused = [
-        (req.conversation is not None, "conversation", STATELESS),
         (bool(req.include), "include", "include is not supported (no extra output data)"),
         (
             req.truncation not in (None, "disabled"),
@@ -91,7 +87,7 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     for i, item in enumerate(history or []):
-        _add_item(messages, item, f"previous_response_id (item {i})")
+        _add_item(messages, item, f"{_history_param(req)} (item {i})")
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
     else:
@@ -325,6 +321,7 @@ def response_body(
         "user": req.user,
         "metadata": req.metadata or {},
         "background": bool(req.background),
+        "conversation": {"id": cid} if (cid := conversation_id(req)) else None,
     }
 
 
@@ -334,7 +331,9 @@ def created_now() -> int:
 
 def input_items(req: ResponsesRequest, response_id: str) -> list[dict]:
     """The request's ``input`` as items, each with an id (a string input is one user
-    message), as a stored turn keeps them and ``input_items`` lists them."""
+    message), as a stored turn keeps them and ``input_items`` lists them. A made id is
+    ``<prefix>_<response>_in<i>``, apart from the output items' ``<prefix>_<response>_<i>``
+    (a conversation holds both)."""
     if isinstance(req.input, str):
         text = [{"type": "input_text", "text": req.input}]
         raw: list[dict] = [{"type": "message", "role": "user", "content": text}]
@@ -345,8 +344,47 @@ def input_items(req: ResponsesRequest, response_id: str) -> list[dict]:
         kind = item.get("type", "message" if "role" in item else "item")
         item.setdefault("type", kind)
         if not item.get("id"):
-            item["id"] = f"{ITEM_ID_PREFIX.get(kind, 'item')}_{tag}_{i}"
+            item["id"] = f"{ITEM_ID_PREFIX.get(kind, 'item')}_{tag}_in{i}"
     return raw
+
+
+def conversation_id(req: ResponsesRequest) -> str | None:
+    """The conversation a request belongs to (``conversation``: its id, or ``{"id": ...}``);
+    400 for anything else."""
+    conv = req.conversation
+    if conv is None:
+        return None
+    cid = conv.get("id") if isinstance(conv, dict) else conv
+    if not isinstance(cid, str) or not cid:
+        raise bad_request('conversation must be a conversation id or {"id": ...}',
+                          "conversation")  # fmt: skip
+    if req.previous_response_id is not None:
+        raise bad_request("previous_response_id and conversation cannot be used together",
+                          "conversation")  # fmt: skip
+    return cid
+
+
+def _history_param(req: ResponsesRequest) -> str:
+    return "conversation" if req.conversation is not None else "previous_response_id"
+
+
+def stored_item(item: object, param: str, item_id: str | None = None) -> dict:
+    """An item as a conversation keeps it: checked as a Responses input item would be (a
+    400 naming ``param``), with its ``type``; an ``id`` (the item's own, else ``item_id``,
+    else a new one); a message's string content as one text part; ``status``."""
+    if not isinstance(item, dict):
+        raise bad_request("an item must be an object", param)
+    out = dict(item)
+    kind = out.setdefault("type", "message" if "role" in out else None)
+    _add_item([], out, param)  # a 400 for what a conversation could not render
+    if not out.get("id"):
+        out["id"] = item_id or f"{ITEM_ID_PREFIX.get(str(kind), 'item')}_{secrets.token_hex(24)}"
+    if kind == "message" and isinstance(out.get("content"), str):
+        part = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": out["content"]}]
+    if kind in ITEM_ID_PREFIX:
+        out.setdefault("status", "completed")
+    return out
 
 
 # --------------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ response it continued go into its record (:mod:`cluster.response_store`), before
 event or body leaves, so a client's next request always finds it. ``previous_response_id``
 puts the stored conversation before the request's input; ``GET /v1/responses/{id}``,
 ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` answer for it on
-every replica.
+every replica. ``conversation`` (the Conversations API, :mod:`api.routes_conversations`)
+puts that conversation's items before the input instead, and adds the turn's input and
+output items to it once the response ends.
 """
 
 from __future__ import annotations
@@ -50,11 +52,14 @@ from api.responses import (
     OutputItems,
     ResponsesRequest,
     chat_request,
+    conversation_id,
     created_now,
     input_items,
     response_body,
+    stored_item,
 )
 from api.resume import FrameLogReader, claim, event_id, frames_of, parse_event_id
+from api.routes_conversations import conversation_of, page
 from api.routes_openai import chat_prompt, collect, drain, end_request, linger_on, start
 from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
@@ -114,7 +119,10 @@ def _stores(st: ApiState, body: ResponsesRequest) -> bool:
 
 
 async def _history(st: ApiState, body: ResponsesRequest) -> list[dict]:
-    """The items of the conversation ``previous_response_id`` continues (oldest first)."""
+    """The items of the conversation the request continues (oldest first): its
+    ``conversation``'s, or the chain ``previous_response_id`` ends."""
+    if (cid := conversation_id(body)) is not None:
+        return (await conversation_of(st, cid, "conversation")).items
     prev = body.previous_response_id
     if prev is None:
         return []
@@ -301,7 +309,11 @@ async def _relay(st: ApiState, run: RunningRequest, out: _Output, started: float
 async def _store_final(st: ApiState, key: str | None, out: _Output, ttl_s: float) -> None:
     """Keep a response that ended: in the store (its turn too) if it is stored, else in
     its record ``key`` (a background or resumable one) for ``ttl_s``; neither: nothing."""
-    if out.final is None or (key is None and not out.stored):
+    if out.final is None:
+        return
+    if (cid := conversation_id(out.body)) is not None:
+        await _to_conversation(st, cid, out)
+    if key is None and not out.stored:
         return
     try:
         if out.stored:
@@ -317,6 +329,21 @@ async def _store_final(st: ApiState, key: str | None, out: _Output, ttl_s: float
         await pipe.execute()
     except Exception as e:  # noqa: BLE001 - a GET rebuilds it from the frame log
         log.warning("[%s] could not store the final response: %s", out.id, e)
+
+
+async def _to_conversation(st: ApiState, cid: str, out: _Output) -> None:
+    """A response that ended (completed or incomplete; not failed or cancelled) adds its
+    input and output items to its conversation, once (their ids come from its id)."""
+    assert out.final is not None
+    if out.final["status"] not in ("completed", "incomplete"):
+        return
+    items = [stored_item(it, "input") for it in input_items(out.body, out.id)]
+    try:
+        if await st.conversations.add(cid, items + out.items.output) is None:
+            log.warning("[%s] conversation %s was deleted before the response ended", out.id,
+                        cid)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the response itself is answered
+        log.warning("[%s] could not add the turn to conversation %s: %s", out.id, cid, e)
 
 
 async def _cancelled(st: ApiState, key: str) -> bool:
@@ -488,22 +515,8 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     """A stored response's input items (this turn's), as OpenAI pages them: ``order``
     asc or desc (default), ``limit`` 1-100, ``after`` an item id."""
     st = api_state(request)
-    if not 1 <= limit <= 100:
-        raise bad_request("limit must be between 1 and 100", "limit")
-    if order not in ("asc", "desc"):
-        raise bad_request("order must be 'asc' or 'desc'", "order")
     turn = await st.responses.turn(response_id) if response_id.startswith("resp_") else None
     if turn is None:
         raise _not_found(response_id, "stored response")
-    listed = [_listed(item) for item in turn.input]
-    items = listed if order == "asc" else listed[::-1]
-    if after is not None:
-        at = next((i for i, item in enumerate(items) if item.get("id") == after), None)
-        if at is None:
-            raise bad_request(f"no input item {after!r} in response '{response_id}'", "after")
-        items = items[at + 1 :]
-    page = items[:limit]
-    return JSONResponse({"object": "list", "data": page,
-                         "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None,
-                         "has_more": len(items) > limit})  # fmt: skip
+    return JSONResponse(page([_listed(item) for item in turn.input], order, after, limit,
+                             f"response '{response_id}'"))  # fmt: skip

@@ -16,6 +16,7 @@ from api.runner import Runner
 from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
+from cluster.conversations import ConversationStore
 from cluster.lora import LoraRef, LoraRegistry
 from cluster.response_store import ResponseStore
 from tasks.settings import Settings
@@ -34,6 +35,7 @@ class ApiState:
     runner: Runner = field(init=False)
     tenants: TenantBudget = field(init=False)
     responses: ResponseStore = field(init=False)  # stored responses (the Responses API)
+    conversations: ConversationStore = field(init=False)  # the Conversations API's
     loras: LoraRegistry = field(init=False)  # the LoRA adapters served (their registry)
     created: int = 0  # when the API started serving (the model's ``created``)
     tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output

@@ -169,14 +169,16 @@ class ApiSettings(_Area):
         True,
         description="The Responses API stores a response unless its request says store: "
         "false (OpenAI's default): GET, DELETE and input_items answer for it on every API "
-        "replica, and previous_response_id continues its conversation. Off: nothing is "
-        "stored, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE.",
+        "replica, and previous_response_id continues its conversation; the Conversations "
+        "API keeps its conversations here too. Off: nothing is stored, as vLLM without "
+        "VLLM_ENABLE_RESPONSES_API_STORE (and /v1/conversations answers 400).",
     )
     responses_store_ttl_s: float = Field(
         7 * 24 * 3600.0,
         gt=0,
-        description="How long a stored response is kept in Redis; a conversation continued "
-        "with previous_response_id renews every turn it reads.",
+        description="How long a stored response, or a conversation (the Conversations "
+        "API), is kept in Redis unused; a conversation continued with previous_response_id "
+        "renews every turn it reads, and using a conversation renews it.",
     )
     lora_modules: str | None = Field(
         None,

@@ -313,10 +313,14 @@ def test_responses_tool_round_trip(cluster: Cluster, hf: tuple) -> None:
 
 def test_responses_refusals(cluster: Cluster) -> None:
     client = cluster.client()
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as nf:  # served (test_conversations.py)
         client.responses.create(model=cluster.model_name, input="x",
                                 conversation="conv_123")  # fmt: skip
-    assert e.value.body["param"] == "conversation"  # type: ignore[index]
+    assert nf.value.body["param"] == "conversation"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=cluster.model_name, input="x",
+                                truncation="auto")  # fmt: skip
+    assert e.value.body["param"] == "truncation"  # type: ignore[index]
 
 
 class Weather(BaseModel):

@@ -270,6 +270,13 @@ SHAPE_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2}),
     ("/v1/completions", {"prompt": "Once upon", "logprobs": 2, "echo": True}),
     ("/v1/completions", {"prompt": "Once upon", "prompt_logprobs": 1}),
+    ("/v1/completions", {"prompt": ["Once upon", "A cat"], "n": 2, "logprobs": 1}),
+    ("/v1/completions", {"prompt": [[1, 5, 9], [1, 7]], "echo": True, "logprobs": 1,
+                         "max_tokens": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": "Well"}],
+                              "add_generation_prompt": False, "continue_final_message": True,
+                              "echo": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
                               "response_format": {"type": "json_schema", "json_schema": {
                                   "name": "x", "schema": BOOL_SCHEMA}},

@@ -118,7 +118,7 @@ def test_input_items_become_chat_messages() -> None:
 @pytest.mark.parametrize(
     ("patch", "param"),
     [
-        ({"conversation": "conv_1"}, "conversation"),
+        ({"conversation": {"name": "c"}}, "conversation"),  # neither an id nor {"id": ...}
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0.type"),
         (
@@ -238,11 +238,11 @@ def test_history_sits_between_the_instructions_and_the_input() -> None:
 
 def test_input_items_get_ids_and_a_string_becomes_a_message() -> None:
     items = input_items(ResponsesRequest(model="m", input="hi"), "resp_abc")
-    assert items == [{"type": "message", "role": "user", "id": "msg_abc_0",
+    assert items == [{"type": "message", "role": "user", "id": "msg_abc_in0",
                       "content": [{"type": "input_text", "text": "hi"}]}]  # fmt: skip
     given = [{"role": "user", "content": "a"},
              {"type": "function_call_output", "call_id": "c", "output": "x"},
              {"id": "mine", "role": "user", "content": "b"}]  # fmt: skip
     ids = [i["id"] for i in input_items(ResponsesRequest(model="m", input=given), "resp_z")]
-    assert ids == ["msg_z_0", "fco_z_1", "mine"]
+    assert ids == ["msg_z_in0", "fco_z_in1", "mine"]
     assert "id" not in given[0]  # the request's own items are left as they were
