@@ -23,17 +23,25 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, ChatMessage
 from api.tool_parsers import CallArgs, CallStart, Event, Reasoning, Text
-from kvbm.protocol import Usage
+from kvbm.protocol import MAX_LOGPROBS, Usage
 
 # an input item's id prefix, by its type (input_items lists every item with an id)
 ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the include that adds logprobs
+# OpenAI's other includables: about hosted tools Conveyor does not run, images kept as
+# sent, and reasoning it returns in the clear; accepted, and they add nothing
+INCLUDABLE = frozenset({
+    OUTPUT_LOGPROBS, "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "file_search_call.results", "message.input_image.image_url", "reasoning.encrypted_content",
+    "web_search_call.action.sources", "web_search_call.results",
+})  # fmt: skip
 
 
 class ResponsesRequest(BaseModel):
@@ -57,7 +65,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     background: bool | None = None
     conversation: Any = None
-    truncation: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # vLLM's extensions, as in chat
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     top_k: int | None = Field(None, ge=-1)
@@ -72,17 +81,10 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
     ``previous_response_id`` or ``conversation`` continues) before its input; 400 naming
     the field it cannot take."""
     conversation_id(req)  # a 400 for a malformed one, or one beside previous_response_id
-    refused = [
-        (bool(req.include), "include", "include is not supported (no extra output data)"),
-        (
-            req.truncation not in (None, "disabled"),
-            "truncation",
-            "truncation 'auto' is not supported: a prompt beyond the context window is a 400",
-        ),
-    ]
-    for bad, param, message in refused:
-        if bad:
-            raise bad_request(message, param, "unsupported_parameter")
+    for i, what in enumerate(req.include or []):
+        if what not in INCLUDABLE:
+            raise bad_request(f"include value {what!r} is not one of "
+                              f"{', '.join(sorted(INCLUDABLE))}", f"include.{i}")  # fmt: skip
     messages: list[dict] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -108,6 +110,9 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
         "priority": req.priority,
         "worker_id": req.worker_id,
     }
+    if wants_logprobs(req):  # vLLM's rule: top_logprobs counts only with the include
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
     if req.tools:
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:
@@ -138,10 +143,16 @@ class OutputItems:
         self._open: dict | None = None  # the item still streaming
         self._calls: dict[int, dict] = {}  # call index -> its item
         self.seq = 0
+        # the logprob entries of tokens fed whose text has not come out yet (the output
+        # text's next delta carries them; a reasoning or call event drops them: those
+        # tokens were not output text)
+        self.pending: list[dict] = []
 
     def events(self, parsed: list[Event]) -> list[dict]:
         out: list[dict] = []
         for ev in parsed:
+            if not isinstance(ev, Text):
+                self.pending = []
             if isinstance(ev, Reasoning):
                 item = self._reasoning(out)
                 item["content"][0]["text"] += ev.text
@@ -151,9 +162,11 @@ class OutputItems:
                 if not ev.text:
                     continue
                 msg = self._message(out)
+                lps, self.pending = self.pending, []
                 msg["content"][0]["text"] += ev.text
+                msg["content"][0]["logprobs"] += lps
                 out.append(self._part_event("response.output_text.delta", msg, delta=ev.text,
-                                            logprobs=[]))  # fmt: skip
+                                            logprobs=lps))  # fmt: skip
             elif isinstance(ev, CallStart):
                 self._close(out)
                 item = {
@@ -229,7 +242,7 @@ class OutputItems:
         out.append(self._event("response.output_item.added", output_index=index, item=_copy(msg)))
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         msg["content"].append(part)
-        out.append(self._part_event("response.content_part.added", msg, part=dict(part)))
+        out.append(self._part_event("response.content_part.added", msg, part=_part_copy(part)))
         return msg
 
     def _close(self, out: list[dict], status: str = "completed") -> None:
@@ -241,8 +254,8 @@ class OutputItems:
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self._part_event("response.output_text.done", item, text=part["text"],
-                                        logprobs=[]))  # fmt: skip
-            out.append(self._part_event("response.content_part.done", item, part=dict(part)))
+                                        logprobs=list(part["logprobs"])))  # fmt: skip
+            out.append(self._part_event("response.content_part.done", item, part=_part_copy(part)))
         elif item["type"] == "reasoning":
             part = item["content"][0]
             out.append(self._part_event("response.reasoning_text.done", item, text=part["text"]))
@@ -308,7 +321,8 @@ def response_body(
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [],
         "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
+        "top_logprobs": req.top_logprobs or 0,
         "usage": None
         if usage is None
         else {
@@ -346,6 +360,11 @@ def input_items(req: ResponsesRequest, response_id: str) -> list[dict]:
         if not item.get("id"):
             item["id"] = f"{ITEM_ID_PREFIX.get(kind, 'item')}_{tag}_in{i}"
     return raw
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the output text carries its tokens' logprobs (the include asks for them)."""
+    return OUTPUT_LOGPROBS in (req.include or ())
 
 
 def conversation_id(req: ResponsesRequest) -> str | None:
@@ -508,5 +527,13 @@ def _text_format(text: dict | None) -> dict | None:
 def _copy(item: dict) -> dict:
     out = dict(item)
     if "content" in out:
-        out["content"] = [dict(p) for p in out["content"]]
+        out["content"] = [_part_copy(p) for p in out["content"]]
+    return out
+
+
+def _part_copy(part: dict) -> dict:
+    """A content part as an event shows it then (its logprobs list grows later)."""
+    out = dict(part)
+    if "logprobs" in out:
+        out["logprobs"] = list(out["logprobs"])
     return out

@@ -45,6 +45,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.errors import OpenAIError, bad_request
+from api.logprobs import ID_STRINGS, LogprobsRenderer
 from api.params import structured_of
 from api.protocol import ChatCompletionRequest, unsupported
 from api.reasoning import output_parser
@@ -57,6 +58,7 @@ from api.responses import (
     input_items,
     response_body,
     stored_item,
+    wants_logprobs,
 )
 from api.resume import FrameLogReader, claim, event_id, frames_of, parse_event_id
 from api.routes_conversations import conversation_of, page
@@ -64,6 +66,7 @@ from api.routes_openai import chat_prompt, collect, drain, end_request, linger_o
 from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
+from api.tokenization import Prompt
 from api.tool_parsers import Event, Text, ToolParser
 from api.tools import ToolPlan, tool_plan
 from cluster.resp import as_str
@@ -91,10 +94,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         raise bad_request("background responses need the frame log: set "
                           "CONVEYOR_RESUMABLE_STREAMS=true", "background",
                           "unsupported_parameter")  # fmt: skip
-    req = chat_request(body, await _history(st, body))
+    req, prompt = _rendered(st, body, await _history(st, body))
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
-    prompt = chat_prompt(st, req)
     st.media.check_count(prompt.images)
     if st.settings.api.resumable_streams and (last := request.headers.get("last-event-id")):
         return await _resume(st, body, last)
@@ -111,6 +113,43 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return SSEResponse(_stream(st, run, out, started, key), ping=15,
                            headers={"x-request-id": rid})  # fmt: skip
     return await _collect(st, run, out, started)
+
+
+def _rendered(st: ApiState, body: ResponsesRequest,
+              history: list[dict]) -> tuple[ChatCompletionRequest, Prompt]:  # fmt: skip
+    """The chat request the body means after ``history``, and its prompt. With
+    ``truncation: "auto"`` (OpenAI's), a conversation too long for the context window
+    loses its oldest items (the history's, then the input's; the instructions and the last
+    item stay), as few as leave room for ``max_output_tokens`` (one token without it)."""
+    req = chat_request(body, history)
+    prompt = chat_prompt(st, req)
+    room = body.max_output_tokens or 1
+
+    def fits(p: Prompt) -> bool:
+        return len(p.token_ids) + room <= st.builder.max_model_len
+
+    if body.truncation != "auto" or fits(prompt):
+        return req, prompt
+    given = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else body.input  # fmt: skip
+    items = [*history, *given]
+    lo, hi = 1, len(items) - 1  # the fewest dropped that fit: fewer items, fewer tokens
+    best, dropped = None, 0
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cut = body.model_copy(update={"input": items[mid:], "previous_response_id": None,
+                                      "conversation": None})  # fmt: skip
+        r = chat_request(cut)
+        p = chat_prompt(st, r)
+        if fits(p):
+            best, dropped, hi = (r, p), mid, mid - 1
+        else:
+            lo = mid + 1
+    if best is None:  # not even the last item fits: the context-window 400 says so
+        return req, prompt
+    log.info("truncation auto: the oldest %d of %d items dropped to fit the context window",
+             dropped, len(items))  # fmt: skip
+    return best
 
 
 def _stores(st: ApiState, body: ResponsesRequest) -> bool:
@@ -158,6 +197,10 @@ class _Output:
         self.cancelled = False  # a background response cancelled by request
         self.final: dict | None = None  # the Response once the stream ended
         self.stored = _stores(st, body)  # kept in the response store once it ends
+        # the output text's logprobs, when the request includes them (chat's entries)
+        strings = ID_STRINGS if st.settings.api.return_tokens_as_token_ids else st.strings
+        self.lps = LogprobsRenderer(strings, True, body.top_logprobs or 0) \
+            if wants_logprobs(body) else None  # fmt: skip
 
     def feed(self, text: str) -> list[dict]:
         parsed: list[Event] = self.parser.feed(text) if self.parser else [Text(text)]
@@ -165,8 +208,16 @@ class _Output:
 
     def feed_frames(self, frames: list[TokenFrame]) -> list[dict]:
         """The events of ``frames``, one frame at a time: the same for the same frames
-        however they were batched (a background response's stream, read again)."""
-        return [ev for f in frames if f.text for ev in self.feed(f.text)]
+        however they were batched (a background response's stream, read again). With
+        logprobs, a frame's tokens' entries go out with the text they became."""
+        out: list[dict] = []
+        for f in frames:
+            if self.lps is not None and f.token_ids:
+                lps = f.logprobs if f.logprobs is not None else [None] * len(f.token_ids)
+                self.items.pending += self.lps.full(f.token_ids, lps)["content"]
+            if f.text:
+                out += self.feed(f.text)
+        return out
 
     def finish(self, last: TokenFrame) -> list[dict]:
         events = self.items.events(self.parser.finish()) if self.parser else []
@@ -482,9 +533,13 @@ async def cancel_response(response_id: str, request: Request) -> Response:
 
 
 async def _collect(st: ApiState, run: RunningRequest, out: _Output, started: float) -> Response:
-    text, last = await collect(st, run, started)
+    frames: list[TokenFrame] | None = [] if out.lps is not None else None
+    text, last = await collect(st, run, started, frames)
     st.metrics.finish.labels(last.finish_reason or "unknown").inc()
-    out.feed(text)
+    if frames is not None:  # with logprobs: each frame's tokens beside its text
+        out.feed_frames(frames)
+    else:
+        out.feed(text)
     out.finish(last)
     out.final = body = out.response(out.status(last), last)
     await _store_final(st, None, out, 0)

@@ -20,7 +20,7 @@ from api.responses import (
     input_items,
     response_body,
 )
-from api.tool_parsers import HermesParser, NamedParser, Text
+from api.tool_parsers import CallStart, HermesParser, NamedParser, Text
 from kvbm.protocol import Usage
 
 FN = {
@@ -246,3 +246,38 @@ def test_input_items_get_ids_and_a_string_becomes_a_message() -> None:
     ids = [i["id"] for i in input_items(ResponsesRequest(model="m", input=given), "resp_z")]
     assert ids == ["msg_z_in0", "fco_z_in1", "mine"]
     assert "id" not in given[0]  # the request's own items are left as they were
+
+
+def test_include_and_top_logprobs_become_chat_logprobs() -> None:
+    want = chat_request(ResponsesRequest(model="m", input="x", top_logprobs=3,
+                                         include=["message.output_text.logprobs"]))  # fmt: skip
+    assert (want.logprobs, want.top_logprobs) == (True, 3)
+    alone = chat_request(ResponsesRequest(model="m", input="x", top_logprobs=3))
+    assert alone.logprobs is None  # top_logprobs counts only with the include
+    quiet = chat_request(ResponsesRequest(model="m", input="x",
+                                          include=["reasoning.encrypted_content"]))  # fmt: skip
+    assert quiet.logprobs is None  # accepted, adds nothing
+    with pytest.raises(OpenAIError) as e:
+        chat_request(ResponsesRequest(model="m", input="x", include=["a", "b"]))
+    assert e.value.param == "include.0"
+
+
+def test_logprob_entries_go_with_the_text_they_became() -> None:
+    """Entries fed before text wait for it; a call or reasoning event drops them (those
+    tokens were not output text); the part and the done event hold every text entry."""
+    items = OutputItems("t")
+    items.pending = [{"token": "a"}]
+    out = items.events([Text("")])  # no text yet: the entry waits
+    items.pending += [{"token": "b"}]
+    out += items.events([Text("ab")])
+    delta = [e for e in out if e["type"] == "response.output_text.delta"]
+    assert [x["token"] for x in delta[0]["logprobs"]] == ["a", "b"]
+    added = next(e for e in out if e["type"] == "response.content_part.added")
+    assert added["part"]["logprobs"] == []  # as it was when it was added
+    items.pending = [{"token": "<call>"}]
+    out = items.events([CallStart(0, "c1", "f")])
+    assert items.pending == []
+    done = next(e for e in items.finish("completed") + out
+                if e["type"] == "response.output_text.done")  # fmt: skip
+    assert [x["token"] for x in done["logprobs"]] == ["a", "b"]
+    assert [x["token"] for x in items.output[0]["content"][0]["logprobs"]] == ["a", "b"]
