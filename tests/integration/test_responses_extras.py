@@ -46,7 +46,8 @@ def test_output_text_logprobs_equal_chat_s(cluster: Cluster) -> None:
                 deltas += ev.logprobs
             elif ev.type == "response.output_text.done":
                 done = ev.logprobs
-    assert _entries(deltas) == _entries(got) and done is not None and _entries(done) == _entries(got)
+    assert done is not None
+    assert _entries(deltas) == _entries(got) == _entries(done)
     # without the include, top_logprobs alone adds nothing (vLLM's and OpenAI's rule)
     plain = client.responses.create(model=model, input=msgs, max_output_tokens=4,  # type: ignore[arg-type]
                                     temperature=0, top_logprobs=2)  # fmt: skip
