@@ -53,7 +53,7 @@ from tasks.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 BATCH_QUEUE = "batch"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 WINDOWS = {"24h": 24 * 3600}
 RECORD_TTL_S = 30 * 24 * 3600  # a batch's record and answers, after its creation
 POLL_S = 0.05  # the runner looks at the pools' load this often while they are busy
@@ -340,6 +340,8 @@ class BatchRunner:
     def _one(self, client: httpx.Client, endpoint: str, line: dict) -> None:
         """Send one request; its answer becomes an output line (2xx) or an error line."""
         body = {**line["body"], "stream": False}
+        if endpoint == "/v1/responses":  # its answer, not a background response's receipt
+            body["background"] = False
         body.setdefault("priority", self.s.batch.priority)
         cid = line["custom_id"]
         out: dict[str, Any] = {"id": "batch_req_" + secrets.token_hex(12), "custom_id": cid,

@@ -136,6 +136,38 @@ def test_a_batch_answers_every_request_once(deployment: tuple[str, Proc],
         c.batches.retrieve("batch_000000000000000000000000")
 
 
+def test_responses_and_batched_prompts_in_batches(deployment: tuple[str, Proc],
+                                                  tiny_model_dir: Path) -> None:  # fmt: skip
+    """A batch of Responses requests (a background one answered in full, not with its
+    receipt) and one of completions whose lines each hold a batch of prompts."""
+    url, _ = deployment
+    c, model = _client(url), tiny_model_dir.name
+
+    def run(endpoint: str, bodies: list[dict]) -> list[dict]:
+        data = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": endpoint,
+                                   "body": {"model": model, **b}}) + "\n"
+                       for i, b in enumerate(bodies)).encode()  # fmt: skip
+        f = c.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        b = c.batches.create(input_file_id=f.id, endpoint=endpoint,  # type: ignore[arg-type]
+                             completion_window="24h")  # fmt: skip
+        done = _until(c, b.id, ("completed",))
+        assert done.request_counts.failed == 0, _lines(c, done.error_file_id)
+        return [x["response"]["body"] for x in _lines(c, done.output_file_id)]
+
+    got = run(
+        "/v1/responses",
+        [
+            {"input": "hello", "max_output_tokens": 5},
+            {"input": "again", "max_output_tokens": 5, "background": True},
+        ],
+    )
+    assert [(r["object"], r["status"]) for r in got] == [("response", "incomplete")] * 2
+    assert all(r["usage"]["output_tokens"] == 5 for r in got)
+    (whole,) = run("/v1/completions", [{"prompt": ["a", "b", "c"], "max_tokens": 4}])
+    assert [ch["index"] for ch in whole["choices"]] == [0, 1, 2]
+    assert whole["usage"]["completion_tokens"] == 12
+
+
 def test_a_batch_survives_a_runner_restart_and_a_cancel_keeps_what_was_answered(
     deployment: tuple[str, Proc], env: dict[str, str], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
