@@ -72,6 +72,7 @@ async def stream(
                     last = batch[-1]
                     failed = last.error is not None
                     frames = batch[:-1] if failed else batch
+                    fmt.counted(i, frames)
                     text = "".join(f.text for f in frames)
                     reader, extra = tools[i], extras[i]
                     if extra is not None and reader is None:  # logprobs, an echoed prompt

@@ -24,6 +24,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(_Body):
@@ -121,6 +123,12 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats (it counts only with include_usage)."""
+        opts = self.stream_options
+        return bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -111,6 +111,8 @@ async def _serve_batch(
     rid, first = await launch(st, req, request, built[0], samplings[0], "completion", started,
                               lora)  # fmt: skip
     fmt = Formatter("completion", rid, req.model)
+    if req.stream and req.continuous_usage:
+        fmt.continuous_usage([len(p.token_ids) for p in built for _ in range(n)])
     running: dict[int, list[RunningRequest]] = {0: first}  # started and not yet ended
 
     def end(p: int) -> None:
@@ -173,6 +175,8 @@ async def _serve(
                                       prompt_param, plan, lora)  # fmt: skip
     echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
     fmt = Formatter(kind, rid, req.model, echo)  # the base model or the adapter it named
+    if req.stream and req.continuous_usage:
+        fmt.continuous_usage([len(prompt.token_ids)] * len(runs))
     # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
     # text alone, the plain per-token path)
     tools = [chat_output(st, req, plan, sampling) for _ in runs]
@@ -302,6 +306,7 @@ async def _stream(
             last = batch[-1]
             failed = last.error is not None
             frames_ = batch[:-1] if failed else batch
+            fmt.counted(0, frames_)
             text = "".join(f.text for f in frames_)
             if tools is not None:  # content and tool calls, parsed as they come
                 deltas = tools.feed(text) + (tools.finish() if last.done and not failed else [])

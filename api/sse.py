@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from importlib.metadata import version
 
 from sse_starlette.sse import EventSourceResponse
 from starlette.types import Message, Send
 
-from kvbm.protocol import Usage
+from kvbm.protocol import TokenFrame, Usage
 
 # The sse-starlette versions whose private ``_send_with_timeout`` LeanSSEResponse overrides
 # (tested: 3.7.0; pyproject.toml pins the same range). Another version gets the stock
@@ -84,11 +85,34 @@ class Formatter:
         self.created = int(time.time())
         self._text_events: dict[int, tuple[bytes, bytes]] = {}  # per choice index
         self._lp_events: dict[int, tuple[bytes, bytes, bytes]] = {}  # per choice index
+        # vLLM's continuous_usage_stats: each choice's prompt and output tokens so far,
+        # on every chunk (None: chunks carry "usage": null)
+        self._prompt_tokens: list[int] | None = None
+        self._output_tokens: list[int] = []
+
+    def continuous_usage(self, prompt_tokens: list[int]) -> None:
+        """Every chunk carries its choice's usage so far (``prompt_tokens``: each choice's
+        prompt), as vLLM's ``stream_options.continuous_usage_stats`` asks."""
+        self._prompt_tokens = prompt_tokens
+        self._output_tokens = [0] * len(prompt_tokens)
+
+    def counted(self, index: int, frames: Iterable[TokenFrame]) -> None:
+        """The output tokens of ``frames`` (of choice ``index``), for continuous usage."""
+        if self._prompt_tokens is not None:
+            self._output_tokens[index] += sum(len(f.token_ids) for f in frames)
+
+    def _usage_now(self, index: int) -> dict | None:
+        if self._prompt_tokens is None:
+            return None
+        p, o = self._prompt_tokens[index], self._output_tokens[index]
+        return {"prompt_tokens": p, "completion_tokens": o, "total_tokens": p + o}
 
     def text_event(self, text: str, include_usage: bool, index: int = 0) -> bytes:
         """``sse_event(chunk(text_delta(text), None, include_usage, index=index))``, from a
         template: the chunks of a stream differ only in their text (this is the per-token
         path)."""
+        if self._prompt_tokens is not None:  # a usage of its own on each: no template
+            return sse_event(self.chunk(self.text_delta(text), None, include_usage, index=index))
         template = self._text_events.get(index)
         if template is None:
             probe = "\x00"
@@ -104,6 +128,9 @@ class Formatter:
                        index: int = 0) -> bytes:  # fmt: skip
         """:meth:`text_event` with the chunk's ``logprobs`` (JSON text,
         :class:`api.logprobs.LogprobsRenderer`) in place of ``null``, from a template."""
+        if self._prompt_tokens is not None:  # a usage of its own on each: no template
+            return sse_event(self.chunk(self.text_delta(text), None, include_usage, index=index,
+                                        logprobs=json.loads(logprobs)))  # fmt: skip
         template = self._lp_events.get(index)
         if template is None:
             body = json_line(self.chunk(self.text_delta("\x00"), None, include_usage,
@@ -149,7 +176,7 @@ class Formatter:
             choice["stop_reason"] = stop_reason
         body["choices"] = [choice]
         if include_usage:
-            body["usage"] = None
+            body["usage"] = self._usage_now(index)
         return body
 
     def usage_chunk(self, usage: dict) -> dict:

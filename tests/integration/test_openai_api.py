@@ -453,3 +453,41 @@ def test_a_stream_ends_with_one_chunk(cluster: Cluster, usage: bool) -> None:
     assert ('"completion_tokens":6' in last) == usage
     # every chunk before it is a whole event (or a few), none of them the end
     assert all(c.endswith(b"\r\n\r\n") and b"[DONE]" not in c for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion-batch"])
+def test_continuous_usage_stats(cluster: Cluster, kind: str) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage
+    so far (its prompt, its tokens until then), growing by each chunk's tokens to the
+    choice's whole count on its finish chunk; the last chunk is the request's usage."""
+    client = cluster.client()
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"ignore_eos": True, "return_token_ids": True}
+    kw = dict(model=cluster.model_name, max_tokens=9, temperature=0, stream=True,
+              stream_options=opts, n=2, extra_body=body)  # fmt: skip
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(
+            messages=[{"role": "user", "content": "Count the waves"}], **kw))  # type: ignore[call-overload]  # fmt: skip
+        prompts = {0: chunks[0].model_extra["prompt_token_ids"]}
+    else:
+        chunks = list(client.completions.create(prompt=["Count", "the waves of the sea"],
+                                                **kw))  # type: ignore[call-overload]  # fmt: skip
+        prompts = {}
+    *body, last = chunks
+    choices = 2 if kind == "chat" else 4  # n=2, of one prompt or of two
+    assert last.choices == [] and last.usage.completion_tokens == 9 * choices
+    seen: dict[int, int] = {}
+    for ch in body:
+        (c,) = ch.choices
+        u = ch.usage
+        assert u is not None and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        ids = (c.model_extra or {}).get("token_ids") or []
+        seen[c.index] = seen.get(c.index, 0) + len(ids)
+        assert u.completion_tokens == seen[c.index], (c.index, u, seen)
+        if c.finish_reason is not None:
+            assert u.completion_tokens == 9
+        if kind == "chat":
+            assert u.prompt_tokens == len(prompts[0])
+    assert sorted(seen) == list(range(choices))
+    per_prompt = {u.prompt_tokens for ch in body for u in [ch.usage] if ch.choices[0].index < 2}
+    assert len(per_prompt) == 1  # a batch's choices each count their own prompt
