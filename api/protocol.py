@@ -86,6 +86,8 @@ class _SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=-1)
+    # vLLM's: the prompt's last k tokens only (-1: as many as the context window holds)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # the prompt's and the output's token ids in the response (prompt_token_ids, token_ids)
     return_token_ids: bool = False
     # logprobs name each token "token_id:<id>" (None: CONVEYOR_RETURN_TOKENS_AS_TOKEN_IDS)

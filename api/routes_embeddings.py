@@ -218,17 +218,8 @@ def embedding_inputs(req: EmbeddingRequest, builder: PromptBuilder) -> list[list
 def _truncate(ids: list[int], req: EmbeddingRequest, builder: PromptBuilder) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: keep that many tokens (-1: the context window),
     the first ones (``truncation_side`` right, the tokenizer's default) or the last."""
-    keep = req.truncate_prompt_tokens
-    if keep is None:
-        return ids
-    limit = builder.max_model_len
-    if keep == -1:
-        keep = limit
-    if not 1 <= keep <= limit:
-        raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {limit}] (the "
-                          f"context window), got {keep}", "truncate_prompt_tokens",
-                          "invalid_value")  # fmt: skip
-    if len(ids) <= keep:
+    keep = builder.truncation_keep(req.truncate_prompt_tokens)
+    if keep is None or len(ids) <= keep:
         return ids
     side = req.truncation_side or builder.truncation_side
     return ids[-keep:] if side == "left" else ids[:keep]

@@ -55,7 +55,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     lora = await check_model(st, req.model)
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
-    prompt = chat_prompt(st, req)
+    prompt = st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens)
     st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if (resumed := _last_event_id(st, request)) is not None:
@@ -80,7 +80,9 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                               "unsupported_parameter")  # fmt: skip
         return await _serve_batch(st, req, request, prompts, started, lora)
     ((sent, ids),) = prompts
-    prompt = Prompt(ids)
+    prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens)
+    if len(prompt.token_ids) < len(ids):  # echo repeats what the model was given
+        sent = prompt.token_ids
     if resumed is not None:
         return await resume(st, req, prompt, req.max_tokens, "completion", started, "prompt",
                             resumed, sent=sent)  # fmt: skip
@@ -103,10 +105,11 @@ async def _serve_batch(
     if len(prompts) * n > MAX_PROMPTS:
         raise bad_request(f"a batch of prompts holds at most {MAX_PROMPTS} choices (prompts x "
                           f"n), got {len(prompts)} x {n}", "n")  # fmt: skip
-    built = [Prompt(ids) for _, ids in prompts]
+    built = [st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens) for _, ids in prompts]
     samplings = [prepare(st, req, p, req.max_tokens, "prompt") for p in built]
-    extras = [_extra(st, req, sampling, p.token_ids, sent)
-              for (sent, _), p, sampling in zip(prompts, built, samplings, strict=True)
+    extras = [_extra(st, req, sampling, p.token_ids, sent if len(p.token_ids) == len(ids)
+                     else p.token_ids)  # echo repeats what the model was given
+              for (sent, ids), p, sampling in zip(prompts, built, samplings, strict=True)
               for _ in range(n)]  # fmt: skip
     rid, first = await launch(st, req, request, built[0], samplings[0], "completion", started,
                               lora)  # fmt: skip

@@ -279,6 +279,35 @@ class PromptBuilder:
             out.append((ids, ids))
         return out
 
+    def truncation_keep(self, keep: int | None) -> int | None:
+        """vLLM's ``truncate_prompt_tokens``, checked: the tokens a prompt keeps at most
+        (-1: the context window); None: no truncation."""
+        if keep is None:
+            return None
+        limit = self.max_model_len
+        if keep == -1:
+            return limit
+        if not 1 <= keep <= limit:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or in [1, {limit}] (the "
+                              f"context window), got {keep}", "truncate_prompt_tokens",
+                              "invalid_value")  # fmt: skip
+        return keep
+
+    def truncated(self, prompt: Prompt, keep: int | None) -> Prompt:
+        """A generation prompt cut to its last ``truncate_prompt_tokens`` tokens (vLLM's
+        left truncation for generation); a cut through an image's placeholders is a 400."""
+        n = self.truncation_keep(keep)
+        if n is None or len(prompt.token_ids) <= n:
+            return prompt
+        drop = len(prompt.token_ids) - n
+        if prompt.images:
+            if prompt.image_offsets[0] < drop:
+                raise bad_request(f"truncate_prompt_tokens={n} would cut the prompt's images "
+                                  "off", "truncate_prompt_tokens", "invalid_value")  # fmt: skip
+            offsets = [o - drop for o in prompt.image_offsets]
+            return Prompt(prompt.token_ids[drop:], prompt.images, offsets, prompt.image_tokens)
+        return Prompt(prompt.token_ids[drop:])
+
     def check_length(self, n_prompt: int, max_tokens: int | None, prompt_param: str) -> int:
         """Validate against the context window; returns the effective max_tokens."""
         if n_prompt >= self.max_model_len:

@@ -226,3 +226,32 @@ def test_a_client_gone_mid_stream_frees_every_prompt(capped: Cluster) -> None:
     wait_for(lambda: all(w["running"] == w["waiting"] == 0
                          for w in capped.worker_loads().values()), 10,
              "the worker idle")  # fmt: skip
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(cluster: Cluster) -> None:
+    """vLLM's truncate_prompt_tokens on generation: the prompt's last k tokens only, as
+    if only those were sent (completions, each prompt of a batch, and chat's rendered
+    prompt); echo repeats what was kept; k beyond the context window is a 400."""
+    client = cluster.client(max_retries=0, timeout=120)
+    kw: dict[str, Any] = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    cut = dict(kw, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 8})
+    for prompt in IDS[1:]:
+        got = _alone(client, cluster.model_name, prompt, **cut)
+        want = _alone(client, cluster.model_name, prompt[-8:], **kw)
+        assert got.usage.prompt_tokens == 8 and got.choices[0].text == want.choices[0].text
+    batch = client.completions.create(model=cluster.model_name, prompt=IDS, echo=True, **cut)
+    echoed = _alone(client, cluster.model_name, IDS[2][-8:], echo=True, **kw).choices[0].text
+    assert batch.choices[2].text == echoed
+    assert batch.usage.prompt_tokens == len(IDS[0]) + 8 + 8  # the first is shorter than 8
+    msgs = [{"role": "user", "content": "Tell me about the ships on the sea"}]
+    body = {"model": cluster.model_name, "messages": msgs}
+    ids = httpx.post(f"{cluster.url}/tokenize", json=body).json()["tokens"]
+    chat = client.chat.completions.create(model=cluster.model_name, messages=msgs,  # type: ignore[arg-type]
+                                          max_tokens=6, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 7})  # fmt: skip
+    assert chat.usage.prompt_tokens == 7
+    last7 = _alone(client, cluster.model_name, ids[-7:], max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == last7.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        _alone(client, cluster.model_name, "x", extra_body={"truncate_prompt_tokens": 10**6})
+    assert e.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]

@@ -103,3 +103,20 @@ def test_context_window(tiny_model_dir: Path) -> None:
     with pytest.raises(OpenAIError) as e:
         pb.check_length(100, None, "messages")
     assert e.value.param == "messages"
+
+
+def test_truncated_keeps_the_last_tokens(tiny_model_dir: Path) -> None:
+    from api.tokenization import ImageInput, Prompt
+
+    pb = PromptBuilder(tiny_model_dir, max_model_len=100)
+    p = Prompt(list(range(10)))
+    assert pb.truncated(p, None) is p and pb.truncated(p, 20) is p
+    assert pb.truncated(p, 4).token_ids == [6, 7, 8, 9]
+    assert pb.truncated(p, -1) is p  # the context window: nothing to cut here
+    img = Prompt(list(range(10)), [ImageInput("data:x", "p")], [5], 3)
+    kept = pb.truncated(img, 6)
+    assert (kept.token_ids, kept.image_offsets) == ([4, 5, 6, 7, 8, 9], [1])
+    for bad in (3, 101, 0):  # through the image; beyond the window; nothing
+        with pytest.raises(OpenAIError) as e:
+            pb.truncated(img, bad)
+        assert e.value.param == "truncate_prompt_tokens"
