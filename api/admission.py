@@ -41,8 +41,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 POLL_S = 0.05  # waiters look again this often (slots freed by other API replicas)
-# the endpoints that start work
-WORK_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# the endpoints that start work (every model request a client could hold open)
+WORK_PATHS = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/pooling",
+    "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations",
+})  # fmt: skip
 
 
 class Admission:

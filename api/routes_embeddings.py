@@ -68,21 +68,44 @@ class EmbeddingRequest(BaseModel):
     worker_id: str | None = Field(None, min_length=1, max_length=200)
 
 
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's ``/pooling`` body: an embeddings body, and the pooling ``task``."""
+
+    task: str | None = None  # None or "embed": what the served model pools (its embedding)
+
+
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
+    return await _pooled(req, request, "embd", "embedding", "embedding", {})
+
+
+@router.post("/pooling")
+async def pooling(req: PoolingRequest, request: Request) -> Response:
+    """vLLM's ``/pooling``: the model's pooled output per input, for an embedding model its
+    embedding (``data``), as ``/v1/embeddings`` computes it."""
+    if req.task not in (None, "embed"):
+        raise bad_request(f"task {req.task!r} is not served: the model pools embeddings "
+                          "(task 'embed')", "task", "unsupported_parameter")  # fmt: skip
+    return await _pooled(req, request, "pool", "pooling", "data", {"completion_tokens": 0})
+
+
+async def _pooled(req: EmbeddingRequest, request: Request, prefix: str, obj: str, field: str,
+                  usage: dict[str, int]) -> Response:  # fmt: skip
+    """Embed a request's inputs and answer the list of them: each item an ``obj`` with its
+    vector under ``field`` (float32 values, or base64 as the worker sent it)."""
     started = time.perf_counter()
     st = api_state(request)
     await check_model(st, req.model, adapters=False)
     pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
     inputs = embedding_inputs(req, st.builder)
-    rid, vectors = await embed(st, request, inputs, pooling, started, req.worker_id, "embd")
+    rid, vectors = await embed(st, request, inputs, pooling, started, req.worker_id, prefix)
     n_tokens = sum(len(ids) for ids in inputs)
-    data = [{"object": "embedding", "index": i,
-             "embedding": v if req.encoding_format == "base64" else vector(v)}
+    data = [{"object": obj, "index": i,
+             field: v if req.encoding_format == "base64" else vector(v)}
             for i, v in enumerate(vectors)]  # fmt: skip
     body = {"id": rid, "object": "list", "created": int(time.time()),
             "model": st.settings.model_name, "data": data,
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}  # fmt: skip
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, **usage}}  # fmt: skip
     # float32 values written as float32 (the shortest text that reads back the same)
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY),
                     media_type="application/json", headers={"x-request-id": rid})  # fmt: skip

@@ -78,6 +78,27 @@ def test_vectors_match_hf_in_every_encoding(cluster: Cluster, hf: tuple) -> None
     assert b64.usage.prompt_tokens == len(ids[0])
 
 
+def test_pooling_answers_the_embeddings(cluster: Cluster, hf: tuple) -> None:
+    """vLLM's /pooling on an embedding model: each input's embedding under ``data``, in
+    float32 or base64, keyed like /v1/embeddings; another task is a 400."""
+    ids = [hf[0](t).input_ids for t in TEXTS]
+    body = {"model": cluster.model_name, "input": TEXTS}
+    r = httpx.post(f"{cluster.url}/pooling", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "list" and out["id"].startswith("pool-")
+    assert [d["index"] for d in out["data"]] == list(range(len(TEXTS)))
+    assert {d["object"] for d in out["data"]} == {"pooling"}
+    check([d["data"] for d in out["data"]], hf, ids)
+    assert out["usage"] == {"prompt_tokens": sum(map(len, ids)),
+                            "total_tokens": sum(map(len, ids)), "completion_tokens": 0}  # fmt: skip
+    b64 = httpx.post(f"{cluster.url}/pooling", json={**body, "encoding_format": "base64"}).json()
+    check([np.frombuffer(base64.b64decode(d["data"]), dtype="<f4") for d in b64["data"]], hf,
+          ids)  # fmt: skip
+    bad = httpx.post(f"{cluster.url}/pooling", json={**body, "task": "classify"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "task"
+
+
 def test_token_ids_order_and_chat_input(cluster: Cluster, hf: tuple) -> None:
     c = cluster.client(max_retries=0)
     ids = [hf[0](t).input_ids for t in TEXTS]

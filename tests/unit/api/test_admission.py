@@ -77,3 +77,48 @@ def test_a_new_request_tries_at_once_only_before_waiters_of_a_higher_value() -> 
         return urgent == "urgent" and first_in_line, slots.order == ["urgent", "low", "same"]
 
     assert asyncio.run(go()) == (True, True)
+
+
+def test_the_client_limit_counts_every_endpoint_that_starts_work() -> None:
+    """A client at its cap gets 429 on every model endpoint (chat, completions, Responses,
+    embeddings, pooling, score and rerank, invocations); reads and probes pass."""
+    from api.admission import WORK_PATHS, ClientLimitMiddleware
+
+    release = asyncio.Event()
+    seen: list[str] = []
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        seen.append(scope["path"])
+        if scope["path"] == "/v1/chat/completions":
+            await release.wait()  # the request that holds the client's one place
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    mw = ClientLimitMiddleware(app, 1, False, 1, ApiMetrics())
+
+    async def call(path: str) -> int:
+        out: list[int] = []
+
+        async def send(msg):  # type: ignore[no-untyped-def]
+            if msg["type"] == "http.response.start":
+                out.append(msg["status"])
+
+        scope = {"type": "http", "path": path, "method": "POST", "headers": [],
+                 "client": ("10.0.0.1", 5)}  # fmt: skip
+        await mw(scope, None, send)  # type: ignore[arg-type]
+        return out[0]
+
+    async def run() -> dict[str, int]:
+        holder = asyncio.create_task(call("/v1/chat/completions"))
+        await asyncio.sleep(0.01)
+        got = {p: await call(p) for p in sorted(WORK_PATHS - {"/v1/chat/completions"})}
+        got |= {p: await call(p) for p in ("/v1/models", "/health", "/v1/responses/resp_1")}
+        release.set()
+        await holder
+        return got
+
+    got = asyncio.run(run())
+    assert {p for p, status in got.items() if status == 429} == WORK_PATHS - {
+        "/v1/chat/completions"}  # fmt: skip
+    assert {"/v1/responses", "/pooling", "/score", "/invocations"} <= WORK_PATHS
+    assert got["/v1/models"] == got["/health"] == got["/v1/responses/resp_1"] == 200
