@@ -148,6 +148,16 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     # vLLM's: with a reasoning parser, whether the thinking is returned (``reasoning``)
     include_reasoning: bool = True
+    # OpenAI's: how hard a reasoning model thinks; the chat template's reasoning_effort
+    # variable, as vLLM passes it (a template that does not read it ignores it)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict | None:
+        """The template's extra variables: chat_template_kwargs, and reasoning_effort
+        unless they set it themselves."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def echoed(self) -> str | None:
         """vLLM's chat ``echo``: the last message's text, which the answer's content starts

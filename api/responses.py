@@ -67,6 +67,7 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    reasoning: dict | None = None  # {"effort", "summary"}: effort reaches the template
     # vLLM's extensions, as in chat
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     top_k: int | None = Field(None, ge=-1)
@@ -109,6 +110,7 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
         "repetition_penalty": req.repetition_penalty,
         "priority": req.priority,
         "worker_id": req.worker_id,
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     if wants_logprobs(req):  # vLLM's rule: top_logprobs counts only with the include
         body["logprobs"] = True
@@ -121,6 +123,8 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
         return ChatCompletionRequest(**body)
     except ValidationError as e:
         err = e.errors()[0]
+        if err["loc"] and err["loc"][0] == "reasoning_effort":
+            raise bad_request(f"reasoning.effort: {err['msg']}", "reasoning.effort") from None
         loc = ".".join(str(p) for p in err["loc"])
         raise bad_request(f"input: {err['msg']} ({loc})", "input") from None
 
@@ -314,7 +318,9 @@ def response_body(
         "output": output,
         "parallel_tool_calls": req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id,
-        "reasoning": None,
+        "reasoning": None
+        if req.reasoning is None
+        else {"effort": req.reasoning.get("effort"), "summary": req.reasoning.get("summary")},
         "store": stored,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": req.text or {"format": {"type": "text"}},

@@ -120,3 +120,39 @@ def test_truncated_keeps_the_last_tokens(tiny_model_dir: Path) -> None:
         with pytest.raises(OpenAIError) as e:
             pb.truncated(img, bad)
         assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_reasoning_effort_reaches_the_template(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) are the template's
+    reasoning_effort variable, unless chat_template_kwargs set it."""
+    import json
+    import shutil
+
+    from api.responses import ResponsesRequest, chat_request
+
+    for f in ("tokenizer.json", "config.json"):
+        shutil.copy(tiny_model_dir / f, tmp_path / f)
+    tmpl = (
+        "effort={{ reasoning_effort or 'unset' }};"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tmpl}))
+    pb = PromptBuilder(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def rendered(req: ChatCompletionRequest) -> str:
+        ids = pb.chat_prompt(req.messages, template_kwargs=req.template_kwargs()).token_ids
+        return pb.tokenizer.decode(ids)
+
+    base = ChatCompletionRequest(model="m", messages=msgs)  # type: ignore[arg-type]
+    assert "effort=unset;" in rendered(base)
+    low = ChatCompletionRequest(model="m", messages=msgs, reasoning_effort="low")  # type: ignore[arg-type]
+    assert "effort=low;" in rendered(low)
+    mine = ChatCompletionRequest(model="m", messages=msgs, reasoning_effort="low",  # type: ignore[arg-type]
+                                 chat_template_kwargs={"reasoning_effort": "high"})  # fmt: skip
+    assert "effort=high;" in rendered(mine)
+    resp = chat_request(ResponsesRequest(model="m", input="hi", reasoning={"effort": "medium"}))
+    assert "effort=medium;" in rendered(resp)
+    with pytest.raises(OpenAIError) as e:
+        chat_request(ResponsesRequest(model="m", input="hi", reasoning={"effort": "max"}))
+    assert e.value.param == "reasoning.effort"
