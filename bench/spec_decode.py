@@ -10,7 +10,8 @@ look up from the start). Settings: speculation off, then the n-gram method with 
 ``--k`` draft tokens (lookup 1 to 3 tokens). Per setting: decode tokens per second (after
 every request's first token), engine steps, and the share of draft tokens accepted; the
 median of ``--rounds`` rounds. The tokens of every setting are checked equal to those
-without speculation (greedy: they must be).
+without speculation (greedy: they must be). ``--temperature T`` samples instead (seeded;
+drafts go through rejection sampling, so the tokens are not compared).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from workers.engine_api import EngineRequest  # noqa: E402
 from workers.model_init import init_model, is_model_dir  # noqa: E402
 
 
-def run(engine: Engine, prompts: list[list[int]], out_len: int,
-        tag: str) -> tuple[float, int, dict[str, list[int]]]:  # fmt: skip
+def run(engine: Engine, prompts: list[list[int]], out_len: int, tag: str,
+        temperature: float = 0.0) -> tuple[float, int, dict[str, list[int]]]:  # fmt: skip
     """(decode tokens per second, steps, each request's tokens) of one batch."""
-    params = Sampling(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    params = Sampling(temperature=temperature, max_tokens=out_len, ignore_eos=True,
+                      seed=1 if temperature else None)  # fmt: skip
     for i, p in enumerate(prompts):
         assert engine.add_request(EngineRequest(f"{tag}-{i}", p, params)) is None
     steps0 = engine.num_steps
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if not is_model_dir(a.model):
@@ -91,9 +94,10 @@ def main() -> None:
             out.append([1] + body[: len(body) // 2] + phrase * 2 + body[len(body) // 2 :] + phrase)
         return out
 
+    how = f"temperature {a.temperature}" if a.temperature else "greedy"
     print(f"\nn-gram speculative decoding, reference engine, {a.model.name}: prompts "
-          f"{a.prompt_len}, {a.output_len} output tokens, {a.threads} thread(s), median of "
-          f"{a.rounds}\n")  # fmt: skip
+          f"{a.prompt_len}, {a.output_len} output tokens, {how}, {a.threads} thread(s), "
+          f"median of {a.rounds}\n")  # fmt: skip
     print("| batch | setting | decode tok/s | vs off | steps | accepted / draft tokens |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for batch in batches:
@@ -106,9 +110,10 @@ def main() -> None:
             ps = prompts(batch)
             want = None
             for name, _ in settings if r % 2 == 0 else settings[::-1]:
-                rate, n_steps, got = run(engines[name], ps, a.output_len, f"{r}{name}")
+                rate, n_steps, got = run(engines[name], ps, a.output_len, f"{r}{name}",
+                                         a.temperature)  # fmt: skip
                 want = want or got
-                assert got == want, f"{name}: the tokens differ from another setting's"
+                assert a.temperature or got == want, f"{name}: the tokens differ from another's"
                 rates[name].append(rate)
                 steps[name].append(n_steps)
         off = statistics.median(rates["off"])

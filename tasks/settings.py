@@ -428,7 +428,7 @@ class EngineSettings(_Area):
         'the reference engine serves the ngram method ({"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": '
         "2}: drafts looked up in the request's own context, checked in one forward pass, "
-        "for greedy requests); the vLLM engine gets it as its flag. Unset: off.",
+        "for greedy and sampled requests); the vLLM engine gets it as its flag. Unset: off.",
     )
     max_loras: int = Field(
         8,

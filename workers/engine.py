@@ -40,7 +40,7 @@ from workers.lora import LoraCache, LoraStep, LoraWeights
 from workers.paged_kernel import KernelUnavailable, PagedDecodeKernel
 from workers.pooler import TorchPooler
 from workers.pooling import PoolingConfig, PoolingUnavailable, load_pooling_config
-from workers.sampling import make_generator, sample
+from workers.sampling import distributions, make_generator, sample, speculative_picks
 from workers.scheduler import Seq
 from workers.structured import StructuredOutputs
 
@@ -164,8 +164,10 @@ class Engine(EngineCore):
         logits = self._run(batch, [r for r, _, _ in rows] + [r for r, _ in drafts])
         vocab = logits.shape[-1]
         ending = self._ending_rows
+        draft_logits = None
         if drafts:  # the model's pick after each draft's predecessor (workers.spec_decode)
-            picks = logits[ending + len(rows) :].argmax(-1).tolist()
+            draft_logits = logits[ending + len(rows) :]
+            picks = draft_logits.argmax(-1).tolist()  # greedy ones'; sampled: see below
             for (_, seq), pick in zip(drafts, picks, strict=True):
                 self._spec_picks.setdefault(seq.id, []).append(pick)
         if rows:  # the rows past those of the sequences ending in this step
@@ -193,6 +195,8 @@ class Engine(EngineCore):
         logits = process(logits, sampled, [self.outputs.banned(s) for s in sampled])
         tokens = sample(logits, [s.req.params for s in sampled],
                         [s.generator for s in sampled])  # type: ignore[misc]  # fmt: skip
+        if draft_logits is not None:
+            self._sampled_drafts(draft_logits, drafts, logits, sampled, tokens)
         if raw is not None:
             self._gather_logprobs(raw, [sampled[i] for i in asked], [tokens[i] for i in asked])
         for seq in sampled:  # a first token: the prompt's logprobs go with it
@@ -200,6 +204,38 @@ class Engine(EngineCore):
                 entry = self._logprobs.setdefault(seq.id, [None, None])
                 entry[1] = take_prompt(seq, vocab)
         return tokens
+
+    def _sampled_drafts(
+        self, draft_logits: torch.Tensor, drafts: list[tuple[int, Seq]], logits: torch.Tensor,
+        sampled: list[Seq], tokens: list[int],
+    ) -> None:  # fmt: skip
+        """A sampled request's drafts are accepted by rejection sampling
+        (:func:`workers.sampling.speculative_picks`) over its distributions at the draft
+        rows and its ending row; its picks (and its step's last token) are set here."""
+        where = {s.id: j for j, s in enumerate(sampled)}
+        rows: dict[str, list[int]] = {}
+        for i, (_, seq) in enumerate(drafts):
+            if not seq.req.params.greedy:
+                rows.setdefault(seq.id, []).append(i)
+        for sid, idx in rows.items():
+            j = where[sid]
+            seq = sampled[j]
+            p = seq.req.params
+            stacked = torch.cat([draft_logits[idx], logits[j : j + 1]])
+            probs = distributions(stacked, [p] * len(stacked))
+            gen = seq.generator
+            assert isinstance(gen, torch.Generator), "a sampled sequence without its generator"
+            base = len(seq.output_ids)
+
+            def draw(i: int, gen: torch.Generator = gen, seed: int | None = p.seed,
+                     base: int = base) -> torch.Generator:  # fmt: skip
+                if seed is not None:  # each token offset its own seed, as one at a time
+                    gen.manual_seed(token_seed(seed, base + i))
+                return gen
+
+            picks = speculative_picks(probs, self._drafts[sid], draw)
+            self._spec_picks[sid] = picks[:-1]
+            tokens[j] = picks[-1]
 
     def _draft_rows(self, batch: list[tuple[Seq, int, int]]) -> list[tuple[int, Seq]]:
         """``(row, seq)`` of every row of a speculating sequence but its last (whose logits

@@ -11,6 +11,7 @@ when given, so the same request gives the same tokens whatever else shares its b
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where sampling runs
@@ -44,17 +45,30 @@ def sample(
                 out[i] = best[i]
     if not drawn:
         return out
-    temps = torch.tensor([params[i].temperature for i in drawn], dtype=logits.dtype)
-    x = logits[torch.tensor(drawn, dtype=torch.long)] / temps[:, None]
-    min_p = [j for j, i in enumerate(drawn) if params[i].min_p > 0.0]
+    probs = distributions(logits[torch.tensor(drawn, dtype=torch.long)],
+                          [params[i] for i in drawn])  # fmt: skip
+    for j, i in enumerate(drawn):
+        out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+    return out
+
+
+def distributions(logits: torch.Tensor, params: list[Sampling]) -> torch.Tensor:
+    """What each row's token is drawn from (none greedy): its logits over its temperature,
+    min-p's floor, top-k, then top-p, as probabilities."""
+    import torch
+
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    x = logits / temps[:, None]
+    min_p = [j for j, p in enumerate(params) if p.min_p > 0.0]
     if min_p:
         rows = torch.tensor(min_p, dtype=torch.long)
         probs = torch.softmax(x[rows], dim=-1)
         floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(
-            [params[drawn[j]].min_p for j in min_p], dtype=probs.dtype)[:, None]  # fmt: skip
+            [params[j].min_p for j in min_p], dtype=probs.dtype)[:, None]  # fmt: skip
         x[rows] = x[rows].masked_fill(probs < floor, float("-inf"))
-    for j, i in enumerate(drawn):
-        p, row = params[i], x[j]
+    out = torch.empty_like(x)
+    for j, p in enumerate(params):
+        row = x[j]
         if p.top_k > 0 and p.top_k < row.shape[-1]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -65,5 +79,31 @@ def sample(
             drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+        out[j] = probs
     return out
+
+
+def speculative_picks(probs: torch.Tensor, drafts: list[int],
+                      draw: Callable[[int], torch.Generator]) -> list[int]:  # fmt: skip
+    """Rejection sampling of n-gram drafts (a draft's proposal is certain: it is accepted
+    with its probability under the model, else the token is drawn from the model's
+    distribution without it), so the tokens given are distributed as sampling one at a
+    time would give them. ``probs``: the distributions at the draft rows and the row after
+    the last draft (``len(drafts) + 1`` rows); ``draw(i)``: the generator for the token at
+    offset ``i``. Returns one pick per row, as :func:`workers.spec_decode.accepted` reads
+    them: the accepted drafts, then the drawn token (later entries repeat it)."""
+    import torch
+
+    picks: list[int] = []
+    for i, d in enumerate(drafts):
+        g = draw(i)
+        p_d = float(probs[i, d])
+        if float(torch.rand(1, generator=g)) < p_d:
+            picks.append(d)
+            continue
+        rest = probs[i].clone()
+        rest[d] = 0.0
+        tok = int(torch.multinomial(rest, 1, generator=g)) if p_d < 1.0 else d
+        return picks + [tok] * (len(drafts) + 1 - len(picks))
+    picks.append(int(torch.multinomial(probs[len(drafts)], 1, generator=draw(len(drafts)))))
+    return picks

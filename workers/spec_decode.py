@@ -9,10 +9,15 @@ not have picked, and the model's own token at that row follows them (or, all acc
 token after the last draft). Only the KV of the last token and of the accepted drafts is
 kept; the rejected drafts' slots are written again by the next step.
 
-Greedy requests only (temperature 0), and only those whose next token is the logits'
-argmax as they stand: no penalties, biases, allowed or banned tokens, ``min_tokens``, grammar,
-logprobs, or a forced first token. For them the output is exactly the output without
-speculation, token for token; any other request decodes one token a step beside them.
+A greedy request (temperature 0) gets exactly the output it gets without speculation,
+token for token. A sampled one's drafts go through rejection sampling
+(:func:`workers.sampling.speculative_picks`): a draft is accepted with its probability
+under the model (the sampler's distribution: temperature, top-k, top-p, min-p), else the
+token is drawn from that distribution without it, so its tokens are distributed as one at
+a time (the same distribution, not the same draws as without speculation: a seeded
+request still reproduces itself). Requests whose logits anything else shapes or records
+(penalties, biases, allowed or banned tokens, ``min_tokens``, a grammar, logprobs, a forced
+first token) decode one token a step beside them.
 """
 
 from __future__ import annotations
@@ -84,10 +89,11 @@ class NgramIndex:
 
 
 def eligible(seq: Seq) -> bool:
-    """Whether ``seq``'s next tokens are its logits' argmax as they stand (so a draft can
-    be checked against them): greedy, nothing that shapes or records the logits."""
+    """Whether ``seq``'s drafts can be checked against its logits as they stand: nothing
+    but the sampler's own parameters (temperature, top-k, top-p, min-p) shapes them, and
+    nothing records them."""
     p = seq.req.params
-    return (p.greedy and not p.processed and p.logprobs is None and p.prompt_logprobs is None
+    return (not p.processed and p.logprobs is None and p.prompt_logprobs is None
             and seq.constraint is None and len(seq.output_ids) >= p.min_tokens
             and seq.req.forced_first_token is None and not seq.forks)  # fmt: skip
 

@@ -63,10 +63,14 @@ def speculating(
         p.stop()
 
 
-def _complete(url: str, model: str, prompt: list[int], stream: bool = False) -> list[str]:
+def _complete(url: str, model: str, prompt: list[int], stream: bool = False,
+              sampled: bool = False) -> list[str]:  # fmt: skip
+    """Greedy; or ``sampled`` at temperature 1 with top_k 1 (drafts then go through
+    rejection sampling, and a one-token distribution gives the greedy tokens)."""
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-    kw = {"model": model, "prompt": prompt, "max_tokens": 30, "temperature": 0,
-          "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
+    body = {"ignore_eos": True, "return_token_ids": True, **({"top_k": 1} if sampled else {})}
+    kw = {"model": model, "prompt": prompt, "max_tokens": 30,
+          "temperature": 1.0 if sampled else 0, "extra_body": body}  # fmt: skip
     if not stream:
         ch = c.completions.create(**kw).choices[0]  # type: ignore[call-overload]
         return [ch.text, *map(str, ch.model_extra["token_ids"])]
@@ -86,6 +90,7 @@ def test_speculating_workers_give_the_plain_tokens(speculating: tuple[str, str],
         assert _complete(agg_url, cluster.model_name, p) == want
         assert _complete(pd_url, cluster.model_name, p) == want
         assert _complete(agg_url, cluster.model_name, p, stream=True) == want
+        assert _complete(agg_url, cluster.model_name, p, sampled=True) == want
     # what it did, in the metrics (from heartbeats): drafts on the aggregated worker and
     # on the decode worker
     for url, pool, wid in ((agg_url, "generate", "spec-w"), (pd_url, "decode", "spec-d")):

@@ -1,8 +1,9 @@
 """Speculative decoding by n-gram lookup (workers.spec_decode) in the reference engine:
 greedy outputs token for token those of the same engine without it (and so Hugging Face's
 generate: tests/unit/workers/test_engine_parity.py), in mixed batches beside requests it
-does not serve, with the drafts' KV given back; the proposer, the acceptance rule and the
-configuration on their own."""
+does not serve, with the drafts' KV given back; sampled requests through rejection
+sampling (rows aligned, seeded runs reproducible, the distribution kept); the proposer, the
+acceptance rule and the configuration on their own."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def test_greedy_outputs_are_those_without_speculation(model_and_tok, attention: 
     plain = _run(_engine(model_and_tok, None), _reqs())
     e = _engine(model_and_tok, SPEC, decode_attention=attention)
     spec = _run(e, _reqs())
+    hot = (spec.pop("hot"), plain.pop("hot"))  # sampled: the same distribution, not draws
+    assert len(hot[0][-1].token_ids) > 0 and hot[0][-1].num_output_tokens == 20
     assert _tokens(spec) == _tokens(plain)
     assert _text(spec) == _text(plain)
     for rid in plain:
@@ -87,7 +90,7 @@ def test_greedy_outputs_are_those_without_speculation(model_and_tok, attention: 
     assert st.spec_drafts > 0 and 0 < st.spec_accepted_tokens <= st.spec_draft_tokens
     # it paid: fewer steps for the same tokens
     assert st.steps < _steps(model_and_tok)
-    assert st.decode_tokens == sum(len(t) for t in _tokens(spec).values())
+    assert st.decode_tokens == sum(len(t) for t in _tokens(spec).values()) + 20
 
 
 def _steps(model_and_tok) -> int:  # type: ignore[no-untyped-def]
@@ -100,9 +103,11 @@ def test_drafts_under_a_tight_kv_pool_and_preemption(model_and_tok) -> None:  # 
     """A pool too small for every draft: drafts that find no room are skipped, sequences
     are preempted and recomputed, and the tokens are still those without speculation."""
     kw = {"num_kv_blocks": 32, "max_num_seqs": 8}
-    plain = _run(_engine(model_and_tok, None, **kw), _reqs())
+    plain = _tokens(_run(_engine(model_and_tok, None, **kw), _reqs()))
     e = _engine(model_and_tok, SPEC, **kw)
-    assert _tokens(_run(e, _reqs())) == _tokens(plain)
+    got = _tokens(_run(e, _reqs()))
+    got.pop("hot"), plain.pop("hot")  # sampled (test_sampled_requests_...)
+    assert got == plain
     assert e.stats().preemptions > 0
 
 
@@ -118,6 +123,63 @@ def test_prefix_cache_after_speculation_gives_the_same_tokens(model_and_tok) -> 
     fresh = _run(_engine(model_and_tok, None), [again])["again"]
     assert cached[-1].num_cached_tokens >= 32
     assert _tokens({"x": cached}) == _tokens({"x": fresh})
+
+
+def _sampled(top_k: int, seed: int | None) -> list[EngineRequest]:
+    phrase = [17, 230, 44, 91, 300, 12]
+    return [EngineRequest(f"s{i}", _prompt(20 + 7 * i, i) + phrase * (2 + i % 2),
+                          Sampling(max_tokens=30, temperature=1.0, top_k=top_k, seed=seed,
+                                   ignore_eos=True))
+            for i in range(4)]  # fmt: skip
+
+
+def test_sampled_requests_speculate_with_the_rows_aligned(model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    """Sampled at temperature 1 with top_k 1 (so the distribution is the argmax alone): by
+    rejection sampling every draft the argmax agrees with is accepted and every other one
+    replaced by the argmax, so the tokens are the greedy ones; and drafts were accepted."""
+    greedy = [EngineRequest(r.request_id, r.prompt_token_ids,
+                            Sampling(max_tokens=30, temperature=0, ignore_eos=True))
+              for r in _sampled(1, None)]  # fmt: skip
+    want = _tokens(_run(_engine(model_and_tok, None), greedy))
+    e = _engine(model_and_tok, SPEC)
+    assert _tokens(_run(e, _sampled(1, None))) == want
+    st = e.stats()
+    assert st.spec_drafts > 0 and 0 < st.spec_accepted_tokens <= st.spec_draft_tokens
+    assert st.steps < 30  # several tokens a step
+
+
+def test_a_seeded_sampled_request_reproduces_itself(model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    runs = [_tokens(_run(_engine(model_and_tok, SPEC), _sampled(0, 7))) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert all(len(t) == 30 for t in runs[0].values())
+    other = _tokens(_run(_engine(model_and_tok, SPEC), _sampled(0, 8)))
+    assert other != runs[0]
+
+
+def test_rejection_sampling_keeps_the_distribution() -> None:
+    """speculative_picks over many draws: the first token is distributed as the model's
+    first distribution, and after an accepted first draft the next as its second."""
+    import torch
+
+    from workers.sampling import speculative_picks
+
+    probs = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.3, 0.3, 0.1, 0.3], [0.25] * 4])
+    drafts = [1, 3]
+    g = torch.Generator().manual_seed(1)
+    n = 20000
+    first = torch.zeros(4)
+    second = torch.zeros(4)
+    for _ in range(n):
+        picks = speculative_picks(probs, drafts, lambda i: g)
+        first[picks[0]] += 1
+        if picks[0] == drafts[0]:
+            second[picks[1]] += 1
+    torch.testing.assert_close(first / n, probs[0], atol=0.015, rtol=0)
+    torch.testing.assert_close(second / second.sum(), probs[1], atol=0.02, rtol=0)
+    # a certain draft is always taken; an impossible one never
+    sure = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    assert speculative_picks(sure, [1], lambda i: g) == [1, 0]
+    assert speculative_picks(torch.tensor([[1.0, 0.0], [0.5, 0.5]]), [1], lambda i: g) == [0, 0]
 
 
 def test_the_proposer() -> None:
