@@ -287,6 +287,24 @@ def start_api(name: str, env: dict[str, str], logdir: Path) -> tuple[Proc, str]:
     return p, url
 
 
+@contextmanager
+def one_worker(name: str, worker_id: str, env: dict[str, str], model_dir: Path,
+               logdir: Path) -> Iterator[Cluster]:  # fmt: skip
+    """A generate worker and an API on ``env`` (a module fixture's deployment), up until
+    the block ends."""
+    worker = start_worker(f"w-{name}", "generate", worker_id, env, logdir)
+    with stop_on_error(worker):
+        api, http = start_api(f"api-{name}", env, logdir)
+    with stop_on_error(worker, api):
+        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 60, "the worker",
+                 [worker, api])  # fmt: skip
+    try:
+        yield Cluster(http, env["CONVEYOR_REDIS_URL"], model_dir, model_dir.name, [worker], api)
+    finally:
+        api.stop()
+        worker.stop()
+
+
 @pytest.fixture(scope="session")
 def cluster(
     redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory

@@ -22,9 +22,8 @@ from tests.integration.conftest import (
     Cluster,
     RedisDbs,
     base_env,
+    one_worker,
     start_api,
-    start_worker,
-    stop_on_error,
     wait_for,
 )
 
@@ -214,15 +213,8 @@ def slow(
     env = base_env(url, tiny_model_dir, CONVEYOR_ENGINE="mock",
                    CONVEYOR_MOCK__DECODE_STEP_MS=str(STEP_MS), CONVEYOR_FRAME_TIMEOUT_S="2",
                    CONVEYOR_WORKER_TTL_S="60")  # fmt: skip
-    worker = start_worker("w-slow", "generate", "slow", env, logdir)
-    with stop_on_error(worker):
-        api, http = start_api("api-slow", env, logdir)
-    with stop_on_error(worker, api):
-        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 60, "the worker",
-                 [worker, api])  # fmt: skip
-    yield Cluster(http, url, tiny_model_dir, tiny_model_dir.name, [worker], api)
-    api.stop()
-    worker.stop()
+    with one_worker("slow", "slow", env, tiny_model_dir, logdir) as c:
+        yield c
 
 
 def _blocks_used(cluster: Cluster) -> int:

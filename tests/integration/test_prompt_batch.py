@@ -25,9 +25,7 @@ from tests.integration.conftest import (
     Cluster,
     RedisDbs,
     base_env,
-    start_api,
-    start_worker,
-    stop_on_error,
+    one_worker,
     wait_for,
 )
 
@@ -168,15 +166,8 @@ def capped(
     logdir = tmp_path_factory.mktemp("capped")
     env = base_env(url, tiny_model_dir, CONVEYOR_WORKER_MAX_REQUESTS=str(CAP),
                    CONVEYOR_ADMISSION_WAIT_S="30")  # fmt: skip
-    worker = start_worker("w-capped", "generate", "capped", env, logdir)
-    with stop_on_error(worker):
-        api, http = start_api("api-capped", env, logdir)
-    with stop_on_error(worker, api):
-        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 60, "the worker",
-                 [worker, api])  # fmt: skip
-    yield Cluster(http, url, tiny_model_dir, tiny_model_dir.name, [worker], api)
-    api.stop()
-    worker.stop()
+    with one_worker("capped", "capped", env, tiny_model_dir, logdir) as c:
+        yield c
 
 
 def _held(cluster: Cluster) -> int:
