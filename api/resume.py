@@ -32,7 +32,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from api.errors import OpenAIError
-from api.streams import StreamTimeout
+from api.streams import StreamTimeout, output_dropped
 from cluster.keys import KEY_PREFIX
 from cluster.resp import as_str
 from kvbm.protocol import FRAMES_OPEN_TTL_S, TokenFrame, frames_key
@@ -107,8 +107,10 @@ class FrameLogReader:
     """A stream's frames from its log, in seq order from its first, across moves, waiting
     for those not written yet (up to ``timeout_s`` between two)."""
 
-    def __init__(self, r: aioredis.Redis, log_id: str, timeout_s: float) -> None:
+    def __init__(self, r: aioredis.Redis, log_id: str, timeout_s: float,
+                 prompt_only: bool = False) -> None:  # fmt: skip
         self._r = r
+        self._prompt_only = prompt_only  # each frame without its output (echo alone)
         self._key = frames_key(log_id)
         self._pos = "0-0"
         self._timeout_s = timeout_s
@@ -156,6 +158,8 @@ class FrameLogReader:
         if frame.seq != self._next_seq:
             return  # a lost attempt's late frame, or one seen already
         self._next_seq += 1
+        if self._prompt_only:
+            output_dropped(frame)
         self._ready.append(frame)
         self.done = frame.done
 

@@ -407,12 +407,13 @@ async def resume(
         raise OpenAIError(404, f"no stream {log_id!r} to resume: it ended more than "
                           f"{st.settings.api.resume_ttl_s:g} s ago, or never ran here",
                           "invalid_request_error", "Last-Event-ID", "stream_not_found")  # fmt: skip
-    max_tokens = st.builder.check_length(len(prompt.token_ids), max_tokens, prompt_param)
-    sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
+    sampling = prepare(st, req, prompt, max_tokens, prompt_param, plan)
     rid = log_id.split(".", 1)[0]  # the client's id (a retry's stream: <id>.r1)
     echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
     fmt = Formatter(kind, rid, req.model, echo)  # the base model or the adapter it named
-    readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s) for x in logs]
+    prompt_only = isinstance(req, CompletionRequest) and req.max_tokens == 0
+    readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s, prompt_only)
+               for x in logs]  # fmt: skip
     log.info("[%s] resumed after event %s", log_id, seqs)
     st.metrics.in_flight.inc()
     tag = Tagged(log_id, seqs)

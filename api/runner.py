@@ -32,7 +32,14 @@ from api.errors import OpenAIError
 from api.metrics import ApiMetrics
 from api.resp import RespConnection
 from api.resume import moved_commands
-from api.streams import StreamGap, StreamHub, StreamTimeout, Subscription, WorkerLost
+from api.streams import (
+    StreamGap,
+    StreamHub,
+    StreamTimeout,
+    Subscription,
+    WorkerLost,
+    output_dropped,
+)
 from api.tracing import RequestTrace, request_trace
 from cluster.lora import LoraRef
 from cluster.tracing import Tracing
@@ -560,7 +567,7 @@ class Runner:
         if frame.done:
             run.end = frame
         if run.prompt_only:
-            _output_dropped(frame)
+            output_dropped(frame)
 
     def _forget_prefill(self, run: RunningRequest) -> None:
         """The first token is out: the prompt no longer queues for prefill anywhere (the
@@ -619,17 +626,6 @@ class Runner:
 # an image whose bytes are gone from Redis (it waited past their TTL) may be sent again;
 # anything else is ours.
 FRAME_ERROR_STATUS = {"image_unavailable": 503}
-
-
-def _output_dropped(frame: TokenFrame) -> None:
-    """A prompt-only request's frame without its output (counted for the metrics and
-    migration before this): no token, text or logprob; no completion tokens in its usage;
-    it ends for its length (0), whatever the token it ran would have ended for."""
-    frame.token_ids, frame.text, frame.logprobs, frame.stop_reason = [], "", None, None
-    if frame.done and frame.error is None:
-        frame.finish_reason = "length"
-    if frame.usage is not None:
-        frame.usage = Usage(frame.usage.prompt_tokens, 0, frame.usage.cached_tokens)
 
 
 def frame_error(frame: TokenFrame) -> OpenAIError:

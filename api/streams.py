@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from api.resp import PubSubConnection, RedisPyPubSub
 from cluster.keys import WORKER_DEATHS_CHANNEL
-from kvbm.protocol import TOKENS_PREFIX, TokenFrame
+from kvbm.protocol import TOKENS_PREFIX, TokenFrame, Usage
 
 log = logging.getLogger(__name__)
 
@@ -298,3 +298,14 @@ class StreamHub:
                 self._conn.close()
             elif self._conn.connected:
                 self._conn.write(("PING",))
+
+
+def output_dropped(frame: TokenFrame) -> None:
+    """A prompt-only request's frame without its output (counted for the metrics and
+    migration before this): no token, text or logprob; no completion tokens in its usage;
+    it ends for its length (0), whatever the token it ran would have ended for."""
+    frame.token_ids, frame.text, frame.logprobs, frame.stop_reason = [], "", None, None
+    if frame.done and frame.error is None:
+        frame.finish_reason = "length"
+    if frame.usage is not None:
+        frame.usage = Usage(frame.usage.prompt_tokens, 0, frame.usage.cached_tokens)

@@ -409,3 +409,26 @@ def test_a_response_stream_goes_on_through_another_api_after_its_api_is_killed(
     r = httpx.post(f"{url2}/v1/responses", json=body,
                    headers={"Last-Event-ID": "resp_0123456789abcdef:3"})  # fmt: skip
     assert r.status_code == 404 and r.json()["error"]["code"] == "stream_not_found"
+
+
+def test_an_echo_alone_resumes_without_its_dropped_token(
+    deployment: tuple[Proc, str, Proc, str, Proc], tiny_model_dir: Path
+) -> None:
+    """echo with max_tokens 0 runs one token the API drops: read again from its frame log
+    (a client resuming before its first frame, on another API), the stream drops it too:
+    the echo alone, 0 completion tokens."""
+    _, url1, _, url2, _ = deployment
+    body = {**_body("completion", tiny_model_dir.name), "max_tokens": 0, "echo": True}
+    with httpx.stream("POST", f"{url1}/v1/completions", json=body, timeout=30) as r:
+        lines = list(r.iter_lines())
+    ids = [ln[4:] for ln in lines if ln.startswith("id: ")]
+    assert ids, lines
+    log_id = ids[-1].rpartition(":")[0]
+    c = openai.OpenAI(base_url=f"{url2}/v1", api_key="x", max_retries=0)
+    sent = {k: v for k, v in body.items() if k not in ("ignore_eos", "model", "prompt")}
+    again = list(c.completions.create(model=tiny_model_dir.name, prompt="Rivers are",
+                                      extra_headers={"Last-Event-ID": f"{log_id}:-1"},
+                                      extra_body={"ignore_eos": True}, **sent))  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in again if ch.choices) == "Rivers are"
+    assert [ch.choices[0].finish_reason for ch in again if ch.choices][-1] == "length"
+    assert again[-1].usage is not None and again[-1].usage.completion_tokens == 0
