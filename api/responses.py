@@ -393,23 +393,36 @@ def _history_param(req: ResponsesRequest) -> str:
     return "conversation" if req.conversation is not None else "previous_response_id"
 
 
-def stored_item(item: object, param: str, item_id: str | None = None) -> dict:
-    """An item as a conversation keeps it: checked as a Responses input item would be (a
-    400 naming ``param``), with its ``type``; an ``id`` (the item's own, else ``item_id``,
-    else a new one); a message's string content as one text part; ``status``."""
+def stored_item(item: object, param: str) -> dict:
+    """An item a client adds to a conversation, checked as a Responses input item would be
+    (a 400 naming ``param``), with its ``type`` and an ``id`` (its own, else a new one), as
+    :func:`conversation_item` keeps it."""
     if not isinstance(item, dict):
         raise bad_request("an item must be an object", param)
     out = dict(item)
     kind = out.setdefault("type", "message" if "role" in out else None)
     _add_item([], out, param)  # a 400 for what a conversation could not render
     if not out.get("id"):
-        out["id"] = item_id or f"{ITEM_ID_PREFIX.get(str(kind), 'item')}_{secrets.token_hex(24)}"
-    if kind == "message" and isinstance(out.get("content"), str):
-        part = "output_text" if out.get("role") == "assistant" else "input_text"
-        out["content"] = [{"type": part, "text": out["content"]}]
-    if kind in ITEM_ID_PREFIX:
-        out.setdefault("status", "completed")
+        out["id"] = f"{ITEM_ID_PREFIX.get(str(kind), 'item')}_{secrets.token_hex(24)}"
+    return conversation_item(out)
+
+
+def conversation_item(item: dict) -> dict:
+    """An item (with its type and id) as a conversation keeps it: listed as input_items
+    lists it (:func:`listed_item`), with a ``status``."""
+    out = listed_item(item)
+    if out.get("type") in ITEM_ID_PREFIX:
+        out = {**out, "status": out.get("status", "completed")}
     return out
+
+
+def listed_item(item: dict) -> dict:
+    """An input item as OpenAI lists it: a message's string content as one text part
+    (``output_text`` for the assistant's, else ``input_text``)."""
+    if item.get("type") == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        return item | {"content": [{"type": part, "text": item["content"]}]}
+    return item
 
 
 # --------------------------------------------------------------------------------------

@@ -84,12 +84,16 @@ def _not_found(conversation_id: str, param: str | None = None) -> OpenAIError:
                        "invalid_request_error", param, "not_found")  # fmt: skip
 
 
-async def conversation_of(st: ApiState, conversation_id: str,
-                          param: str | None = None) -> Conversation:  # fmt: skip
-    """The conversation, with its items; 404 (naming ``param``) if there is none."""
-    conv = None
-    if conversation_id.startswith("conv_"):
-        conv = await st.conversations.get(conversation_id)
+def _item_not_found(item_id: str) -> OpenAIError:
+    return OpenAIError(404, f"Item with id '{item_id}' not found.", "invalid_request_error",
+                       "item_id", "not_found")  # fmt: skip
+
+
+async def conversation_of(st: ApiState, conversation_id: str, param: str | None = None,
+                          items: bool = True) -> Conversation:  # fmt: skip
+    """The conversation, with its items unless ``items`` is false; 404 (naming ``param``)
+    if there is none."""
+    conv = await st.conversations.get(conversation_id, items)
     if conv is None:
         raise _not_found(conversation_id, param)
     return conv
@@ -130,7 +134,7 @@ async def create_conversation(body: CreateConversation, request: Request) -> JSO
 
 @router.get("/v1/conversations/{conversation_id}")
 async def get_conversation(conversation_id: str, request: Request) -> JSONResponse:
-    conv = await conversation_of(_store(request), conversation_id)
+    conv = await conversation_of(_store(request), conversation_id, items=False)
     return JSONResponse(conv.body())
 
 
@@ -140,17 +144,15 @@ async def update_conversation(conversation_id: str, body: UpdateConversation,
     """Replace the conversation's metadata (OpenAI's update: metadata only)."""
     st = _store(request)
     metadata = _metadata(body.metadata)
-    if not conversation_id.startswith("conv_") or not await st.conversations.set_metadata(
-            conversation_id, metadata):  # fmt: skip
+    if not await st.conversations.set_metadata(conversation_id, metadata):
         raise _not_found(conversation_id)
-    return JSONResponse((await conversation_of(st, conversation_id)).body())
+    return JSONResponse((await conversation_of(st, conversation_id, items=False)).body())
 
 
 @router.delete("/v1/conversations/{conversation_id}")
 async def delete_conversation(conversation_id: str, request: Request) -> JSONResponse:
     st = _store(request)
-    if not conversation_id.startswith("conv_") or not await st.conversations.delete(
-            conversation_id):  # fmt: skip
+    if not await st.conversations.delete(conversation_id):
         raise _not_found(conversation_id)
     return JSONResponse({"id": conversation_id, "object": "conversation.deleted",
                          "deleted": True})  # fmt: skip
@@ -172,8 +174,7 @@ async def add_items(conversation_id: str, body: AddItems, request: Request) -> J
     conversation holds already is not added again."""
     st = _store(request)
     items = _items(body.items, "items")
-    added = await st.conversations.add(conversation_id, items) if conversation_id.startswith(
-        "conv_") else None  # fmt: skip
+    added = await st.conversations.add(conversation_id, items)
     if added is None:
         raise _not_found(conversation_id)
     new = set(added)
@@ -186,8 +187,7 @@ async def get_item(conversation_id: str, item_id: str, request: Request) -> JSON
     conv = await conversation_of(_store(request), conversation_id)
     item = next((it for it in conv.items if it.get("id") == item_id), None)
     if item is None:
-        raise OpenAIError(404, f"Item with id '{item_id}' not found.", "invalid_request_error",
-                          "item_id", "not_found")  # fmt: skip
+        raise _item_not_found(item_id)
     return JSONResponse(item)
 
 
@@ -195,11 +195,9 @@ async def get_item(conversation_id: str, item_id: str, request: Request) -> JSON
 async def delete_item(conversation_id: str, item_id: str, request: Request) -> JSONResponse:
     """Remove an item; the Conversation (OpenAI's answer)."""
     st = _store(request)
-    removed = await st.conversations.remove(conversation_id, item_id) if \
-        conversation_id.startswith("conv_") else None  # fmt: skip
+    removed = await st.conversations.remove(conversation_id, item_id)
     if removed is None:
         raise _not_found(conversation_id)
     if not removed:
-        raise OpenAIError(404, f"Item with id '{item_id}' not found.", "invalid_request_error",
-                          "item_id", "not_found")  # fmt: skip
-    return JSONResponse((await conversation_of(st, conversation_id)).body())
+        raise _item_not_found(item_id)
+    return JSONResponse((await conversation_of(st, conversation_id, items=False)).body())

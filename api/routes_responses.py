@@ -54,10 +54,11 @@ from api.responses import (
     ResponsesRequest,
     chat_request,
     conversation_id,
+    conversation_item,
     created_now,
     input_items,
+    listed_item,
     response_body,
-    stored_item,
     wants_logprobs,
 )
 from api.resume import FrameLogReader, claim, event_id, frames_of, parse_event_id
@@ -388,7 +389,8 @@ async def _to_conversation(st: ApiState, cid: str, out: _Output) -> None:
     assert out.final is not None
     if out.final["status"] not in ("completed", "incomplete"):
         return
-    items = [stored_item(it, "input") for it in input_items(out.body, out.id)]
+    # the input was checked as it was rendered, and input_items gave each item an id
+    items = [conversation_item(it) for it in input_items(out.body, out.id)]
     try:
         if await st.conversations.add(cid, items + out.items.output) is None:
             log.warning("[%s] conversation %s was deleted before the response ended", out.id,
@@ -546,15 +548,6 @@ async def _collect(st: ApiState, run: RunningRequest, out: _Output, started: flo
     return JSONResponse(body, headers={"x-request-id": run.request_id})
 
 
-def _listed(item: dict) -> dict:
-    """An input item as input_items lists it: a message's text content as a part (the
-    stored item keeps the client's shape: it renders the conversation again)."""
-    if item.get("type") == "message" and isinstance(item.get("content"), str):
-        part = "output_text" if item.get("role") == "assistant" else "input_text"
-        return item | {"content": [{"type": part, "text": item["content"]}]}
-    return item
-
-
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
     """Forget a response (a background one still running runs on, unrecorded)."""
@@ -573,5 +566,5 @@ async def list_input_items(response_id: str, request: Request, after: str | None
     turn = await st.responses.turn(response_id) if response_id.startswith("resp_") else None
     if turn is None:
         raise _not_found(response_id, "stored response")
-    return JSONResponse(page([_listed(item) for item in turn.input], order, after, limit,
+    return JSONResponse(page([listed_item(item) for item in turn.input], order, after, limit,
                              f"response '{response_id}'"))  # fmt: skip

@@ -45,13 +45,13 @@ end
 return added
 """
 
-# KEYS: meta, ids, items. ARGV: ttl. Returns false if there is no such conversation, else
-# {created_at, metadata JSON, item JSON...} in the conversation's order.
+# KEYS: meta, ids, items. ARGV: ttl, '1' to read the items too. Returns false if there is
+# no such conversation, else {created_at, metadata JSON, item JSON...} in its order.
 READ_LUA = f"""
 local meta = redis.call('HMGET', KEYS[1], 'created_at', 'metadata')
 if not meta[1] then return false end
 local out = {{meta[1], meta[2]}}
-local ids = redis.call('LRANGE', KEYS[2], 0, -1)
+local ids = ARGV[2] == '1' and redis.call('LRANGE', KEYS[2], 0, -1) or {{}}
 for s = 1, #ids, {HMGET_CHUNK} do
   local part = redis.call('HMGET', KEYS[3], unpack(ids, s, math.min(s + {HMGET_CHUNK - 1}, #ids)))
   for _, v in ipairs(part) do if v then out[#out + 1] = v end end
@@ -119,15 +119,16 @@ class ConversationStore:
             pipe.expire(key, self.ttl_s)
         await pipe.execute()
 
-    async def get(self, conversation_id: str) -> Conversation | None:
-        """The conversation with its items; None if there is none (never was, deleted,
-        expired)."""
-        reply = await self._read(keys=conversation_keys(conversation_id), args=[self.ttl_s])
+    async def get(self, conversation_id: str, items: bool = True) -> Conversation | None:
+        """The conversation with its items (``items``; else without them, for its body
+        alone); None if there is none (never was, deleted, expired)."""
+        reply = await self._read(keys=conversation_keys(conversation_id),
+                                 args=[self.ttl_s, int(items)])  # fmt: skip
         if not reply:
             return None
-        created, metadata, *items = reply
+        created, metadata, *raw = reply
         return Conversation(conversation_id, int(as_str(created)), json.loads(metadata),
-                            [json.loads(x) for x in items])  # fmt: skip
+                            [json.loads(x) for x in raw])  # fmt: skip
 
     async def add(self, conversation_id: str, items: list[dict]) -> list[str] | None:
         """Append ``items`` (each with its ``id``); the ids added (an id held already is
