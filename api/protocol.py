@@ -181,6 +181,12 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+def prompt_alone(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    """Completions' echo with ``max_tokens`` 0: the prompt alone, the token run for its
+    logprobs dropped (:func:`api.streams.output_dropped`)."""
+    return isinstance(req, CompletionRequest) and req.max_tokens == 0
+
+
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
     """Raise a 400 naming the first requested feature Conveyor does not serve yet."""
     checks: list[tuple[bool, str, str]] = [

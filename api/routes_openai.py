@@ -26,7 +26,13 @@ from api.admission import client_id
 from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
-from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest, unsupported
+from api.protocol import (
+    PIN_HEADER,
+    ChatCompletionRequest,
+    CompletionRequest,
+    prompt_alone,
+    unsupported,
+)
 from api.reasoning import output_parser
 from api.resume import (
     FrameLogReader,
@@ -81,8 +87,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         return await _serve_batch(st, req, request, prompts, started, lora)
     ((sent, ids),) = prompts
     prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens)
-    if len(prompt.token_ids) < len(ids):  # echo repeats what the model was given
-        sent = prompt.token_ids
+    sent = _echoed(sent, ids, prompt)
     if resumed is not None:
         return await resume(st, req, prompt, req.max_tokens, "completion", started, "prompt",
                             resumed, sent=sent)  # fmt: skip
@@ -107,8 +112,7 @@ async def _serve_batch(
                           f"n), got {len(prompts)} x {n}", "n")  # fmt: skip
     built = [st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens) for _, ids in prompts]
     samplings = [prepare(st, req, p, req.max_tokens, "prompt") for p in built]
-    extras = [_extra(st, req, sampling, p.token_ids, sent if len(p.token_ids) == len(ids)
-                     else p.token_ids)  # echo repeats what the model was given
+    extras = [_extra(st, req, sampling, p.token_ids, _echoed(sent, ids, p))
               for (sent, ids), p, sampling in zip(prompts, built, samplings, strict=True)
               for _ in range(n)]  # fmt: skip
     rid, first = await launch(st, req, request, built[0], samplings[0], "completion", started,
@@ -143,6 +147,12 @@ async def _serve_batch(
                              ready=ready, n=n)  # fmt: skip
         return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
     return await choices.collect(st, None, fmt, end_all, None, extras, ready=ready, n=n)
+
+
+def _echoed(sent: str | list[int], ids: list[int], prompt: Prompt) -> str | list[int]:
+    """What ``echo`` repeats of a completion prompt sent as ``sent`` (its ids ``ids``):
+    the prompt as sent, or the tokens truncate_prompt_tokens kept of it."""
+    return sent if len(prompt.token_ids) == len(ids) else prompt.token_ids
 
 
 def _last_event_id(st: ApiState, request: Request) -> str | None:
@@ -262,10 +272,9 @@ async def launch(
     st.metrics.in_flight.inc()
     try:
         pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        prompt_only = isinstance(req, CompletionRequest) and req.max_tokens == 0
         runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images,
                                      priority=req.priority, lora=lora,
-                                     prompt_only=prompt_only)  # fmt: skip
+                                     prompt_only=prompt_alone(req))  # fmt: skip
     except BaseException:
         st.metrics.in_flight.dec()
         raise
@@ -411,8 +420,7 @@ async def resume(
     rid = log_id.split(".", 1)[0]  # the client's id (a retry's stream: <id>.r1)
     echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
     fmt = Formatter(kind, rid, req.model, echo)  # the base model or the adapter it named
-    prompt_only = isinstance(req, CompletionRequest) and req.max_tokens == 0
-    readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s, prompt_only)
+    readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s, prompt_alone(req))
                for x in logs]  # fmt: skip
     log.info("[%s] resumed after event %s", log_id, seqs)
     st.metrics.in_flight.inc()
