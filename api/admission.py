@@ -45,6 +45,7 @@ POLL_S = 0.05  # waiters look again this often (slots freed by other API replica
 WORK_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/pooling",
     "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations",
+    "/classify", "/v1/classify",
 })  # fmt: skip
 
 

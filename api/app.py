@@ -28,6 +28,7 @@ from fastapi import FastAPI
 
 from api import (
     routes_batches,
+    routes_classify,
     routes_conversations,
     routes_embeddings,
     routes_models,
@@ -39,6 +40,7 @@ from api import (
     routes_tokenize,
 )
 from api.admission import ClientLimitMiddleware
+from api.classifier import load_classifier
 from api.cluster_metrics import ClusterCollector
 from api.errors import install_error_handlers
 from api.media import MediaGuard
@@ -89,7 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.registry.register(cluster)
     builder = PromptBuilder(s.model, s.engine.max_model_len, s.model_name)
     media = MediaGuard(s.multimodal, metrics)
-    st = ApiState(s, metrics, cluster, builder, media)
+    st = ApiState(s, metrics, cluster, builder, media, classifier=load_classifier(s.model))
     st.tool_parser = s.api.tool_call_parser or parser_for_template(builder.template_text)
     configure_celery(s)
     # traces (cluster.tracing): None, and no middleware, unless an endpoint is set
@@ -150,6 +152,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_conversations.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_scores.router)
+    app.include_router(routes_classify.router)
     app.include_router(routes_tokenize.router)
     app.include_router(routes_batches.router)
     app.include_router(routes_ops.router)

@@ -57,6 +57,12 @@ class ApiMetrics:
             "Prompt tokens embedded (/v1/embeddings; also in conveyor_prompt_tokens)",
             registry=r,
         )
+        self.classification_inputs = Counter(
+            "conveyor_classification_inputs",
+            "Inputs classified (/classify, /pooling and a cross-encoder's /score and "
+            "/rerank: one per input or pair; their tokens count in conveyor_prompt_tokens)",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "conveyor_requests_in_flight",
             "Requests being served now",

@@ -76,30 +76,44 @@ class PoolingRequest(EmbeddingRequest):
 
 @router.post("/v1/embeddings")
 async def embeddings(req: EmbeddingRequest, request: Request) -> Response:
-    return await _pooled(req, request, "embd", "embedding", "embedding", {})
+    return await _pooled(req, request, "embd", "embedding", "embedding", {}, "embed")
 
 
 @router.post("/pooling")
 async def pooling(req: PoolingRequest, request: Request) -> Response:
-    """vLLM's ``/pooling``: the model's pooled output per input, for an embedding model its
-    embedding (``data``), as ``/v1/embeddings`` computes it."""
-    if req.task not in (None, "embed"):
-        raise bad_request(f"task {req.task!r} is not served: the model pools embeddings "
-                          "(task 'embed')", "task", "unsupported_parameter")  # fmt: skip
-    return await _pooled(req, request, "pool", "pooling", "data", {"completion_tokens": 0})
+    """vLLM's ``/pooling``: the model's pooled output per input (``data``): an embedding
+    model's embedding, as ``/v1/embeddings`` computes it (task ``embed``), a sequence
+    classifier's class probabilities, as ``/classify`` computes them (task ``classify``).
+    Without a ``task``, the one the model serves."""
+    st = api_state(request)
+    default = "embed" if st.classifier is None else "classify"
+    task = req.task or default
+    if task != default:
+        raise bad_request(f"task {req.task!r} is not served: the model pools for task "
+                          f"{default!r}", "task", "unsupported_parameter")  # fmt: skip
+    return await _pooled(req, request, "pool", "pooling", "data", {"completion_tokens": 0},
+                         task)  # fmt: skip
 
 
 async def _pooled(req: EmbeddingRequest, request: Request, prefix: str, obj: str, field: str,
-                  usage: dict[str, int]) -> Response:  # fmt: skip
-    """Embed a request's inputs and answer the list of them: each item an ``obj`` with its
-    vector under ``field`` (float32 values, or base64 as the worker sent it)."""
+                  usage: dict[str, int], task: str) -> Response:  # fmt: skip
+    """Pool a request's inputs and answer the list of them: each item an ``obj`` with its
+    vector under ``field`` (float32 values, or base64 as the worker sent it): for task
+    ``embed`` an embedding, for ``classify`` a sequence classifier's class probabilities
+    (api.classifier)."""
     started = time.perf_counter()
     st = api_state(request)
-    await check_model(st, req.model, adapters=False)
-    pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
+    await check_model(st, req.model, adapters=False, task=task)
+    c = st.classifier if task == "classify" else None
+    if c is None:
+        pooling = pooling_of(req, str(st.settings.model), st.settings.model_name)
+    else:
+        pooling = Pooling(task="classify")
     inputs = embedding_inputs(req, st.builder)
     rid, vectors = await embed(st, request, inputs, pooling, started, req.worker_id, prefix)
     n_tokens = sum(len(ids) for ids in inputs)
+    if c is not None:  # the head's logits through its activation, sent as float32
+        vectors = [_b64(c.activate(vector(v), req.use_activation)) for v in vectors]
     data = [{"object": obj, "index": i,
              field: v if req.encoding_format == "base64" else vector(v)}
             for i, v in enumerate(vectors)]  # fmt: skip
@@ -115,8 +129,9 @@ async def embed(
     st: ApiState, request: Request, inputs: list[list[int]], pooling: Pooling, started: float,
     worker_id: str | None, prefix: str,
 ) -> tuple[str, list[str]]:  # fmt: skip
-    """Embed token lists as one client request (its tenant's budget, the API's metrics):
-    its id (``prefix``-...) and each input's vector (base64 float32), in input order."""
+    """Pool token lists as one client request (its tenant's budget, the API's metrics):
+    its id (``prefix``-...) and each input's vector (base64 float32: an embedding, or a
+    classifier's logits), in input order."""
     pin = worker_id or request.headers.get(PIN_HEADER) or None
     n_tokens = sum(len(ids) for ids in inputs)
     tenant = client_id(request.scope, bool(st.settings.api.api_key_list))
@@ -130,14 +145,22 @@ async def embed(
         m.in_flight.dec()
         m.e2e.observe(time.perf_counter() - started)
     m.prompt_tokens.inc(n_tokens)
-    m.embedding_inputs.inc(len(inputs))
-    m.embedding_tokens.inc(n_tokens)
+    if pooling.task == "classify":
+        m.classification_inputs.inc(len(inputs))
+    else:
+        m.embedding_inputs.inc(len(inputs))
+        m.embedding_tokens.inc(n_tokens)
     return rid, vectors
 
 
 def vector(b64: str) -> np.ndarray:
     """An embedding as the worker sent it (base64 of little-endian float32)."""
     return np.frombuffer(base64.b64decode(b64), dtype="<f4")
+
+
+def _b64(values: np.ndarray) -> str:
+    """``values`` as the worker sends a vector (base64 of little-endian float32)."""
+    return base64.b64encode(values.astype("<f4").tobytes()).decode()
 
 
 # --------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    lora = await check_model(st, req.model)
+    lora = await check_model(st, req.model, task="generate")
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
     prompt = st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens)
@@ -75,7 +75,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 async def completions(req: CompletionRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    lora = await check_model(st, req.model)
+    lora = await check_model(st, req.model, task="generate")
     unsupported(req)
     prompts = st.builder.completion_prompts(req.prompt)
     resumed = _last_event_id(st, request)

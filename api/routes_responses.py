@@ -90,7 +90,7 @@ BACKGROUND_TTL_S = 24 * 3600  # a background response's record, from its start
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
-    lora = await check_model(st, body.model)
+    lora = await check_model(st, body.model, task="generate")
     if body.background and not st.settings.api.resumable_streams:
         raise bad_request("background responses need the frame log: set "
                           "CONVEYOR_RESUMABLE_STREAMS=true", "background",

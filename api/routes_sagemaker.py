@@ -4,7 +4,8 @@ request) and ``GET /version``.
 
 ``/invocations`` reads the body's shape, as vLLM does, and answers as the endpoint that
 takes that shape would: ``messages`` is a chat completion, ``prompt`` a completion,
-``input`` an embedding, ``query`` and ``documents`` a rerank, a pair of score fields
+``input`` an embedding (on a sequence classifier: a classification), ``query`` and
+``documents`` a rerank, a pair of score fields
 (``queries`` / ``items``, ``text_1`` / ``text_2``, ...) a score. Streaming, errors and
 headers are that endpoint's own.
 """
@@ -20,9 +21,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from api import routes_embeddings, routes_openai, routes_ops, routes_scores
+from api import routes_classify, routes_embeddings, routes_openai, routes_ops, routes_scores
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.state import api_state
 
 router = APIRouter()
 
@@ -55,6 +57,9 @@ async def invocations(request: Request) -> Response:
         raise bad_request("the body must be a JSON object", None)
     for field, model, endpoint in SHAPES:
         if field in body and not (field == "documents" and "query" not in body):
+            if field == "input" and api_state(request).classifier is not None:
+                # a sequence classifier's inputs are classified (as vLLM routes them)
+                model, endpoint = routes_classify.ClassificationRequest, routes_classify.classify
             return await endpoint(_parsed(model, body), request)
     if any(a in body and b in body for a, b in routes_scores.PAIRS):
         return await routes_scores.score(_parsed(routes_scores.ScoreRequest, body), request)

@@ -5,8 +5,10 @@ As vLLM scores with a model that embeds (its bi-encoder path), each text is embe
 through the pipeline exactly as ``/v1/embeddings`` embeds it (:func:`api.routes_embeddings
 .embed`: one request per text, the same routing, admission and tenant budget), and a
 pair's score is the cosine similarity of its two vectors. Pairs are 1:1, 1:N (the one
-query against every document) or N:N, as in vLLM. Text inputs only; a cross-encoder's
-classifier head is not served.
+query against every document) or N:N, as in vLLM. On a cross-encoder (a sequence
+classifier with one label: :mod:`api.classifier`) each pair is one input instead, the
+query and the document joined as the tokenizer's text pair, and its score the head's
+output (vLLM's cross-encoder path). Text inputs only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from tokenizers import Tokenizer
 
 from api.errors import bad_request
 from api.routes_embeddings import EmbeddingRequest, embed, embedding_inputs, vector
@@ -39,6 +42,7 @@ class _Scoring(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     max_tokens_per_query: int = Field(0, ge=0)  # 0: no query-level truncation
     max_tokens_per_doc: int = Field(0, ge=0)
+    use_activation: bool | None = None  # a cross-encoder's: False keeps its raw logit
     worker_id: str | None = Field(None, min_length=1, max_length=200)
 
 
@@ -128,6 +132,8 @@ async def _scores(st: ApiState, request: Request, body: _Scoring, queries: list[
         seqs = embedding_inputs(req, st.builder)
         return [s[:cap] for s in seqs] if cap else seqs
 
+    if st.classifier is not None:
+        return await _cross_scores(st, request, body, queries, docs, started, prefix)
     q_ids, d_ids = ids(queries, body.max_tokens_per_query), ids(docs, body.max_tokens_per_doc)
     inputs = q_ids + d_ids
     rid, vectors = await embed(st, request, inputs, Pooling(), started, body.worker_id, prefix)
@@ -137,6 +143,50 @@ async def _scores(st: ApiState, request: Request, body: _Scoring, queries: list[
         q = q * len(d)
     scores = [_cosine(a, b) for a, b in zip(q, d, strict=True)]
     return rid, scores, sum(len(s) for s in inputs)
+
+
+async def _cross_scores(st: ApiState, request: Request, body: _Scoring, queries: list[str],
+                        docs: list[str], started: float,
+                        prefix: str) -> tuple[str, list[float], int]:  # fmt: skip
+    """A cross-encoder's scores (a sequence classifier with one label): each pair runs
+    through the model as one input, the query and the document cut to
+    ``max_tokens_per_query`` / ``_doc`` tokens first, joined as the tokenizer's text pair
+    (or concatenated, for a model whose config says ``use_sep_token: false``), then
+    truncated and checked as an embedding input; the score is the head's one output
+    through the model's activation (api.classifier)."""
+    c = st.classifier
+    assert c is not None
+    if c.num_labels != 1:
+        raise bad_request(f"`{st.settings.model_name}` classifies into {c.num_labels} labels; "
+                          "scoring needs a cross-encoder (one label)", "model",
+                          "unsupported_model")  # fmt: skip
+    tok = st.builder.tokenizer
+    qs = [_cut(tok, q, body.max_tokens_per_query) for q in queries]
+    ds = [_cut(tok, d, body.max_tokens_per_doc) for d in docs]
+    if len(qs) == 1:
+        qs = qs * len(ds)
+    pairs = [tok.encode(q, d).ids if c.sep_pair else tok.encode(q + d).ids
+             for q, d in zip(qs, ds, strict=True)]  # fmt: skip
+    req = EmbeddingRequest(model=st.settings.model_name, input=pairs,
+                           truncate_prompt_tokens=body.truncate_prompt_tokens)  # fmt: skip
+    inputs = embedding_inputs(req, st.builder)
+    rid, logits = await embed(st, request, inputs, Pooling(task="classify"), started,
+                              body.worker_id, prefix)  # fmt: skip
+    scores = [float(c.activate(vector(v), body.use_activation)[0]) for v in logits]
+    return rid, scores, sum(len(s) for s in inputs)
+
+
+def _cut(tok: Tokenizer, text: str, max_tokens: int) -> str:
+    """``text`` cut where its first ``max_tokens`` tokens end (0: whole), as vLLM cuts a
+    cross-encoder's query and document before joining them (at a character boundary, so
+    the pair tokenizes as the text would)."""
+    while max_tokens:
+        enc = tok.encode(text, add_special_tokens=False)
+        if len(enc.ids) <= max_tokens:
+            break
+        end = min(enc.offsets[max_tokens - 1][1], enc.offsets[max_tokens][0])
+        text = text[: min(end, len(text) - 1)]
+    return text
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:

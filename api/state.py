@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from starlette.requests import Request
 
+from api.classifier import Classifier
 from api.cluster_metrics import ClusterCollector
 from api.errors import OpenAIError
 from api.logprobs import TokenStrings
@@ -40,6 +41,8 @@ class ApiState:
     created: int = 0  # when the API started serving (the model's ``created``)
     tool_parser: str = "hermes"  # api.tool_parsers.PARSERS: reads tool_choice "auto" output
     strings: TokenStrings = field(init=False)  # token ids as logprobs show them
+    # the model's classification head, if it is a sequence classifier (api.classifier)
+    classifier: Classifier | None = None
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.builder.tokenizer)
@@ -49,13 +52,23 @@ def api_state(request: Request) -> ApiState:
     return request.app.state.conveyor
 
 
-async def check_model(st: ApiState, name: str, adapters: bool = True) -> LoraRef | None:
+# what each kind of endpoint asks of the model, as its refusal names it
+TASKS = {"generate": "generation (chat, completions, responses)", "embed": "embeddings",
+         "classify": "classification (/classify)"}  # fmt: skip
+
+
+async def check_model(st: ApiState, name: str, adapters: bool = True,
+                      task: str | None = None) -> LoraRef | None:  # fmt: skip
     """What ``name`` serves: the base model (None) or a registered LoRA adapter (its ref;
     one Redis read, for adapter names only). A 404 for any other name (OpenAI's
     ``model_not_found``); a 400 for an adapter where only the base model serves
-    (``adapters`` False: embeddings and scores)."""
+    (``adapters`` False: embeddings and scores), and for a ``task`` (:data:`TASKS`) the
+    model does not serve: a sequence classifier classifies and scores only, and only a
+    classifier classifies."""
     served = st.settings.model_name
     if name == served:
+        if task is not None:
+            check_task(st, task)
         return None
     lora = await st.loras.get(name) if name else None
     if lora is None:
@@ -66,4 +79,20 @@ async def check_model(st: ApiState, name: str, adapters: bool = True) -> LoraRef
         raise OpenAIError(400, f"`{name}` is a LoRA adapter; it serves chat, completions and "
                           f"responses. This endpoint runs the base model `{served}`.",
                           "invalid_request_error", "model", "unsupported_model")  # fmt: skip
+    if task is not None:
+        check_task(st, task)
     return lora
+
+
+def check_task(st: ApiState, task: str) -> None:
+    """A 400 (``param: model``) when the served model does not serve ``task``."""
+    c, served = st.classifier, st.settings.model_name
+    if c is not None and task != "classify":
+        raise OpenAIError(400, f"`{served}` is a sequence classifier ({c.architecture}): it "
+                          "serves /classify, /score and /rerank, not "
+                          f"{TASKS[task]}", "invalid_request_error", "model",
+                          "unsupported_model")  # fmt: skip
+    if c is None and task == "classify":
+        raise OpenAIError(400, f"`{served}` has no classification head: /classify needs a "
+                          "sequence classifier (a *ForSequenceClassification checkpoint)",
+                          "invalid_request_error", "model", "unsupported_model")  # fmt: skip

@@ -34,6 +34,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import orjson
 import xxhash
@@ -447,13 +448,19 @@ class Sampling(BaseModel):
 
 
 class Pooling(BaseModel):
-    """An embedding request (``/v1/embeddings``): the engine runs its prompt through the
-    model once and pools the last layer's hidden states (after the final norm) as the
-    model's pooling config says (last token, mean or first token); the vector is cut to
-    its first ``dimensions`` values (a matryoshka model's), then L2-normalised unless
-    ``normalize`` is False (``None``: as the model's pooling config says). Nothing is
-    sampled; the stream's one frame carries the vector (``TokenFrame.embedding``)."""
+    """A pooling request: the engine runs its prompt through the model once and pools the
+    last layer's hidden states (after the final norm). Nothing is sampled; the stream's
+    one frame carries the result (``TokenFrame.embedding``, float32).
 
+    ``task`` ``embed`` (``/v1/embeddings``): pooled as the model's pooling config says
+    (last token, mean or first token), cut to its first ``dimensions`` values (a
+    matryoshka model's), then L2-normalised unless ``normalize`` is False (``None``: as
+    the model's pooling config says). ``classify`` (``/classify``, a cross-encoder's
+    ``/score``): the last token's hidden state through the checkpoint's classification
+    head (``score``, a ``*ForSequenceClassification``), its raw logits, one per label
+    (the API applies the model's activation)."""
+
+    task: Literal["embed", "classify"] = "embed"
     dimensions: int | None = Field(None, ge=1)
     normalize: bool | None = None
 

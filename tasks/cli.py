@@ -548,7 +548,9 @@ def model() -> None:
     show_default=True,
     help="Model sizes: default, llava-1.5-like (336-px images, 576 image tokens), "
     "kvbm-bench (bench/kvbm_tiers.py: a 2k-token prefill takes seconds on one CPU core) or "
-    "llama (the default's text model alone, as a plain LlamaForCausalLM).",
+    "llama (the default's text model alone, as a plain LlamaForCausalLM), classifier "
+    "(that text model as a two-label LlamaForSequenceClassification, for /classify) or "
+    "reranker (a one-label one, a cross-encoder for /score and /rerank).",
 )
 def model_init(directory: Path | None, force: bool, preset: str) -> None:
     """Write the tiny default LLaVA checkpoint to DIRECTORY (default: the default model dir)."""
@@ -563,7 +565,7 @@ def model_init(directory: Path | None, force: bool, preset: str) -> None:
         click.echo(f"{out} already holds a model (use --force to overwrite)")
         return
     init_model(out, spec)
-    kind = "LLaVA" if spec.vision else "Llama"
+    kind = "LLaVA" if spec.vision else "Llama classifier" if spec.num_labels else "Llama"
     click.echo(f"wrote the tiny {kind} checkpoint ({preset}) to {out}")
 
 

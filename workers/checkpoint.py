@@ -4,7 +4,9 @@ Handles plain Llama-family checkpoints (``LlamaForCausalLM``, Mistral-style conf
 LLaVA-style checkpoints whose text model sits under ``text_config`` with prefixed weight
 names — both the hub layout (``language_model.model.*``) and the transformers 5 layout
 (``model.language_model.*``). Weight names are normalised to the plain Llama layout
-(``model.layers.N.*``, ``model.embed_tokens``, ``model.norm``, ``lm_head``).
+(``model.layers.N.*``, ``model.embed_tokens``, ``model.norm``, ``lm_head``). A sequence
+classifier (``LlamaForSequenceClassification`` and the like) has its head, ``score``,
+where a causal LM has ``lm_head``.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def plain_name(name: str) -> str | None:
     for old, new in _TEXT_PREFIXES:
         if name.startswith(old):
             return new + name[len(old) :]
-    if name.startswith(("model.", "lm_head.")) and not name.startswith(
+    # score.*: a *ForSequenceClassification's head (in place of lm_head)
+    if name.startswith(("model.", "lm_head.", "score.")) and not name.startswith(
         ("model.vision_tower.", "model.multi_modal_projector.")
     ):
         return name

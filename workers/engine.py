@@ -114,6 +114,11 @@ class Engine(EngineCore):
         return TorchPooler(self.model, self.pooling, self.config.block_size, self.max_model_len)
 
     def add_request(self, req: EngineRequest) -> RequestOutput | None:
+        if self.model.classifier:  # no LM head: it classifies (workers.pooler), never samples
+            return failed(req.request_id, len(req.prompt_token_ids),
+                          "the served model is a sequence classifier: it serves /classify, "
+                          "/score and /rerank, not generation", "unsupported_parameter",
+                          "model")  # fmt: skip
         if req.lora is not None:  # loaded now: one that cannot be fails the request alone
             try:
                 self.loras.get(req.lora)

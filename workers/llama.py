@@ -150,7 +150,9 @@ class LlamaModel:
     def __init__(self, cfg: TextModelConfig, weights: dict[str, torch.Tensor]) -> None:
         self.cfg = cfg
         self.w = weights
-        if "lm_head.weight" not in weights:
+        # a sequence classifier (its head: score) has no LM head and generates nothing
+        self.classifier = "score.weight" in weights
+        if "lm_head.weight" not in weights and not self.classifier:
             assert cfg.tie_word_embeddings, "checkpoint has no lm_head and embeddings untied"
             self.w["lm_head.weight"] = weights["model.embed_tokens.weight"]
         some = weights["model.embed_tokens.weight"]
@@ -203,6 +205,11 @@ class LlamaModel:
             x = _rms_norm(h, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
             h = h + self._mlp(x, p, lora)
         return _rms_norm(h[rows], w["model.norm.weight"], cfg.rms_norm_eps)
+
+    def classify(self, h: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's head on hidden states ``[..., hidden]``: float32 logits
+        ``[..., num_labels]`` (Hugging Face's ``score`` layer, before any activation)."""
+        return F.linear(h, self.w["score.weight"], self.w.get("score.bias")).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings ``[T, hidden]`` of ``input_ids``."""

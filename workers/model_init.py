@@ -144,6 +144,10 @@ class TinyModelSpec:
     # how /v1/embeddings pools ("last", "mean" or "cls"): written as a sentence-transformers
     # layout (write_pooling_config); None writes none (the default: last token, normalised)
     pooling: str | None = None
+    # > 0: a sequence classifier (``LlamaForSequenceClassification``, text only): the same
+    # text model with a ``score`` head of this many labels in place of the LM head; 1 is a
+    # cross-encoder (a reranker: /score and /rerank score a pair by it)
+    num_labels: int = 0
 
     @property
     def image_seq_length(self) -> int:
@@ -186,7 +190,13 @@ PRESETS: dict[str, TinyModelSpec] = {
     ),  # fmt: skip
     # the default's text model alone, as a plain Llama checkpoint
     "llama": TinyModelSpec(vision=False),
+    # that text model with a classification head: two labels (/classify), or one, a
+    # cross-encoder (/score, /rerank)
+    "classifier": TinyModelSpec(vision=False, num_labels=2),
+    "reranker": TinyModelSpec(vision=False, num_labels=1),
 }
+
+LABELS = ("negative", "positive")  # a two-label classifier's id2label; others: LABEL_i
 
 # CLIP's pixel normalisation (transformers.utils.constants.OPENAI_CLIP_MEAN / _STD).
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -202,12 +212,16 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Write the tiny LLaVA checkpoint (a plain Llama when ``spec.vision`` is False) to
     ``out_dir`` (created if missing); returns it."""
     spec = spec or TinyModelSpec()
+    if spec.num_labels and spec.vision:
+        raise ValueError("a sequence classifier is text only: set vision False")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab = _write_tokenizer(out, spec.vocab_size)
     config = _llava_config(spec, vocab)
     if not spec.vision:
         config = config["text_config"]
+    if spec.num_labels:
+        config = _classifier_config(config, spec.num_labels)
     _write_json(out / "config.json", config)
     _write_json(
         out / "generation_config.json",
@@ -221,6 +235,11 @@ def init_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     if not spec.vision:  # the same text weights under the plain Llama names
         tensors = {k.removeprefix("language_model."): v for k, v in tensors.items()
                    if k.startswith("language_model.")}  # fmt: skip
+    if spec.num_labels:  # the head, drawn after the rest: the text model stays the llama's
+        del tensors["lm_head.weight"]
+        gen = torch.Generator().manual_seed(spec.seed + 1)
+        head = torch.randn((spec.num_labels, spec.hidden_size), generator=gen) * spec.init_std
+        tensors["score.weight"] = head.contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -397,6 +416,19 @@ def _llava_config(s: TinyModelSpec, vocab: int) -> dict:
             "layer_norm_eps": 1e-5,
             "projection_dim": s.vision_hidden_size,
         },
+    }
+
+
+def _classifier_config(text: dict, num_labels: int) -> dict:
+    """A Llama text config as ``LlamaForSequenceClassification``'s: its labels (what
+    /classify names), the head's size and pad token (Hugging Face pools the last token
+    that is not padding)."""
+    names = LABELS if num_labels == len(LABELS) else [f"LABEL_{i}" for i in range(num_labels)]
+    return {
+        **text,
+        "architectures": ["LlamaForSequenceClassification"],
+        "id2label": {str(i): n for i, n in enumerate(names)},
+        "label2id": {n: i for i, n in enumerate(names)},
     }
 
 

@@ -7,7 +7,9 @@ each chunk attending to the ones before it through a KV cache of the job's own (
 the engine's block pool, its prefix cache and its scheduler are never touched. Pooling is
 accumulated chunk by chunk in float32 (the last token's row, the first's, or the sum of
 every row for a mean), then the vector is cut to ``dimensions`` and L2-normalised, in
-that order, as vLLM's embedding head does. When and where it runs: :mod:`workers.pooling`.
+that order, as vLLM's embedding head does. A classification job (``task`` classify) runs
+the last token's row through the classifier's head instead and keeps its raw logits.
+When and where it runs: :mod:`workers.pooling`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from kvbm.protocol import Pooling
 from workers.llama import AttentionMetadata, LlamaModel, PagedKVCache, PrefillSegment
-from workers.pooling import PoolingConfig
+from workers.pooling import PoolingConfig, PoolingUnavailable
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's (vLLM normalises with it too)
 
@@ -33,6 +35,9 @@ class TorchPooler:
         self.max_model_len = max_model_len
 
     def start(self, token_ids: list[int], params: Pooling) -> EmbeddingJob:
+        if params.task == "classify" and not self.model.classifier:
+            raise PoolingUnavailable("the served model has no classification head (the "
+                                     "score layer of a *ForSequenceClassification)")  # fmt: skip
         n, vocab = len(token_ids), self.model.cfg.vocab_size
         if not 0 < n <= self.max_model_len:
             raise ValueError(f"an embedding input has {n} tokens; it must have 1 to "
@@ -48,7 +53,9 @@ class EmbeddingJob:
     def __init__(self, pooler: TorchPooler, token_ids: list[int], params: Pooling) -> None:
         m = pooler.model
         self.model = m
-        self.type = pooler.config.type
+        self.classify = params.task == "classify"
+        # a classifier reads its head off the last token (Hugging Face's and vLLM's pooling)
+        self.type = "last" if self.classify else pooler.config.type
         self.normalize = pooler.config.normalize if params.normalize is None else params.normalize
         self.dimensions = params.dimensions
         self.bs = pooler.block_size
@@ -88,6 +95,9 @@ class EmbeddingJob:
 
     def result(self) -> bytes:
         assert self.done, "result() of an unfinished embedding job"
+        if self.classify:  # the head's raw logits: the API applies the activation
+            logits = self.model.classify(self.pooled.to(self.model.dtype))
+            return logits.cpu().numpy().astype("<f4").tobytes()
         v = self.pooled / len(self.ids) if self.type == "mean" else self.pooled
         if self.dimensions is not None:
             v = v[: self.dimensions]

@@ -380,7 +380,8 @@ class VllmEngine:
         """One embedding request through vLLM's pooling runner (``AsyncLLM.encode``), run
         to its end: the embedding runner's thread waits on it while vLLM schedules it
         beside its other requests. vLLM pools, normalises and cuts to ``dimensions`` by
-        the model's own pooling config, as `vllm serve` does."""
+        the model's own pooling config, as `vllm serve` does; a classification (a
+        sequence classifier's) comes back as its raw logits."""
         n = len(token_ids)
         if not self.pooling:
             return refusal(request_id, n, self.name, "this worker's vLLM engine runs the "
@@ -392,8 +393,11 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.pooling_params import PoolingParams
 
-        pp = PoolingParams(task="embed", dimensions=params.dimensions,
-                           use_activation=params.normalize)  # fmt: skip
+        if params.task == "classify":  # raw logits: the API applies the activation
+            pp = PoolingParams(task="classify", use_activation=False)
+        else:
+            pp = PoolingParams(task="embed", dimensions=params.dimensions,
+                               use_activation=params.normalize)  # fmt: skip
         try:
             vector = self._call(self._encode(request_id, token_ids, pp)).result()
         except VLLMClientError as e:  # what vLLM's server answers with a 400

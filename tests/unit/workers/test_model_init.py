@@ -153,3 +153,22 @@ def test_preset_llava_15_like(tmp_path: Path) -> None:
     assert tuple(out["pixel_values"].shape) == (1, 3, 336, 336)
     with pytest.raises(ValueError, match="llava-1.5-like"):
         spec_for_preset("huge")
+
+
+@pytest.mark.parametrize(("preset", "labels"), [("classifier", ["negative", "positive"]),
+                                                ("reranker", ["LABEL_0"])])  # fmt: skip
+def test_classifier_presets(preset: str, labels: list[str], tmp_path: Path) -> None:
+    """A sequence classifier: the llama preset's text model, a score head in place of the
+    LM head, loaded by transformers as LlamaForSequenceClassification."""
+    transformers = pytest.importorskip("transformers")
+    d = init_model(tmp_path / preset, PRESETS[preset])
+    lm = init_model(tmp_path / "llama", PRESETS["llama"])
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(d)
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    assert [model.config.id2label[i] for i in range(len(labels))] == labels
+    w, lm_w = load_text_weights(d), load_text_weights(lm)
+    assert tuple(w.pop("score.weight").shape) == (len(labels), 128)
+    assert "lm_head.weight" not in w and lm_w.pop("lm_head.weight") is not None
+    assert w.keys() == lm_w.keys() and all((w[k] == lm_w[k]).all() for k in w)
+    with pytest.raises(ValueError, match="text only"):
+        init_model(tmp_path / "bad", TinyModelSpec(num_labels=2))

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import LlavaForConditionalGeneration
+from transformers import AutoModelForSequenceClassification, LlavaForConditionalGeneration
 
 from kvbm.protocol import Pooling, Sampling
 from tasks.settings import engine_config
@@ -22,7 +22,7 @@ from workers.engine import Engine
 from workers.engine_api import EngineRequest, RequestOutput
 from workers.engine_loop import EngineLoop
 from workers.mock_engine import MockEngine, MockTiming
-from workers.model_init import write_pooling_config
+from workers.model_init import PRESETS, init_model, write_pooling_config
 from workers.pooling import EmbeddingRunner, PoolingConfig, load_pooling_config
 
 TEXTS = [
@@ -266,3 +266,44 @@ def test_runner_hands_a_self_pooling_engines_request_to_it(tiny_model_dir: Path)
     assert (out.finish_reason, out.embedding) == ("stop", "AACAPw==")
     assert [c[:3] for c in calls] == [("v", [1, 2, 3], Pooling(normalize=False))]
     assert calls[0][3].startswith("embed") and runner.chunks == 0  # no chunks of ours
+
+
+# --------------------------------------------------------------------------- classifier
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-classifier",
+                      PRESETS["classifier"])  # fmt: skip
+
+
+def test_a_classifiers_logits_are_hugging_faces(classifier_dir: Path) -> None:
+    hf = AutoModelForSequenceClassification.from_pretrained(classifier_dir).eval()
+    engine = Engine.from_model_dir(classifier_dir, engine_config(num_kv_blocks=256))
+    for ids in TEXTS:
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor([ids])).logits[0].numpy()
+        for chunk in (4096, 16, 7):  # the head reads the last token, however it is chunked
+            got = engine_vector(engine, ids, chunk, Pooling(task="classify"))
+            assert got.dtype == np.float32 and got.shape == (2,)
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_classifier_generates_nothing_and_an_lm_classifies_nothing(
+    classifier_dir: Path, tiny_model_dir: Path
+) -> None:
+    engine = Engine.from_model_dir(classifier_dir, engine_config(num_kv_blocks=256))
+    out = engine.add_request(EngineRequest("g", [1, 5, 6], Sampling(max_tokens=4)))
+    assert out is not None and (out.finish_reason, out.error_code, out.error_param) == (
+        "error", "unsupported_parameter", "model")  # fmt: skip
+    assert not engine.has_unfinished
+    lm = Engine.from_model_dir(tiny_model_dir, engine_config(num_kv_blocks=256))
+    sink = Sink()
+    loop = EngineLoop(lm, sink).start()
+    runner = EmbeddingRunner(lm, loop, sink, 64)
+    try:
+        runner.submit("c", [1, 2, 3], Pooling(task="classify"))
+        out = sink.wait_done("c")
+    finally:
+        runner.close()
+        loop.stop()
+    assert (out.finish_reason, out.error_code) == ("error", "unsupported_parameter")
+    assert "no classification head" in (out.error or "")
