@@ -53,7 +53,9 @@ from tasks.settings import Settings, get_settings
 log = logging.getLogger(__name__)
 
 BATCH_QUEUE = "batch"
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# OpenAI's batchable endpoints that Conveyor serves, and vLLM's scoring ones (its run_batch's)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
+             "/v1/score", "/v1/rerank")  # fmt: skip
 WINDOWS = {"24h": 24 * 3600}
 RECORD_TTL_S = 30 * 24 * 3600  # a batch's record and answers, after its creation
 POLL_S = 0.05  # the runner looks at the pools' load this often while they are busy

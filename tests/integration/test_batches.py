@@ -43,9 +43,12 @@ LEASE_S, RECOVER_S, IN_FLIGHT = 6.0, 1.0, 2  # a killed runner's batch waits out
 
 
 @pytest.fixture
-def env(fresh_db: str, tiny_model_dir: Path, tmp_path: Path) -> dict[str, str]:
-    # ~10 ms a token: a request of 8 tokens takes ~0.1 s
-    return base_env(fresh_db, tiny_model_dir, CONVEYOR_ENGINE="mock",
+def env(fresh_db: str, tiny_model_dir: Path, tmp_path: Path,
+        request: pytest.FixtureRequest) -> dict[str, str]:  # fmt: skip
+    # the mock engine (unless a test names another: indirect parametrization) at ~10 ms a
+    # token: a request of 8 tokens takes ~0.1 s
+    engine = getattr(request, "param", "mock")
+    return base_env(fresh_db, tiny_model_dir, CONVEYOR_ENGINE=engine,
                     CONVEYOR_MOCK__DECODE_STEP_MS="10", CONVEYOR_MOCK__SPEEDUP="1",
                     CONVEYOR_FILES_DIR=str(tmp_path / "files"),
                     CONVEYOR_BATCH_MAX_IN_FLIGHT=str(IN_FLIGHT),
@@ -139,20 +142,12 @@ def test_a_batch_answers_every_request_once(deployment: tuple[str, Proc],
 def test_responses_and_batched_prompts_in_batches(deployment: tuple[str, Proc],
                                                   tiny_model_dir: Path) -> None:  # fmt: skip
     """A batch of Responses requests (a background one answered in full, not with its
-    receipt) and one of completions whose lines each hold a batch of prompts."""
+    receipt), one of completions whose lines each hold a batch of prompts, and batches of
+    vLLM's /v1/score and /v1/rerank."""
     url, _ = deployment
-    c, model = _client(url), tiny_model_dir.name
 
     def run(endpoint: str, bodies: list[dict]) -> list[dict]:
-        data = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": endpoint,
-                                   "body": {"model": model, **b}}) + "\n"
-                       for i, b in enumerate(bodies)).encode()  # fmt: skip
-        f = c.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
-        b = c.batches.create(input_file_id=f.id, endpoint=endpoint,  # type: ignore[arg-type]
-                             completion_window="24h")  # fmt: skip
-        done = _until(c, b.id, ("completed",))
-        assert done.request_counts.failed == 0, _lines(c, done.error_file_id)
-        return [x["response"]["body"] for x in _lines(c, done.output_file_id)]
+        return _run_batch(url, tiny_model_dir.name, endpoint, bodies)
 
     got = run(
         "/v1/responses",
@@ -166,6 +161,36 @@ def test_responses_and_batched_prompts_in_batches(deployment: tuple[str, Proc],
     (whole,) = run("/v1/completions", [{"prompt": ["a", "b", "c"], "max_tokens": 4}])
     assert [ch["index"] for ch in whole["choices"]] == [0, 1, 2]
     assert whole["usage"]["completion_tokens"] == 12
+
+
+def _run_batch(url: str, model: str, endpoint: str, bodies: list[dict]) -> list[dict]:
+    """Run a batch of ``bodies`` on ``endpoint``, all of them answered: their answers."""
+    c = _client(url)
+    data = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": endpoint,
+                               "body": {"model": model, **b}}) + "\n"
+                   for i, b in enumerate(bodies)).encode()  # fmt: skip
+    f = c.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint=endpoint,  # type: ignore[arg-type]
+                         completion_window="24h")  # fmt: skip
+    done = _until(c, b.id, ("completed",))
+    assert done.request_counts.failed == 0, _lines(c, done.error_file_id)
+    return [x["response"]["body"] for x in _lines(c, done.output_file_id)]
+
+
+@pytest.mark.parametrize("env", ["reference"], indirect=True)
+def test_scores_and_reranks_in_batches(deployment: tuple[str, Proc], tiny_model_dir: Path) -> None:
+    """vLLM's scoring endpoints batch too (its run_batch takes them): each line's answer
+    is what the endpoint itself answers."""
+    url, _ = deployment
+    docs = ["cats eat fish", "the market fell"]
+    body = {"text_1": "what do cats eat?", "text_2": docs}
+    (scored,) = _run_batch(url, tiny_model_dir.name, "/v1/score", [body])
+    direct = httpx.post(f"{url}/v1/score", json=body, timeout=60).json()
+    assert [d["score"] for d in scored["data"]] == [d["score"] for d in direct["data"]]
+    rerank = {"query": "what do cats eat?", "documents": docs, "top_n": 1}
+    (ranked,) = _run_batch(url, tiny_model_dir.name, "/v1/rerank", [rerank])
+    best = max(range(2), key=lambda i: direct["data"][i]["score"])
+    assert [x["index"] for x in ranked["results"]] == [best]
 
 
 def test_a_batch_survives_a_runner_restart_and_a_cancel_keeps_what_was_answered(

@@ -8,7 +8,9 @@ the reference:
 
 * the vectors of several inputs at once equal vLLM's own, as floats and as base64;
 * ``use_activation=False`` gives the vector before normalisation (its direction the same);
-* generation on that worker is a 400 saying it serves embeddings only.
+* generation on that worker is a 400 saying it serves embeddings only;
+* a sequence classifier's ``/classify`` on such a worker gives Hugging Face's
+  ``LlamaForSequenceClassification`` probabilities (vLLM's raw logits, the API's softmax).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
 import pytest
 
 from tests.integration.conftest import Cluster, RedisDbs
 from tests.vllm.conftest import VLLM_OPTIONS, deploy, offline, vllm_env
+from workers.model_init import PRESETS, init_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -95,3 +99,44 @@ def test_generation_on_a_pooling_worker_is_a_400(pooling_cluster: Cluster) -> No
             )  # fmt: skip
             if stream:
                 list(out)  # type: ignore[call-overload]
+
+
+# --------------------------------------------------------------------------- classifier
+@pytest.fixture(scope="module")
+def classifier_cluster(
+    vllm_dbs: RedisDbs, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """A worker whose vLLM runs the tiny two-label LlamaForSequenceClassification for
+    pooling (vLLM's classify task)."""
+    model = init_model(tmp_path_factory.mktemp("models") / "tiny-classifier",
+                       PRESETS["classifier"])  # fmt: skip
+    url = vllm_dbs.take(f"{__name__}.classifier")
+    env = {**vllm_env(url, model),
+           "CONVEYOR_VLLM": json.dumps({**VLLM_OPTIONS, "runner": "pooling"})}  # fmt: skip
+    c = deploy(url, model, env, tmp_path_factory.mktemp("vllm-cls"), "vllm-cls")
+    yield c
+    for p in (c.api, *c.workers):
+        p.stop()
+
+
+def test_classify_on_vllm_gives_hugging_faces_probabilities(classifier_cluster: Cluster) -> None:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(classifier_cluster.model_dir).eval()
+    with torch.no_grad():
+        logits = [hf(input_ids=torch.tensor([ids])).logits[0].double().numpy() for ids in INPUTS]
+    r = httpx.post(f"{classifier_cluster.url}/classify", json={"input": INPUTS}, timeout=120)
+    assert r.status_code == 200, r.text
+    for d, x in zip(r.json()["data"], logits, strict=True):
+        probs = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+        np.testing.assert_allclose(d["probs"], probs, rtol=1e-4, atol=1e-5)
+        assert d["label"] == ["negative", "positive"][int(np.argmax(probs))]
+    raw = httpx.post(f"{classifier_cluster.url}/classify",
+                     json={"input": INPUTS[0], "use_activation": False}, timeout=120)  # fmt: skip
+    np.testing.assert_allclose(raw.json()["data"][0]["probs"], logits[0], rtol=1e-4, atol=1e-5)
+    # what it does not serve: a clear 400
+    with pytest.raises(openai.BadRequestError) as e:
+        classifier_cluster.client(timeout=60).completions.create(
+            model=classifier_cluster.model_name, prompt="Hi", max_tokens=2)  # fmt: skip
+    assert e.value.body["param"] == "model"  # type: ignore[index]
