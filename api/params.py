@@ -49,6 +49,7 @@ def sampling_of(req: Request, max_tokens: int, builder: PromptBuilder) -> Sampli
         n=req.n,
         structured=structured_of(req),
         skip_special_tokens=req.skip_special_tokens,
+        cache_salt=req.cache_salt,
     )
 
 

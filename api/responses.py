@@ -74,6 +74,7 @@ class ResponsesRequest(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1000)
     worker_id: str | None = Field(None, min_length=1, max_length=200)
 
 
@@ -109,6 +110,7 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
         "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty,
         "priority": req.priority,
+        "cache_salt": req.cache_salt,
         "worker_id": req.worker_id,
         "reasoning_effort": (req.reasoning or {}).get("effort"),
     }

@@ -234,8 +234,8 @@ class Runner:
                               "server_error", None, "redis_unavailable")  # fmt: skip
         attempts = self.s.api.dispatch_attempts
         images = images or []
-        route_req = self.route_request(prompt_ids, images, pin, lora) if pooling is None \
-            else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
+        route_req = self.route_request(prompt_ids, images, pin, lora, sampling.cache_salt) \
+            if pooling is None else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
         route_req.choices = sampling.n
         trace = None if self.tracing is None else request_trace(
             request_id, lora.name if lora else self.s.model_name,
@@ -273,14 +273,16 @@ class Runner:
 
     def route_request(
         self, prompt_ids: list[int], images: list[ImageRef], pin: str | None = None,
-        lora: LoraRef | None = None,
+        lora: LoraRef | None = None, cache_salt: str | None = None,
     ) -> RouteRequest:  # fmt: skip
         """What the router scores: the prompt's block hashes as the workers' block pools
-        name them (the model's namespace, or its LoRA adapter's; an image's key in the
-        blocks it covers)."""
+        name them (the model's namespace, or its LoRA adapter's and its cache salt's; an
+        image's key in the blocks it covers)."""
         bs = self.s.engine.block_size
         extra = request_extra_keys(images, len(prompt_ids), bs) if images else None
-        ns = self._namespace if lora is None else model_namespace(self.s.model_name, lora.name)
+        ns = self._namespace
+        if lora is not None or cache_salt:
+            ns = model_namespace(self.s.model_name, lora.name if lora else None, cache_salt)
         return RouteRequest(block_hashes(prompt_ids, bs, ns, extra),
                             len(prompt_ids), pin, images=len(images))  # fmt: skip
 
@@ -473,7 +475,8 @@ class Runner:
         stream_id = f"{base}.m{run.migrations}"
         prompt = run.payload.prompt_token_ids
         route_req = self.route_request(prompt + run.output_ids, run.payload.images,
-                                       lora=run.payload.lora)  # fmt: skip
+                                       lora=run.payload.lora,
+                                       cache_salt=run.payload.sampling.cache_salt)  # fmt: skip
         route_req.exclude = {dead.worker_id}
         route_req.admitted = True  # accepted already: the worker cap does not refuse it
         try:

@@ -133,13 +133,19 @@ def namespace_hash(*parts: str) -> int:
     return xxhash.xxh3_64_intdigest("\x1f".join(parts).encode(), seed=HASH_SEED)
 
 
-def model_namespace(model_name: str, lora_name: str | None = None) -> int:
+def model_namespace(model_name: str, lora_name: str | None = None,
+                    cache_salt: str | None = None) -> int:  # fmt: skip
     """The namespace of a served model's blocks: the API's router and every worker's block
     pool call this with the served model name (0 for none) and, for a request through a
     LoRA adapter, the adapter's name: its KV differs from the base model's for the same
-    tokens, so its blocks are named apart (a prefix is shared only under one adapter)."""
-    if lora_name:
-        return namespace_hash(model_name, "lora", lora_name)
+    tokens, so its blocks are named apart (a prefix is shared only under one adapter).
+    A request's ``cache_salt`` (vLLM's) names its blocks apart too: its prefix is shared
+    only with requests of the same salt (and the same adapter)."""
+    parts = [model_name, "lora", lora_name] if lora_name else [model_name]
+    if cache_salt:
+        parts += ["salt", cache_salt]
+    if len(parts) > 1:
+        return namespace_hash(*parts)
     return namespace_hash(model_name) if model_name else 0
 
 
@@ -420,6 +426,9 @@ class Sampling(BaseModel):
     n: int = Field(1, ge=1)
     structured: StructuredOutput | None = None
     skip_special_tokens: bool = True
+    # vLLM's cache_salt: the request's blocks are named in a namespace of their own
+    # (model_namespace), so its prefix is shared only with requests of the same salt
+    cache_salt: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Sampling:

@@ -167,7 +167,8 @@ def _pick_prefill(req: StagePayload, exclude: str) -> str | None:
     from tasks.settings import get_settings
 
     s = get_settings()
-    ns = model_namespace(req.model, req.lora.name if req.lora is not None else None)
+    ns = model_namespace(req.model, req.lora.name if req.lora is not None else None,
+                         req.sampling.cache_salt)  # fmt: skip
     hashes = block_hashes(req.prompt_token_ids, s.engine.block_size, ns)
 
     async def pick() -> str | None:

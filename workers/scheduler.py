@@ -490,10 +490,12 @@ class Scheduler:
         return True
 
     def _namespace(self, seq: Seq) -> int | None:
-        """The namespace ``seq``'s blocks are named in: its LoRA adapter's, else the
-        pool's (None)."""
-        lora = seq.req.lora
-        return None if lora is None else model_namespace(self.config.namespace, lora.name)
+        """The namespace ``seq``'s blocks are named in: its LoRA adapter's and its cache
+        salt's, else the pool's (None)."""
+        lora, salt = seq.req.lora, seq.req.params.cache_salt
+        if lora is None and not salt:
+            return None
+        return model_namespace(self.config.namespace, lora.name if lora else None, salt)
 
     def _commit_lookup(self, seq: Seq) -> None:
         """``seq`` is admitted (to run, or to load): its prefix lookup counts now, for the

@@ -625,6 +625,8 @@ class VllmEngine:
         if req.resumed is not None:
             ids += req.resumed.output_token_ids
         prompt: dict = {"prompt_token_ids": ids}
+        if req.params.cache_salt:  # vLLM salts the prompt's first block with it
+            prompt["cache_salt"] = req.params.cache_salt
         if req.mm_inputs:
             data, uuids = [], []
             for m in sorted(req.mm_inputs, key=lambda m: m.offset):

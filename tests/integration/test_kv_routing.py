@@ -100,6 +100,34 @@ def test_requests_follow_the_prefix_to_the_worker_that_cached_it(mock_cluster: C
         assert cached(again) == 160, f"request {i} missed the holder {holder}"
 
 
+def test_a_cache_salt_shares_a_prefix_only_with_the_same_salt(mock_cluster: Cluster) -> None:
+    """vLLM's cache_salt: a salted request's blocks are named in a namespace of their own,
+    in the workers' block pools and in the router's index alike, so a prefix cached under
+    one salt serves that salt alone (and the unsalted one only the unsalted)."""
+    c = mock_cluster
+    p = prompt(4242, 160)
+    first = complete(c, p, extra_body={"cache_salt": "tenant-a"})
+    assert cached(first) == 0
+    salted = block_hashes(p, 16, model_namespace(c.model_name, None, "tenant-a"))
+    wait_for(lambda: max(index(c).overlaps(salted).values(), default=0) == 10, 10,
+             "the salted blocks in the index")  # fmt: skip
+    holder = next(w for w, n in index(c).overlaps(salted).items() if n == 10)
+    # nothing under the plain namespace: the unsalted prompt is not found anywhere
+    assert not any(index(c).overlaps(block_hashes(p, 16, model_namespace(c.model_name)))
+                   .values())  # fmt: skip
+    # on the very worker that holds it: another salt and no salt miss, the same salt hits
+    pin, longer = {"worker_id": holder}, p + prompt(77, 20)
+    assert cached(complete(c, longer, extra_body={"cache_salt": "tenant-b", **pin})) == 0
+    assert cached(complete(c, longer, extra_body=pin)) == 0
+    assert cached(complete(c, longer, extra_body={"cache_salt": "tenant-a", **pin})) == 160
+    # unpinned, the router finds the salted prefix's holder
+    again = complete(c, p + prompt(78, 20), extra_body={"cache_salt": "tenant-a"})
+    assert cached(again) == 160
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(c, p, extra_body={"cache_salt": ""})
+    assert e.value.body["param"] == "cache_salt"  # type: ignore[index]
+
+
 def test_pinning_by_header_and_unknown_worker(mock_cluster: Cluster) -> None:
     c = mock_cluster
     p = prompt(7, 64)

@@ -45,8 +45,9 @@ def test_every_field_reaches_the_sampling(builder: PromptBuilder) -> None:
                min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
                repetition_penalty=1.2, logit_bias={"5": 150, "7": -3}, allowed_token_ids=[9, 4, 9],
                logprobs=True, top_logprobs=3, prompt_logprobs=2, n=4,
-               skip_special_tokens=False)  # fmt: skip
+               skip_special_tokens=False, cache_salt="t1")  # fmt: skip
     s = sampling_of(req, 16, builder)
+    assert s.cache_salt == "t1" and sampling_of(chat(), 16, builder).cache_salt is None
     assert (s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (0.5, 0.9, 7, 0.1, 3)
     assert s.stop == ["a"] and s.stop_token_ids == [2] and s.include_stop_str_in_output
     assert s.ignore_eos and s.min_tokens == 2 and not s.skip_special_tokens

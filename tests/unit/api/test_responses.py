@@ -113,6 +113,8 @@ def test_input_items_become_chat_messages() -> None:
     ]
     assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert chat_request(ResponsesRequest(model="m", input="hi")).messages[0].role == "user"
+    salted = chat_request(ResponsesRequest(model="m", input="hi", cache_salt="t1"))
+    assert salted.cache_salt == "t1"
 
 
 @pytest.mark.parametrize(

@@ -112,3 +112,11 @@ def test_frames_survive_the_wire() -> None:
 def test_one_namespace_function_for_the_api_and_the_pools() -> None:
     assert model_namespace("tiny-llava") == namespace_hash("tiny-llava")
     assert model_namespace("") == 0
+    # a cache salt names blocks apart (with and without an adapter); none changes nothing
+    plain = model_namespace("m")
+    lora = model_namespace("m", "ad")
+    assert model_namespace("m", None, None) == model_namespace("m", None, "") == plain
+    assert model_namespace("m", "ad", None) == lora == namespace_hash("m", "lora", "ad")
+    names = {plain, lora, model_namespace("m", None, "a"), model_namespace("m", None, "b"),
+             model_namespace("m", "ad", "a"), model_namespace("x", None, "a")}  # fmt: skip
+    assert len(names) == 6
