@@ -18,7 +18,8 @@ from api.metrics import ApiMetrics
 # /v1/ (vLLM leaves them open to callers without a key; here a key that guards the API
 # guards them too)
 MODEL_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank",
-                         "/invocations", "/pooling", "/classify"})  # fmt: skip
+                         "/invocations", "/pooling", "/classify", "/reset_prefix_cache",
+                         "/clear_kv_blocks"})  # fmt: skip
 # health and metrics: keyed only with CONVEYOR_API_KEYS_PROTECT_OPS
 OPS_PATHS = frozenset({"/health", "/ping", "/metrics"})
 

@@ -10,6 +10,14 @@ KEY_PREFIX = "conveyor:"
 # PUBLISH worker id: a worker was declared dead (its engine process saw it die), so every
 # API checks its waiting streams' workers now rather than at its next liveness poll
 WORKER_DEATHS_CHANNEL = KEY_PREFIX + "deaths"
+# PUBLISH a JSON command ({"id", "op", ...}) to every engine process (reset_prefix_cache);
+# each answers in the HASH control_reply_key(id), field its worker id
+CONTROL_CHANNEL = KEY_PREFIX + "control"
+
+
+def control_reply_key(command_id: str) -> str:
+    """HASH worker id -> its answer (JSON) to the control command ``command_id``."""
+    return f"{KEY_PREFIX}control:{command_id}"
 
 
 def worker_key(pool: str, worker_id: str) -> str:

@@ -205,6 +205,21 @@ class BlockPool:
         """Every block hash currently cached (a snapshot for resyncing the index)."""
         return list(self._cached)
 
+    @property
+    def resettable(self) -> bool:
+        """No block is held by a sequence or pinned by a copy (:meth:`reset` may run)."""
+        return not self.num_used and not self._pins
+
+    def reset(self) -> bool:
+        """Forget every free block's content (vLLM's ``reset_prefix_cache``): each name
+        goes, with a removed event. All or nothing: False, and nothing forgotten, while
+        any block is held or pinned."""
+        if not self.resettable:
+            return False
+        for b in list(self._free):
+            self._evict(b)
+        return True
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -321,6 +321,19 @@ class OffloadManager:
         """Copies are under way (their completions are still to come)."""
         return any(t.num_pinned for t in (self.host, self.disk) if t is not None)
 
+    def reset(self) -> bool:
+        """Drop every block of the lower tiers (vLLM's ``reset_prefix_cache`` with
+        ``reset_external``; disk files deleted by the disk thread). False, and nothing
+        dropped, while copies are under way."""
+        if self.busy or self.num_pending:
+            return False
+        for t in (self.host, self.disk):
+            if t is not None:
+                for h in t.hashes():
+                    t.remove(h)
+        self._flush_drops()
+        return True
+
     @property
     def num_pending(self) -> int:
         """Stores under way (G1 -> G2 copies, disk writes)."""

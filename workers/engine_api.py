@@ -303,6 +303,10 @@ class Engine(Protocol):
     def take_kv_events(self) -> list[KVEvent]:
         """Stored / removed block events since the last call."""
 
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """Forget every cached prefix (``reset_external``: the tiers below G1 too); False,
+        nothing forgotten, while requests hold blocks."""
+
     def cached_block_hashes(self) -> list[int]:
         """Every block hash cached now in G1."""
 

@@ -396,6 +396,11 @@ class EngineCore:
     def take_kv_events(self) -> list[KVEvent]:
         return self.scheduler.take_events()
 
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """vLLM's: forget every cached prefix (with ``reset_external``, the KVBM tiers'
+        too); False while requests hold blocks (retry when idle)."""
+        return self.scheduler.reset_prefix_cache(reset_external)
+
     def cached_block_hashes(self) -> list[int]:
         return self.scheduler.kv.pool.cached_hashes()
 

@@ -21,6 +21,7 @@ then exits so its heartbeat stops and the API moves the requests elsewhere.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -34,6 +35,7 @@ from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.keys import CONTROL_CHANNEL, control_reply_key
 from cluster.logs import setup_logging
 from cluster.stats import EngineStats
 from kvbm.protocol import PrefillHandle, kv_release_channel
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     from workers.transfer.embeddings import EmbeddingTransfer
 
 log = logging.getLogger(__name__)
+CONTROL_REPLY_TTL_S = 60  # a control command's answers stay this long for the API to read
 
 
 @dataclass(frozen=True)
@@ -545,6 +548,7 @@ class _EngineServer:
         self.embeddings = EmbeddingRunner(self.engine, loop, publisher.publish_outputs,
                                           min(CHUNK_TOKENS, budget))  # fmt: skip
         threading.Thread(target=self._report, name="stats", daemon=True).start()
+        threading.Thread(target=self._listen_control, name="control", daemon=True).start()
         if self.transfer is not None:
             threading.Thread(target=self._listen_releases, name="kv-release", daemon=True).start()
 
@@ -751,6 +755,43 @@ class _EngineServer:
             self.loop.call(methodcaller("release_pinned", rid))
             if meta is not None:
                 self.pool.submit(self.transfer.discard, rid, meta)
+
+    def _listen_control(self) -> None:
+        """Commands to every engine process (cluster.keys.CONTROL_CHANNEL, JSON): run on
+        the loop's thread between steps, each answered in its reply hash under this
+        worker's id. The one command: ``reset_prefix_cache`` (``reset_external``)."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(CONTROL_CHANNEL)
+        while not self._stop.is_set():
+            try:
+                msg = pubsub.get_message(timeout=1.0)
+                if msg is None or msg.get("type") != "message":
+                    continue
+                cmd = json.loads(msg["data"])
+                answer = self._control(cmd)
+                key = control_reply_key(str(cmd["id"]))
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hset(key, self.spec.worker_id, json.dumps(answer))
+                pipe.expire(key, CONTROL_REPLY_TTL_S)
+                pipe.execute()
+            except Exception as e:  # noqa: BLE001 - a bad command or Redis away: go on
+                log.warning("control listener: %s", e)
+                time.sleep(0.5)
+
+    def _control(self, cmd: dict) -> dict:
+        """Run one control command; its answer (``success``, a ``message`` if not)."""
+        if cmd.get("op") != "reset_prefix_cache":
+            return {"success": False, "pool": self.spec.pool,
+                    "message": f"unknown control command {cmd.get('op')!r}"}  # fmt: skip
+        external = bool(cmd.get("reset_external"))
+        ok = bool(self.loop.call(methodcaller("reset_prefix_cache", external)).result(60))
+        log.info("prefix cache reset%s: %s", " (and the tiers below)" if external else "",
+                 "done" if ok else "refused, blocks are in use")  # fmt: skip
+        answer: dict = {"success": ok, "pool": self.spec.pool}
+        if not ok:
+            answer["message"] = ("requests hold KV blocks (or copies to the tiers are "
+                                 "under way); nothing was reset: retry when idle")  # fmt: skip
+        return answer
 
     def _report(self) -> None:
         while not self._stop.wait(self.spec.stats_period_s):

@@ -589,6 +589,18 @@ class Scheduler:
         self._requeue(seq)
 
     # --- the router's index and metrics ---------------------------------------------------
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """Forget the prefix cache (vLLM's ``reset_prefix_cache``): every cached block of
+        the pool and, with ``reset_external``, of the KVBM tiers below it. All or
+        nothing: False while a sequence holds blocks or a copy is under way."""
+        pool, off = self.kv.pool, self.offload if reset_external else None
+        if not pool.resettable or (off is not None and (off.busy or off.num_pending)):
+            return False
+        ok = pool.reset()
+        if off is not None:
+            ok = off.reset() and ok
+        return ok
+
     def take_events(self) -> list[KVEvent]:
         events = self.kv.pool.take_events()
         if self.offload is not None:

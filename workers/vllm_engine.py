@@ -487,6 +487,11 @@ class VllmEngine:
     def records_kv_events(self) -> bool:
         return self._translator is not None
 
+    def reset_prefix_cache(self, reset_external: bool = False) -> bool:
+        """vLLM's own (its running requests are never reset from here: False while blocks
+        are held); ``reset_external``: its KV connector's cache too."""
+        return bool(self._call(self.llm.reset_prefix_cache(False, reset_external)).result())
+
     def take_kv_events(self) -> list[KVEvent]:
         if not self._events:
             return []

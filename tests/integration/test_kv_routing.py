@@ -294,3 +294,44 @@ def test_approximate_mode_routes_a_repeat_to_the_same_worker(
         assert 'conveyor_routing_decisions_total{pool="generate",reason="kv"} 6.0' in text
     finally:
         api.stop()
+
+
+def test_reset_prefix_cache_empties_every_worker_and_the_index(mock_cluster: Cluster) -> None:
+    """vLLM's /reset_prefix_cache (Dynamo's /clear_kv_blocks): every worker answers, its
+    cached blocks go (removed events empty the router's index), and the same prompt is
+    computed again; a worker with a request running resets nothing and says so."""
+    c = mock_cluster
+    ns = model_namespace(c.model_name)
+    p = prompt(5150, 160)
+    complete(c, p, extra_body={"worker_id": "mock-w0"})
+    hashes = block_hashes(p, 16, ns)
+    wait_for(lambda: index(c).overlaps(hashes)["mock-w0"] == 10, 10, "KV events")
+    r = httpx.post(f"{c.url}/reset_prefix_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["success"] is True
+    assert sorted(body["workers"]) == [f"mock-w{i}" for i in range(N_WORKERS)]
+    assert all(w == {"success": True, "pool": "generate"} for w in body["workers"].values())
+    wait_for(lambda: not any(index(c).overlaps(hashes).values()), 10, "removed events")
+    assert cached(complete(c, p + prompt(1, 20), extra_body={"worker_id": "mock-w0"})) == 0
+    # a request holding blocks on mock-w1 (~0.5 s of decoding): that worker refuses, the
+    # others reset (tried again should the request end before the reset reaches it)
+    for _ in range(3):
+        stream = c.client().completions.create(
+            model=c.model_name,
+            prompt=prompt(6, 40),
+            max_tokens=2000,
+            stream=True,
+            extra_body={"worker_id": "mock-w1", "ignore_eos": True},
+        )  # type: ignore[call-overload]
+        next(iter(stream))
+        busy = httpx.post(f"{c.url}/clear_kv_blocks", timeout=60).json()
+        stream.close()
+        if not busy["success"]:
+            break
+    assert busy["success"] is False
+    assert busy["workers"]["mock-w1"]["success"] is False
+    assert "retry when idle" in busy["workers"]["mock-w1"]["message"]
+    assert busy["workers"]["mock-w0"]["success"] is True
+    r = httpx.post(f"{c.url}/reset_prefix_cache?reset_running_requests=true", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reset_running_requests"

@@ -241,6 +241,25 @@ def test_kv_events_name_the_routers_blocks(cluster: Cluster) -> None:
         assert set(hashes[:held]) <= index(cluster).worker_blocks(WORKERS[1])
 
 
+def test_reset_prefix_cache_clears_vllms_cache(cluster: Cluster) -> None:
+    """/reset_prefix_cache reaches each worker's vLLM (AsyncLLM.reset_prefix_cache): a
+    prompt it had cached is computed again. (vLLM publishes its AllBlocksCleared event with
+    its next step, so the router's index hears of it with the next request's events.)"""
+    prompt = [1] + [random.Random(9).randrange(5, 500) for _ in range(127)]
+
+    def run() -> openai.types.Completion:
+        return cluster.client().completions.create(
+            model=cluster.model_name, prompt=prompt, max_tokens=2, temperature=0,
+            extra_body={"worker_id": WORKERS[0]})  # fmt: skip
+
+    run()
+    assert cached(run()) > 0  # cached: served again from it
+    r = httpx.post(f"{cluster.url}/reset_prefix_cache", timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] is True and sorted(r.json()["workers"]) == sorted(WORKERS)
+    assert cached(run()) == 0
+
+
 def test_a_long_prefix_returns_to_its_worker_until_that_worker_dies(cluster: Cluster) -> None:
     c = cluster
     rng = random.Random(77)

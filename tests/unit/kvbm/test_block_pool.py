@@ -181,3 +181,28 @@ def test_free_returns_count_and_tail_blocks_go_back_first() -> None:
     assert m.pool.num_used == 0
     assert m.usage == 0.0
     assert [m.pool.ref_count(b) for b in range(5)] == [0] * 5
+
+
+def test_reset_forgets_every_free_block_and_refuses_while_any_is_held() -> None:
+    pool = BlockPool(6, record_events=True)
+    a, b, c = pool.allocate(3)  # type: ignore[misc]
+    pool.cache(a, 11)
+    pool.cache(b, 12, parent=11)
+    pool.cache(c, 21)
+    pool.take_events()
+    pool.free([a, b])
+    assert not pool.resettable and not pool.reset()  # c is held: nothing forgotten
+    assert pool.num_cached == 3 and pool.take_events() == []
+    pool.free([c])
+    assert pool.reset() and pool.num_cached == 0 and pool.lookup([11, 12]) == []
+    removed = sorted(h for e in pool.take_events() if e.kind == "removed" for h in e.block_hashes)
+    assert removed == [11, 12, 21]
+    assert pool.num_free == 6 and pool.reset()  # nothing cached: a no-op that succeeds
+    # a free block a copy still reads (pinned) holds the reset back too
+    (d,) = pool.allocate(1)  # type: ignore[misc]
+    pool.cache(d, 31)
+    pool.pin([d])
+    pool.free([d])
+    assert not pool.reset() and pool.num_cached == 1
+    pool.unpin([d])
+    assert pool.reset() and pool.num_cached == 0

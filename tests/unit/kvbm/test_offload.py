@@ -234,3 +234,27 @@ def test_host_tier_never_exceeds_its_size_and_keeps_ancestors() -> None:
 def test_parent_of_first_block_is_the_root() -> None:
     assert OffloadManager._parent([5, 6], 0) == ROOT_PARENT
     assert OffloadManager._parent([5, 6], 1) == 5
+
+
+def test_reset_drops_both_tiers_once_no_copy_is_under_way(disk_dir: Path) -> None:
+    off, pool, cp = make(host=8, disk=8, disk_dir=disk_dir, filt=False)
+    ids = pool.allocate(3)
+    for i, b in enumerate(ids):
+        fill(cp, b, i)
+    off.offer(ids, chain(3), 0)
+    assert not off.reset()  # the copies are under way: nothing dropped
+    settle(off)
+    assert len(off.host) == 3 and len(off.disk) == 3
+    assert len(list(disk_dir.rglob("*.kv"))) == 3
+    off.take_events()
+    assert off.reset()
+    settle(off)  # the disk thread deletes the files
+    assert len(off.host) == 0 and len(off.disk) == 0
+    assert off.match(chain(3), 0, 3) == []
+    removed = [(e.tier, h) for e in off.take_events() if e.kind == "removed"
+               for h in e.block_hashes]  # fmt: skip
+    assert sorted(removed) == sorted([(G2, h) for h in chain(3)] + [(G3, h) for h in chain(3)])
+    deadline = time.monotonic() + 5  # the files go too (the disk thread's last delete)
+    while list(disk_dir.rglob("*.kv")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(disk_dir.rglob("*.kv")) == []

@@ -383,3 +383,26 @@ def test_scheduler_delay_holds_prompts_while_others_decode(make_engine) -> None:
     outs = _run(engine)
     assert _toks(outs["b"]) == _toks(ref)
     assert not engine.scheduler.waiting
+
+
+# ------------------------------------------------------------------------ prefix cache reset
+
+
+def test_reset_prefix_cache_is_refused_while_a_request_holds_blocks(make_engine) -> None:
+    engine = make_engine()
+    p = Sampling(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = _prompt(40)
+    first = _toks(_one(engine, prompt, p))
+    assert engine.cached_block_hashes()  # the prompt's blocks stay cached
+    warm = _run(_add(engine, "warm", prompt, p))["warm"]
+    assert warm[-1].num_cached_tokens > 0  # and serve it again
+    _add(engine, "busy", _prompt(20, seed=3), p)
+    engine.step()  # it holds blocks now
+    assert engine.reset_prefix_cache() is False and engine.cached_block_hashes()
+    _run(engine)
+    assert engine.reset_prefix_cache() is True and engine.cached_block_hashes() == []
+    removed = [e for e in engine.take_kv_events() if e.kind == "removed"]
+    assert removed  # the router's index hears of it
+    again = _run(_add(engine, "again", prompt, p))["again"]
+    assert _toks(again) == first  # computed again, the same tokens
+    assert again[-1].num_cached_tokens == 0
