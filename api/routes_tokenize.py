@@ -3,7 +3,8 @@ its own tokenizer and chat template (:class:`api.tokenization.PromptBuilder`): t
 ids a completion or chat request with that prompt would send to a worker.
 
 ``/tokenize`` takes a ``prompt`` (special tokens added by default) or chat ``messages``
-(rendered with the chat template, generation prompt added by default, no special tokens
+(rendered with the chat template as chat renders them, ``tools`` and
+``chat_template_kwargs`` included; generation prompt added by default, no special tokens
 on top) and answers ``{count, max_model_len, tokens, token_strs}``; ``/detokenize`` takes
 ``tokens`` and answers ``{prompt}`` (special tokens kept). An id outside the vocabulary is
 a 400; a ``model`` other than the served one a 404 (it may be left out, as vLLM allows).
@@ -20,6 +21,7 @@ from api.errors import bad_request
 from api.protocol import ChatMessage
 from api.state import api_state, check_model
 from api.tokenization import PromptBuilder
+from api.tools import tool_schemas
 
 router = APIRouter()
 
@@ -36,6 +38,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool | None = False
+    # with messages, as in chat: the tools the template lists, its extra variables
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -52,9 +57,11 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
         raise bad_request("give exactly one of prompt and messages", "prompt", "invalid_value")
     if req.messages is not None:
         special = bool(req.add_special_tokens)
-        ids = b.chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt,
-                            continue_final_message=req.continue_final_message,
-                            add_special_tokens=special).token_ids  # fmt: skip
+        if req.tools:
+            tool_schemas(req.tools)  # checked as chat checks them
+        ids = b.chat_prompt(req.messages, req.tools or None, req.add_generation_prompt,
+                            req.continue_final_message, req.chat_template_kwargs,
+                            special).token_ids  # fmt: skip
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = b.tokenizer.encode(req.prompt or "", add_special_tokens=special).ids

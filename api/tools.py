@@ -91,12 +91,7 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
         if choice not in (None, "none"):
             raise bad_request("tool_choice needs tools: `tools` is empty or missing", "tool_choice")
         return None
-    schemas: dict[str, dict] = {}
-    for i, tool in enumerate(req.tools):
-        name, params = _function(tool, f"tools.{i}")
-        if name in schemas:
-            raise bad_request(f"two tools are named {name!r}", f"tools.{i}.function.name")
-        schemas[name] = params
+    schemas = tool_schemas(req.tools)
     plan = ToolPlan(
         list(req.tools),
         "auto",
@@ -126,6 +121,18 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
         '{"type": "function", "function": {"name": ...}}',
         "tool_choice",
     )
+
+
+def tool_schemas(tools: list[dict]) -> dict[str, dict]:
+    """Each function tool's parameters schema by its name, the tools checked (a 400
+    naming the field: a tool that is not a function, a name missing or used twice)."""
+    schemas: dict[str, dict] = {}
+    for i, tool in enumerate(tools):
+        name, params = _function(tool, f"tools.{i}")
+        if name in schemas:
+            raise bad_request(f"two tools are named {name!r}", f"tools.{i}.function.name")
+        schemas[name] = params
+    return schemas
 
 
 def constrain(sampling: Sampling, plan: ToolPlan | None) -> Sampling:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -147,6 +148,22 @@ def test_tool_round_trip_renders_and_runs(cluster: Cluster, hf: tuple, choice: s
     assert resp.choices[0].finish_reason == "length"
     msg, reason = streamed(client, **kw)
     assert same_calls(msg, got) and reason == "length"
+
+
+def test_tokenize_counts_the_tools_as_chat_does(cluster: Cluster, hf: tuple) -> None:
+    """vLLM's /tokenize with tools: the ids HF's template gives, the count a chat request
+    with the same messages and tools reports as its prompt_tokens."""
+    body = {"model": cluster.model_name, "messages": HISTORY, "tools": TOOLS}
+    r = httpx.post(f"{cluster.url}/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == template_ids(hf, HISTORY, TOOLS)
+    chat = cluster.client().chat.completions.create(
+        model=cluster.model_name, messages=HISTORY, tools=TOOLS, max_tokens=1)  # type: ignore[arg-type]  # fmt: skip
+    assert r.json()["count"] == chat.usage.prompt_tokens  # type: ignore[union-attr]
+    plain = httpx.post(f"{cluster.url}/tokenize", json={**body, "tools": None}).json()
+    assert plain["count"] < r.json()["count"]  # the tools' listing counts
+    bad = httpx.post(f"{cluster.url}/tokenize", json={**body, "tools": [{"type": "web"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.type"
 
 
 def test_tool_refusals(cluster: Cluster) -> None:
