@@ -103,6 +103,10 @@ class _SamplingFields(_Body):
     # vLLM's: lower values are served first (the admission wait for a worker under its
     # cap, the engine's waiting queue and whom it preempts); equal ones in arrival order
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    # vLLM's beam search (api.beam_search): n beams, ranked by their log-probability over
+    # their length to the power length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # vLLM's: a prefix is shared in the KV cache only between requests with the same salt
     # (none: the unsalted ones'); a tenant's salt keeps others from timing its prompts
     cache_salt: str | None = Field(None, min_length=1, max_length=1000)

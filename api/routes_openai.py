@@ -21,7 +21,7 @@ from functools import partial
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from api import choices
+from api import beam_search, choices
 from api.admission import client_id
 from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
@@ -64,6 +64,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     prompt = st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens)
     st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    if req.use_beam_search:
+        sampling = prepare(st, req, prompt, max_tokens, "messages", plan)
+        return await beam_search.serve(st, req, request, prompt, sampling, "chat", started, lora)
     if (resumed := _last_event_id(st, request)) is not None:
         return await resume(st, req, prompt, max_tokens, "chat", started, "messages", resumed,
                             plan)  # fmt: skip
@@ -79,6 +82,14 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     unsupported(req)
     prompts = st.builder.completion_prompts(req.prompt)
     resumed = _last_event_id(st, request)
+    if req.use_beam_search:
+        if len(prompts) > 1:
+            raise bad_request("beam search takes one prompt per request", "prompt",
+                              "unsupported_parameter")  # fmt: skip
+        prompt = st.builder.truncated(Prompt(prompts[0][1]), req.truncate_prompt_tokens)
+        sampling = prepare(st, req, prompt, req.max_tokens, "prompt")
+        return await beam_search.serve(st, req, request, prompt, sampling, "completion",
+                                       started, lora)  # fmt: skip
     if len(prompts) > 1:
         if resumed is not None:
             raise bad_request("a stream of several prompts cannot be resumed (Last-Event-ID); "

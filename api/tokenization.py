@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from api.errors import bad_request
 from api.media import ImageInput
 from api.protocol import ChatMessage, ContentPart, ToolCall
-from kvbm.protocol import ImageRef
+from kvbm.protocol import ImageRef, eos_token_ids
 
 IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; a fixed-resolution encoder ignores it
 # What the template's own arguments are called: chat_template_kwargs may not replace them
@@ -93,6 +93,7 @@ class PromptBuilder:
         text_cfg = cfg.get("text_config", cfg)
         self.max_model_len = max_model_len or int(text_cfg.get("max_position_embeddings", 2048))
         self.vocab_size = self.tokenizer.get_vocab_size()
+        self.eos_token_ids = eos_token_ids(d)  # what ends a sequence (beam search's ends)
         # a vision-language model names its image token; a text-only one refuses images
         self.image_token_id, self.image_seq_length = _vision(cfg)
 

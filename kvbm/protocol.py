@@ -29,11 +29,13 @@ Public part:
 
 from __future__ import annotations
 
+import json
 import struct
 import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import orjson
@@ -126,6 +128,22 @@ _HEAD = struct.Struct("<QQ")  # a block's parent hash and namespace
 ROOT_PARENT = 0  # the parent of a sequence's first block
 
 ExtraKeys = tuple[str, ...]  # one block's extra keys; () for none
+
+
+def eos_token_ids(model_dir: str | Path) -> list[int]:
+    """The checkpoint's end-of-sequence ids (generation_config.json wins over config.json,
+    as in Hugging Face): what the engine stops on and the API's beam search ends beams on."""
+    d = Path(model_dir)
+    value = None
+    gen = d / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+    if value is None:
+        raw = json.loads((d / "config.json").read_text())
+        value = raw.get("text_config", raw).get("eos_token_id", raw.get("eos_token_id"))
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 def namespace_hash(*parts: str) -> int:

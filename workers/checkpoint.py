@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from safetensors import safe_open
 
+from kvbm.protocol import eos_token_ids
+
 if TYPE_CHECKING:  # the config part is read by torch-free code (the mock engine)
     import torch
 
@@ -62,7 +64,7 @@ class TextModelConfig:
         if rope_type not in supported:
             raise ValueError(f"rope_type {rope_type!r} not supported; supported: {supported}")
         tie = bool(tc.get("tie_word_embeddings", raw.get("tie_word_embeddings", False)))
-        eos = _eos_ids(d, tc, raw)
+        eos = eos_token_ids(d)
         act = tc.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} not supported; supported: silu")
@@ -85,19 +87,6 @@ class TextModelConfig:
             bos_token_id=tc.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos,
         )
-
-
-def _eos_ids(d: Path, tc: dict, raw: dict) -> list[int]:
-    """End-of-sequence ids: generation_config.json wins over config.json (as in HF)."""
-    value = None
-    gen = d / "generation_config.json"
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-    if value is None:
-        value = tc.get("eos_token_id", raw.get("eos_token_id"))
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 def is_model_dir(path: str | Path) -> bool:
