@@ -105,8 +105,11 @@ async def serve(
     for i, b in enumerate(beams):
         shown = b.tokens[:-1] if b.ended else b.tokens
         text = st.builder.tokenizer.decode(shown, skip_special_tokens=sampling.skip_special_tokens)
-        choices.append(fmt.choice(i, text, "stop" if b.ended else "length", None))
-        out_tokens += len(b.tokens)
+        # as vLLM: a complete beam stops on its end-of-sequence token (its stop_reason), not
+        # counted among its tokens
+        choices.append(fmt.choice(i, text, "stop" if b.ended else "length",
+                                  b.tokens[-1] if b.ended else None))  # fmt: skip
+        out_tokens += len(shown)
     st.metrics.prompt_tokens.inc(len(ids))
     st.metrics.completion_tokens.inc(out_tokens)
     usage = {"prompt_tokens": len(ids), "completion_tokens": out_tokens,

@@ -88,13 +88,14 @@ def vllm_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def offline(model_dir: Path, requests: list[dict], workdir: Path, embed: bool = False,
-            options: dict | None = None) -> list[dict]:  # fmt: skip
+            options: dict | None = None, beam: dict | None = None) -> list:  # fmt: skip
     """vLLM's offline ``LLM.generate`` on ``requests`` ({"prompt_token_ids", "params"}),
     in a process of its own; ``embed``: ``LLM.embed`` (its pooling runner) instead;
-    ``options``: engine options besides ``VLLM_OPTIONS``."""
+    ``beam``: ``LLM.beam_search`` with these BeamSearchParams instead; ``options``: engine
+    options besides ``VLLM_OPTIONS``."""
     spec, out = workdir / "spec.json", workdir / "out.json"
     spec.write_text(json.dumps({"model": str(model_dir), "options": VLLM_OPTIONS | (options or {}),
-                                "requests": requests, "embed": embed}))  # fmt: skip
+                                "requests": requests, "embed": embed, "beam": beam}))  # fmt: skip
     r = subprocess.run([sys.executable, str(HERE / "offline_ref.py"), str(spec), str(out)],
                        capture_output=True, text=True, timeout=600,
                        env={**os.environ, **VLLM_CPU_ENV})  # fmt: skip

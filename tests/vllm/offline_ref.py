@@ -9,7 +9,9 @@ optionally ``image``: a PNG path; ``params.structured_outputs`` as a dict of vLL
 finish reason and stop reason, and the logprobs asked for (per position: the chosen
 token's ``[logprob, rank]`` and ``{token id: logprob}`` of the entries vLLM returned).
 With ``"embed": true`` in SPEC it runs vLLM's pooling runner instead (``LLM.embed``) and
-OUT gets each prompt's ``embedding``.
+OUT gets each prompt's ``embedding``; with ``"beam"`` (``BeamSearchParams``' fields) its
+``LLM.beam_search``, OUT getting each prompt's best beams (generated tokens, finish
+reason, cumulative logprob).
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ def main() -> None:
         llm.llm_engine.engine_core.shutdown()
         return
     llm = LLM(model=spec["model"], seed=0, **options)
+    if spec.get("beam"):  # LLM.beam_search: each prompt's best beams' generated tokens
+        from vllm.sampling_params import BeamSearchParams
+
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in spec["requests"]]
+        outs = llm.beam_search(prompts, BeamSearchParams(**spec["beam"]))  # type: ignore[arg-type]
+        beams = [[{"tokens": s.tokens[len(p["prompt_token_ids"]):],
+                   "finish_reason": s.finish_reason, "cum_logprob": s.cum_logprob}
+                  for s in o.sequences] for p, o in zip(prompts, outs, strict=True)]  # fmt: skip
+        with open(sys.argv[2], "w") as f:
+            json.dump(beams, f)
+        llm.llm_engine.engine_core.shutdown()
+        return
     prompts, params = [], []
     for r in spec["requests"]:
         prompt: dict = {"prompt_token_ids": r["prompt_token_ids"]}

@@ -260,6 +260,28 @@ def test_reset_prefix_cache_clears_vllms_cache(cluster: Cluster) -> None:
     assert cached(run()) == 0
 
 
+def test_beam_search_finds_vllms_own_beams(
+    cluster: Cluster, llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Conveyor's beam search (the API's, over the vLLM workers' logprobs) returns the
+    beams vLLM's own LLM.beam_search finds on the same checkpoint."""
+    from transformers import AutoTokenizer
+
+    prompt = [1] + [random.Random(11).randrange(5, 500) for _ in range(20)]
+    beam = {"beam_width": 3, "max_tokens": 6, "length_penalty": 0.7}
+    (want,) = offline(llama_dir, [{"prompt_token_ids": prompt}],
+                      tmp_path_factory.mktemp("beam-ref"), beam=beam)  # fmt: skip
+    r = cluster.client(timeout=120).completions.create(
+        model=cluster.model_name, prompt=prompt, max_tokens=6, n=3,
+        extra_body={"use_beam_search": True, "length_penalty": 0.7})  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    texts = [tok.decode([t for t in b["tokens"] if t != tok.eos_token_id],
+                        skip_special_tokens=True) for b in want]  # fmt: skip
+    assert [c.text for c in r.choices] == texts
+    assert [c.finish_reason for c in r.choices] == [b["finish_reason"] or "length"
+                                                     for b in want]  # fmt: skip
+
+
 def test_a_long_prefix_returns_to_its_worker_until_that_worker_dies(cluster: Cluster) -> None:
     c = cluster
     rng = random.Random(77)
