@@ -10,13 +10,15 @@ complete (unless ``ignore_eos``), the ``width`` best of the others live on. Afte
 ``max_tokens`` steps (or once no beam lives) the ``n`` (= ``width``) best of the complete
 and live beams are the choices. A beam's score is vLLM's: its cumulative log-probability
 divided by its length (prompt included, a final end-of-sequence token not) to the power
-``length_penalty``.
+``length_penalty``. Streamed, the whole beams come once the search has ended (as vLLM
+streams one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -25,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from api.admission import client_id
 from api.errors import OpenAIError, bad_request
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest
-from api.sse import Formatter
+from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event
 from api.state import ApiState
 from api.tokenization import Prompt
 from cluster.lora import LoraRef
@@ -55,7 +57,6 @@ def check(req: ChatCompletionRequest | CompletionRequest, sampling: Sampling) ->
     chat = isinstance(req, ChatCompletionRequest)
     wants_logprobs = req.logprobs if chat else req.logprobs is not None
     checks = [
-        (req.stream, "stream", "beam search answers whole responses; send stream false"),
         (req.n > MAX_WIDTH, "n", f"beam search takes n (its width) up to {MAX_WIDTH}"),
         (bool(wants_logprobs), "logprobs", "logprobs are not returned with beam search"),
         (sampling.prompt_logprobs is not None, "prompt_logprobs",
@@ -114,7 +115,29 @@ async def serve(
     st.metrics.completion_tokens.inc(out_tokens)
     usage = {"prompt_tokens": len(ids), "completion_tokens": out_tokens,
              "total_tokens": len(ids) + out_tokens}  # fmt: skip
-    return JSONResponse(fmt.whole(choices, usage), headers={"x-request-id": rid})
+    headers = {"x-request-id": rid}
+    if not req.stream:
+        return JSONResponse(fmt.whole(choices, usage), headers=headers)
+    # streamed, as vLLM streams a beam search: the whole beams once it has ended, each
+    # choice's text in a chunk and its finish in the next, then usage and [DONE]
+    inc = req.include_usage
+    events = []
+    for c in choices:
+        i, text = c["index"], c["message"]["content"] if fmt.chat else c["text"]
+        if fmt.chat:
+            events.append(sse_event(fmt.chunk(fmt.role_delta(), None, inc, index=i)))
+        events.append(sse_event(fmt.chunk(fmt.text_delta(text), None, inc, index=i)))
+        events.append(sse_event(fmt.chunk(fmt.empty_delta(), c["finish_reason"], inc,
+                                          c["stop_reason"], index=i)))  # fmt: skip
+    if inc:
+        events.append(sse_event(fmt.usage_chunk(usage)))
+    events.append(SSE_DONE)
+
+    async def replay() -> AsyncIterator[bytes]:
+        for e in events:
+            yield e
+
+    return SSEResponse(replay(), ping=15, headers=headers)
 
 
 async def search(

@@ -86,10 +86,35 @@ def test_chat_beams_are_hugging_faces(cluster: Cluster, hf: tuple) -> None:
     assert r.object == "chat.completion" and r.usage.prompt_tokens == len(ids)  # type: ignore[union-attr]
 
 
+def test_streamed_beams_are_the_whole_answers_beams(cluster: Cluster) -> None:
+    """Streamed (as vLLM streams a search: the beams once it has ended), the choices'
+    texts and finishes are the non-streamed answer's, and the stream ends with usage."""
+    client = cluster.client()
+    kw = {"model": cluster.model_name, "max_tokens": 5, "n": 3,
+          "extra_body": {"use_beam_search": True}}  # fmt: skip
+    whole = client.completions.create(prompt=PROMPT, **kw)  # type: ignore[call-overload]
+    texts, finish, usage = {}, {}, None
+    opts = {"stream": True, "stream_options": {"include_usage": True}}
+    for chunk in client.completions.create(prompt=PROMPT, **opts, **kw):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(3)] == [c.text for c in whole.choices]
+    assert [finish[i] for i in range(3)] == [c.finish_reason for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(messages=messages, **kw)  # type: ignore[call-overload]
+    parts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **kw):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+    assert [parts[i] for i in range(3)] == [c.message.content for c in chat.choices]
+
+
 def test_what_beam_search_does_not_take_is_a_400(cluster: Cluster) -> None:
     client = cluster.client()
     for extra, param in [
-        ({"stream": True}, "stream"),
         ({"n": 11}, "n"),
         ({"logprobs": 2}, "logprobs"),
         ({"stop": ["x"]}, "stop"),
