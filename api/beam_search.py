@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from api.admission import client_id
-from api.errors import OpenAIError, bad_request
+from api.errors import OpenAIError, bad_request, first_error
 from api.protocol import PIN_HEADER, ChatCompletionRequest, CompletionRequest
 from api.sse import SSE_DONE, Formatter, SSEResponse, sse_event
 from api.state import ApiState
@@ -151,10 +151,14 @@ async def search(
                            cache_salt=sampling.cache_salt)  # fmt: skip
     live, done = [Beam()], []
     for step in range(sampling.max_tokens):
-        tops = await asyncio.gather(*(
-            _top(st, f"{rid}.s{step}b{j}", prompt + b.tokens, step_params, started, pin,
-                 priority, lora)
-            for j, b in enumerate(live)))  # fmt: skip
+        try:  # the step's requests at once; one failing cancels the others
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(_top(st, f"{rid}.s{step}b{j}", prompt + b.tokens,
+                                             step_params, started, pin, priority, lora))
+                         for j, b in enumerate(live)]  # fmt: skip
+        except BaseExceptionGroup as eg:
+            raise first_error(eg) from None
+        tops = [t.result() for t in tasks]
         grown = []
         for beam, top in zip(live, tops, strict=True):
             for token, logprob in top:

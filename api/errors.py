@@ -90,3 +90,12 @@ def install_error_handlers(app: FastAPI) -> None:
             error_body(f"internal error: {type(exc).__name__}", "server_error", None, None),
             status_code=500,
         )
+
+
+def first_error(eg: BaseExceptionGroup) -> BaseException:
+    """The first exception of a task group's failure (nested groups opened): what a
+    request whose parallel parts failed answers."""
+    first = eg.exceptions[0]
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first

@@ -28,7 +28,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.admission import client_id
-from api.errors import OpenAIError, bad_request
+from api.errors import OpenAIError, bad_request, first_error
 from api.protocol import PIN_HEADER, ChatMessage
 from api.state import ApiState, api_state, check_model
 from api.tokenization import PromptBuilder
@@ -300,8 +300,5 @@ async def _embed_all(st: ApiState, rid: str, inputs: list[list[int]], pooling: P
             for i, ids in enumerate(inputs):
                 tg.create_task(one(i, ids))
     except BaseExceptionGroup as eg:
-        first = eg.exceptions[0]
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
+        raise first_error(eg) from None
     return out
