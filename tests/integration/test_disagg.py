@@ -257,6 +257,28 @@ def test_disagg_token_ids_equal_agg(disagg: Disagg, cluster: Cluster) -> None:
             or []] == ids  # fmt: skip
 
 
+def test_disagg_beam_search_and_cache_salt_equal_agg_and_reset_reaches_both_pools(
+    disagg: Disagg, cluster: Cluster
+) -> None:
+    """Beam search's one-token steps (each prefilled on a prefill worker, its logprobs on
+    the first frame) find the aggregated run's beams, salted or not; the prefix-cache
+    reset reaches the prefill and the decode workers."""
+    dis = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="x", max_retries=0)
+    agg = cluster.client(max_retries=0)
+    for salt in (None, "tenant-a"):
+        extra = {"use_beam_search": True, **({"cache_salt": salt} if salt else {})}
+        kw: dict = dict(prompt=PROMPTS[11], max_tokens=4, n=3, extra_body=extra)
+        want = [c.text for c in agg.completions.create(model=cluster.model_name, **kw).choices]
+        got = [c.text for c in dis.completions.create(model=disagg.model, **kw).choices]
+        assert got == want and len(set(got)) == 3
+
+    def reset() -> dict:
+        return httpx.post(f"{disagg.url}/reset_prefix_cache", timeout=60).json()
+
+    wait_for(lambda: reset()["success"], 20, "an idle prefix-cache reset")  # no KV pinned
+    assert {w["pool"] for w in reset()["workers"].values()} == {"prefill", "decode"}
+
+
 def test_cancel_mid_decode_frees_both_sides(disagg: Disagg) -> None:
     wait_for(disagg.idle, 10, "idle")
     body = {
