@@ -183,8 +183,15 @@ async def _top(
 ) -> list[tuple[int, float]]:  # fmt: skip
     """The most likely next tokens after ``ids`` and their log-probabilities: one
     one-token request through the pipeline (routed on its prefix, as any)."""
-    (run,) = await st.runner.start(stream_id, ids, params, started, pin, priority=priority,
-                                   lora=lora)  # fmt: skip
+    try:
+        (run,) = await st.runner.start(stream_id, ids, params, started, pin,
+                                       priority=priority, lora=lora)  # fmt: skip
+    except OpenAIError as e:
+        if e.param != "logprobs":
+            raise
+        # the engine computes no logprobs (the mock engine): the search itself cannot run
+        raise bad_request(f"beam search ranks beams by the engine's logprobs: {e.message}",
+                          "use_beam_search", "unsupported_parameter") from None  # fmt: skip
     try:
         frames = [f async for batch in st.runner.batches(run) for f in batch]
     finally:

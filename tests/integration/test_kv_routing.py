@@ -128,6 +128,13 @@ def test_a_cache_salt_shares_a_prefix_only_with_the_same_salt(mock_cluster: Clus
     assert e.value.body["param"] == "cache_salt"  # type: ignore[index]
 
 
+def test_beam_search_on_an_engine_without_logprobs_is_a_400(mock_cluster: Cluster) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(mock_cluster, prompt(3, 20), n=2, extra_body={"use_beam_search": True})
+    body = e.value.body
+    assert body["param"] == "use_beam_search" and "logprobs" in body["message"]  # type: ignore[index]
+
+
 def test_pinning_by_header_and_unknown_worker(mock_cluster: Cluster) -> None:
     c = mock_cluster
     p = prompt(7, 64)
