@@ -19,7 +19,7 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.routes_embeddings import EmbeddingRequest, embed, embedding_inputs, vector
+from api.routes_embeddings import EmbeddingRequest, class_probs, embed, embedding_inputs
 from api.state import api_state, check_model
 from kvbm.protocol import Pooling
 
@@ -44,11 +44,9 @@ async def classify(req: ClassificationRequest, request: Request) -> Response:
     inputs = embedding_inputs(req, st.builder)
     rid, logits = await embed(st, request, inputs, Pooling(task="classify"), started,
                               req.worker_id, "classify")  # fmt: skip
-    data = []
-    for i, v in enumerate(logits):
-        probs = c.activate(vector(v), req.use_activation).astype(np.float32)
-        data.append({"index": i, "label": c.labels[int(np.argmax(probs))],
-                     "probs": probs.tolist(), "num_classes": len(probs)})  # fmt: skip
+    data = [{"index": i, "label": c.labels[int(np.argmax(p))], "probs": p.tolist(),
+             "num_classes": len(p)}
+            for i, p in enumerate(class_probs(c, logits, req.use_activation))]  # fmt: skip
     n_tokens = sum(len(ids) for ids in inputs)
     return JSONResponse({
         "id": rid, "object": "list", "created": int(time.time()),

@@ -28,6 +28,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.admission import client_id
+from api.classifier import Classifier
 from api.errors import OpenAIError, bad_request, first_error
 from api.protocol import PIN_HEADER, ChatMessage
 from api.state import ApiState, api_state, check_model
@@ -112,11 +113,12 @@ async def _pooled(req: EmbeddingRequest, request: Request, prefix: str, obj: str
     inputs = embedding_inputs(req, st.builder)
     rid, vectors = await embed(st, request, inputs, pooling, started, req.worker_id, prefix)
     n_tokens = sum(len(ids) for ids in inputs)
-    if c is not None:  # the head's logits through its activation, sent as float32
-        vectors = [_b64(c.activate(vector(v), req.use_activation)) for v in vectors]
-    data = [{"object": obj, "index": i,
-             field: v if req.encoding_format == "base64" else vector(v)}
-            for i, v in enumerate(vectors)]  # fmt: skip
+    b64 = req.encoding_format == "base64"
+    if c is None:  # the embedding as the worker sent it, or its float32 values
+        values: list[str | np.ndarray] = [v if b64 else vector(v) for v in vectors]
+    else:  # the class probabilities, in the same two forms
+        values = [_b64(p) if b64 else p for p in class_probs(c, vectors, req.use_activation)]
+    data = [{"object": obj, "index": i, field: v} for i, v in enumerate(values)]
     body = {"id": rid, "object": "list", "created": int(time.time()),
             "model": st.settings.model_name, "data": data,
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, **usage}}  # fmt: skip
@@ -156,6 +158,12 @@ async def embed(
 def vector(b64: str) -> np.ndarray:
     """An embedding as the worker sent it (base64 of little-endian float32)."""
     return np.frombuffer(base64.b64decode(b64), dtype="<f4")
+
+
+def class_probs(c: Classifier, logits: list[str], use_activation: bool | None) -> list[np.ndarray]:
+    """Each input's class probabilities (float32) from the logits the worker sent: the
+    classifier's activation, or none with ``use_activation`` False."""
+    return [c.activate(vector(v), use_activation).astype(np.float32) for v in logits]
 
 
 def _b64(values: np.ndarray) -> str:

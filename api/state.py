@@ -66,19 +66,17 @@ async def check_model(st: ApiState, name: str, adapters: bool = True,
     model does not serve: a sequence classifier classifies and scores only, and only a
     classifier classifies."""
     served = st.settings.model_name
-    if name == served:
-        if task is not None:
-            check_task(st, task)
-        return None
-    lora = await st.loras.get(name) if name else None
-    if lora is None:
-        raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}` "
-                          "and the LoRA adapters /v1/models lists.", "invalid_request_error",
-                          "model", "model_not_found")  # fmt: skip
-    if not adapters:
-        raise OpenAIError(400, f"`{name}` is a LoRA adapter; it serves chat, completions and "
-                          f"responses. This endpoint runs the base model `{served}`.",
-                          "invalid_request_error", "model", "unsupported_model")  # fmt: skip
+    lora = None
+    if name != served:
+        lora = await st.loras.get(name) if name else None
+        if lora is None:
+            raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}` "
+                              "and the LoRA adapters /v1/models lists.",
+                              "invalid_request_error", "model", "model_not_found")  # fmt: skip
+        if not adapters:
+            raise OpenAIError(400, f"`{name}` is a LoRA adapter; it serves chat, completions "
+                              f"and responses. This endpoint runs the base model `{served}`.",
+                              "invalid_request_error", "model", "unsupported_model")  # fmt: skip
     if task is not None:
         check_task(st, task)
     return lora

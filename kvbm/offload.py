@@ -321,11 +321,16 @@ class OffloadManager:
         """Copies are under way (their completions are still to come)."""
         return any(t.num_pinned for t in (self.host, self.disk) if t is not None)
 
+    @property
+    def resettable(self) -> bool:
+        """No copy is under way (:meth:`reset` may run)."""
+        return not self.busy and not self.num_pending
+
     def reset(self) -> bool:
         """Drop every block of the lower tiers (vLLM's ``reset_prefix_cache`` with
         ``reset_external``; disk files deleted by the disk thread). False, and nothing
         dropped, while copies are under way."""
-        if self.busy or self.num_pending:
+        if not self.resettable:
             return False
         for t in (self.host, self.disk):
             if t is not None:

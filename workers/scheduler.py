@@ -594,7 +594,7 @@ class Scheduler:
         the pool and, with ``reset_external``, of the KVBM tiers below it. All or
         nothing: False while a sequence holds blocks or a copy is under way."""
         pool, off = self.kv.pool, self.offload if reset_external else None
-        if not pool.resettable or (off is not None and (off.busy or off.num_pending)):
+        if not pool.resettable or (off is not None and not off.resettable):
             return False
         ok = pool.reset()
         if off is not None:
