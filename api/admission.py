@@ -32,8 +32,9 @@ from typing import TypeVar
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import OpenAIError, error_body
+from api.errors import OpenAIError, shaped_error
 from api.metrics import ApiMetrics
+from api.middleware import presented_key
 from tasks.router import WorkersBusy
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ POLL_S = 0.05  # waiters look again this often (slots freed by other API replica
 WORK_PATHS = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/pooling",
     "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations",
-    "/classify", "/v1/classify",
+    "/classify", "/v1/classify", "/v1/messages",
 })  # fmt: skip
 
 
@@ -150,11 +151,8 @@ def client_id(scope: Scope, by_key: bool) -> str:
     """Who sends a request: ``key:<digest>`` of its API key when ``by_key`` (keys are
     configured, and the auth middleware has checked it; no key is kept in clear), else
     ``addr:<address>`` as uvicorn reports it (behind trusted proxies, the client's)."""
-    if by_key:
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                digest = hashlib.sha256(value.partition(b" ")[2].strip()).hexdigest()
-                return "key:" + digest[:16]
+    if by_key and (key := presented_key(scope)):
+        return "key:" + hashlib.sha256(key).hexdigest()[:16]
     client = scope.get("client")
     return f"addr:{client[0]}" if client else "addr:?"
 
@@ -184,7 +182,7 @@ class ClientLimitMiddleware:
         n = self._in_flight.get(who, 0)
         if n >= self.max:
             self.metrics.refused.labels("client_limit").inc()
-            await self._refuse(send)
+            await self._refuse(send, scope.get("path", ""))
             return
         self._in_flight[who] = n + 1
         try:
@@ -199,10 +197,10 @@ class ClientLimitMiddleware:
     def _client(self, scope: Scope) -> str:
         return client_id(scope, self.by_key)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps(error_body(
-            f"too many requests in flight for this client (limit {self.max}); retry after "
-            f"{self.retry_after.decode()} s", "requests", None, "rate_limit_exceeded",
+    async def _refuse(self, send: Send, path: str) -> None:
+        body = json.dumps(shaped_error(
+            path, 429, f"too many requests in flight for this client (limit {self.max}); "
+            f"retry after {self.retry_after.decode()} s", "requests", None, "rate_limit_exceeded",
         )).encode()  # fmt: skip
         await send({"type": "http.response.start", "status": 429,
                     "headers": [(b"content-type", b"application/json"),

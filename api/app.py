@@ -4,6 +4,7 @@
     POST /v1/completions        stream (SSE) and non-stream      api.routes_openai
     GET  /v1/models             the served model                 api.routes_openai
     POST /v1/responses          stream (SSE) and non-stream      api.routes_responses
+    POST /v1/messages           Anthropic's Messages API         api.routes_messages
     POST /v1/embeddings         pooled hidden states             api.routes_embeddings
     POST /tokenize, /detokenize vLLM's, in the API alone         api.routes_tokenize
     GET  /health                Redis and the required pools     api.routes_ops
@@ -31,6 +32,7 @@ from api import (
     routes_classify,
     routes_conversations,
     routes_embeddings,
+    routes_messages,
     routes_models,
     routes_openai,
     routes_ops,
@@ -149,6 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_models.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
+    app.include_router(routes_messages.router)
     app.include_router(routes_conversations.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_scores.router)

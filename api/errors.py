@@ -43,6 +43,37 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+# Anthropic's error types by HTTP status (its Messages API answers errors in its own shape)
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's Messages API (errors in Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None) -> dict:
+    """``{"type": "error", "error": {"type", "message"}}``, as Anthropic's API answers,
+    with the field at fault as ``param`` (an addition its clients ignore)."""
+    default = "invalid_request_error" if status < 500 else "api_error"
+    err: dict[str, Any] = {"type": ANTHROPIC_ERROR_TYPES.get(status, default), "message": message}
+    if param is not None:
+        err["param"] = param
+    return {"type": "error", "error": err}
+
+
+def shaped_error(path: str, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None) -> dict:  # fmt: skip
+    """An error body in the shape the API at ``path`` answers in: OpenAI's, or
+    Anthropic's on the Messages API."""
+    if anthropic_path(path):
+        return anthropic_error_body(status, message, param)
+    return error_body(message, type_, param, code)
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request_error", param, code)
 
@@ -60,11 +91,13 @@ def _loc_to_param(loc: tuple) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai(_: Request, exc: OpenAIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        body = shaped_error(request.url.path, exc.status, exc.message, exc.type, exc.param,
+                            exc.code)  # fmt: skip
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         first: dict[str, Any] = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         param = _loc_to_param(tuple(first.get("loc", ())))
@@ -73,23 +106,21 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"{param}: {msg}"
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more error(s))"
-        return JSONResponse(
-            error_body(msg, "invalid_request_error", param, "invalid_value"), status_code=400
-        )
+        body = shaped_error(request.url.path, 400, msg, "invalid_request_error", param,
+                            "invalid_value")  # fmt: skip
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(
-            error_body(str(exc.detail), type_, None, None), status_code=exc.status_code
-        )
+        body = shaped_error(request.url.path, exc.status_code, str(exc.detail), type_)
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(Exception)
-    async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(
-            error_body(f"internal error: {type(exc).__name__}", "server_error", None, None),
-            status_code=500,
-        )
+    async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+        body = shaped_error(request.url.path, 500, f"internal error: {type(exc).__name__}",
+                            "server_error")  # fmt: skip
+        return JSONResponse(body, status_code=500)
 
 
 def first_error(eg: BaseExceptionGroup) -> BaseException:

@@ -11,7 +11,7 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_body
+from api.errors import shaped_error
 from api.metrics import ApiMetrics
 
 # vLLM's endpoints outside /v1/ that run the model or its tokenizer: counted and keyed like
@@ -22,6 +22,19 @@ MODEL_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/r
                          "/clear_kv_blocks"})  # fmt: skip
 # health and metrics: keyed only with CONVEYOR_API_KEYS_PROTECT_OPS
 OPS_PATHS = frozenset({"/health", "/ping", "/metrics"})
+
+
+def presented_key(scope: Scope) -> bytes:
+    """The API key a request presents: ``Authorization: Bearer <key>`` (OpenAI's clients),
+    or ``x-api-key`` (Anthropic's); empty when it presents none."""
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, given = value.partition(b" ")
+            if scheme.lower() == b"bearer" and given.strip():
+                return given.strip()
+        elif name == b"x-api-key" and value.strip():
+            return value.strip()
+    return b""
 
 
 class _TooLarge(Exception):
@@ -53,7 +66,7 @@ class AccessMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await self._reject(send_wrapper)
+                    await self._reject(send_wrapper, path)
                     self._count(path, 413)
                     return
 
@@ -72,19 +85,14 @@ class AccessMiddleware:
             await self.app(scope, receive_wrapper, send_wrapper)
         except _TooLarge:
             if not status:
-                await self._reject(send_wrapper)
+                await self._reject(send_wrapper, path)
         finally:
             self._count(path, status[0] if status else 500)
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            error_body(
-                f"request body exceeds the limit of {self.limit} bytes",
-                "invalid_request_error",
-                None,
-                "request_too_large",
-            )
-        ).encode()
+    async def _reject(self, send: Send, path: str) -> None:
+        body = json.dumps(shaped_error(path, 413, f"request body exceeds the limit of "
+                                       f"{self.limit} bytes", "invalid_request_error", None,
+                                       "request_too_large")).encode()  # fmt: skip
         await send(
             {
                 "type": "http.response.start",
@@ -117,23 +125,21 @@ class AuthMiddleware:
         if scope["type"] != "http" or not self._protected(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
-        given = b""
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                scheme, _, given = value.partition(b" ")
-                if scheme.lower() != b"bearer":
-                    given = b""
-                break
-        if given and any(hmac.compare_digest(given.strip(), k) for k in self.keys):
+        given = presented_key(scope)
+        if given and any(hmac.compare_digest(given, k) for k in self.keys):
             await self.app(scope, receive, send)
             return
         message = (
             "Incorrect API key provided."
             if given
-            else ("You didn't provide an API key: send it as 'Authorization: Bearer <key>'.")
+            else (
+                "You didn't provide an API key: send it as 'Authorization: Bearer <key>' "
+                "(or 'x-api-key: <key>')."
+            )
         )
-        body = json.dumps(error_body(message, "invalid_request_error", None,
-                                     "invalid_api_key")).encode()  # fmt: skip
+        body = json.dumps(shaped_error(scope.get("path", ""), 401, message,
+                                       "invalid_request_error", None,
+                                       "invalid_api_key")).encode()  # fmt: skip
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode()),

@@ -276,7 +276,7 @@ async def launch(
         loaded = await st.media.load(prompt.images)
         await st.media.store(st.redis, loaded)
         images = prompt.image_refs([im.hash for im in loaded])
-    prefix = {"chat": "chatcmpl", "response": "resp"}.get(kind, "cmpl")
+    prefix = {"chat": "chatcmpl", "response": "resp", "message": "msg"}.get(kind, "cmpl")
     tenant = client_id(request.scope, bool(st.settings.api.api_key_list))
     await st.tenants.admit(tenant, len(prompt_ids))  # 429 when its minute is spent
     rid = st.hub.new_request_id(prefix)  # its stream needs no SUBSCRIBE

@@ -112,8 +112,9 @@ class ApiSettings(_Area):
     port: int = Field(8000, description="API port.")
     api_keys: str | None = Field(
         None,
-        description="API keys clients must send as 'Authorization: Bearer <key>': comma-"
-        "separated, or '@/path/to/file' with one per line; unset: no auth.",
+        description="API keys clients must send as 'Authorization: Bearer <key>' (or "
+        "'x-api-key: <key>'): comma-separated, or '@/path/to/file' with one per line; unset: "
+        "no auth.",
     )
     api_keys_protect_ops: bool = Field(
         False, description="Require an API key for /health, /ping and /metrics too."

@@ -1,11 +1,13 @@
 """API keys (real API process, real worker, the official openai client): without a key or
-with a wrong one the API answers 401 in OpenAI's shape and runs nothing; with one of the
+with a wrong one the API answers 401 in OpenAI's shape (Anthropic's on its Messages API,
+whose clients send the key as ``x-api-key``) and runs nothing; with one of the
 configured keys it serves; /health and /metrics stay open unless configured otherwise."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -77,8 +79,21 @@ def test_requests_need_a_configured_key(
         for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
             assert httpx.post(f"{url}{path}", json=body).status_code == 401
             assert httpx.post(f"{url}{path}", json=body, headers=auth).status_code == 200
-        # nothing ran for the refused requests: the worker served exactly one
-        assert worker.log.read_text().count("output tokens") == 1
+        # Anthropic's clients send the key as x-api-key; a refusal on the Messages API is
+        # in Anthropic's shape
+        a_body = {"model": tiny_model_dir.name, "max_tokens": 3,
+                  "messages": [{"role": "user", "content": "x"}]}  # fmt: skip
+        r = httpx.post(f"{url}/v1/messages", json=a_body, headers={"x-api-key": "sk-nope"})
+        assert r.status_code == 401 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=url, api_key="sk-wrong",
+                                max_retries=0).messages.create(**a_body)  # fmt: skip
+        msg = anthropic.Anthropic(base_url=url, api_key="sk-first",
+                                  max_retries=0).messages.create(**a_body)  # fmt: skip
+        assert msg.usage.output_tokens == 3
+        # nothing ran for the refused requests: the worker served exactly two
+        assert worker.log.read_text().count("output tokens") == 2
     finally:
         api.stop()
         worker.stop()

@@ -115,3 +115,27 @@ def test_thinking_then_a_tool_call(cluster: Cluster, reasoning: openai.OpenAI) -
                         resp.choices[0].message.model_extra["reasoning"])  # type: ignore[index]  # fmt: skip
     msg, reason = streamed(reasoning, **kw)
     assert same_calls(msg, got) and reason == "tool_calls"
+
+
+def test_messages_api_thinking_blocks(cluster: Cluster, reasoning: openai.OpenAI) -> None:
+    """Anthropic's Messages API on the same API process: the thinking is a ``thinking``
+    block before the ``text`` block, streamed and not, as chat splits it."""
+    import anthropic
+
+    kw = {"max_tokens": 120, "extra_body": {"structured_outputs": {"regex": THINK_THEN_ANSWER}}}
+    split = _chat(reasoning, cluster.model_name, **kw).choices[0].message
+    c = anthropic.Anthropic(base_url=str(reasoning.base_url).removesuffix("/v1/"),
+                            api_key="x", max_retries=0)  # fmt: skip
+    a_kw = dict(model=cluster.model_name, max_tokens=120, messages=MSGS,
+                thinking={"type": "enabled", "budget_tokens": 1024},
+                extra_body={"temperature": 0, **kw["extra_body"]})  # type: ignore[dict-item]  # fmt: skip
+    msg = c.messages.create(**a_kw)  # type: ignore[call-overload]
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking == split.model_extra["reasoning"]  # type: ignore[union-attr, index]
+    assert msg.content[1].text == split.content  # type: ignore[union-attr]
+    with c.messages.stream(**a_kw) as s:  # type: ignore[call-overload]
+        deltas = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert final.model_dump(exclude={"id", "usage"}) == msg.model_dump(exclude={"id", "usage"})
+    assert deltas.index("text_delta") > max(i for i, d in enumerate(deltas)
+                                            if d == "thinking_delta")  # fmt: skip

@@ -3,7 +3,10 @@ a real mock-engine worker, a real API process, real HTTP): for every operation, 
 fit the schema and bodies that break it. No answer is a 5xx; every error is OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``; a stream that answers 200 ends with
 ``[DONE]`` or an error event of the same shape (a Responses stream: on its last state,
-``response.completed`` or ``response.failed`` after an ``error`` event).
+``response.completed`` or ``response.failed`` after an ``error`` event). Anthropic's
+Messages API (``/v1/messages``) answers in its own shape: errors
+``{"type": "error", "error": {"type", "message", "param"?}}``, streams ending on
+``message_stop`` or such an error event.
 
 Bounded: ``EXAMPLES`` cases per operation and mode (well under a minute on two cores).
 """
@@ -17,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from api.errors import anthropic_path
 from tests.integration.conftest import (
     base_env,
     start_api,
@@ -60,7 +64,15 @@ def api_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             p.stop()
 
 
-def _check_error(body: object, where: str) -> None:
+def _check_error(body: object, where: str, anthropic: bool = False) -> None:
+    if anthropic:
+        assert isinstance(body, dict) and set(body) == {"type", "error"}, where
+        assert body["type"] == "error" and isinstance(body["error"], dict), where
+        err = body["error"]
+        assert set(err) - {"param"} == {"type", "message"}, where
+        assert isinstance(err["message"], str) and err["message"], where
+        assert isinstance(err["type"], str) and err["type"], where
+        return
     assert isinstance(body, dict) and set(body) == {"error"}, where
     err = body["error"]
     assert isinstance(err, dict) and set(err) == ERROR_KEYS, where
@@ -70,16 +82,23 @@ def _check_error(body: object, where: str) -> None:
     assert err["code"] is None or isinstance(err["code"], str), where
 
 
-def _check(status: int, headers: httpx.Headers | dict, text: str, where: str) -> None:
+def _check(status: int, headers: httpx.Headers | dict, text: str, where: str,
+           path: str = "") -> None:  # fmt: skip
     assert status < 500, f"{status} for {where}: {text[:500]}"
     ctype = headers.get("content-type", "")
+    anthropic = anthropic_path(path)
     if status >= 400:
         assert ctype.startswith("application/json"), where
-        _check_error(json.loads(text), f"{status} for {where}: {text[:500]}")
+        _check_error(json.loads(text), f"{status} for {where}: {text[:500]}", anthropic)
     elif ctype.startswith("text/event-stream"):
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         assert events, where
         last = events[-1]
+        if anthropic:  # Anthropic's stream: message_stop, or an error event
+            body = json.loads(last)
+            if body.get("type") != "message_stop":
+                _check_error(body, f"stream of {where}: {last[:500]}", anthropic)
+            return
         if last == "[DONE]":  # chat and completions end here
             return
         body = json.loads(last)
@@ -109,7 +128,7 @@ def _fuzzer(client: httpx.Client, url: str, model: str, op, mode: GenerationMode
                            params=kw.get("params"), json=kw.get("json"),
                            content=kw.get("data"))  # fmt: skip
         where = f"{op.method.upper()} {op.path} {str(kw.get('json', kw.get('data')))[:300]}"
-        _check(r.status_code, r.headers, r.text, where)
+        _check(r.status_code, r.headers, r.text, where, op.path)
         seen.setdefault(op.path, set()).add(r.status_code)
 
     return fuzz

@@ -10,7 +10,8 @@ vLLM's own offline ``LLM.generate`` on the same checkpoint and options as the re
   own greedy text;
 * structured outputs (json_schema from the corpus, regex, choice) validate and equal vLLM's
   own constrained greedy text;
-* ``n`` > 1, tools (named and required), the Responses API run on it;
+* ``n`` > 1, tools (named and required), the Responses API and Anthropic's Messages API
+  run on it;
 * embeddings on a generating engine are refused with a 400 naming the setting that
   serves them (``tests/vllm/test_vllm_embeddings.py``);
 * the same requests against a reference-engine deployment give answers of the same shape,
@@ -220,6 +221,32 @@ def test_n_tools_and_responses_run_on_vllm(vllm_cluster: Cluster) -> None:
 
     resp = client.responses.create(model=model, input="Say something.", max_output_tokens=8)
     assert resp.status in ("completed", "incomplete") and resp.usage.output_tokens > 0  # type: ignore[union-attr]
+
+
+def test_messages_api_runs_on_vllm(vllm_cluster: Cluster) -> None:
+    """Anthropic's Messages API on the vLLM engine: the chat request it means gives the
+    same greedy text, whole and streamed; a named tool is a tool_use block."""
+    import anthropic
+
+    model = vllm_cluster.model_name
+    msgs = [{"role": "user", "content": "Pick three words."}]
+    chat = vllm_cluster.client().chat.completions.create(
+        model=model, messages=msgs, max_tokens=12, temperature=0)  # type: ignore[arg-type]  # fmt: skip
+    c = anthropic.Anthropic(base_url=vllm_cluster.url, api_key="x", max_retries=0)
+    kw = dict(model=model, messages=msgs, max_tokens=12, extra_body={"temperature": 0})
+    msg = c.messages.create(**kw)  # type: ignore[call-overload]
+    assert msg.content[0].text == chat.choices[0].message.content
+    assert msg.usage.output_tokens == chat.usage.completion_tokens  # type: ignore[union-attr]
+    with c.messages.stream(**kw) as s:  # type: ignore[call-overload]
+        assert s.get_final_message().content[0].text == msg.content[0].text
+    params = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 12}}}  # fmt: skip
+    tool = c.messages.create(model=model, messages=msgs, max_tokens=60,  # type: ignore[arg-type]
+                             tools=[{"name": "weather", "input_schema": params}],
+                             tool_choice={"type": "tool", "name": "weather"})  # fmt: skip
+    (call,) = tool.content
+    assert call.type == "tool_use" and call.name == "weather" and tool.stop_reason == "tool_use"
+    jsonschema.validate(call.input, params)
 
 
 def test_a_generation_engine_refuses_embeddings_naming_the_pooling_runner(
