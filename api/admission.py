@@ -182,7 +182,7 @@ class ClientLimitMiddleware:
         n = self._in_flight.get(who, 0)
         if n >= self.max:
             self.metrics.refused.labels("client_limit").inc()
-            await self._refuse(send, scope.get("path", ""))
+            await self._refuse(send, scope)
             return
         self._in_flight[who] = n + 1
         try:
@@ -197,9 +197,9 @@ class ClientLimitMiddleware:
     def _client(self, scope: Scope) -> str:
         return client_id(scope, self.by_key)
 
-    async def _refuse(self, send: Send, path: str) -> None:
+    async def _refuse(self, send: Send, scope: Scope) -> None:
         body = json.dumps(shaped_error(
-            path, 429, f"too many requests in flight for this client (limit {self.max}); "
+            scope, 429, f"too many requests in flight for this client (limit {self.max}); "
             f"retry after {self.retry_after.decode()} s", "requests", None, "rate_limit_exceeded",
         )).encode()  # fmt: skip
         await send({"type": "http.response.start", "status": 429,

@@ -9,6 +9,7 @@ broker that refuses the request, 503; a worker that never answers 504; admission
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -65,11 +66,19 @@ def anthropic_error_body(status: int, message: str, param: str | None = None) ->
     return {"type": "error", "error": err}
 
 
-def shaped_error(path: str, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None) -> dict:  # fmt: skip
-    """An error body in the shape the API at ``path`` answers in: OpenAI's, or
-    Anthropic's on the Messages API."""
-    if anthropic_path(path):
+def anthropic_client(scope: Mapping[str, Any]) -> bool:
+    """Whether a request (its ASGI scope) gets Anthropic's shapes: it is on the Messages
+    API's paths, or sent by an Anthropic client (an ``anthropic-version`` header)."""
+    if anthropic_path(scope.get("path", "")):
+        return True
+    return any(name == b"anthropic-version" for name, _ in scope.get("headers", ()))
+
+
+def shaped_error(scope: Mapping[str, Any], status: int, message: str, type_: str,
+                 param: str | None = None, code: str | None = None) -> dict:  # fmt: skip
+    """An error body in the shape the request (its ASGI scope) is answered in: OpenAI's,
+    or Anthropic's (:func:`anthropic_client`)."""
+    if anthropic_client(scope):
         return anthropic_error_body(status, message, param)
     return error_body(message, type_, param, code)
 
@@ -92,7 +101,7 @@ def _loc_to_param(loc: tuple) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
-        body = shaped_error(request.url.path, exc.status, exc.message, exc.type, exc.param,
+        body = shaped_error(request.scope, exc.status, exc.message, exc.type, exc.param,
                             exc.code)  # fmt: skip
         return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
@@ -106,19 +115,19 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"{param}: {msg}"
         if len(errs) > 1:
             msg += f" (and {len(errs) - 1} more error(s))"
-        body = shaped_error(request.url.path, 400, msg, "invalid_request_error", param,
+        body = shaped_error(request.scope, 400, msg, "invalid_request_error", param,
                             "invalid_value")  # fmt: skip
         return JSONResponse(body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        body = shaped_error(request.url.path, exc.status_code, str(exc.detail), type_)
+        body = shaped_error(request.scope, exc.status_code, str(exc.detail), type_)
         return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
-        body = shaped_error(request.url.path, 500, f"internal error: {type(exc).__name__}",
+        body = shaped_error(request.scope, 500, f"internal error: {type(exc).__name__}",
                             "server_error")  # fmt: skip
         return JSONResponse(body, status_code=500)
 

@@ -66,7 +66,7 @@ class AccessMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
-                    await self._reject(send_wrapper, path)
+                    await self._reject(send_wrapper, scope)
                     self._count(path, 413)
                     return
 
@@ -85,12 +85,12 @@ class AccessMiddleware:
             await self.app(scope, receive_wrapper, send_wrapper)
         except _TooLarge:
             if not status:
-                await self._reject(send_wrapper, path)
+                await self._reject(send_wrapper, scope)
         finally:
             self._count(path, status[0] if status else 500)
 
-    async def _reject(self, send: Send, path: str) -> None:
-        body = json.dumps(shaped_error(path, 413, f"request body exceeds the limit of "
+    async def _reject(self, send: Send, scope: Scope) -> None:
+        body = json.dumps(shaped_error(scope, 413, f"request body exceeds the limit of "
                                        f"{self.limit} bytes", "invalid_request_error", None,
                                        "request_too_large")).encode()  # fmt: skip
         await send(
@@ -137,7 +137,7 @@ class AuthMiddleware:
                 "(or 'x-api-key: <key>')."
             )
         )
-        body = json.dumps(shaped_error(scope.get("path", ""), 401, message,
+        body = json.dumps(shaped_error(scope, 401, message,
                                        "invalid_request_error", None,
                                        "invalid_api_key")).encode()  # fmt: skip
         await send({"type": "http.response.start", "status": 401,

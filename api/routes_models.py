@@ -1,6 +1,10 @@
 """The models served: ``GET /v1/models`` (and one by id), and LoRA adapters added and
 removed at runtime (vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``).
 
+An Anthropic client (an ``anthropic-version`` header) gets Anthropic's shapes: a model
+``{"type": "model", "id", "display_name", "created_at"}``, and a page of them with
+``has_more``, ``first_id`` and ``last_id`` (``limit``, ``after_id``, ``before_id``).
+
 The base model is this deployment's checkpoint; each LoRA adapter is a model of its own
 whose ``parent`` is the base (as vLLM lists them). Adapters live in a Redis registry
 (:class:`cluster.lora.LoraRegistry`), so one loaded through any API replica is listed and
@@ -13,12 +17,13 @@ request.
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from api.errors import OpenAIError, bad_request
+from api.errors import OpenAIError, anthropic_client, bad_request
 from api.state import ApiState, api_state
 from cluster.lora import LoraError, LoraRef, check_name, parse_lora_modules, read_adapter
 
@@ -39,23 +44,44 @@ def _card(st: ApiState, lora: LoraRef | None = None) -> dict:
     }
 
 
+def _anthropic_card(card: dict) -> dict:
+    created = datetime.fromtimestamp(card["created"], UTC).isoformat().replace("+00:00", "Z")
+    return {"type": "model", "id": card["id"], "display_name": card["id"], "created_at": created}
+
+
 @router.get("/v1/models")
-async def list_models(request: Request) -> dict:
+async def list_models(
+    request: Request, limit: int = Query(20, ge=1, le=1000), after_id: str | None = None,
+    before_id: str | None = None,
+) -> dict:  # fmt: skip
     st = api_state(request)
     adapters = await st.loras.all()
-    return {"object": "list", "data": [_card(st)] + [_card(st, a) for a in adapters]}
+    cards = [_card(st)] + [_card(st, a) for a in adapters]
+    if not anthropic_client(request.scope):
+        return {"object": "list", "data": cards}
+    ids = [c["id"] for c in cards]  # Anthropic's page: the models after / before a cursor
+    for name, cursor in (("after_id", after_id), ("before_id", before_id)):
+        if cursor is not None and cursor not in ids:
+            raise bad_request(f"{name} {cursor!r} names no model", name)
+    lo = ids.index(after_id) + 1 if after_id is not None else 0
+    hi = ids.index(before_id) if before_id is not None else len(ids)
+    window = [_anthropic_card(c) for c in cards[lo:hi]]
+    page = window[-limit:] if before_id is not None and after_id is None else window[:limit]
+    return {"data": page, "has_more": len(window) > len(page),
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}  # fmt: skip
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict:
     st = api_state(request)
-    if model == st.settings.model_name:
-        return _card(st)
-    lora = await st.loras.get(model)
-    if lora is None:
+    card = _card(st) if model == st.settings.model_name else None
+    if card is None and (lora := await st.loras.get(model)) is not None:
+        card = _card(st, lora)
+    if card is None:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "invalid_request_error",
                           "model", "model_not_found")  # fmt: skip
-    return _card(st, lora)
+    return _anthropic_card(card) if anthropic_client(request.scope) else card
 
 
 # --------------------------------------------------------------------------------------

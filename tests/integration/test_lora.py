@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -151,6 +152,18 @@ def test_models_lists_the_adapters_and_runtime_loads_reach_every_replica(
                       json={"lora_name": "ad2", "lora_path": str(agg.adapters["ad2"])})  # fmt: skip
     assert load.status_code == 200 and "ad2" in load.text
     assert {m.id for m in b.models.list().data} == {agg.model, "ad1", "ad2"}
+    # an Anthropic client gets Anthropic's model objects, a page at a time
+    ac = anthropic.Anthropic(base_url=agg.urls[1], api_key="x", max_retries=0)
+    page = ac.models.list(limit=2)
+    assert [m.id for m in page.data] == [agg.model, "ad1"] and page.has_more
+    assert page.data[0].type == "model" and page.data[0].created_at.year >= 2026
+    assert [m.id for m in ac.models.list(limit=2)] == [agg.model, "ad1", "ad2"]  # paged on
+    assert [m.id for m in ac.models.list(after_id="ad1").data] == ["ad2"]
+    assert [m.id for m in ac.models.list(before_id="ad2", limit=1).data] == ["ad1"]
+    assert ac.models.retrieve("ad2").id == "ad2"
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        ac.models.retrieve("nope")
+    assert nf.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
     # the other replica serves it at once, with PEFT's tokens
     r = b.completions.create(model="ad2", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
                              temperature=0, logprobs=0,

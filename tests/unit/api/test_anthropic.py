@@ -245,10 +245,14 @@ def test_cut_off_call_keeps_an_object_input() -> None:
 def test_errors_in_anthropics_shape_on_its_paths() -> None:
     assert anthropic_path("/v1/messages") and anthropic_path("/v1/messages/count_tokens")
     assert not anthropic_path("/v1/chat/completions")
-    body = shaped_error("/v1/messages", 429, "slow down", "requests", None, "rate")
+    body = shaped_error({"path": "/v1/messages"}, 429, "slow down", "requests", None, "rate")
     assert body == {"type": "error", "error": {"type": "rate_limit_error", "message": "slow down"}}
-    assert shaped_error("/v1/completions", 400, "bad", "invalid_request_error", "n")["error"][
+    openai_req = {"path": "/v1/completions", "headers": [(b"authorization", b"Bearer k")]}
+    assert shaped_error(openai_req, 400, "bad", "invalid_request_error", "n")["error"][
         "param"] == "n"  # fmt: skip
+    # an Anthropic client's request elsewhere (its models list) gets Anthropic's shape too
+    on_models = {"path": "/v1/models/x", "headers": [(b"anthropic-version", b"2023-06-01")]}
+    assert shaped_error(on_models, 404, "no", "invalid_request_error")["type"] == "error"
     kinds = {s: anthropic_error_body(s, "x")["error"]["type"] for s in (400, 401, 404, 500, 503)}
     assert kinds == {400: "invalid_request_error", 401: "authentication_error",
                      404: "not_found_error", 500: "api_error", 503: "overloaded_error"}  # fmt: skip
