@@ -5,6 +5,7 @@
     GET  /v1/models             the served model                 api.routes_openai
     POST /v1/responses          stream (SSE) and non-stream      api.routes_responses
     POST /v1/messages           Anthropic's Messages API         api.routes_messages
+    /v1/messages/batches        its Message Batches API          api.routes_message_batches
     POST /v1/embeddings         pooled hidden states             api.routes_embeddings
     POST /tokenize, /detokenize vLLM's, in the API alone         api.routes_tokenize
     GET  /health                Redis and the required pools     api.routes_ops
@@ -32,6 +33,7 @@ from api import (
     routes_classify,
     routes_conversations,
     routes_embeddings,
+    routes_message_batches,
     routes_messages,
     routes_models,
     routes_openai,
@@ -152,6 +154,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_openai.router)
     app.include_router(routes_responses.router)
     app.include_router(routes_messages.router)
+    app.include_router(routes_message_batches.router)
     app.include_router(routes_conversations.router)
     app.include_router(routes_embeddings.router)
     app.include_router(routes_scores.router)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from api.errors import OpenAIError, bad_request
-from api.state import api_state
+from api.state import ApiState, api_state
 from tasks.batches import (
     ENDPOINTS,
     QUEUED_S,
@@ -40,7 +40,7 @@ from tasks.files import PURPOSES, DirFileStore
 router = APIRouter()
 
 
-def _store(request: Request) -> DirFileStore:
+def file_store(request: Request) -> DirFileStore:
     return DirFileStore(api_state(request).settings.batch.files_dir)
 
 
@@ -57,18 +57,19 @@ async def upload_file(request: Request, file: UploadFile, purpose: str = Form(..
     if purpose not in PURPOSES:
         raise bad_request(f"purpose {purpose!r} is not one of {', '.join(PURPOSES)}", "purpose")
     data = await file.read()
-    return await asyncio.to_thread(_store(request).put, data, file.filename or "upload", purpose)
+    name = file.filename or "upload"
+    return await asyncio.to_thread(file_store(request).put, data, name, purpose)
 
 
 @router.get("/v1/files")
 async def list_files(request: Request, purpose: str | None = None) -> dict:
-    files = await asyncio.to_thread(_store(request).list, purpose)
+    files = await asyncio.to_thread(file_store(request).list, purpose)
     return {"object": "list", "data": files, "has_more": False}
 
 
 @router.get("/v1/files/{file_id}")
 async def get_file(request: Request, file_id: str) -> dict:
-    meta = await asyncio.to_thread(_store(request).meta, file_id)
+    meta = await asyncio.to_thread(file_store(request).meta, file_id)
     if meta is None:
         raise _not_found("file", file_id, "file_id")
     return meta
@@ -76,7 +77,7 @@ async def get_file(request: Request, file_id: str) -> dict:
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> Response:
-    data = await asyncio.to_thread(_store(request).read, file_id)
+    data = await asyncio.to_thread(file_store(request).read, file_id)
     if data is None:
         raise _not_found("file", file_id, "file_id")
     return Response(data, media_type="application/octet-stream")
@@ -84,7 +85,7 @@ async def file_content(request: Request, file_id: str) -> Response:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(request: Request, file_id: str) -> dict:
-    if not await asyncio.to_thread(_store(request).delete, file_id):
+    if not await asyncio.to_thread(file_store(request).delete, file_id):
         raise _not_found("file", file_id, "file_id")
     return {"id": file_id, "object": "file", "deleted": True}
 
@@ -108,7 +109,7 @@ async def create_batch(body: BatchRequest, request: Request) -> dict:
     if body.completion_window not in WINDOWS:
         raise bad_request(f"completion_window must be one of {', '.join(WINDOWS)}",
                           "completion_window")  # fmt: skip
-    store = _store(request)
+    store = file_store(request)
     data = await asyncio.to_thread(store.read, body.input_file_id)
     if data is None:
         raise _not_found("file", body.input_file_id, "input_file_id")
@@ -117,13 +118,24 @@ async def create_batch(body: BatchRequest, request: Request) -> dict:
     except InvalidInput as e:
         raise bad_request(f"input file {body.input_file_id}: {e}", "input_file_id",
                           "invalid_input_file") from None  # fmt: skip
+    await check_runner(st)
+    batch = new_batch(body.input_file_id, body.endpoint, body.completion_window, len(lines),
+                      body.metadata)  # fmt: skip
+    await queue_batch(st, batch)
+    return batch
+
+
+async def check_runner(st: ApiState) -> None:
+    """A 503 unless a batch runner is live to take a new batch."""
     now_ms = int(time.time() * 1000)
     if not await st.redis.zcount(runners_key(), now_ms, "+inf"):
         raise OpenAIError(503, "no batch runner is running: start `conveyor batch-runner` "
                           "(conveyor serve starts one; compose: --profile batch)",
                           "server_error", None, "no_batch_runner")  # fmt: skip
-    batch = new_batch(body.input_file_id, body.endpoint, body.completion_window, len(lines),
-                      body.metadata)  # fmt: skip
+
+
+async def queue_batch(st: ApiState, batch: dict) -> None:
+    """Record a new batch and queue its task for a runner."""
     pipe = st.redis.pipeline(transaction=False)
     pipe.hset(batch_key(batch["id"]), "b", json.dumps(batch))
     pipe.expire(batch_key(batch["id"]), BATCH_TTL_S)
@@ -131,10 +143,9 @@ async def create_batch(body: BatchRequest, request: Request) -> dict:
     pipe.set(lease_key(batch["id"]), "queued", px=int(QUEUED_S * 1000))
     await pipe.execute()
     await asyncio.to_thread(send, batch["id"])
-    return batch
 
 
-async def _batch(request: Request, batch_id: str) -> dict:
+async def batch_record(request: Request, batch_id: str) -> dict:
     """The Batch object: its record, its live counts, ``cancelling`` once a cancel was asked
     for and until its runner has stopped."""
     st = api_state(request)
@@ -153,21 +164,20 @@ async def _batch(request: Request, batch_id: str) -> dict:
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(request: Request, batch_id: str) -> dict:
-    return await _batch(request, batch_id)
+    return await batch_record(request, batch_id)
 
 
 @router.get("/v1/batches")
 async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> dict:
     st = api_state(request)
     limit = max(1, min(limit, 100))
-    ids = [i.decode() if isinstance(i, bytes) else str(i)
-           for i in await st.redis.zrevrange(batches_key(), 0, -1)]  # fmt: skip
+    ids = await batch_ids(st, "batch_")
     if after is not None and after in ids:
         ids = ids[ids.index(after) + 1 :]
     data = []
     for batch_id in ids[: limit + 1]:
         try:
-            data.append(await _batch(request, batch_id))
+            data.append(await batch_record(request, batch_id))
         except OpenAIError:  # expired
             await st.redis.zrem(batches_key(), batch_id)
     page = data[:limit]
@@ -175,11 +185,19 @@ async def list_batches(request: Request, limit: int = 20, after: str | None = No
             "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}  # fmt: skip
 
 
+async def batch_ids(st: ApiState, prefix: str) -> list[str]:
+    """The batches' ids, newest first: OpenAI's (``batch_``) or Anthropic's
+    (``msgbatch_``), which share the runner and its records."""
+    raw = await st.redis.zrevrange(batches_key(), 0, -1)
+    ids = [i.decode() if isinstance(i, bytes) else str(i) for i in raw]
+    return [i for i in ids if i.startswith(prefix)]
+
+
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
     """Stop a batch: its runner sends no more of its requests, lets those in flight end and
     writes what was answered (status ``cancelling``, then ``cancelled``)."""
     st = api_state(request)
-    await _batch(request, batch_id)  # a 404 for an unknown one
+    await batch_record(request, batch_id)  # a 404 for an unknown one
     await st.redis.hsetnx(batch_key(batch_id), "cancel", int(time.time()))
-    return JSONResponse(await _batch(request, batch_id))
+    return JSONResponse(await batch_record(request, batch_id))

@@ -4,7 +4,7 @@ answer once, in OpenAI's format, a bad request's error in the error file; a batc
 stopped mid-batch hands the batch on and the next one finishes it with no request lost or
 repeated, as does one killed (SIGKILL) once its lease lapses, with no two runners sending
 the same requests (one frozen past its lease stops sending once thawed); a cancel stops a
-batch with what was answered so far."""
+batch with what was answered so far. Anthropic's Message Batches run on the same runner."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -161,6 +162,69 @@ def test_responses_and_batched_prompts_in_batches(deployment: tuple[str, Proc],
     (whole,) = run("/v1/completions", [{"prompt": ["a", "b", "c"], "max_tokens": 4}])
     assert [ch["index"] for ch in whole["choices"]] == [0, 1, 2]
     assert whole["usage"]["completion_tokens"] == 12
+
+
+def _ended(c: anthropic.Anthropic, batch_id: str, timeout: float = 120) -> object:
+    deadline = time.monotonic() + timeout
+    while (b := c.messages.batches.retrieve(batch_id)).processing_status != "ended":
+        assert time.monotonic() < deadline, b
+        time.sleep(0.2)
+    return b
+
+
+def test_message_batches(deployment: tuple[str, Proc], tiny_model_dir: Path) -> None:
+    """Anthropic's Message Batches API on the same runner, with the anthropic client: every
+    request answered once, in order, a failed one as Anthropic's error; a bad request
+    refuses the whole batch; a cancel leaves the unsent ``canceled``; list and delete."""
+    url, _ = deployment
+    c = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    model = tiny_model_dir.name
+
+    def item(i: int, **kw: object) -> dict:
+        params = {"model": model, "max_tokens": 8,
+                  "messages": [{"role": "user", "content": f"question {i}"}], **kw}  # fmt: skip
+        return {"custom_id": f"q-{i}", "params": params}
+
+    requests = [item(i) for i in range(6)] + [item(6, model="no-such-model")]
+    b = c.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    assert b.id.startswith("msgbatch_") and b.type == "message_batch"
+    assert b.processing_status == "in_progress" and b.results_url is None
+    assert b.request_counts.processing == 7
+    done = _ended(c, b.id)
+    assert (done.request_counts.succeeded, done.request_counts.errored) == (6, 1)  # type: ignore[attr-defined]
+    assert done.ended_at is not None and done.results_url  # type: ignore[attr-defined]
+    results = list(c.messages.batches.results(b.id))
+    assert [r.custom_id for r in results] == [f"q-{i}" for i in range(7)]
+    for r in results[:6]:
+        assert r.result.type == "succeeded"
+        msg = r.result.message  # type: ignore[union-attr]
+        assert msg.usage.output_tokens == 8 and msg.stop_reason == "max_tokens"
+    err = results[6].result
+    assert err.type == "errored" and err.error.error.type == "not_found_error"  # type: ignore[union-attr]
+    assert [x.id for x in c.messages.batches.list(limit=5)][0] == b.id
+    # OpenAI's batches and Anthropic's are listed apart
+    assert b.id not in [x.id for x in _client(url).batches.list().data]
+
+    # a request /v1/messages would refuse refuses the batch, naming it: nothing is queued
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.batches.create(requests=[item(0), item(1, max_tokens=0)])  # type: ignore[list-item]
+    assert e.value.body["error"]["param"] == "requests.1.params.max_tokens"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError):  # custom ids are unique
+        c.messages.batches.create(requests=[item(0), item(0)])  # type: ignore[list-item]
+
+    # cancelled at once: what was sent is answered, the rest canceled
+    big = c.messages.batches.create(requests=[item(i) for i in range(40)])  # type: ignore[arg-type]
+    c.messages.batches.cancel(big.id)
+    ended = _ended(c, big.id)
+    counts = ended.request_counts  # type: ignore[attr-defined]
+    assert counts.canceled > 0 and counts.succeeded + counts.canceled == 40
+    kinds = [r.result.type for r in c.messages.batches.results(big.id)]
+    assert kinds.count("canceled") == counts.canceled and "errored" not in kinds
+    assert ended.cancel_initiated_at is not None  # type: ignore[attr-defined]
+
+    assert c.messages.batches.delete(big.id).type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        c.messages.batches.retrieve(big.id)
 
 
 def _run_batch(url: str, model: str, endpoint: str, bodies: list[dict]) -> list[dict]:

@@ -14,15 +14,20 @@ Bounded: ``EXAMPLES`` cases per operation and mode (well under a minute on two c
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from api.errors import anthropic_path
+from tasks.batches import runners_key
 from tests.integration.conftest import (
+    BIN,
     base_env,
+    spawn,
     start_api,
     start_redis,
     start_worker,
@@ -49,15 +54,22 @@ def api_url(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     rproc, rurl = start_redis(d)
     env = base_env(rurl, tiny_model_dir, CONVEYOR_ENGINE="mock", CONVEYOR_MOCK__SPEEDUP="200",
                    CONVEYOR_MEDIA_FETCH_TIMEOUT_S="1", CONVEYOR_FIRST_FRAME_TIMEOUT_S="20",
-                   CONVEYOR_MAX_MODEL_LEN="512")  # fmt: skip
+                   CONVEYOR_MAX_MODEL_LEN="512", CONVEYOR_FILES_DIR=str(d / "files"))  # fmt: skip
     procs = [rproc]
     try:
         with stop_on_error(*procs):
             procs.append(start_worker("fuzz-w", "generate", "fuzz-w", env, d))
             api, url = start_api("fuzz-api", env, d)
             procs.append(api)
+            # a batch runner, so that a valid batch is taken (not a 503 for want of one)
+            env["CONVEYOR_BATCH_API_URL"] = url
+            procs.append(spawn("fuzz-batch-runner", [str(BIN / "conveyor"), "batch-runner"],
+                               env, d))  # fmt: skip
             wait_for(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, 60,
                      "a live worker", procs)  # fmt: skip
+            r = redis.Redis.from_url(rurl)
+            wait_for(lambda: r.zcount(runners_key(), int(time.time() * 1000), "+inf"), 60,
+                     "a live batch runner", procs)  # fmt: skip
         yield url
     finally:
         for p in reversed(procs):
