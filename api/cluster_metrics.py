@@ -63,6 +63,11 @@ class ClusterCollector:
         self._workers = workers
         self._depths = depths
 
+    @property
+    def workers(self) -> list[HeartbeatReport]:
+        """The live workers' reports, as of the last :meth:`refresh`."""
+        return self._workers
+
     def collect(self) -> Iterator[Metric]:
         yield from self._queue_depths()
         yield from planner_families(self._planner)

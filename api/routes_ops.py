@@ -2,7 +2,8 @@
 
 ``/health`` is 200 when Redis answers and every pool the mode requires has a live worker
 (the stage table's required pools), else 503; its body lists the live workers per pool.
-``/metrics`` exports the API's own metrics and the cluster's, read from Redis per scrape.
+``/metrics`` exports the API's own metrics and the cluster's, read from Redis per scrape,
+and the same under vLLM's names (:mod:`api.vllm_metrics`).
 ``POST /reset_prefix_cache`` (vLLM's) and ``POST /clear_kv_blocks`` (Dynamo's) make every
 live engine worker forget its cached prefixes: one command on
 :data:`cluster.keys.CONTROL_CHANNEL`, each worker's engine process answering in the
@@ -20,9 +21,11 @@ import time
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import Metric
 
 from api.errors import OpenAIError, bad_request
 from api.state import api_state
+from api.vllm_metrics import vllm_families
 from cluster.keys import CONTROL_CHANNEL, control_reply_key
 
 log = logging.getLogger(__name__)
@@ -51,8 +54,19 @@ async def prometheus(request: Request) -> Response:
         await st.cluster.refresh(st.redis, st.runner.router)
     except Exception as e:  # noqa: BLE001 - still export the API's own metrics
         log.warning("cluster metrics unavailable: %s", e)
-    return Response(generate_latest(st.metrics.exposed(st.cluster)),
-                    media_type=CONTENT_TYPE_LATEST)  # fmt: skip
+    families = list(st.metrics.exposed(st.cluster).collect())
+    families += vllm_families(families, st.cluster.workers, st.settings.model_name)
+    return Response(generate_latest(_Exported(families)), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Exported:
+    """Families collected already, as the registry generate_latest reads."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
 
 
 RESET_TIMEOUT_S = 30.0  # how long the workers have to answer a reset

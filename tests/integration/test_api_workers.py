@@ -80,6 +80,10 @@ def test_two_api_processes_share_the_port_and_the_metrics(
         # either process answers /metrics with both processes' counts
         wait_for(lambda: _requests_total(url) == len(ids), 10, "the summed request count")
         assert all(_requests_total(url) == len(ids) for _ in range(6))
+        # and vLLM's names for the same summed counters
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        gen = re.findall(r'^vllm:generation_tokens_total\{model_name="[^"]+"\} (\S+)$', text, re.M)
+        assert [float(v) for v in gen] == [6.0 * len(ids)], gen
         # per-request lines are off by default: none in the API's or the worker's log
         assert not re.search(r"\] sent generate", api.log.read_text())
         worker_log = worker.log.read_text()

@@ -14,6 +14,7 @@ import openai
 import pytest
 import redis
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
 from cluster.index import KVIndex
@@ -72,6 +73,46 @@ def test_models_health_metrics_docs(cluster: Cluster) -> None:
     assert httpx.get(f"{cluster.url}/docs").status_code == 200
     spec = httpx.get(f"{cluster.url}/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+
+
+def _total(m: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    return sum(v for (n, lab), v in m.items()
+               if n == name and set(labels.items()) <= set(lab))  # fmt: skip
+
+
+def test_metrics_under_vllms_names(cluster: Cluster) -> None:
+    """/metrics carries vLLM's names beside Conveyor's: the API's counters and histograms
+    move with a request as Conveyor's do, and each worker's engine state is there."""
+    model = {"model_name": cluster.model_name}
+    before = _scrape(cluster.url)
+    r = cluster.client().chat.completions.create(
+        model=cluster.model_name, messages=[{"role": "user", "content": "metrics?"}],
+        max_tokens=5, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    after = _scrape(cluster.url)
+
+    def grew(name: str, **labels: str) -> float:
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    assert grew("vllm:prompt_tokens_total", **model) == r.usage.prompt_tokens  # type: ignore[union-attr]
+    assert grew("vllm:generation_tokens_total", **model) == 5
+    assert grew("vllm:request_success_total", finished_reason="length", **model) == 1
+    for theirs, ours in (("time_to_first_token_seconds", "time_to_first_token_seconds"),
+                         ("e2e_request_latency_seconds", "request_latency_seconds")):  # fmt: skip
+        assert grew(f"vllm:{theirs}_count", **model) == grew(f"conveyor_{ours}_count") == 1
+    workers = {dict(lab)["worker"] for (n, lab) in after if n == "vllm:num_requests_running"}
+    assert workers == {"itest-w0", "itest-w1"}
+    usage = [v for (n, _), v in after.items() if n == "vllm:kv_cache_usage_perc"]
+    assert len(usage) == 2 and all(0.0 <= u <= 1.0 for u in usage)
+    # the engines' prefix-cache counters reach /metrics with their next heartbeat
+    wait_for(lambda: _total(_scrape(cluster.url), "vllm:prefix_cache_queries_total")
+             - _total(before, "vllm:prefix_cache_queries_total") >= r.usage.prompt_tokens,  # type: ignore[union-attr]
+             15, "the prompt counted by the prefix cache")  # fmt: skip
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
