@@ -444,6 +444,28 @@ def _arguments(text: str, name: str) -> dict:
     return args
 
 
+def cursor_page(ids: list[str], limit: int, after_id: str | None,
+                before_id: str | None) -> tuple[list[str], bool]:  # fmt: skip
+    """Anthropic's cursor paging over ``ids`` (in listing order): the page after
+    ``after_id``, or the last ``limit`` before ``before_id``, and whether more lie beyond
+    it; a 400 for a cursor not in ``ids``."""
+    for name, cursor in (("after_id", after_id), ("before_id", before_id)):
+        if cursor is not None and cursor not in ids:
+            raise bad_request(f"{name} {cursor!r} names nothing listed", name)
+    lo = ids.index(after_id) + 1 if after_id is not None else 0
+    hi = ids.index(before_id) if before_id is not None else len(ids)
+    window = ids[lo:hi]
+    page = window[-limit:] if before_id is not None and after_id is None else window[:limit]
+    return page, len(window) > len(page)
+
+
+def page_body(items: list[dict], has_more: bool) -> dict:
+    """A page of Anthropic's list endpoints."""
+    return {"data": items, "has_more": has_more,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None}  # fmt: skip
+
+
 def _event(kind: str, **fields: object) -> dict:
     return {"type": kind, **fields}
 

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.anthropic import MessagesRequest
+from api.anthropic import MessagesRequest, cursor_page, page_body
 from api.errors import OpenAIError, anthropic_error_body, bad_request
 from api.routes_batches import (
     batch_ids,
@@ -122,19 +122,14 @@ async def list_message_batches(
 ) -> dict:  # fmt: skip
     """The batches, newest first, a page after ``after_id`` or before ``before_id``."""
     ids = await batch_ids(api_state(request), PREFIX)
-    lo = ids.index(after_id) + 1 if after_id in ids else 0
-    hi = ids.index(before_id) if before_id in ids else len(ids)
-    window = ids[lo:hi]
-    chosen = window[-limit:] if before_id is not None and after_id is None else window[:limit]
+    chosen, has_more = cursor_page(ids, limit, after_id, before_id)
     page = []
     for batch_id in chosen:
         try:
             page.append(_message_batch(request, await batch_record(request, batch_id)))
         except OpenAIError:  # expired since it was listed
             continue
-    return {"data": page, "has_more": len(window) > len(chosen),
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None}  # fmt: skip
+    return page_body(page, has_more)
 
 
 @router.post("/v1/messages/batches/{batch_id}/cancel")

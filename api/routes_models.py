@@ -23,6 +23,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
+from api.anthropic import cursor_page, page_body
 from api.errors import OpenAIError, anthropic_client, bad_request
 from api.state import ApiState, api_state
 from cluster.lora import LoraError, LoraRef, check_name, parse_lora_modules, read_adapter
@@ -59,17 +60,9 @@ async def list_models(
     cards = [_card(st)] + [_card(st, a) for a in adapters]
     if not anthropic_client(request.scope):
         return {"object": "list", "data": cards}
-    ids = [c["id"] for c in cards]  # Anthropic's page: the models after / before a cursor
-    for name, cursor in (("after_id", after_id), ("before_id", before_id)):
-        if cursor is not None and cursor not in ids:
-            raise bad_request(f"{name} {cursor!r} names no model", name)
-    lo = ids.index(after_id) + 1 if after_id is not None else 0
-    hi = ids.index(before_id) if before_id is not None else len(ids)
-    window = [_anthropic_card(c) for c in cards[lo:hi]]
-    page = window[-limit:] if before_id is not None and after_id is None else window[:limit]
-    return {"data": page, "has_more": len(window) > len(page),
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None}  # fmt: skip
+    by_id = {c["id"]: c for c in cards}
+    ids, has_more = cursor_page(list(by_id), limit, after_id, before_id)
+    return page_body([_anthropic_card(by_id[i]) for i in ids], has_more)
 
 
 @router.get("/v1/models/{model:path}")

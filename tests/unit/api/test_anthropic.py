@@ -16,6 +16,7 @@ from api.anthropic import (
     MessagesBody,
     MessagesRequest,
     chat_request,
+    cursor_page,
     message_body,
     stop_of,
     usage_body,
@@ -269,3 +270,16 @@ def test_presented_key_reads_either_header() -> None:
     assert presented_key(scope((b"authorization", b"Basic zz"), (b"x-api-key", b"k3"))) == b"k3"
     assert presented_key(scope((b"authorization", b"k4"))) == b""
     assert presented_key(scope()) == b""
+
+
+def test_cursor_pages() -> None:
+    ids = ["a", "b", "c", "d", "e"]
+    assert cursor_page(ids, 2, None, None) == (["a", "b"], True)
+    assert cursor_page(ids, 2, "b", None) == (["c", "d"], True)
+    assert cursor_page(ids, 2, "c", None) == (["d", "e"], False)
+    assert cursor_page(ids, 2, None, "d") == (["b", "c"], True)  # the last 2 before d
+    assert cursor_page(ids, 5, None, "c") == (["a", "b"], False)
+    assert cursor_page(ids, 5, "a", "d") == (["b", "c"], False)
+    with pytest.raises(OpenAIError) as e:
+        cursor_page(ids, 2, "zz", None)
+    assert e.value.param == "after_id"
