@@ -308,5 +308,10 @@ def combined_usage(usages: list[Usage | None], n: int | None = None) -> Usage | 
     n = n or len(usages)
     firsts = [u for g in range(0, len(usages), n)
               if (u := next((x for x in usages[g:g + n] if x is not None), None))]  # fmt: skip
-    return Usage(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in got),
-                 sum(u.cached_tokens for u in firsts))  # fmt: skip
+    out = Usage(sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in got),
+                sum(u.cached_tokens for u in firsts))  # fmt: skip
+    predicted = [u for u in got if u.accepted_prediction_tokens is not None]
+    if predicted:  # every choice's drafts from its prediction
+        out.accepted_prediction_tokens = sum(u.accepted_prediction_tokens or 0 for u in predicted)
+        out.rejected_prediction_tokens = sum(u.rejected_prediction_tokens or 0 for u in predicted)
+    return out

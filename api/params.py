@@ -50,6 +50,7 @@ def sampling_of(req: Request, max_tokens: int, builder: PromptBuilder) -> Sampli
         structured=structured_of(req),
         skip_special_tokens=req.skip_special_tokens,
         cache_salt=req.cache_salt,
+        prediction=_prediction(getattr(req, "prediction", None), builder),
     )
 
 
@@ -131,6 +132,34 @@ def _allowed(ids: list[int] | None, builder: PromptBuilder) -> list[int] | None:
     if not ids:
         raise bad_request("allowed_token_ids must not be empty", "allowed_token_ids")
     return sorted(set(_token_ids(ids, builder, "allowed_token_ids")))
+
+
+# the longest predicted output taken, in tokens (OpenAI sets none; this bounds the index)
+MAX_PREDICTION_TOKENS = 32768
+
+
+def _prediction(prediction: dict | None, builder: PromptBuilder) -> list[int] | None:
+    """OpenAI's ``prediction`` (``{"type": "content", "content": <text or text parts>}``)
+    as the token ids the output is expected to repeat."""
+    if prediction is None:
+        return None
+    if prediction.get("type") != "content":
+        raise bad_request("prediction.type must be 'content'", "prediction.type")
+    content = prediction.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):  # fmt: skip
+            raise bad_request("prediction.content parts must be text parts",
+                              "prediction.content")  # fmt: skip
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad_request("prediction.content must be a string or text parts",
+                          "prediction.content")  # fmt: skip
+    ids = builder.tokenizer.encode(content, add_special_tokens=False).ids
+    if len(ids) > MAX_PREDICTION_TOKENS:
+        raise bad_request(f"prediction.content is longer than {MAX_PREDICTION_TOKENS} tokens",
+                          "prediction.content")  # fmt: skip
+    return ids or None
 
 
 def _bad_words(words: list[str], builder: PromptBuilder) -> list[list[int]]:

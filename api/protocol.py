@@ -158,6 +158,9 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's: how hard a reasoning model thinks; the chat template's reasoning_effort
     # variable, as vLLM passes it (a template that does not read it ignores it)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # OpenAI's predicted output: text the answer is expected to mostly repeat, drafted from
+    # for speculative decoding (workers.spec_decode)
+    prediction: dict | None = None
 
     def template_kwargs(self) -> dict | None:
         """The template's extra variables: chat_template_kwargs, and reasoning_effort

@@ -65,12 +65,18 @@ SSE_DONE = b"data: [DONE]\r\n\r\n"
 def usage_body(u: Usage | None) -> dict:
     """OpenAI's usage object for a stream's terminal frame's usage."""
     u = u or Usage()
-    return {
+    body: dict = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if u.accepted_prediction_tokens is not None:  # a predicted output was drafted from
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": u.accepted_prediction_tokens,
+            "rejected_prediction_tokens": u.rejected_prediction_tokens,
+        }
+    return body
 
 
 class Formatter:

@@ -267,6 +267,10 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # a predicted output's draft tokens the model accepted and rejected (OpenAI's
+    # completion_tokens_details); None where no prediction was used
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
 
 # Error codes of a request the engine refuses as it stands (the caller's to fix): their
@@ -331,6 +335,9 @@ class TokenFrame:
                 d["usage"] = {"prompt_tokens": u.prompt_tokens,
                               "completion_tokens": u.completion_tokens,
                               "cached_tokens": u.cached_tokens}  # fmt: skip
+                if u.accepted_prediction_tokens is not None:
+                    d["usage"]["prediction"] = [u.accepted_prediction_tokens,
+                                                u.rejected_prediction_tokens]  # fmt: skip
         return orjson.dumps(d)
 
     @classmethod
@@ -348,6 +355,9 @@ class TokenFrame:
         if u:
             frame.usage = Usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
                                 u.get("cached_tokens", 0))  # fmt: skip
+            if pred := u.get("prediction"):
+                usage = frame.usage
+                usage.accepted_prediction_tokens, usage.rejected_prediction_tokens = pred
         e = d.get("error")
         if e:
             frame.error = FrameError(e.get("message") or "generation failed",
@@ -447,6 +457,10 @@ class Sampling(BaseModel):
     # vLLM's cache_salt: the request's blocks are named in a namespace of their own
     # (model_namespace), so its prefix is shared only with requests of the same salt
     cache_salt: str | None = None
+    # OpenAI's predicted output (``prediction``), as token ids: the text the output is
+    # expected to mostly repeat, drafted from for speculative decoding where the engine
+    # speculates (workers.spec_decode); a hint, never a constraint
+    prediction: list[int] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Sampling:

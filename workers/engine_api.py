@@ -128,6 +128,8 @@ class RequestOutput:
     kv_block_ids: list[int] | None = None
     kv_transfer_params: dict | None = None  # vLLM prefill: where its connector keeps the KV
     timing: EngineTiming | None = None  # a finished request's, where the engine keeps it
+    # a finished request's predicted-output drafts (accepted, rejected), where it drafted
+    prediction: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

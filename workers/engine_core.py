@@ -43,7 +43,15 @@ from workers.engine_api import (
 )
 from workers.output_processor import OutputProcessor, Verdict, finished, timing_of
 from workers.scheduler import Scheduler, Seq
-from workers.spec_decode import NgramIndex, SpecConfig, SpecStats, accepted, eligible
+from workers.spec_decode import (
+    PREDICTION_DRAFT_TOKENS,
+    NgramIndex,
+    PredictionTracker,
+    SpecConfig,
+    SpecStats,
+    accepted,
+    eligible,
+)
 
 if TYPE_CHECKING:
     from workers.structured import Constraint, StructuredOutputs
@@ -97,6 +105,7 @@ class EngineCore:
             self.spec = None
         self.spec_stats = SpecStats()
         self._drafts: dict[str, list[int]] = {}
+        self._predicted: set[str] = set()  # of those, the ones drafted from a prediction
         self._spec_picks: dict[str, list[int]] = {}
 
     # --- what a subclass provides ---------------------------------------------------------
@@ -248,7 +257,8 @@ class EngineCore:
             return dropped
         self.num_steps += 1
         batch = [(seq, seq.num_computed, seq.num_computed + n) for seq, n in scheduled]
-        if self.spec is not None:
+        if self.spec is not None or (self.speculates and any(
+                seq.req.params.prediction for seq, _, _ in batch)):  # fmt: skip
             batch = self._speculate(batch)
         sampled = [seq for seq, _, end in batch if end == seq.num_tokens]
         self._count_step(batch)
@@ -307,30 +317,45 @@ class EngineCore:
 
     # --- speculative decoding (workers.spec_decode) -------------------------------------
     def _speculate(self, batch: list[tuple[Seq, int, int]]) -> list[tuple[Seq, int, int]]:
-        """Each decoding sequence that can take drafts gets them (from its own context)
-        behind its last token, in its blocks and in this step's chunk."""
+        """Each decoding sequence that can take drafts gets them (from its predicted
+        output, else from its own context) behind its last token, in its blocks and in
+        this step's chunk."""
         spec = self.spec
-        assert spec is not None, "speculation off"
         out = []
         for seq, start, end in batch:
             if end - start == 1 and end == seq.num_tokens and start >= seq.num_prompt \
                     and not seq.req.prefill_only and eligible(seq):  # fmt: skip
-                p = seq.req.params
-                k = min(spec.num_speculative_tokens, p.max_tokens - len(seq.output_ids) - 1,
-                        self.max_model_len - seq.num_tokens - 1)  # fmt: skip
-                if k > 0:
-                    if seq.ngrams is None:
-                        seq.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-                    drafts = seq.ngrams.propose(seq.token_ids, k)
-                    if drafts and self.scheduler.kv.allocate_slots(
-                            seq.id, end + len(drafts)) is not None:  # fmt: skip
-                        seq.token_ids.extend(drafts)
-                        self._drafts[seq.id] = drafts
-                        self.spec_stats.drafts += 1
-                        self.spec_stats.draft_tokens += len(drafts)
-                        end += len(drafts)
+                drafts = self._drafts_for(seq, spec)
+                if drafts and self.scheduler.kv.allocate_slots(
+                        seq.id, end + len(drafts)) is not None:  # fmt: skip
+                    seq.token_ids.extend(drafts)
+                    self._drafts[seq.id] = drafts
+                    self.spec_stats.drafts += 1
+                    self.spec_stats.draft_tokens += len(drafts)
+                    end += len(drafts)
             out.append((seq, start, end))
         return out
+
+    def _drafts_for(self, seq: Seq, spec: SpecConfig | None) -> list[int]:
+        """``seq``'s drafts for this step: its predicted output's next tokens, else (with
+        n-gram speculation on) its context's; none past its max_tokens or the window."""
+        p = seq.req.params
+        k = min(spec.num_speculative_tokens if spec is not None else PREDICTION_DRAFT_TOKENS,
+                p.max_tokens - len(seq.output_ids) - 1,
+                self.max_model_len - seq.num_tokens - 1)  # fmt: skip
+        if k <= 0:
+            return []
+        if p.prediction:
+            if seq.prediction is None:
+                seq.prediction = PredictionTracker(p.prediction)
+            if drafts := seq.prediction.propose(seq.output_ids, k):
+                self._predicted.add(seq.id)
+                return drafts
+        if spec is None:
+            return []
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return seq.ngrams.propose(seq.token_ids, k)
 
     def _verify(
         self, batch: list[tuple[Seq, int, int]], sampled: list[Seq], tokens: list[int]
@@ -347,6 +372,11 @@ class EngineCore:
                 picks = self._spec_picks.pop(seq.id) + [last[seq.id]]
                 toks = accepted(drafts, picks)
                 spoken[seq.id] = (start, toks)
+                if seq.id in self._predicted:  # drafted from its predicted output
+                    self._predicted.discard(seq.id)
+                    assert seq.prediction is not None
+                    seq.prediction.accepted += len(toks) - 1
+                    seq.prediction.rejected += len(drafts) - (len(toks) - 1)
                 end = start + len(toks)  # the last token's KV and the accepted drafts'
                 del seq.token_ids[end:]
                 self.spec_stats.accepted_tokens += len(toks) - 1
@@ -376,6 +406,7 @@ class EngineCore:
             if self._drafts.pop(seq.id, None) is not None:
                 del seq.token_ids[start + 1 :]
         self._spec_picks.clear()
+        self._predicted.clear()
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         outs = []

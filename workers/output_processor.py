@@ -83,6 +83,9 @@ def finished(
         num_output_tokens=len(seq.output_ids),
         num_cached_tokens=seq.num_cached,
         timing=timing_of(seq),
+        prediction=(seq.prediction.accepted, seq.prediction.rejected)
+        if seq.prediction is not None
+        else None,
     )
 
 

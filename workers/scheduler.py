@@ -53,7 +53,7 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.engine_api import EngineConfig, EngineRequest, KVSource
 
 if TYPE_CHECKING:
-    from workers.spec_decode import NgramIndex
+    from workers.spec_decode import NgramIndex, PredictionTracker
     from workers.structured import Constraint
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class Seq:
     sampling: object | None = None  # the engine's per-request sampling state
     adapter: object | None = None  # the engine's loaded LoRA adapter (req.lora's weights)
     ngrams: NgramIndex | None = None  # its n-gram index, when it speculates (spec_decode)
+    prediction: PredictionTracker | None = None  # its predicted output's place (spec_decode)
 
     @property
     def whole_prompt(self) -> bool:

@@ -18,6 +18,15 @@ a time (the same distribution, not the same draws as without speculation: a seed
 request still reproduces itself). Requests whose logits anything else shapes or records
 (penalties, biases, allowed or banned tokens, ``min_tokens``, a grammar, logprobs, a forced
 first token) decode one token a step beside them.
+
+**Predicted outputs** (OpenAI's ``prediction``: text the output is expected to mostly
+repeat, as when a file is rewritten with a few edits) give drafts too, on any engine that
+speculates and whether or not n-gram speculation is configured: a
+:class:`PredictionTracker` follows where the output is in the prediction and drafts the
+prediction's next tokens; after an edit it finds its place again from the output's last
+few tokens. A sequence with a prediction drafts from it first, then from its own context.
+What was drafted from the prediction and accepted or rejected is the request's
+``accepted_prediction_tokens`` / ``rejected_prediction_tokens``.
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ if TYPE_CHECKING:
     from workers.scheduler import Seq
 
 SPEC_METHODS = ("ngram",)
+# draft tokens per step from a predicted output where no speculative config sets them
+PREDICTION_DRAFT_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,51 @@ class NgramIndex:
             if at is not None:
                 return tokens[at + 1 : at + 1 + k]
         return []
+
+
+@dataclass(slots=True)
+class PredictionTracker:
+    """Where a sequence's output stands in its predicted output (``ids``): the next
+    output token is expected at ``ids[pos]`` (``None``: lost after an edit). Lost, it is
+    found again after the longest of the output's last ``SYNC`` tokens that occurs in the
+    prediction, at the occurrence nearest after where it was last."""
+
+    SYNC = 3
+
+    ids: list[int]
+    pos: int | None = 0
+    seen: int = 0  # output tokens followed so far
+    last: int = 0  # the last place it was found
+    accepted: int = 0  # draft tokens from the prediction the model accepted
+    rejected: int = 0
+    _where: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for n in range(1, self.SYNC + 1):  # each n-gram's end positions, in order
+            for end in range(n, len(self.ids) + 1):
+                self._where.setdefault(tuple(self.ids[end - n : end]), []).append(end)
+
+    def propose(self, output: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens of the prediction after the output's place in it."""
+        for tok in output[self.seen :]:
+            if self.pos is not None and self.pos < len(self.ids) and self.ids[self.pos] == tok:
+                self.pos += 1
+            else:
+                self.pos = None
+        self.seen = len(output)
+        if self.pos is None:
+            self.pos = self._find(output)
+        if self.pos is None:
+            return []
+        self.last = self.pos
+        return self.ids[self.pos : self.pos + k]
+
+    def _find(self, output: list[int]) -> int | None:
+        for n in range(min(self.SYNC, len(output)), 0, -1):
+            ends = self._where.get(tuple(output[-n:]))
+            if ends:
+                return next((e for e in ends if e >= self.last), ends[-1])
+        return None
 
 
 def eligible(seq: Seq) -> bool:

@@ -48,6 +48,8 @@ def output_frame(out: RequestOutput, seq: int) -> TokenFrame:
         return TokenFrame(seq, out.token_ids, out.text, logprobs=out.logprobs,
                           prompt_logprobs=out.prompt_logprobs)  # fmt: skip
     usage = Usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+    if out.prediction is not None:
+        usage.accepted_prediction_tokens, usage.rejected_prediction_tokens = out.prediction
     if out.finish_reason == "error":
         frame = TokenFrame.failure(seq, out.error or "generation failed",
                                    out.error_code or "engine_error", usage,

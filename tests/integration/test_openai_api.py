@@ -115,6 +115,44 @@ def test_metrics_under_vllms_names(cluster: Cluster) -> None:
              15, "the prompt counted by the prefix cache")  # fmt: skip
 
 
+def test_predicted_outputs(cluster: Cluster, hf: tuple) -> None:
+    """OpenAI's ``prediction``: the answer is the greedy answer without it (HF's), drafted
+    from the prediction by the reference engine (no speculative config needed), and usage
+    says how many of its tokens were accepted and rejected, streamed and not. A prediction
+    is text, matched as its tokens: the prompt is one whose greedy output (of the tiny
+    random model, which often writes tokens its tokenizer would split otherwise) reads back
+    as the same tokens."""
+    c = cluster.client()
+    msgs = [{"role": "user", "content": "Fix the typo."}]
+    ids = hf[0].apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    n = 32
+    out_ids = hf_greedy(hf, ids, n)
+    want = hf[0].decode(out_ids, skip_special_tokens=True)
+    assert hf[0].encode(want, add_special_tokens=False) == out_ids  # its text round-trips
+    kw = dict(model=cluster.model_name, messages=msgs, max_tokens=n, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    plain = c.chat.completions.create(**kw)  # type: ignore[call-overload]
+    assert plain.choices[0].message.content == want
+    assert plain.usage.completion_tokens_details is None  # no prediction, no counts
+    edited = want[: len(want) // 2] + " EDIT " + want[len(want) // 2 + 3 :]
+    for prediction, all_right in ((want, True), (edited, False)):
+        r = c.chat.completions.create(prediction={"type": "content", "content": prediction},
+                                      **kw)  # type: ignore[call-overload]  # fmt: skip
+        assert r.choices[0].message.content == want
+        d = r.usage.completion_tokens_details
+        assert d.accepted_prediction_tokens > n / 2, d
+        assert (d.rejected_prediction_tokens == 0) == all_right, d
+    chunks = list(c.chat.completions.create(
+        prediction={"type": "content", "content": [{"type": "text", "text": want}]},
+        stream=True, stream_options={"include_usage": True}, **kw))  # type: ignore[call-overload]  # fmt: skip
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > n / 2
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(prediction={"type": "diff", "content": "x"}, **kw)  # type: ignore[call-overload]
+    assert e.value.body["param"] == "prediction.type"  # type: ignore[index]
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_completion_matches_hf_generate(cluster: Cluster, hf: tuple, prompt: str) -> None:
     n = 24

@@ -107,6 +107,10 @@ def test_frames_survive_the_wire() -> None:
     vec = TokenFrame(0, [], "", True, "stop", None, Usage(7, 0, 0), embedding="AACAPwAAAEA=")
     assert TokenFrame.decode(vec.encode()) == vec
     assert b"embedding" not in done.encode()
+    # a predicted output's counts, only where it was drafted from
+    predicted = TokenFrame(5, [1], "d", True, "length", None, Usage(5, 6, 2, 4, 1))
+    assert TokenFrame.decode(predicted.encode()) == predicted
+    assert b"prediction" not in done.encode()
 
 
 def test_one_namespace_function_for_the_api_and_the_pools() -> None:

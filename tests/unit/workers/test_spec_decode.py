@@ -14,7 +14,7 @@ from tasks.settings import Settings, engine_config
 from tests.unit.workers.test_engine import _run as run_all
 from workers.engine import Engine
 from workers.engine_api import EngineRequest, RequestOutput
-from workers.spec_decode import NgramIndex, SpecConfig, accepted
+from workers.spec_decode import NgramIndex, PredictionTracker, SpecConfig, accepted
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}  # fmt: skip
@@ -227,3 +227,51 @@ def test_the_vllm_engine_gets_the_same_setting_as_its_flag() -> None:
     s = Settings(speculative_config=spec, vllm={"speculative_config": own})
     assert _vllm_options(s)["speculative_config"] == own  # CONVEYOR_VLLM__* says more
     assert "speculative_config" not in _vllm_options(Settings())
+
+
+# --------------------------------------------------------------------------------------
+# Predicted outputs (OpenAI's ``prediction``)
+
+
+def _predicted(rid: str, prompt: list[int], prediction: list[int] | None, n: int,
+               **kw: object) -> EngineRequest:  # fmt: skip
+    return EngineRequest(rid, prompt, Sampling(max_tokens=n, temperature=0, ignore_eos=True,
+                                               prediction=prediction, **kw))  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_prediction_drafts_without_a_speculative_config(model_and_tok) -> None:  # type: ignore[no-untyped-def]
+    """The same greedy tokens with a prediction as without one; a prediction that is the
+    output itself has (nearly) all its drafts accepted, one with an edit in the middle
+    finds its place again after it, and one of other tokens has its drafts rejected."""
+    n = 40
+    prompt = _prompt(30, 3)
+    (want,) = _tokens(_run(_engine(model_and_tok, None), [_predicted("p", prompt, None, n)])
+                      ).values()  # fmt: skip
+    edited = want[:15] + [7, 8, 9] + want[18:]  # three tokens of the middle changed
+    other = _prompt(n, 8)[1:]
+    e = _engine(model_and_tok, None)
+    outs = _run(e, [_predicted("same", prompt, want, n), _predicted("edit", prompt, edited, n),
+                    _predicted("other", prompt, other, n),
+                    _predicted("lp", prompt, want, n, logprobs=1)])  # fmt: skip
+    assert all(toks == want for toks in _tokens(outs).values())
+    pred = {rid: os_[-1].prediction for rid, os_ in outs.items()}
+    acc, rej = pred["same"]  # type: ignore[misc]
+    # every draft right: each step after the first gives its drafts and one token more
+    assert rej == 0 and acc == n - len(outs["same"]) and len(outs["same"]) <= n / 8 + 1
+    acc_e, rej_e = pred["edit"]  # type: ignore[misc]
+    assert rej_e > 0 and acc_e >= n - 2 - 3 - 8  # lost at the edit, found again after it
+    assert pred["other"] is not None and pred["other"][0] < 5  # type: ignore[index]
+    assert pred["lp"] is None  # logprobs: one token a step, no drafts
+    assert e.spec_stats.drafts > 0
+
+
+def test_the_prediction_tracker() -> None:
+    t = PredictionTracker([10, 11, 12, 13, 14, 15, 16, 17])
+    assert t.propose([], 3) == [10, 11, 12]
+    assert t.propose([10, 11], 3) == [12, 13, 14]
+    assert t.propose([10, 11, 99], 3) == []  # an edit: lost, nothing matches its tail
+    assert t.propose([10, 11, 99, 14], 2) == [15, 16]  # found again after "14"
+    assert t.propose([10, 11, 99, 14, 15, 16, 17], 4) == []  # at its end
+    rep = PredictionTracker([1, 2, 3, 1, 2, 4])  # an n-gram twice: the place after the last
+    assert rep.propose([1, 2, 3], 2) == [1, 2]
+    assert rep.propose([1, 2, 3, 1, 2, 9, 1, 2], 2) == [4]  # the later "1 2", not the first
