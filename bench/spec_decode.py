@@ -12,6 +12,13 @@ every request's first token), engine steps, and the share of draft tokens accept
 median of ``--rounds`` rounds. The tokens of every setting are checked equal to those
 without speculation (greedy: they must be). ``--temperature T`` samples instead (seeded;
 drafts go through rejection sampling, so the tokens are not compared).
+
+    python bench/spec_decode.py --prediction           # predicted outputs too
+
+``--prediction`` adds two settings with speculation off but a predicted output (OpenAI's
+``prediction``) per request: the tokens the request gives without one (``exact``), and
+those tokens with one changed in every ``--edit-every`` (``edited``): what an edit of a
+file that is mostly repeated looks like.
 """
 
 from __future__ import annotations
@@ -36,11 +43,13 @@ from workers.model_init import init_model, is_model_dir  # noqa: E402
 
 
 def run(engine: Engine, prompts: list[list[int]], out_len: int, tag: str,
-        temperature: float = 0.0) -> tuple[float, int, dict[str, list[int]]]:  # fmt: skip
+        temperature: float = 0.0, predictions: list[list[int]] | None = None,
+        ) -> tuple[float, int, dict[str, list[int]]]:  # fmt: skip
     """(decode tokens per second, steps, each request's tokens) of one batch."""
-    params = Sampling(temperature=temperature, max_tokens=out_len, ignore_eos=True,
-                      seed=1 if temperature else None)  # fmt: skip
     for i, p in enumerate(prompts):
+        params = Sampling(temperature=temperature, max_tokens=out_len, ignore_eos=True,
+                          seed=1 if temperature else None,
+                          prediction=predictions[i] if predictions else None)  # fmt: skip
         assert engine.add_request(EngineRequest(f"{tag}-{i}", p, params)) is None
     steps0 = engine.num_steps
     got: dict[str, list[int]] = {}
@@ -67,6 +76,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--prediction", action="store_true", help="predicted outputs too")
+    ap.add_argument("--edit-every", type=int, default=16,
+                    help="edited prediction: one token changed in this many")  # fmt: skip
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if not is_model_dir(a.model):
@@ -78,6 +90,9 @@ def main() -> None:
         (f"ngram k={k}", {"method": "ngram", "num_speculative_tokens": k,
                           "prompt_lookup_max": 3, "prompt_lookup_min": 1}) for k in ks
     ]  # fmt: skip
+    predicted = ["prediction exact", f"prediction edited 1/{a.edit_every}"]
+    if a.prediction:
+        settings += [(name, None) for name in predicted]
     engines = {}
     for name, spec in settings:
         config = engine_config(num_kv_blocks=4096, max_num_seqs=max(batches),
@@ -109,9 +124,16 @@ def main() -> None:
         for r in range(a.rounds):
             ps = prompts(batch)
             want = None
+            preds = {}
+            if a.prediction:  # the tokens without speculation, as they are and edited
+                _, _, plain = run(engines["off"], ps, a.output_len, f"ref{r}", a.temperature)
+                exact = [plain[f"{i}"] for i in range(batch)]
+                edited = [[t if (j + 1) % a.edit_every else (t + 1) % vocab
+                           for j, t in enumerate(toks)] for toks in exact]  # fmt: skip
+                preds = dict(zip(predicted, (exact, edited), strict=True))
             for name, _ in settings if r % 2 == 0 else settings[::-1]:
                 rate, n_steps, got = run(engines[name], ps, a.output_len, f"{r}{name}",
-                                         a.temperature)  # fmt: skip
+                                         a.temperature, preds.get(name))  # fmt: skip
                 want = want or got
                 assert a.temperature or got == want, f"{name}: the tokens differ from another's"
                 rates[name].append(rate)
