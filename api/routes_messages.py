@@ -67,7 +67,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     text, last = await collect(st, run, started)
     st.metrics.finish.labels(last.finish_reason or "unknown").inc()
     out.feed(text)
-    out.blocks.finish()
+    out.finish()  # the parser's held text too
     return JSONResponse(out.message(last), headers=headers)
 
 
