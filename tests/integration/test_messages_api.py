@@ -152,6 +152,11 @@ def test_auto_reads_the_models_calls_into_blocks(cluster: Cluster) -> None:
     types, final = streamed(c, **kw)
     assert blocks(final) == blocks(msg) and final.stop_reason == "tool_use"
     assert types.count("content_block_start") == 2
+    # text the parser holds back (it could open a call) comes out at the end, whole
+    kw["extra_body"] = {"temperature": 0, "structured_outputs": {"regex": r"Hi <tool"}}
+    msg = c.messages.create(**kw)  # type: ignore[call-overload]
+    assert [(b.type, b.text) for b in msg.content] == [("text", "Hi <tool")]  # type: ignore[union-attr]
+    assert msg.stop_reason == "end_turn" and blocks(streamed(c, **kw)[1]) == blocks(msg)
 
 
 def test_structured_output_format(cluster: Cluster) -> None:
