@@ -103,8 +103,11 @@ class NgramIndex:
 class PredictionTracker:
     """Where a sequence's output stands in its predicted output (``ids``): the next
     output token is expected at ``ids[pos]`` (``None``: lost after an edit). Lost, it is
-    found again after the longest of the output's last ``SYNC`` tokens that occurs in the
-    prediction, at the occurrence nearest after where it was last."""
+    found again after the longest of the output's last ``SYNC`` tokens (two at least)
+    that occurs in the prediction, at the occurrence nearest after where it was last;
+    failing that, after the output's last token where it occurs just ahead (a deletion);
+    failing that, where a substitution of as many tokens would have left it (the place it
+    was lost, one on per token since)."""
 
     SYNC = 3
 
@@ -112,6 +115,7 @@ class PredictionTracker:
     pos: int | None = 0
     seen: int = 0  # output tokens followed so far
     last: int = 0  # the last place it was found
+    guess: int = 0  # lost: where a same-length substitution would have left it
     accepted: int = 0  # draft tokens from the prediction the model accepted
     rejected: int = 0
     _where: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
@@ -127,17 +131,22 @@ class PredictionTracker:
             if self.pos is not None and self.pos < len(self.ids) and self.ids[self.pos] == tok:
                 self.pos += 1
             else:
+                self.guess = (self.pos if self.pos is not None else self.guess) + 1
                 self.pos = None
         self.seen = len(output)
-        if self.pos is None:
+        if self.pos is None and output:
             self.pos = self._find(output)
+            if self.pos is None:  # the last token just ahead (a deletion), else a substitution
+                near = self._where.get((output[-1],), [])
+                self.pos = next((e for e in near if self.last <= e <= self.guess + self.SYNC),
+                                self.guess if self.guess < len(self.ids) else None)  # fmt: skip
         if self.pos is None:
             return []
         self.last = self.pos
         return self.ids[self.pos : self.pos + k]
 
     def _find(self, output: list[int]) -> int | None:
-        for n in range(min(self.SYNC, len(output)), 0, -1):
+        for n in range(min(self.SYNC, len(output)), 1, -1):
             ends = self._where.get(tuple(output[-n:]))
             if ends:
                 return next((e for e in ends if e >= self.last), ends[-1])

@@ -269,9 +269,13 @@ def test_the_prediction_tracker() -> None:
     t = PredictionTracker([10, 11, 12, 13, 14, 15, 16, 17])
     assert t.propose([], 3) == [10, 11, 12]
     assert t.propose([10, 11], 3) == [12, 13, 14]
-    assert t.propose([10, 11, 99], 3) == []  # an edit: lost, nothing matches its tail
-    assert t.propose([10, 11, 99, 14], 2) == [15, 16]  # found again after "14"
-    assert t.propose([10, 11, 99, 14, 15, 16, 17], 4) == []  # at its end
+    # an edit (99 for 12): its tail is nowhere, so a substitution is guessed
+    assert t.propose([10, 11, 99], 3) == [13, 14, 15]
+    assert t.propose([10, 11, 99, 13, 14], 2) == [15, 16]  # and it was one
+    # a deletion (15, 16 gone): found again after "14 17"... at its end
+    assert t.propose([10, 11, 99, 13, 14, 17], 4) == []
+    ins = PredictionTracker([1, 2, 3, 4, 5, 6, 7, 8])
+    assert ins.propose([1, 2, 50, 51, 3, 4], 2) == [5, 6]  # an insertion: found by "3 4"
     rep = PredictionTracker([1, 2, 3, 1, 2, 4])  # an n-gram twice: the place after the last
     assert rep.propose([1, 2, 3], 2) == [1, 2]
     assert rep.propose([1, 2, 3, 1, 2, 9, 1, 2], 2) == [4]  # the later "1 2", not the first
