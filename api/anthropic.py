@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -64,6 +65,7 @@ class MessagesBody(BaseModel):
     tools: list[dict] | None = None
     tool_choice: dict | None = None
     thinking: dict | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's, as in chat
 
 
 class MessagesRequest(MessagesBody):
@@ -83,7 +85,6 @@ class MessagesRequest(MessagesBody):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     cache_salt: str | None = Field(None, min_length=1, max_length=1000)
     worker_id: str | None = Field(None, min_length=1, max_length=200)
-    chat_template_kwargs: dict | None = None
     structured_outputs: dict | None = None
 
 
@@ -95,7 +96,7 @@ def chat_request(req: MessagesBody) -> ChatCompletionRequest:
     for i, msg in enumerate(req.messages):
         messages += _messages(msg, f"messages.{i}")
     prefill = req.messages[-1].get("role") == "assistant"
-    kwargs = dict(getattr(req, "chat_template_kwargs", None) or {})
+    kwargs = dict(req.chat_template_kwargs or {})
     if req.thinking is not None:
         kwargs.setdefault("enable_thinking", _thinking(req.thinking))
     body: dict[str, Any] = {
@@ -363,8 +364,8 @@ class ContentBlocks:
 
     def __init__(self) -> None:
         self.content: list[dict] = []
-        self._open: dict | None = None
-        self._calls: dict[int, dict] = {}  # the parser's call index -> its block
+        self._open = False  # the last block is still open (deltas go to it)
+        self._calls: dict[int, int] = {}  # the parser's call index -> its block's index
         self._args: dict[int, str] = {}  # a tool_use block's index -> its argument text
 
     @property
@@ -377,19 +378,21 @@ class ContentBlocks:
             if isinstance(ev, Reasoning | Text):
                 if not ev.text:
                     continue
-                kind, key = ("thinking", "thinking") if isinstance(ev, Reasoning) \
-                    else ("text", "text")  # fmt: skip
-                block = self._block(out, kind)
-                block[key] += ev.text
-                delta = {"type": f"{kind}_delta", key: ev.text}
-                out.append(_event("content_block_delta", index=self._index(block), delta=delta))
+                kind = "thinking" if isinstance(ev, Reasoning) else "text"
+                if not (self._open and self.content[-1]["type"] == kind):
+                    block: dict[str, Any] = {"type": kind, kind: ""}
+                    if kind == "thinking":
+                        block["signature"] = ""  # nothing signs a local model's thinking
+                    self._start(out, block)
+                self.content[-1][kind] += ev.text
+                out.append(_event("content_block_delta", index=len(self.content) - 1,
+                                  delta={"type": f"{kind}_delta", kind: ev.text}))  # fmt: skip
             elif isinstance(ev, CallStart):
-                block = {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}}
-                self._start(out, block)
-                self._calls[ev.index] = block
-                self._args[self._index(block)] = ""
+                self._start(out, {"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
+                self._calls[ev.index] = len(self.content) - 1
+                self._args[len(self.content) - 1] = ""
             elif isinstance(ev, CallArgs):
-                index = self._index(self._calls[ev.index])
+                index = self._calls[ev.index]
                 self._args[index] += ev.text
                 delta = {"type": "input_json_delta", "partial_json": ev.text}
                 out.append(_event("content_block_delta", index=index, delta=delta))
@@ -401,33 +404,21 @@ class ContentBlocks:
         self._close(out)
         return out
 
-    def _block(self, out: list[dict], kind: str) -> dict:
-        if self._open is not None and self._open["type"] == kind:
-            return self._open
-        block: dict[str, Any] = {"type": kind, kind: ""}
-        if kind == "thinking":
-            block["signature"] = ""  # nothing signs a local model's thinking
-        self._start(out, block)
-        return block
-
     def _start(self, out: list[dict], block: dict) -> None:
         self._close(out)
         self.content.append(block)
-        self._open = block
+        self._open = True
         out.append(_event("content_block_start", index=len(self.content) - 1,
                           content_block=dict(block)))  # fmt: skip
 
     def _close(self, out: list[dict]) -> None:
-        block, self._open = self._open, None
-        if block is None:
+        if not self._open:
             return
-        index = self._index(block)
+        self._open = False
+        index, block = len(self.content) - 1, self.content[-1]
         if block["type"] == "tool_use":
             block["input"] = _arguments(self._args[index], block["name"])
         out.append(_event("content_block_stop", index=index))
-
-    def _index(self, block: dict) -> int:
-        return next(i for i, b in enumerate(self.content) if b is block)
 
 
 def _arguments(text: str, name: str) -> dict:
@@ -442,6 +433,13 @@ def _arguments(text: str, name: str) -> dict:
         log.warning("tool %r: its arguments are not a JSON object; input left empty", name)
         return {}
     return args
+
+
+def rfc3339(ts: int | None) -> str | None:
+    """A Unix time as the RFC 3339 UTC time Anthropic's objects carry (``...Z``)."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
 def cursor_page(ids: list[str], limit: int, after_id: str | None,

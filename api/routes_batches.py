@@ -199,5 +199,11 @@ async def cancel_batch(request: Request, batch_id: str) -> JSONResponse:
     writes what was answered (status ``cancelling``, then ``cancelled``)."""
     st = api_state(request)
     await batch_record(request, batch_id)  # a 404 for an unknown one
-    await st.redis.hsetnx(batch_key(batch_id), "cancel", int(time.time()))
+    await ask_cancel(st, batch_id)
     return JSONResponse(await batch_record(request, batch_id))
+
+
+async def ask_cancel(st: ApiState, batch_id: str) -> None:
+    """Ask the batch's runner to stop (the first ask's time is kept): it sends no more of
+    its requests, lets those in flight end and writes what was answered."""
+    await st.redis.hsetnx(batch_key(batch_id), "cancel", int(time.time()))

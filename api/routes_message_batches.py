@@ -18,15 +18,15 @@ import asyncio
 import json
 import re
 import secrets
-from datetime import UTC, datetime
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.anthropic import MessagesRequest, cursor_page, page_body
+from api.anthropic import MessagesRequest, cursor_page, page_body, rfc3339
 from api.errors import OpenAIError, anthropic_error_body, bad_request
 from api.routes_batches import (
+    ask_cancel,
     batch_ids,
     batch_record,
     check_runner,
@@ -138,7 +138,7 @@ async def cancel_message_batch(request: Request, batch_id: str) -> dict:
     st = api_state(request)
     batch = await _get(request, batch_id)
     if batch["status"] not in TERMINAL:
-        await st.redis.hsetnx(batch_key(batch_id), "cancel", int(datetime.now(UTC).timestamp()))
+        await ask_cancel(st, batch_id)
     return _message_batch(request, await batch_record(request, batch_id))
 
 
@@ -202,12 +202,6 @@ def _s(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def _iso(ts: int | None) -> str | None:
-    if ts is None:
-        return None
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
-
-
 def _message_batch(request: Request, b: dict) -> dict:
     """The Batch API's record as Anthropic's ``message_batch`` object."""
     status, counts = b["status"], b["request_counts"]
@@ -226,10 +220,10 @@ def _message_batch(request: Request, b: dict) -> dict:
             "canceled": left if status == "cancelled" else 0,
             "expired": left if status == "expired" else 0,
         },
-        "ended_at": _iso(b.get(f"{status}_at")) if ended else None,
-        "created_at": _iso(b["created_at"]),
-        "expires_at": _iso(b["expires_at"]),
+        "ended_at": rfc3339(b.get(f"{status}_at")) if ended else None,
+        "created_at": rfc3339(b["created_at"]),
+        "expires_at": rfc3339(b["expires_at"]),
         "archived_at": None,
-        "cancel_initiated_at": _iso(b.get("cancelling_at") or b.get("cancelled_at")),
+        "cancel_initiated_at": rfc3339(b.get("cancelling_at") or b.get("cancelled_at")),
         "results_url": results if ended else None,
     }  # fmt: skip

@@ -37,7 +37,7 @@ from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 from api.tool_parsers import Event, Text, ToolParser
-from api.tools import tool_plan
+from api.tools import ToolPlan, tool_plan
 from kvbm.protocol import TokenFrame
 
 router = APIRouter()
@@ -48,9 +48,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     started = time.perf_counter()
     st = api_state(request)
     lora = await check_model(st, body.model, task="generate")
-    req, prompt = _rendered(st, body)
+    req, plan, prompt = _rendered(st, body)
     unsupported(req)
-    plan = tool_plan(req, st.tool_parser)
     st.media.check_count(prompt.images)
     # max_tokens past the context window: up to its end (model_context_window_exceeded)
     room = st.builder.max_model_len - len(prompt.token_ids)
@@ -77,14 +76,17 @@ async def count_tokens(body: MessagesBody, request: Request) -> Response:
     messages); nothing runs."""
     st = api_state(request)
     await check_model(st, body.model, task="generate")
-    _, prompt = _rendered(st, body)
+    _, _, prompt = _rendered(st, body)
     return JSONResponse({"input_tokens": len(prompt.token_ids)})
 
 
-def _rendered(st: ApiState, body: MessagesBody) -> tuple[ChatCompletionRequest, Prompt]:
+def _rendered(st: ApiState, body: MessagesBody) -> tuple[ChatCompletionRequest, ToolPlan | None,
+                                                        Prompt]:  # fmt: skip
+    """The chat request the body means, its tools (checked before they are rendered) and
+    its prompt."""
     req = chat_request(body)
-    tool_plan(req, st.tool_parser)  # the tools checked before they are rendered
-    return req, chat_prompt(st, req)
+    plan = tool_plan(req, st.tool_parser)
+    return req, plan, chat_prompt(st, req)
 
 
 class _Output:

@@ -17,13 +17,12 @@ request.
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
-from api.anthropic import cursor_page, page_body
+from api.anthropic import cursor_page, page_body, rfc3339
 from api.errors import OpenAIError, anthropic_client, bad_request
 from api.state import ApiState, api_state
 from cluster.lora import LoraError, LoraRef, check_name, parse_lora_modules, read_adapter
@@ -46,8 +45,8 @@ def _card(st: ApiState, lora: LoraRef | None = None) -> dict:
 
 
 def _anthropic_card(card: dict) -> dict:
-    created = datetime.fromtimestamp(card["created"], UTC).isoformat().replace("+00:00", "Z")
-    return {"type": "model", "id": card["id"], "display_name": card["id"], "created_at": created}
+    return {"type": "model", "id": card["id"], "display_name": card["id"],
+            "created_at": rfc3339(card["created"])}  # fmt: skip
 
 
 @router.get("/v1/models")

@@ -151,6 +151,9 @@ def test_count_tokens_body_needs_no_max_tokens() -> None:
     body = MessagesBody.model_validate({"model": "m", "tools": [TOOL], "messages": msgs})
     chat = chat_request(body)
     assert chat.max_tokens is None and chat.tools is not None
+    # what renders the prompt counts: count_tokens takes vLLM's chat_template_kwargs too
+    kw = {"model": "m", "messages": msgs, "chat_template_kwargs": {"x": 1}}
+    assert chat_request(MessagesBody.model_validate(kw)).chat_template_kwargs == {"x": 1}
 
 
 # --------------------------------------------------------------------------------------
