@@ -147,5 +147,6 @@ async def register_static(st: ApiState) -> list[LoraRef]:
             checked(st, ref.name, ref.path)
         except OpenAIError as e:
             raise ValueError(f"lora_modules: adapter {ref.name!r}: {e.message}") from None
-        await st.loras.add(ref)
+    if dropped := await st.loras.set_static(refs):
+        log.info("LoRA adapters no longer in lora_modules, unregistered: %s", ", ".join(dropped))
     return refs

@@ -12,7 +12,7 @@ Public part:
     AdapterConfig       what ``adapter_config.json`` says, checked: rank, scale, targets
     read_adapter        an adapter directory's config, checked against the rank limit
     parse_lora_modules  the ``lora_modules`` setting: ``name=path,...`` or a JSON list
-    LoraRegistry        the adapters in Redis: add, remove, get, all
+    LoraRegistry        the adapters in Redis: add, remove, get, all, set_static
 """
 
 from __future__ import annotations
@@ -148,9 +148,27 @@ class LoraRegistry:
         self.redis = redis
         self.key = lora_registry_key()
 
-    async def add(self, ref: LoraRef) -> bool:
-        """Register ``ref`` (replacing one of that name); True if the name was new."""
-        return bool(await self.redis.hset(self.key, ref.name, json.dumps({"path": ref.path})))
+    async def add(self, ref: LoraRef, static: bool = False) -> bool:
+        """Register ``ref`` (replacing one of that name); True if the name was new.
+        ``static``: it comes from the ``lora_modules`` setting (see :meth:`set_static`)."""
+        entry = {"path": ref.path, "static": True} if static else {"path": ref.path}
+        return bool(await self.redis.hset(self.key, ref.name, json.dumps(entry)))
+
+    async def set_static(self, refs: list[LoraRef]) -> list[str]:
+        """Make the setting's adapters ``refs`` the static ones: register them, and
+        unregister adapters an earlier start registered from the setting that it no longer
+        names (the registry outlives an API restart in Redis; an adapter dropped from
+        ``lora_modules`` must not stay served, as it would not with ``vllm serve``).
+        Adapters loaded at runtime stay. Returns the names unregistered."""
+        wanted = {r.name for r in refs}
+        found = await self.redis.hgetall(self.key)
+        stale = [as_str(k) for k, v in found.items()
+                 if json.loads(v).get("static") and as_str(k) not in wanted]  # fmt: skip
+        if stale:
+            await self.redis.hdel(self.key, *stale)
+        for ref in refs:
+            await self.add(ref, static=True)
+        return stale
 
     async def remove(self, name: str) -> bool:
         """Unregister ``name``; False if it was not registered."""

@@ -146,7 +146,15 @@ if [ "$size" -gt "$IMAGE_LIMIT" ]; then
   exit 1
 fi
 
-# 5. the checks
+# 5. the checks, on a stack started from nothing: a run cut short before its cleanup (a
+# killed job, a stopped dockerd) can leave the project's containers and volumes, and Redis's
+# volume would carry its state (adapters, batches, keys) into this run
+label="label=com.docker.compose.project=$PROJECT"
+if [ -n "$(docker ps -aq --filter "$label")$(docker volume ls -q --filter "$label")" ]; then
+  compose --profile disagg --profile encode --profile gpu down -v --remove-orphans -t 10 \
+    >/dev/null 2>&1 || true
+  step "removed what an earlier run of $PROJECT left"
+fi
 export CONVEYOR_COMPOSE_PROJECT=$PROJECT CONVEYOR_COMPOSE_ENV_FILE=$work/ci.env
 CONVEYOR_COMPOSE_FILES=$(IFS=:; echo "${files[*]}")
 export CONVEYOR_COMPOSE_FILES
@@ -163,7 +171,6 @@ fi
 # 6. down -v leaves nothing behind
 compose --profile disagg --profile encode --profile gpu down -v --remove-orphans -t 30 \
   >/dev/null 2>&1
-label="label=com.docker.compose.project=$PROJECT"
 left="$(docker ps -aq --filter "$label") $(docker network ls -q --filter "$label")"
 left+=" $(docker volume ls -q --filter "$label")"
 if [ -n "${left// /}" ]; then

@@ -48,3 +48,5 @@ def test_an_adapter_from_the_mounted_directory(
             else:
                 os.environ[k] = v
         stack.up()  # back to the deployment without adapters
+    # Redis's volume keeps the registry; the API started without the setting dropped ad1
+    assert [m.id for m in stack.client().models.list().data] == [model]

@@ -243,15 +243,29 @@ def test_bad_adapters_and_names_get_clear_errors(
 
 
 def test_runtime_updates_are_off_unless_allowed(agg: Deployment, tmp_path: Path) -> None:
+    # ad2, loaded at runtime through a replica that allows it, is in the shared registry
+    body = {"lora_name": "ad2", "lora_path": str(agg.adapters["ad2"]), "load_inplace": True}
+    assert httpx.post(f"{agg.urls[0]}/v1/load_lora_adapter", json=body).status_code == 200
     env = base_env(agg.redis_url, agg.model_dir, CONVEYOR_LORA_MODULES="")
     api, url = start_api("lora-api-fixed", env, tmp_path)
     try:
         body = {"lora_name": "ad3", "lora_path": str(agg.adapters["ad2"])}
         r = httpx.post(f"{url}/v1/load_lora_adapter", json=body)
         assert r.status_code == 404 and "CONVEYOR_ALLOW_RUNTIME_LORA_UPDATING" in r.text
-        # what the registry holds is served here too: ad1 came from the other APIs' setting
+        # A start whose lora_modules no longer names ad1 unregisters it (the registry in
+        # Redis outlives restarts; a dropped adapter must not stay served), for every
+        # replica; what was loaded at runtime stays, and is served here too.
         ids = {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
-        assert "ad1" in ids
+        assert ids == {agg.model, "ad2"}
+        assert {m.id for m in agg.client(1).models.list().data} == {agg.model, "ad2"}
+    finally:
+        api.stop()
+    # a start that names it again serves it again
+    env = base_env(agg.redis_url, agg.model_dir, CONVEYOR_LORA_MODULES=f"ad1={agg.adapters['ad1']}")
+    api, url = start_api("lora-api-again", env, tmp_path)
+    try:
+        ids = {m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert ids == {agg.model, "ad1", "ad2"}
     finally:
         api.stop()
 
