@@ -17,8 +17,11 @@ request is (the route is :mod:`api.routes_messages`):
   ``required`` / a named function / ``none``, ``disable_parallel_tool_use`` is
   ``parallel_tool_calls: false``;
 * ``thinking`` reaches the chat template as ``enable_thinking`` (Qwen3's switch: off for
-  ``disabled``); ``output_config.format`` (or the older ``output_format``), a JSON schema,
-  is ``response_format``; ``output_config.effort`` is ``reasoning_effort``;
+  ``disabled``), and an ``enabled`` one's ``budget_tokens`` is chat's
+  ``thinking_token_budget`` where the deployment has reasoning markers (without them the
+  budget has nothing to count and is left unenforced); ``output_config.format`` (or the
+  older ``output_format``), a JSON schema, is ``response_format``;
+  ``output_config.effort`` is ``reasoning_effort``;
 * ``stop_sequences`` are ``stop``, ``metadata.user_id`` is ``user``; ``temperature``,
   ``top_p`` and ``top_k``, which older clients still send, are taken as they are.
 
@@ -123,6 +126,7 @@ def chat_request(req: MessagesBody) -> ChatCompletionRequest:
             "cache_salt": req.cache_salt,
             "worker_id": req.worker_id,
             "structured_outputs": req.structured_outputs,
+            "thinking_token_budget": _budget(req.thinking),
         }
     if req.tools:
         body["tools"] = [_tool(t, f"tools.{i}") for i, t in enumerate(req.tools)]
@@ -290,6 +294,18 @@ def _thinking(thinking: dict) -> bool:
         raise bad_request("thinking.type must be 'enabled', 'adaptive', 'between_tools' or "
                           "'disabled'", "thinking.type")  # fmt: skip
     return kind != "disabled"
+
+
+def _budget(thinking: dict | None) -> int | None:
+    """``thinking.budget_tokens`` of an ``enabled`` thinking: chat's (vLLM's)
+    ``thinking_token_budget``, as vLLM maps it."""
+    if not thinking or thinking.get("type") != "enabled" or "budget_tokens" not in thinking:
+        return None
+    budget = thinking["budget_tokens"]
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise bad_request("thinking.budget_tokens must be a non-negative integer",
+                          "thinking.budget_tokens")  # fmt: skip
+    return budget
 
 
 # Anthropic's effort levels as the reasoning_effort a chat template reads

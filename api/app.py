@@ -94,6 +94,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     cluster = ClusterCollector(s.serving_mode)
     metrics.registry.register(cluster)
     builder = PromptBuilder(s.model, s.engine.max_model_len, s.model_name)
+    builder.set_thinking_markers(s.api.reasoning_markers())
     media = MediaGuard(s.multimodal, metrics)
     st = ApiState(s, metrics, cluster, builder, media, classifier=load_classifier(s.model))
     st.tool_parser = s.api.tool_call_parser or parser_for_template(builder.template_text)

@@ -15,7 +15,7 @@ from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.schemas import checked_schema
 from api.tokenization import PromptBuilder
-from kvbm.protocol import MAX_LOGPROBS, Sampling, StructuredOutput
+from kvbm.protocol import MAX_LOGPROBS, Sampling, StructuredOutput, ThinkingBudget
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias; vLLM clamps to it as well
 STRUCTURED_BACKENDS = (None, "auto", "xgrammar")
@@ -51,6 +51,7 @@ def sampling_of(req: Request, max_tokens: int, builder: PromptBuilder) -> Sampli
         skip_special_tokens=req.skip_special_tokens,
         cache_salt=req.cache_salt,
         prediction=_prediction(getattr(req, "prediction", None), builder),
+        thinking=_thinking(req.thinking_token_budget, builder),
     )
 
 
@@ -103,6 +104,18 @@ def _logprobs(req: Request) -> tuple[int | None, int | None]:
         raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (-1, the whole "
                           "vocabulary, is not supported)", "prompt_logprobs")  # fmt: skip
     return out, prompt
+
+
+def _thinking(budget: int | None, builder: PromptBuilder) -> ThinkingBudget | None:
+    """vLLM's ``thinking_token_budget`` with this deployment's reasoning markers."""
+    if budget is None:
+        return None
+    if builder.thinking_markers is None:
+        raise bad_request("thinking_token_budget needs the reasoning markers: set "
+                          "CONVEYOR_REASONING_PARSER or CONVEYOR_REASONING_CONFIG",
+                          "thinking_token_budget")  # fmt: skip
+    start, end, natural = builder.thinking_markers
+    return ThinkingBudget(budget=budget, start=start, end=end, natural_end=natural)
 
 
 def _token_ids(ids: list[int], builder: PromptBuilder, param: str) -> list[int]:

@@ -110,6 +110,9 @@ class _SamplingFields(_Body):
     # vLLM's: a prefix is shared in the KV cache only between requests with the same salt
     # (none: the unsalted ones'); a tenant's salt keeps others from timing its prompts
     cache_salt: str | None = Field(None, min_length=1, max_length=1000)
+    # vLLM's: at most this many tokens inside a thinking block, then its end is forced
+    # (the reasoning markers: CONVEYOR_REASONING_PARSER or CONVEYOR_REASONING_CONFIG)
+    thinking_token_budget: int | None = Field(None, ge=0)
     # Conveyor extension: pin the request to one worker (its id, as /metrics and the
     # worker's log name it); 400 when no live worker has that id
     worker_id: str | None = Field(None, min_length=1, max_length=200)

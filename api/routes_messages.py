@@ -85,6 +85,11 @@ def _rendered(st: ApiState, body: MessagesBody) -> tuple[ChatCompletionRequest, 
     """The chat request the body means, its tools (checked before they are rendered) and
     its prompt."""
     req = chat_request(body)
+    constrained = req.response_format is not None or req.structured_outputs is not None
+    if st.builder.thinking_markers is None or constrained:
+        # a budget with nothing to count between, or beside a grammar that constrains the
+        # output from its first token: left unenforced (chat's field is a 400 there)
+        req.thinking_token_budget = None
     plan = tool_plan(req, st.tool_parser)
     return req, plan, chat_prompt(st, req)
 

@@ -33,7 +33,7 @@ from api.protocol import (
     prompt_alone,
     unsupported,
 )
-from api.reasoning import output_parser
+from api.reasoning import output_parser, thinks
 from api.resume import (
     FrameLogReader,
     Tagged,
@@ -261,7 +261,20 @@ def prepare(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
         )
-    return constrain(sampling_of(req, max_tokens, st.builder), plan)
+    sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
+    if sampling.thinking is not None:
+        if sampling.structured is not None:
+            # the grammar constrains the output from its first token; a forced end of
+            # thinking could break it
+            raise bad_request("thinking_token_budget cannot be combined with a structured "
+                              "output or a forced tool choice", "thinking_token_budget",
+                              "unsupported_parameter")  # fmt: skip
+        # a chat output the reasoning parser reads as thinking from its first token is
+        # counted from there (api.reasoning.output_parser's implicit start)
+        sampling.thinking.inside = isinstance(req, ChatCompletionRequest) and thinks(
+            st.settings.api.reasoning_parser, req.chat_template_kwargs
+        )
+    return sampling
 
 
 async def launch(

@@ -96,6 +96,20 @@ class PromptBuilder:
         self.eos_token_ids = eos_token_ids(d)  # what ends a sequence (beam search's ends)
         # a vision-language model names its image token; a text-only one refuses images
         self.image_token_id, self.image_seq_length = _vision(cfg)
+        # thinking_token_budget's markers as token ids: (start, forced end, natural end);
+        # set from the settings (set_thinking_markers), None: no budget can be served
+        self.thinking_markers: tuple[list[int], list[int], list[int]] | None = None
+
+    def set_thinking_markers(self, markers: tuple[str, str, str] | None) -> None:
+        """The reasoning markers' text (``ApiSettings.reasoning_markers``) as token ids,
+        encoded without special tokens as vLLM encodes them."""
+        if markers is None:
+            self.thinking_markers = None
+            return
+        ids = [self.tokenizer.encode(m, add_special_tokens=False).ids for m in markers]
+        if not all(ids):
+            raise ValueError(f"the reasoning markers {markers} do not all tokenize")
+        self.thinking_markers = (ids[0], ids[1], ids[2])
 
     @property
     def accepts_images(self) -> bool:

@@ -418,6 +418,21 @@ class StructuredOutput(BaseModel):
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's default cap)
 
 
+class ThinkingBudget(BaseModel):
+    """vLLM's ``thinking_token_budget``, with the reasoning markers it needs as token ids:
+    at most ``budget`` tokens inside a thinking block (after ``start``, until
+    ``natural_end``), then ``end`` is forced token by token (the engine's
+    :mod:`workers.thinking`). A prompt that ends inside a block counts its tokens there."""
+
+    budget: int = Field(ge=0)
+    start: list[int] = Field(min_length=1)
+    end: list[int] = Field(min_length=1)  # forced (the natural end, or a phrase before it)
+    natural_end: list[int] = Field(min_length=1)  # what ends a block the model closes
+    # the output starts inside a block whatever the prompt holds (the API's reasoning
+    # parser reads it so: its thinking is counted from the first token)
+    inside: bool = False
+
+
 class Sampling(BaseModel):
     """A request's sampling parameters, with vLLM's names and meanings: resolved and
     validated by the API (OpenAI's defaults filled in, words tokenized), carried in the
@@ -461,6 +476,8 @@ class Sampling(BaseModel):
     # expected to mostly repeat, drafted from for speculative decoding where the engine
     # speculates (workers.spec_decode); a hint, never a constraint
     prediction: list[int] | None = None
+    # vLLM's thinking_token_budget (with the markers' ids): a cap on thinking tokens
+    thinking: ThinkingBudget | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Sampling:
@@ -485,7 +502,8 @@ class Sampling(BaseModel):
     def processed(self) -> bool:
         """Whether anything besides temperature, top-k/p and min-p shapes the logits."""
         return bool(self.penalized or self.logit_bias or self.allowed_token_ids is not None
-                    or self.bad_words or self.structured is not None)  # fmt: skip
+                    or self.bad_words or self.structured is not None
+                    or self.thinking is not None)  # fmt: skip
 
 
 class Pooling(BaseModel):

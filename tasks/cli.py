@@ -350,6 +350,10 @@ def _vllm_options(s: Settings) -> dict[str, object]:
     options: dict[str, object] = dict(s.vllm)
     if s.engine.speculative_config and "speculative_config" not in options:
         options["speculative_config"] = s.engine.speculative_config
+    markers = s.api.reasoning_markers()  # what thinking_token_budget counts between
+    if markers and not {"reasoning_config", "reasoning_parser"} & set(options):
+        options["reasoning_config"] = {"reasoning_start_str": markers[0],
+                                       "reasoning_end_str": markers[1]}  # fmt: skip
     return options
 
 

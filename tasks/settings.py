@@ -138,6 +138,14 @@ class ApiSettings(_Area):
         "(vLLM's --reasoning-parser): chat's reasoning field and the Responses API's "
         "reasoning item; unset: the output is all content.",
     )
+    reasoning_config: dict[str, str] | None = Field(
+        None,
+        description="The reasoning markers a request's thinking_token_budget counts "
+        "between (vLLM's --reasoning-config), a JSON object: reasoning_start_str (default "
+        "<think> with a reasoning parser) and reasoning_end_str, what is forced once the "
+        "budget is spent (default </think>; it may put a phrase before it). Unset: the "
+        "reasoning parser's markers; without either, thinking_token_budget is a 400.",
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Request bodies above this get 413.")
     first_frame_timeout_s: float = Field(
         120.0, description="Seconds the API waits for a request's first stream frame."
@@ -229,6 +237,33 @@ class ApiSettings(_Area):
         else:
             lines = raw.split(",")
         return [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+
+    @field_validator("reasoning_config", mode="before")
+    @classmethod
+    def _reasoning_config(cls, v: object) -> object:
+        """JSON text (the environment's) read as its object; only vLLM's two string keys
+        (its reasoning_parser key is CONVEYOR_REASONING_PARSER here)."""
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else None
+        if isinstance(v, dict):
+            if bad := sorted(set(v) - {"reasoning_start_str", "reasoning_end_str"}):
+                raise ValueError(f"reasoning_config takes reasoning_start_str and "
+                                 f"reasoning_end_str, not {', '.join(bad)}")  # fmt: skip
+            if any(not isinstance(x, str) or not x for x in v.values()):
+                raise ValueError("reasoning_config's strings must be non-empty strings")
+        return v or None
+
+    def reasoning_markers(self) -> tuple[str, str, str] | None:
+        """The thinking budget's markers as text: (start, forced end, natural end), from
+        ``reasoning_config`` over the reasoning parser's ``<think>`` / ``</think>`` (as
+        vLLM derives them); None where neither names both ends."""
+        cfg = self.reasoning_config or {}
+        parsed = ("<think>", "</think>") if self.reasoning_parser else (None, None)
+        start = cfg.get("reasoning_start_str") or parsed[0]
+        end = cfg.get("reasoning_end_str") or parsed[1]
+        if not start or not end:
+            return None
+        return start, end, parsed[1] or end
 
 
 class AdmissionSettings(_Area):

@@ -56,7 +56,7 @@ class Engine(EngineCore):
     supports = EngineCore.supports | {
         "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
         "repetition_penalty", "logit_bias", "min_p", "allowed_token_ids", "bad_words",
-        "include_stop_str_in_output", "structured_outputs",
+        "include_stop_str_in_output", "structured_outputs", "thinking_token_budget",
     }  # fmt: skip
 
     def __init__(

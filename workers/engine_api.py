@@ -168,6 +168,7 @@ FEATURES: dict[str, Callable[[Sampling], bool]] = {
     "bad_words": lambda p: bool(p.bad_words),
     "include_stop_str_in_output": lambda p: p.include_stop_str_in_output,
     "structured_outputs": lambda p: p.structured is not None,
+    "thinking_token_budget": lambda p: p.thinking is not None,
 }
 
 

@@ -12,6 +12,8 @@ vLLM's order, after the raw logprobs were taken from the untouched logits
    Face's: a positive logit is divided by it, a negative one multiplied), then
    ``frequency_penalty`` (subtracted once per occurrence in the output) and
    ``presence_penalty`` (subtracted once if the token occurs in the output), OpenAI's;
+3. the thinking budget (:mod:`workers.thinking`): a row whose budget is spent keeps only
+   the end-of-thinking token it must give (every other token -inf);
 
 then the sampler (:func:`workers.sampling.sample`): temperature, min-p, top-k, top-p, or
 the argmax of these logits for greedy requests.
@@ -31,6 +33,7 @@ import torch
 
 from kvbm.protocol import Sampling
 from workers.scheduler import Seq
+from workers.thinking import ThinkingState
 
 NEG_INF = float("-inf")
 
@@ -40,7 +43,7 @@ class SeqState:
     state, and the prompt logprobs gathered chunk by chunk until its first token."""
 
     __slots__ = ("static", "bad_single", "bad_multi", "penalized", "counts", "prompt_seen",
-                 "n_counted", "processes", "prompt_logprobs")  # fmt: skip
+                 "n_counted", "processes", "prompt_logprobs", "thinking")  # fmt: skip
 
     def __init__(self, params: Sampling, prompt: Sequence[int], vocab: int) -> None:
         # allowed ids and biases: one row added to the logits, the same at every step
@@ -68,8 +71,10 @@ class SeqState:
             if params.repetition_penalty != 1.0:
                 self.prompt_seen[_in_vocab(prompt, vocab)] = True
         self.n_counted = 0  # output tokens already in counts
+        self.thinking = None if params.thinking is None else ThinkingState(params.thinking, prompt)
         # whether anything here changes the logits
-        self.processes = bool(self.static is not None or self.penalized or words)
+        self.processes = bool(self.static is not None or self.penalized or words
+                              or self.thinking is not None)  # fmt: skip
         self.prompt_logprobs: list | None = None  # per prompt position (workers.logprobs)
 
     def count(self, output_ids: list[int]) -> None:
@@ -111,6 +116,8 @@ def process(logits: torch.Tensor, seqs: Sequence[Seq], banned: Sequence[list[int
     ban_ids: list[int] = []
     pen_rows: list[int] = []
     pens: list[tuple[SeqState, Sampling]] = []
+    forced_rows: list[int] = []
+    forced_ids: list[int] = []
     for i, seq in enumerate(seqs):
         if banned[i]:
             ban_rows += [i] * len(banned[i])
@@ -129,6 +136,9 @@ def process(logits: torch.Tensor, seqs: Sequence[Seq], banned: Sequence[list[int
             st.count(seq.output_ids)
             pen_rows.append(i)
             pens.append((st, seq.req.params))
+        if st.thinking is not None and (tok := st.thinking.forced(seq.output_ids)) is not None:
+            forced_rows.append(i)
+            forced_ids.append(tok)
     if static_rows:
         rows = torch.tensor(static_rows, dtype=torch.long)
         logits.index_add_(0, rows, torch.stack(statics).to(logits.dtype))
@@ -137,6 +147,10 @@ def process(logits: torch.Tensor, seqs: Sequence[Seq], banned: Sequence[list[int
                torch.tensor(ban_ids, dtype=torch.long)] = NEG_INF  # fmt: skip
     if pen_rows:
         _penalize(logits, pen_rows, pens)
+    if forced_rows:
+        rows = torch.tensor(forced_rows, dtype=torch.long)
+        logits[rows] = NEG_INF
+        logits[rows, torch.tensor(forced_ids, dtype=torch.long)] = 0.0
     return logits
 
 

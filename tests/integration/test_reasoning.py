@@ -139,3 +139,80 @@ def test_messages_api_thinking_blocks(cluster: Cluster, reasoning: openai.OpenAI
     assert final.model_dump(exclude={"id", "usage"}) == msg.model_dump(exclude={"id", "usage"})
     assert deltas.index("text_delta") > max(i for i, d in enumerate(deltas)
                                             if d == "thinking_delta")  # fmt: skip
+
+
+def test_thinking_token_budget_forces_the_end(cluster: Cluster, reasoning: openai.OpenAI) -> None:
+    """vLLM's thinking_token_budget on the reference engine: a prompt that opens <think>
+    (as DeepSeek-R1's template does) gets ``budget`` thinking tokens, HF's greedy ones,
+    then ``</think>`` forced, then HF's greedy continuation of all that: the answer."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    from tests.integration.test_openai_api import hf_greedy
+
+    tok = AutoTokenizer.from_pretrained(cluster.model_dir)
+    hf = (tok, LlavaForConditionalGeneration.from_pretrained(cluster.model_dir).eval())
+    start = tok("<think>", add_special_tokens=False).input_ids
+    end = tok("</think>", add_special_tokens=False).input_ids
+    prompt = tok("Is the sky blue?").input_ids + start
+    n, budget = 14, 4
+
+    def ids(**extra: object) -> list[int]:
+        r = reasoning.completions.create(
+            model=cluster.model_name, prompt=prompt, max_tokens=n, temperature=0, logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True,
+                        **extra})  # fmt: skip
+        return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]  # type: ignore[union-attr]
+
+    free = hf_greedy(hf, prompt, n)
+    assert end[0] not in free  # the tiny model never closes its thinking by itself
+    assert ids() == free
+    thought = free[:budget]
+    answer = hf_greedy(hf, prompt + thought + end, n - budget - len(end))
+    assert ids(thinking_token_budget=budget) == thought + end + answer
+    assert ids(thinking_token_budget=0) == end + hf_greedy(hf, prompt + end, n - len(end))
+    assert ids(thinking_token_budget=n) == free  # never reached
+    # chat, whose template opens no <think>: the parser reads the output as thinking from
+    # its first token, and the budget counts from there; its tokens are the reasoning
+    chat_ids = tok.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True)
+    if not isinstance(chat_ids, list):
+        chat_ids = chat_ids["input_ids"]
+    msg = reasoning.chat.completions.create(
+        model=cluster.model_name, messages=MSGS, max_tokens=n, temperature=0,  # type: ignore[arg-type]
+        extra_body={"thinking_token_budget": budget, "ignore_eos": True},
+    ).choices[0].message  # fmt: skip
+    thought = hf_greedy(hf, chat_ids, budget)
+    answer = hf_greedy(hf, chat_ids + thought + end, n - budget - len(end))
+    assert msg.model_extra["reasoning"] == tok.decode(thought)  # type: ignore[index]
+    assert msg.content == tok.decode(answer, skip_special_tokens=True)
+    # Anthropic's thinking.budget_tokens is the same budget (as vLLM maps it)
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=str(reasoning.base_url).removesuffix("/v1/"),
+                            api_key="x", max_retries=0)  # fmt: skip
+    m = c.messages.create(model=cluster.model_name, max_tokens=n, messages=MSGS,  # type: ignore[arg-type]
+                          thinking={"type": "enabled", "budget_tokens": budget},
+                          extra_body={"temperature": 0})  # fmt: skip
+    assert m.content[0].thinking == msg.model_extra["reasoning"]  # type: ignore[union-attr, index]
+    assert msg.content.startswith(m.content[1].text)  # type: ignore[union-attr]
+    # bad input: a negative budget, a budget with a grammar
+    with pytest.raises(openai.BadRequestError) as e:
+        reasoning.completions.create(model=cluster.model_name, prompt="x", max_tokens=2,
+                                     extra_body={"thinking_token_budget": -1})  # fmt: skip
+    assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as e:
+        reasoning.completions.create(
+            model=cluster.model_name, prompt="x", max_tokens=2,
+            extra_body={"thinking_token_budget": 2,
+                        "structured_outputs": {"regex": "a+"}})  # fmt: skip
+    assert e.value.body["param"] == "thinking_token_budget"  # type: ignore[index]
+
+
+def test_thinking_token_budget_needs_markers(cluster: Cluster) -> None:
+    """Without a reasoning parser or CONVEYOR_REASONING_CONFIG there is nothing to count
+    between: vLLM's 400 naming the field."""
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client(max_retries=0).completions.create(
+            model=cluster.model_name, prompt="x", max_tokens=2,
+            extra_body={"thinking_token_budget": 2})  # fmt: skip
+    assert e.value.body["param"] == "thinking_token_budget"  # type: ignore[index]
+    assert "CONVEYOR_REASONING_PARSER" in e.value.body["message"]  # type: ignore[index]

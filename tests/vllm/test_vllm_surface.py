@@ -40,6 +40,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "json_schemas.json"
 PROMPTS = [[1, 22, 301, 17, 96, 450, 9, 31, 77], [1, 5] * 20, [1] + list(range(40, 110))]
+# the markers thinking_token_budget counts between (vLLM's --reasoning-config), on both: a
+# start marker of one token, as a reasoning model's <think> is (vLLM 0.32 counts the
+# tokens of a longer start marker after its first as thinking); "</think>" is 7 here
+REASONING = {"CONVEYOR_REASONING_CONFIG": json.dumps(
+    {"reasoning_start_str": "Latency", "reasoning_end_str": "</think>"})}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def vllm_cluster(
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("vllm-surface")
     url = vllm_dbs.take(__name__)
-    c = deploy(url, llama_dir, vllm_env(url, llama_dir), logdir, "vllm")
+    c = deploy(url, llama_dir, vllm_env(url, llama_dir, **REASONING), logdir, "vllm")
     yield c
     for p in (c.api, *c.workers):
         p.stop()
@@ -60,7 +65,7 @@ def ref_cluster(
 ) -> Iterator[Cluster]:
     logdir = tmp_path_factory.mktemp("ref-surface")
     url = vllm_dbs.take(__name__)
-    c = deploy(url, llama_dir, base_env(url, llama_dir), logdir, "ref")
+    c = deploy(url, llama_dir, base_env(url, llama_dir, **REASONING), logdir, "ref")
     yield c
     for p in (c.api, *c.workers):
         p.stop()
@@ -320,6 +325,35 @@ def _ask(c: Cluster, path: str, body: dict, stream: bool) -> list:
             return [json.loads(r.read())]
         return [json.loads(line[6:]) for line in r.iter_lines()
                 if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+
+
+def test_thinking_token_budget_on_vllm_equals_the_reference(
+    vllm_cluster: Cluster, ref_cluster: Cluster
+) -> None:
+    """vLLM's own thinking budget (its --reasoning-config, set from the same settings)
+    forces the same end at the same token as the reference engine's."""
+
+    def ids(c: Cluster, text: str) -> list[int]:
+        r = httpx.post(f"{c.url}/tokenize", json={"prompt": text, "add_special_tokens": False})
+        return r.json()["tokens"]
+
+    start, end = ids(ref_cluster, "Latency"), ids(ref_cluster, "</think>")
+    assert len(start) == 1 and len(end) > 1 and ids(vllm_cluster, "Latency") == start
+    prompt = PROMPTS[0] + start
+
+    def run(c: Cluster, **extra: object) -> list[int]:
+        r = c.client().completions.create(
+            model=c.model_name, prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+            extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True,
+                        **extra})  # fmt: skip
+        return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]  # type: ignore[union-attr]
+
+    free = run(ref_cluster)
+    assert end[0] not in free
+    for budget in (0, 1, 3):
+        want = run(ref_cluster, thinking_token_budget=budget)
+        assert want[: budget + len(end)] == free[:budget] + end
+        assert run(vllm_cluster, thinking_token_budget=budget) == want, budget
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -4,6 +4,7 @@ a child process unchanged, and docs/configuration.md is in step with the code.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,7 @@ NEW_NAMES = [
     "planner_throughput_interval_s",
     "planner_ttft_ms",
     "planner_window_s",
+    "reasoning_config",
     "reasoning_parser",
     "responses_store",
     "responses_store_ttl_s",
@@ -270,3 +272,20 @@ def test_a_traces_endpoint_must_be_an_http_url(bad: str, monkeypatch: pytest.Mon
     monkeypatch.setenv("CONVEYOR_OTLP_TRACES_ENDPOINT", "")  # compose's empty default: off
     assert Settings().otlp_traces_endpoint is None
     assert Settings(otlp_traces_endpoint="https://c/v1/traces").otlp_traces_endpoint
+
+
+def test_reasoning_markers_come_from_the_config_over_the_parser() -> None:
+    from tasks.settings import ApiSettings
+
+    assert ApiSettings().reasoning_markers() is None
+    parsed = ApiSettings(reasoning_parser="qwen3")
+    assert parsed.reasoning_markers() == ("<think>", "</think>", "</think>")
+    phrase = ApiSettings(reasoning_parser="deepseek_r1", reasoning_config=json.dumps(
+        {"reasoning_end_str": "Time to answer.</think>"}))  # fmt: skip
+    assert phrase.reasoning_markers() == ("<think>", "Time to answer.</think>", "</think>")
+    own = ApiSettings(reasoning_config={"reasoning_start_str": "<r>", "reasoning_end_str": "</r>"})
+    assert own.reasoning_markers() == ("<r>", "</r>", "</r>")
+    assert ApiSettings(reasoning_config={"reasoning_start_str": "<r>"}).reasoning_markers() is None
+    for bad in ({"reasoning_parser": "qwen3"}, {"reasoning_end_str": ""}, "not json"):
+        with pytest.raises(ValueError):
+            ApiSettings(reasoning_config=bad if isinstance(bad, str) else json.dumps(bad))
