@@ -14,9 +14,8 @@ Parsers (vLLM's names; both start in the thinking part, a leading ``<think>`` dr
 ``deepseek_r1`` (an output that never closes its thinking is all reasoning) and ``qwen3``
 (the same, unless ``chat_template_kwargs: {"enable_thinking": false}`` turned thinking off:
 then all of it is the answer). A grammar-constrained output (structured outputs, a forced
-tool choice) is constrained from its first token, so it thinks only where its grammar
-opens it with ``<think>``; vLLM instead lets the model think first and constrains the
-answer after it.
+tool choice) thinks first too, as vLLM lets it: the grammar applies from the token after
+``</think>`` (``StructuredOutput.after``, set where the request is started).
 """
 
 from __future__ import annotations
@@ -30,16 +29,14 @@ THINK_START, THINK_END = "<think>", "</think>"
 
 class ThinkParser(ToolParser):
     """The thinking part of an output as :class:`Reasoning` events; the rest through
-    ``inner`` (a tool parser), or as :class:`Text`. ``implicit``: the output starts inside
-    the thinking (its ``<think>`` was in the prompt); otherwise it thinks only if it opens
-    with ``<think>`` (a constrained output: its grammar decides). ``keep`` False: the
-    thinking is dropped (vLLM's ``include_reasoning: false``)."""
+    ``inner`` (a tool parser), or as :class:`Text`. The output starts inside the thinking
+    (its ``<think>`` was in the prompt, or it opens with one). ``keep`` False: the thinking
+    is dropped (vLLM's ``include_reasoning: false``)."""
 
-    def __init__(self, inner: ToolParser | None, implicit: bool = True, keep: bool = True) -> None:
+    def __init__(self, inner: ToolParser | None, keep: bool = True) -> None:
         super().__init__()
         self.inner = inner
         self.keep = keep
-        self.implicit = implicit
         self._thinking = True
         self._started = False  # the opening is past (a leading tag dropped, or none)
         self._held = ""  # text that may be the start of a tag
@@ -65,9 +62,6 @@ class ThinkParser(ToolParser):
             self._started = True
             if stripped.startswith(THINK_START):
                 text = stripped[len(THINK_START) :]
-            elif not self.implicit:  # no thinking: all of it is the answer
-                self._thinking = False
-                return self._answer(text)
         end = text.find(THINK_END)
         if end >= 0:
             self._thinking = False
@@ -78,13 +72,7 @@ class ThinkParser(ToolParser):
 
     def finish(self) -> list[Event]:
         held, self._held = self._held, ""
-        if not self._thinking or not held:
-            out = []
-        elif self._started or self.implicit:
-            out = self._think(held)
-        else:  # it ended before it could open with <think>: an answer
-            self._thinking = False
-            out = self._answer(held)
+        out = self._think(held) if self._thinking and held else []
         if self.inner is not None:
             out += self.inner.finish()
         return out
@@ -108,14 +96,14 @@ def thinks(parser: str | None, chat_template_kwargs: dict | None) -> bool:
 
 
 def output_parser(
-    name: str | None, plan: ToolPlan | None, req: ChatCompletionRequest, constrained: bool
+    name: str | None, plan: ToolPlan | None, req: ChatCompletionRequest
 ) -> ToolParser | None:  # fmt: skip
     """The parser one choice's output of ``req`` goes through: the tool plan's (if any),
     behind a :class:`ThinkParser` where the output may hold thinking (:func:`thinks`;
-    ``name``: the reasoning parser set, if any). ``constrained``: a grammar constrains the
-    output from its first token (structured outputs, a forced tool choice), so it thinks
-    only if it opens with <think>. None: the text is all content."""
+    ``name``: the reasoning parser set, if any). Such an output is thinking from its first
+    token, a constrained one too: its grammar waits for the end of thinking
+    (``StructuredOutput.after``). None: the text is all content."""
     tools = plan.parser() if plan is not None else None
     if not thinks(name, req.chat_template_kwargs):
         return tools
-    return ThinkParser(tools, implicit=not constrained, keep=req.include_reasoning)
+    return ThinkParser(tools, keep=req.include_reasoning)

@@ -56,8 +56,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     max_tokens = min(body.max_tokens, room) if room > 0 else body.max_tokens
     rid, (run,), sampling = await start(st, req, request, prompt, max_tokens, "message",
                                         started, "messages", plan, lora)  # fmt: skip
-    parser = output_parser(st.settings.api.reasoning_parser, plan, req,
-                           sampling.structured is not None)  # fmt: skip
+    parser = output_parser(st.settings.api.reasoning_parser, plan, req)
     out = _Output(body, "msg_" + rid.split("-", 1)[1], parser)
     headers = {"x-request-id": rid}
     if body.stream:
@@ -85,10 +84,8 @@ def _rendered(st: ApiState, body: MessagesBody) -> tuple[ChatCompletionRequest, 
     """The chat request the body means, its tools (checked before they are rendered) and
     its prompt."""
     req = chat_request(body)
-    constrained = req.response_format is not None or req.structured_outputs is not None
-    if st.builder.thinking_markers is None or constrained:
-        # a budget with nothing to count between, or beside a grammar that constrains the
-        # output from its first token: left unenforced (chat's field is a 400 there)
+    if st.builder.thinking_markers is None:
+        # a budget with nothing to count between: left unenforced (chat's field is a 400)
         req.thinking_token_budget = None
     plan = tool_plan(req, st.tool_parser)
     return req, plan, chat_prompt(st, req)

@@ -262,18 +262,24 @@ def prepare(
             "min_tokens",
         )
     sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
+    # a chat output the reasoning parser reads as thinking from its first token
+    # (api.reasoning.output_parser): its grammar waits for the end of thinking, as vLLM's
+    # does with a reasoning parser, and a thinking budget counts from the first token
+    thinking = isinstance(req, ChatCompletionRequest) and thinks(
+        st.settings.api.reasoning_parser, req.chat_template_kwargs
+    )
+    markers = st.builder.thinking_markers
+    if thinking and markers is not None and sampling.structured is not None:
+        sampling.structured = sampling.structured.model_copy(update={"after": markers[2]})
     if sampling.thinking is not None:
-        if sampling.structured is not None:
+        if sampling.structured is not None and sampling.structured.after is None:
             # the grammar constrains the output from its first token; a forced end of
-            # thinking could break it
+            # thinking would break it
             raise bad_request("thinking_token_budget cannot be combined with a structured "
-                              "output or a forced tool choice", "thinking_token_budget",
+                              "output or a forced tool choice unless a reasoning parser "
+                              "lets the model think first", "thinking_token_budget",
                               "unsupported_parameter")  # fmt: skip
-        # a chat output the reasoning parser reads as thinking from its first token is
-        # counted from there (api.reasoning.output_parser's implicit start)
-        sampling.thinking.inside = isinstance(req, ChatCompletionRequest) and thinks(
-            st.settings.api.reasoning_parser, req.chat_template_kwargs
-        )
+        sampling.thinking.inside = thinking
     return sampling
 
 
@@ -316,8 +322,7 @@ def chat_output(
     thinking (None: the text is the content, as completions' always is)."""
     if not isinstance(req, ChatCompletionRequest):
         return None
-    parser = output_parser(st.settings.api.reasoning_parser, plan, req,
-                           sampling.structured is not None)  # fmt: skip
+    parser = output_parser(st.settings.api.reasoning_parser, plan, req)
     return ChatOutput(plan, parser) if parser is not None else None
 
 

@@ -46,7 +46,6 @@ from fastapi.responses import JSONResponse, Response
 
 from api.errors import OpenAIError, bad_request
 from api.logprobs import ID_STRINGS, LogprobsRenderer
-from api.params import structured_of
 from api.protocol import ChatCompletionRequest, unsupported
 from api.reasoning import output_parser
 from api.responses import (
@@ -104,7 +103,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     rid, (run,), sampling = await start(  # the Responses API has no n: one run
         st, req, request, prompt, req.max_tokens, "response", started, "input", plan, lora
     )
-    out = _Output(st, body, rid, _parser(st, req, plan, sampling.structured is not None))
+    out = _Output(st, body, rid, _parser(st, req, plan))
     if body.background:
         return await _background(st, body, run, out, started)
     if body.stream:
@@ -422,10 +421,9 @@ async def _read_record(st: ApiState, response_id: str) -> dict[str, str]:
     return {as_str(k): as_str(v) for k, v in raw.items()}
 
 
-def _parser(st: ApiState, req: ChatCompletionRequest, plan: ToolPlan | None,
-            constrained: bool) -> ToolParser | None:  # fmt: skip
+def _parser(st: ApiState, req: ChatCompletionRequest, plan: ToolPlan | None) -> ToolParser | None:
     """What reads the output into items: tool calls, a reasoning model's thinking."""
-    return output_parser(st.settings.api.reasoning_parser, plan, req, constrained)
+    return output_parser(st.settings.api.reasoning_parser, plan, req)
 
 
 def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
@@ -434,10 +432,7 @@ def _rebuilt(st: ApiState, response_id: str, rec: dict[str, str]) -> _Output:
     req = chat_request(body.model_copy(update={"background": False}))
     plan = tool_plan(req, st.tool_parser)
     rid = "resp-" + response_id.removeprefix("resp_")
-    # a grammar (the request's own, or its tool choice's) decides whether it thinks
-    constrained = structured_of(req) is not None or (plan is not None
-                                                     and plan.constraint is not None)  # fmt: skip
-    out = _Output(st, body, rid, _parser(st, req, plan, constrained))
+    out = _Output(st, body, rid, _parser(st, req, plan))
     out.created = int(rec["created"])
     return out
 

@@ -394,6 +394,10 @@ class StructuredOutput(BaseModel):
     # the request field it came from (e.g. ``response_format.json_schema``), which the
     # engine's error names when the spec does not compile; not part of :meth:`key`
     param: str | None = None
+    # a reasoning model's end of thinking (``</think>``'s token ids): the model thinks
+    # freely first and the grammar applies from the token after these, as vLLM applies it
+    # with a reasoning parser; None: from the first token. Not part of :meth:`key`
+    after: list[int] | None = None
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutput:
@@ -411,7 +415,7 @@ class StructuredOutput(BaseModel):
 
     def key(self) -> str:
         """What names the compiled grammar (equal specs compile once)."""
-        spec = self.model_dump(exclude={"param"})
+        spec = self.model_dump(exclude={"param", "after"})
         return orjson.dumps(spec, option=orjson.OPT_SORT_KEYS).decode()
 
 

@@ -352,9 +352,26 @@ def _vllm_options(s: Settings) -> dict[str, object]:
         options["speculative_config"] = s.engine.speculative_config
     markers = s.api.reasoning_markers()  # what thinking_token_budget counts between
     if markers and not {"reasoning_config", "reasoning_parser"} & set(options):
-        options["reasoning_config"] = {"reasoning_start_str": markers[0],
-                                       "reasoning_end_str": markers[1]}  # fmt: skip
+        parser = s.api.reasoning_parser
+        if parser and _in_vocabulary(s.model, markers[0], markers[2]):
+            # vLLM's parser: a grammar waits for the end of thinking there too (its
+            # parsers need both tags as tokens of the vocabulary, or vLLM does not start)
+            options["reasoning_parser"] = parser
+        if s.api.reasoning_config or "reasoning_parser" not in options:
+            options["reasoning_config"] = {"reasoning_start_str": markers[0],
+                                           "reasoning_end_str": markers[1]}  # fmt: skip
     return options
+
+
+def _in_vocabulary(model: Path, *tokens: str) -> bool:
+    """Whether each of ``tokens`` is one token of ``model``'s tokenizer."""
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(str(Path(model) / "tokenizer.json")).get_vocab(True)
+    except Exception:  # noqa: BLE001 - no tokenizer.json here: the worker will say so
+        return False
+    return all(t in vocab for t in tokens)
 
 
 def _celery_quiet(s: Settings) -> list[str]:

@@ -29,7 +29,8 @@ class OutputProcessor:
     def banned(self, seq: Seq) -> list[int]:
         """Token ids the sampler must not pick for ``seq`` now (stops before min_tokens)."""
         p = seq.req.params
-        if len(seq.output_ids) >= p.min_tokens or seq.constraint is not None:
+        if len(seq.output_ids) >= p.min_tokens or (seq.constraint is not None
+                                                    and seq.constraint.active):  # fmt: skip
             return []  # (a grammar decides where a constrained output may end)
         return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids))
 

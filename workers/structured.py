@@ -18,6 +18,10 @@ goes through three steps here:
   (:meth:`Constraint.accept`), and the sequence stops ("stop") once the grammar has ended.
   The end-of-sequence token is allowed only where the grammar may end. Unconstrained rows
   are not touched.
+* **Thinking first.** A reasoning model's request (``StructuredOutput.after``: its end of
+  thinking, ``</think>``) thinks unconstrained, as vLLM lets it with a reasoning parser:
+  its matcher only watches for that end, and the mask and the grammar apply from the token
+  after it.
 
 JSON is generated without free whitespace between tokens unless the spec asks for it
 (``any_whitespace``; vLLM's ``disable_any_whitespace``), with "," and ":" as separators, as
@@ -68,10 +72,27 @@ class Constraint:
     matcher: Any
     stop_token_ids: frozenset[int]  # the grammar ends on one of these (and only then)
     error: str | None = None  # set when a token the grammar forbids came (the output ends)
+    # the end of thinking the grammar waits for (StructuredOutput.after); None once it is
+    # out, or from the start: the grammar applies
+    gate: list[int] | None = None
+    tail: list[int] | None = None  # the output's last tokens while the gate is shut
+
+    @property
+    def active(self) -> bool:
+        """Whether the grammar constrains the next token (the thinking is over)."""
+        return self.gate is None
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; True when the output is over: the grammar has ended (its
-        stop token came), or ``token`` was not allowed (``error`` says so)."""
+        stop token came), or ``token`` was not allowed (``error`` says so). Before the
+        gate's end of thinking is out, tokens are thinking: only watched for it."""
+        if self.gate is not None:
+            tail = self.tail if self.tail is not None else []
+            tail.append(token)
+            self.tail = tail[-len(self.gate) :]
+            if self.tail == self.gate:
+                self.gate = self.tail = None
+            return False
         if self.matcher.accept_token(token):
             return token in self.stop_token_ids and self.matcher.is_terminated()
         self.error = f"token {token} does not follow the request's grammar"
@@ -165,7 +186,7 @@ class StructuredOutputs:
         """Set the logits each constrained row's grammar forbids next to -inf, in place
         (``logits[i]`` is ``seqs[i]``'s; a sequence is constrained when its ``constraint``
         is set). Rows without one are left as they are."""
-        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        rows = [i for i, s in enumerate(seqs) if s.constraint is not None and s.constraint.active]
         if not rows:
             return
         import torch
@@ -199,7 +220,8 @@ class StructuredOutputs:
         there is none (``grammar`` is why its spec did not compile)."""
         if isinstance(grammar, str):
             return f"{_field(req.params.structured)} could not be compiled: {grammar}"  # type: ignore[arg-type]
-        c = Constraint(self.compiler.matcher(grammar), self.compiler.stops)
+        c = Constraint(self.compiler.matcher(grammar), self.compiler.stops,
+                       gate=req.params.structured.after)  # type: ignore[union-attr]  # fmt: skip
         done = list(req.resumed.output_token_ids) if req.resumed is not None else []
         if req.imported is not None:
             done.append(req.imported.first_token)

@@ -3,12 +3,14 @@ through the official client: an API process with the deepseek_r1 parser beside t
 session cluster's (which has none) on the same workers, so the same greedy request gives
 the same text on both and the split can be checked against the whole.
 
-The tiny model never writes ``</think>`` by itself: a regex (structured outputs) makes it
-think, then answer; left free, it never closes its thinking, so all of its output is
-reasoning, as vLLM's deepseek_r1 parser reads it."""
+The tiny model never writes ``</think>`` by itself: a thinking budget ends its thinking,
+and a grammar (structured outputs, a forced tool choice) shapes the answer after it; left
+free, it never closes its thinking, so all of its output is reasoning, as vLLM's
+deepseek_r1 parser reads it."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -19,7 +21,7 @@ from tests.integration.conftest import Cluster, base_env, start_api
 
 pytestmark = pytest.mark.integration
 
-THINK_THEN_ANSWER = r"<think>[a-z]{2,6}( [a-z]{2,6}){1,3}</think>[A-Z][a-z]{2,6}"
+ANSWER = r"[A-Z][a-z]{2,6}"
 MSGS = [{"role": "user", "content": "Is the sky blue?"}]
 
 
@@ -38,24 +40,57 @@ def _chat(client: openai.OpenAI, model: str, **kw: object):  # type: ignore[no-u
                                           **kw)  # fmt: skip
 
 
-def test_thinking_then_an_answer(cluster: Cluster, reasoning: openai.OpenAI) -> None:
-    kw = {"max_tokens": 120, "extra_body": {"structured_outputs": {"regex": THINK_THEN_ANSWER}}}
-    whole = cluster.client(max_retries=0)
-    plain = _chat(whole, cluster.model_name, **kw).choices[0].message
-    assert plain.model_extra.get("reasoning") is None  # no parser: the tags are content
-    m = re.fullmatch(r"<think>(.*)</think>(.*)", plain.content or "")
-    assert m is not None, plain.content
+def _chat_ids(model_dir: object) -> list[int]:
+    """MSGS rendered by HF's chat template, as the API renders them."""
+    from transformers import AutoTokenizer
 
-    split = _chat(reasoning, cluster.model_name, **kw).choices[0].message
-    assert (split.model_extra["reasoning"], split.content) == (m.group(1), m.group(2))  # type: ignore[index]
-    assert split.model_extra["reasoning_content"] == m.group(1)  # type: ignore[index]
+    ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        MSGS, add_generation_prompt=True, tokenize=True)  # fmt: skip
+    return ids if isinstance(ids, list) else ids["input_ids"]
+
+
+def _ids(
+    client: openai.OpenAI, model: str, prompt: list[int], n: int, **extra: object
+) -> list[int]:
+    """A greedy completion's token ids."""
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                  logprobs=0, extra_body={"return_tokens_as_token_ids": True,
+                                                          **extra})  # fmt: skip
+    return [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]  # type: ignore[union-attr]
+
+
+def test_thinking_then_a_constrained_answer(cluster: Cluster, reasoning: openai.OpenAI) -> None:
+    """A grammar applies after the thinking, as vLLM applies it with a reasoning parser:
+    the model thinks unconstrained (its own greedy tokens) until its end of thinking (here
+    forced by a thinking budget: the tiny model never writes one), then answers in the
+    grammar. The answer equals the grammar's greedy continuation of all of it."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(cluster.model_dir / "tokenizer.json"))
+    end = tok.encode("</think>", add_special_tokens=False).ids
+    whole = cluster.client(max_retries=0)
+    prompt = _chat_ids(cluster.model_dir)
+    thought = _ids(whole, cluster.model_name, prompt, 4)
+    answer = _ids(whole, cluster.model_name, prompt + thought + end, 20,
+                  structured_outputs={"regex": ANSWER})  # fmt: skip
+    want = tok.decode(answer)  # (its end-of-sequence token is special)
+    assert re.fullmatch(ANSWER, want)
+    kw = {"max_tokens": 120, "extra_body": {"structured_outputs": {"regex": ANSWER},
+                                            "thinking_token_budget": 4}}  # fmt: skip
+    split = _chat(reasoning, cluster.model_name, **kw).choices[0]
+    assert split.finish_reason == "stop"
+    assert (split.message.model_extra["reasoning"], split.message.content) == (  # type: ignore[index]
+        tok.decode(thought),
+        want,
+    )
+    assert split.message.model_extra["reasoning_content"] == tok.decode(thought)  # type: ignore[index]
 
     # streamed: the reasoning deltas, then the content's, the same text
     chunks = list(_chat(reasoning, cluster.model_name, stream=True, **kw))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    thought = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
+    thought_text = "".join((d.model_extra or {}).get("reasoning") or "" for d in deltas)
     said = "".join(d.content or "" for d in deltas)
-    assert (thought, said) == (m.group(1), m.group(2))
+    assert (thought_text, said) == (tok.decode(thought), want)
     firsts = [i for i, d in enumerate(deltas) if d.content]
     lasts = [i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning")]
     assert max(lasts) < min(firsts)
@@ -63,7 +98,15 @@ def test_thinking_then_an_answer(cluster: Cluster, reasoning: openai.OpenAI) -> 
     # include_reasoning: false (vLLM's) drops it
     kw["extra_body"]["include_reasoning"] = False  # type: ignore[index]
     dropped = _chat(reasoning, cluster.model_name, **kw).choices[0].message
-    assert dropped.content == m.group(2) and "reasoning" not in (dropped.model_extra or {})
+    assert dropped.content == want and "reasoning" not in (dropped.model_extra or {})
+
+    # without its end of thinking the grammar never starts: all of it is reasoning
+    free = _chat(reasoning, cluster.model_name, max_tokens=10,
+                 extra_body={"structured_outputs": {"regex": ANSWER}}).choices[0]  # fmt: skip
+    assert free.finish_reason == "length" and free.message.content == ""
+    assert free.message.model_extra["reasoning"] == tok.decode(  # type: ignore[index]
+        _ids(whole, cluster.model_name, prompt, 10)
+    )
 
 
 def test_unclosed_thinking_is_all_reasoning(cluster: Cluster, reasoning: openai.OpenAI) -> None:
@@ -98,21 +141,23 @@ def test_unclosed_thinking_is_all_reasoning(cluster: Cluster, reasoning: openai.
 
 
 def test_thinking_then_a_tool_call(cluster: Cluster, reasoning: openai.OpenAI) -> None:
-    """The tool parser reads the answer only: a call after the thinking is a call, and
-    the thinking is reasoning, streamed and not."""
+    """A forced tool choice thinks first too: the thinking is reasoning, the call after
+    it a call, streamed and not."""
     from tests.integration.test_tools_api import TOOLS, same_calls, streamed, whole
 
-    regex = (r'<think>[a-z]{2,6}( [a-z]{2,6}){1,2}</think><tool_call>\n\{"name": '
-             r'"get_weather", "arguments": \{"city": "Oslo", "unit": "celsius"\}\}'
-             r'\n</tool_call>')  # fmt: skip
     kw = dict(model=cluster.model_name, messages=MSGS, tools=TOOLS, max_tokens=300,
-              temperature=0, extra_body={"structured_outputs": {"regex": regex}})  # fmt: skip
+              temperature=0, tool_choice="required",
+              extra_body={"thinking_token_budget": 3})  # fmt: skip
     resp = reasoning.chat.completions.create(**kw)  # type: ignore[call-overload]
     got = whole(resp)
-    assert resp.choices[0].finish_reason == "tool_calls" and got["content"] is None
-    assert [c["name"] for c in got["calls"]] == ["get_weather"]
-    assert re.fullmatch(r"[a-z]{2,6}( [a-z]{2,6}){1,2}",
-                        resp.choices[0].message.model_extra["reasoning"])  # type: ignore[index]  # fmt: skip
+    assert resp.choices[0].finish_reason == "tool_calls" and not got["content"]
+    assert got["calls"] and all(c["name"] in ("get_weather", "take_note") for c in got["calls"])
+    assert all(isinstance(json.loads(c["arguments"]), dict) for c in got["calls"])
+    # the thinking: the first tokens of the same prompt (tools rendered) left free
+    plain = cluster.client(max_retries=0).chat.completions.create(
+        model=cluster.model_name, messages=MSGS, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+        max_tokens=3, temperature=0)  # fmt: skip
+    assert resp.choices[0].message.model_extra["reasoning"] == plain.choices[0].message.content  # type: ignore[index]
     msg, reason = streamed(reasoning, **kw)
     assert same_calls(msg, got) and reason == "tool_calls"
 
@@ -122,13 +167,15 @@ def test_messages_api_thinking_blocks(cluster: Cluster, reasoning: openai.OpenAI
     block before the ``text`` block, streamed and not, as chat splits it."""
     import anthropic
 
-    kw = {"max_tokens": 120, "extra_body": {"structured_outputs": {"regex": THINK_THEN_ANSWER}}}
+    kw = {"max_tokens": 120, "extra_body": {"structured_outputs": {"regex": ANSWER},
+                                            "thinking_token_budget": 4}}  # fmt: skip
     split = _chat(reasoning, cluster.model_name, **kw).choices[0].message
+    assert split.model_extra["reasoning"] and split.content  # type: ignore[index]
     c = anthropic.Anthropic(base_url=str(reasoning.base_url).removesuffix("/v1/"),
                             api_key="x", max_retries=0)  # fmt: skip
     a_kw = dict(model=cluster.model_name, max_tokens=120, messages=MSGS,
-                thinking={"type": "enabled", "budget_tokens": 1024},
-                extra_body={"temperature": 0, **kw["extra_body"]})  # type: ignore[dict-item]  # fmt: skip
+                thinking={"type": "enabled", "budget_tokens": 4},
+                extra_body={"temperature": 0, "structured_outputs": {"regex": ANSWER}})  # fmt: skip
     msg = c.messages.create(**a_kw)  # type: ignore[call-overload]
     assert [b.type for b in msg.content] == ["thinking", "text"]
     assert msg.content[0].thinking == split.model_extra["reasoning"]  # type: ignore[union-attr, index]

@@ -41,25 +41,21 @@ def _splits(text: str) -> list[list[str]]:
 
 
 CASES = [
-    # (output, implicit, reasoning, content)
-    ("<think>plan it</think>the answer", True, "plan it", "the answer"),
-    ("plan it</think>the answer", True, "plan it", "the answer"),  # <think> was in the prompt
-    ("\n<think>a < b </th not yet</think>x</think>y", True, "a < b </th not yet", "x</think>y"),
-    ("still thinking <", True, "still thinking <", ""),  # never closed: all reasoning
-    ("<thi", True, "<thi", ""),
-    ("", True, "", ""),
-    ('{"a": 1}', False, "", '{"a": 1}'),  # a grammar's output without <think>: all answer
-    ("<think>why</think>{}", False, "why", "{}"),
-    ("<th", False, "", "<th"),
+    # (output, reasoning, content)
+    ("<think>plan it</think>the answer", "plan it", "the answer"),
+    ("plan it</think>the answer", "plan it", "the answer"),  # <think> was in the prompt
+    ("\n<think>a < b </th not yet</think>x</think>y", "a < b </th not yet", "x</think>y"),
+    ("still thinking <", "still thinking <", ""),  # never closed: all reasoning
+    ("<thi", "<thi", ""),
+    ("", "", ""),
+    ("<think>why</think>{}", "why", "{}"),  # a grammar's answer after the thinking
 ]
 
 
-@pytest.mark.parametrize(("text", "implicit", "thinking", "content"), CASES)
-def test_every_split_gives_the_same_events(
-    text: str, implicit: bool, thinking: str, content: str
-) -> None:
+@pytest.mark.parametrize(("text", "thinking", "content"), CASES)
+def test_every_split_gives_the_same_events(text: str, thinking: str, content: str) -> None:
     for pieces in _splits(text) if text else [[""]]:
-        got = _joined(_run(ThinkParser(None, implicit=implicit), pieces))
+        got = _joined(_run(ThinkParser(None), pieces))
         assert got == (thinking, content, []), pieces
 
 
@@ -79,16 +75,14 @@ def test_dropped_thinking_and_thinking_turned_off() -> None:
     assert thinks(None, None) is False
     msgs = [{"role": "user", "content": "hi"}]
     req = ChatCompletionRequest(model="m", messages=msgs)  # type: ignore[arg-type]
-    p = output_parser("deepseek_r1", None, req, constrained=False)
-    assert isinstance(p, ThinkParser) and p.implicit and p.keep
-    p = output_parser("deepseek_r1", None, req, constrained=True)
-    assert isinstance(p, ThinkParser) and not p.implicit
+    p = output_parser("deepseek_r1", None, req)
+    assert isinstance(p, ThinkParser) and p.keep
     off = ChatCompletionRequest(model="m", messages=msgs,  # type: ignore[arg-type]
                                 chat_template_kwargs={"enable_thinking": False})  # fmt: skip
-    assert output_parser("qwen3", None, off, constrained=False) is None
+    assert output_parser("qwen3", None, off) is None
     dropped = ChatCompletionRequest(model="m", messages=msgs,  # type: ignore[arg-type]
                                     include_reasoning=False)  # fmt: skip
-    p = output_parser("deepseek_r1", None, dropped, constrained=False)
+    p = output_parser("deepseek_r1", None, dropped)
     assert isinstance(p, ThinkParser) and not p.keep
 
 

@@ -366,3 +366,33 @@ def test_bitmask_paths_agree() -> None:
         want = [logits[r, t].item() if r not in rows or bits[t] else float("-inf")
                 for t in range(vocab)]  # fmt: skip
         assert a[r].tolist() == want
+
+
+def test_a_reasoning_models_grammar_waits_for_the_end_of_thinking(
+    engine: Engine, tok: Tokenizer
+) -> None:
+    """``after`` (a reasoning parser's request): the model thinks unconstrained, its own
+    greedy tokens, until the end of thinking (here forced by a thinking budget), then the
+    grammar applies; a run resumed past the end goes on in the grammar."""
+    from kvbm.protocol import ThinkingBudget
+    from workers.engine_api import ResumedOutput
+
+    end = tok.encode("</think>", add_special_tokens=False).ids
+    start = tok.encode("<think>", add_special_tokens=False).ids
+    prompt = tok.encode("Answer:").ids + start
+    budget = ThinkingBudget(budget=5, start=start, end=end, natural_end=end)
+    spec = StructuredOutput(regex="v[0-9]{2}", after=end)
+    unconstrained = EngineRequest("f", prompt, Sampling(max_tokens=5, temperature=0.0))
+    free = _toks(_run(engine, [unconstrained])["f"])
+    outs = _run(engine, [_req("g", prompt, spec, temperature=0.0, thinking=budget)])["g"]
+    toks = _toks(outs)
+    assert toks[:5] == free and toks[5 : 5 + len(end)] == end
+    assert outs[-1].finish_reason == "stop"
+    assert re.fullmatch(r"v[0-9]{2}", tok.decode(toks[5 + len(end) :]))
+    # the same key: a grammar compiled for one spec serves the other (after is not in it)
+    assert spec.key() == StructuredOutput(regex="v[0-9]{2}").key()
+    # resumed after the end and one grammar token: the matcher replays both
+    resumed = ResumedOutput(output_token_ids=toks[: 6 + len(end)], emitted_chars=0)
+    again = _run(engine, [_req("h", prompt, spec, temperature=0.0, thinking=budget,
+                               resumed=resumed)])["h"]  # fmt: skip
+    assert toks[: 6 + len(end)] + _toks(again) == toks

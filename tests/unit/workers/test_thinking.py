@@ -3,6 +3,9 @@ sequence stands against it, token by token, and the forced end in the logits."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -93,14 +96,29 @@ def test_a_budget_keeps_the_request_off_speculation() -> None:
     assert Sampling(thinking=_budget(1)).processed and not Sampling().processed
 
 
-def test_the_vllm_engine_gets_the_same_markers() -> None:
+def test_the_vllm_engine_gets_the_same_markers(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
     from tasks.cli import _vllm_options
     from tasks.settings import Settings
     from workers.vllm_engine import vllm_argv
 
-    assert "reasoning_config" not in _vllm_options(Settings())
-    argv = vllm_argv(_vllm_options(Settings(reasoning_parser="qwen3")))
+    assert "reasoning_config" not in _vllm_options(Settings(model=tiny_model_dir))
+    # a tokenizer without <think> as a token: vLLM's parsers would not start; the markers
+    # go as strings (the thinking budget), a grammar applies from the first token there
+    argv = vllm_argv(_vllm_options(Settings(model=tiny_model_dir, reasoning_parser="qwen3")))
     assert argv == ['--reasoning-config={"reasoning_start_str": "<think>", '
                     '"reasoning_end_str": "</think>"}']  # fmt: skip
-    own = Settings(reasoning_parser="qwen3", vllm={"reasoning_parser": "qwen3"})
+    # one with both tags as tokens (a reasoning model's): vLLM's own parser
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<think>", "</think>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    argv = vllm_argv(_vllm_options(Settings(model=tmp_path, reasoning_parser="qwen3")))
+    assert argv == ["--reasoning-parser=qwen3"]
+    phrase = json.dumps({"reasoning_end_str": "Enough.</think>"})
+    argv = vllm_argv(_vllm_options(Settings(model=tmp_path, reasoning_parser="qwen3",
+                                            reasoning_config=phrase)))  # fmt: skip
+    assert argv == ["--reasoning-parser=qwen3", '--reasoning-config={"reasoning_start_str": '
+                    '"<think>", "reasoning_end_str": "Enough.</think>"}']  # fmt: skip
+    own = Settings(model=tmp_path, reasoning_parser="qwen3", vllm={"reasoning_parser": "qwen3"})
     assert "reasoning_config" not in _vllm_options(own)  # CONVEYOR_VLLM__* says otherwise
