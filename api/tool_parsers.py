@@ -13,8 +13,10 @@ Parsers for ``tool_choice: "auto"``, one per model family (vLLM's ``--tool-call-
 names): ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after
 optional content), ``llama3_json`` (the whole output is ``{"name": ..., "parameters": ...}``
 objects, ``;``-separated, after an optional ``<|python_tag|>``), ``pythonic`` (Llama 4's
-``[f(a=1), g()]``) and ``mistral`` (content, then ``[TOOL_CALLS]`` and the calls, in
-Mistral's JSON-array or ``name[ARGS]{...}`` form). A call is announced once its
+``[f(a=1), g()]``), ``mistral`` (content, then ``[TOOL_CALLS]`` and the calls, in
+Mistral's JSON-array or ``name[ARGS]{...}`` form) and ``qwen3_coder`` (Qwen3-Coder's
+``<tool_call><function=f><parameter=a>...</parameter></function></tool_call>``, values
+typed by the function's schema). A call is announced once its
 block is complete and parses (a free-running model may break its JSON halfway); when an
 output that looked like tool calls yields none, all of it is content after all.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -68,7 +71,11 @@ def call_id() -> str:
 
 
 class ToolParser:
-    """Base: ``feed`` text, then ``finish`` once; ``calls`` counts the calls announced."""
+    """Base: ``feed`` text, then ``finish`` once; ``calls`` counts the calls announced.
+    ``schemas``: the request's functions' parameter schemas, by name (set by the tool
+    plan), for formats whose argument values carry no types of their own."""
+
+    schemas: dict[str, dict] = {}  # noqa: RUF012 - replaced per parser, never mutated
 
     def __init__(self) -> None:
         self.calls = 0
@@ -157,6 +164,69 @@ class HermesParser(_ContentThenCalls):
     def _parse(self, body: str) -> list[Event]:
         call = _call_object(body.strip(), ("arguments",))
         return self._call(*call) if call else []
+
+
+class Qwen3CoderParser(HermesParser):
+    """Qwen3-Coder's XML calls, in ``<tool_call>`` blocks after optional content::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Oslo
+        </parameter>
+        </function>
+        </tool_call>
+
+    A parameter's value is raw text (one newline either side dropped), typed by the
+    function's schema (:func:`_typed`, as vLLM's ``qwen3_coder`` parser types it); the
+    arguments are that object as JSON. Blocks are read as Hermes's are."""
+
+    def _parse(self, body: str) -> list[Event]:
+        fn = _XML_FUNCTION.fullmatch(body.strip())
+        if fn is None:
+            return []
+        name = fn.group(1).strip()
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        args = {}
+        for m in _XML_PARAMETER.finditer(fn.group(2)):
+            key = m.group(1).strip()
+            value = m.group(2).removeprefix("\n").removesuffix("\n")
+            args[key] = _typed(value, props.get(key))
+        return self._call(name, json.dumps(args, ensure_ascii=False))
+
+
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
+                            re.DOTALL)  # fmt: skip
+
+
+def _typed(value: str, schema: object) -> object:
+    """A parameter's text as its schema's type says (JSON for objects and arrays, Python's
+    literal syntax as a fallback); the text itself where it does not parse as that type, or
+    the schema says only string or nothing. ``null`` is None where another type is allowed."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    types = {kinds} if isinstance(kinds, str) else set(kinds or [])
+    if not types or types <= {"string"}:
+        return value
+    text = value.strip()
+    if text.lower() == "null":
+        return None
+    try:
+        if types & {"integer"} and re.fullmatch(r"[-+]?\d+", text):
+            return int(text)
+        if types & {"number", "integer"}:
+            number = float(text)
+            return int(number) if number.is_integer() and types & {"integer"} else number
+        if "boolean" in types and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if types & {"object", "array"}:
+            try:
+                return json.loads(text)
+            except ValueError:
+                return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        pass
+    return value
 
 
 class Llama3JsonParser(ToolParser):
@@ -651,15 +721,19 @@ PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonParser,
     "pythonic": PythonicParser,
     "mistral": MistralParser,
+    "qwen3_coder": Qwen3CoderParser,
 }
 
 
 def parser_for_template(template: str | None) -> str:
-    """The parser a chat template's tool-call format asks for: ``mistral`` for one that
+    """The parser a chat template's tool-call format asks for: ``qwen3_coder`` for one that
+    writes ``<function=...>`` / ``<parameter=...>`` calls, ``mistral`` for one that
     writes ``[TOOL_CALLS]``, ``pythonic`` for Llama 4's ``<|python_start|>``,
     ``llama3_json`` for ``<|python_tag|>`` or Llama 3's ``"parameters"`` calls, else
     ``hermes`` (``<tool_call>`` blocks, the most common format, and the default model's)."""
     t = template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return "qwen3_coder"
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:

@@ -72,7 +72,9 @@ class ToolPlan:
         if self.choice == "required":
             return RequiredParser()
         if self.choice == "auto":
-            return PARSERS[self.parser_name]()
+            parser = PARSERS[self.parser_name]()
+            parser.schemas = self.schemas
+            return parser
         return None
 
     def finish_reason(self, engine_reason: str | None, calls: int) -> str | None:

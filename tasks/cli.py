@@ -110,7 +110,8 @@ def _model_opt(f):
 
 def _tool_parser_opt(f):
     return click.option(
-        "--tool-call-parser", type=click.Choice(["hermes", "llama3_json"]),
+        "--tool-call-parser",
+        type=click.Choice(["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder"]),
         help=_setting("tool_call_parser", "Reads tool_choice 'auto' calls",
                       unset="from the template"),
     )(f)  # fmt: skip

@@ -105,6 +105,9 @@ class MockTimingSettings(BaseModel):
         return self
 
 
+ToolCallParser = Literal["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder"]
+
+
 class ApiSettings(_Area):
     """The HTTP front: bind address, auth, limits, stream timeouts; Flower."""
 
@@ -125,12 +128,13 @@ class ApiSettings(_Area):
         "--return-tokens-as-token-ids; a request's return_tokens_as_token_ids overrides it): "
         "tokens that are no valid UTF-8 alone stay told apart.",
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "pythonic", "mistral"] | None = Field(
+    tool_call_parser: ToolCallParser | None = Field(
         None,
         description="How tool calls are read out of the model's text for tool_choice "
         "'auto' (vLLM's --tool-call-parser names); default: the format the chat template "
-        "asks for (mistral for [TOOL_CALLS], pythonic for Llama 4's <|python_start|>, "
-        "llama3_json for a Llama 3 template, else hermes).",
+        "asks for (qwen3_coder for <function=...><parameter=...> calls, mistral for "
+        "[TOOL_CALLS], pythonic for Llama 4's <|python_start|>, llama3_json for a Llama 3 "
+        "template, else hermes).",
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None,

@@ -239,10 +239,15 @@ def test_auto_parses_the_models_calls(cluster: Cluster) -> None:
 
 
 OTHER_FORMATS = {
-    # Llama 4's pythonic calls, and Mistral's v11 form, each forced on the output
+    # Llama 4's pythonic calls, Mistral's v11 form and Qwen3-Coder's XML (its days typed
+    # as the schema's integer), each forced on the output
     "pythonic": (r'\[get_weather\(city="(Oslo|Rome)", unit="celsius"\)\]', ""),
     "mistral": (r'Checking\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Oslo|Rome)", '
                 r'"unit": "celsius"\}', "Checking."),
+    "qwen3_coder": (r"Checking\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+                    r"(Oslo|Rome)\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
+                    r"<parameter=days>\n[1-7]\n</parameter>\n</function>\n</tool_call>",
+                    "Checking.\n"),
 }  # fmt: skip
 
 

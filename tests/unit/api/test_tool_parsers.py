@@ -16,6 +16,7 @@ from api.tool_parsers import (
     MistralParser,
     NamedParser,
     PythonicParser,
+    Qwen3CoderParser,
     RequiredParser,
     Text,
     ToolParser,
@@ -212,9 +213,54 @@ def test_named() -> None:
 
 
 def test_parser_for_template() -> None:
-    assert set(PARSERS) >= {"hermes", "llama3_json"}
+    assert set(PARSERS) == {"hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder"}
+    qwen3_coder = "<tool_call>\n<function=' ~ name ~ '>\n<parameter="
+    assert parser_for_template(qwen3_coder) == "qwen3_coder"
     assert parser_for_template("... <tool_call> ...") == "hermes"
     assert parser_for_template("{{ '<|python_tag|>' }}") == "llama3_json"
     assert parser_for_template("{{- '[TOOL_CALLS]' + tool_calls|tojson }}") == "mistral"
     assert parser_for_template("{{- '<|python_start|>' }}") == "pythonic"
     assert parser_for_template(None) == "hermes"
+
+
+SCHEMAS = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
+    "metric": {"type": "boolean"}, "hours": {"type": "array"}, "where": {"type": "object"},
+    "note": {"type": ["string", "null"]}, "maybe": {"type": ["integer", "null"]}}}}  # fmt: skip
+
+
+def _qwen3() -> Qwen3CoderParser:
+    p = Qwen3CoderParser()
+    p.schemas = SCHEMAS
+    return p
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+         "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+         "Let me look.\n", [("get_weather", '{"city": "Oslo", "days": 3}')]),
+        # every type by the schema; a string keeps its inner newlines and a "3"
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan\nJosé 3\n</parameter>\n"
+         "<parameter=temp>\n21.5\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n"
+         "<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=where>\n{'lat': 1}\n"
+         "</parameter>\n<parameter=note>\nnull\n</parameter>\n<parameter=maybe>\nnull\n"
+         "</parameter>\n</function>\n</tool_call>", "",
+         [("get_weather", '{"city": "San\\nJosé 3", "temp": 21.5, "metric": true, '
+                          '"hours": [1, 2], "where": {"lat": 1}, "note": null, '
+                          '"maybe": null}')]),
+        # an unknown function or parameter: strings; text that is not its type: as written
+        ("<tool_call>\n<function=other>\n<parameter=n>\n5\n</parameter>\n</function>\n"
+         "</tool_call><tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n"
+         "</parameter>\n</function>\n</tool_call>", "",
+         [("other", '{"n": "5"}'), ("get_weather", '{"days": "three"}')]),
+        # an unclosed last block and parameter still count; no function at all: content
+        ("<tool_call>\n<function=get_weather>\n<parameter=days>\n2", "",
+         [("get_weather", '{"days": 2}')]),
+        ("<tool_call>not a call</tool_call>", "<tool_call>not a call</tool_call>", []),
+        ("no calls here", "no calls here", []),
+    ],
+)  # fmt: skip
+def test_qwen3_coder(text: str, content: str, calls: list[tuple[str, str]]) -> None:
+    assert same_in_pieces(_qwen3, text) == (content, calls)
