@@ -168,23 +168,29 @@ def _messages(msg: dict, param: str) -> list[dict]:
     parts: list[dict] = []
     calls: list[dict] = []
     results: list[dict] = []
+    shown: list[dict] = []  # the tool results' images: the user's turn shows them
     for j, block in enumerate(content):
         where = f"{param}.content.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             parts.append({"type": "text", "text": _text(block, where)})
         elif kind == "image":
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
+            parts.append(_image_part(block, where))
+        elif kind == "document" and role == "user":  # a paragraph of its own
+            parts.append({"type": "text", "text": _document(block, where) + "\n\n"})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue
         elif kind == "tool_use" and role == "assistant":
             calls.append(_call(block, where))
         elif kind == "tool_result" and role == "user":
-            results.append(_result(block, where))
+            result, images = _result(block, where)
+            results.append(result)
+            shown += images
         else:
             raise bad_request(f"content block type {kind!r} is not supported in a {role} "
                               "message", f"{where}.type", "unsupported_parameter")  # fmt: skip
     out = results
+    parts = shown + parts
     if parts or calls or not results:
         chat: dict[str, Any] = {"role": role, "content": _content(parts)}
         if calls:
@@ -206,6 +212,43 @@ def _text(block: dict, param: str) -> str:
     if not isinstance(text, str):
         raise bad_request("a text block needs `text`, a string", f"{param}.text")
     return text
+
+
+def _image_part(block: dict, param: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": _image_url(block, param)}}
+
+
+def _document(block: dict, param: str) -> str:
+    """A ``document`` block's text, after its ``title`` and ``context`` (each a paragraph
+    of its own): plain-text and content sources; PDFs are not read here (400)."""
+    if (block.get("citations") or {}).get("enabled"):
+        raise bad_request("citations are not supported", f"{param}.citations",
+                          "unsupported_parameter")  # fmt: skip
+    src = block.get("source")
+    kind = src.get("type") if isinstance(src, dict) else None
+    if kind == "text" and isinstance(src.get("data"), str):  # type: ignore[union-attr]
+        text = src["data"]  # type: ignore[index]
+    elif kind == "content":
+        inner = src.get("content")  # type: ignore[union-attr]
+        blocks = [{"type": "text", "text": inner}] if isinstance(inner, str) else inner
+        if not isinstance(blocks, list):
+            raise bad_request("a content source needs content: a string or text blocks",
+                              f"{param}.source.content")  # fmt: skip
+        texts = []
+        for k, b in enumerate(blocks):
+            if not isinstance(b, dict) or b.get("type") != "text":
+                raise bad_request("a content source may hold text blocks only",
+                                  f"{param}.source.content.{k}.type",
+                                  "unsupported_parameter")  # fmt: skip
+            texts.append(_text(b, f"{param}.source.content.{k}"))
+        text = "\n".join(texts)
+    else:
+        raise bad_request("a document source must be plain text ({'type': 'text', "
+                          "'media_type': 'text/plain', 'data'}) or content ({'type': "
+                          "'content', 'content'}); PDF documents are not supported",
+                          f"{param}.source", "unsupported_parameter")  # fmt: skip
+    head = [v for v in (block.get("title"), block.get("context")) if isinstance(v, str) and v]
+    return "\n\n".join([*head, text])
 
 
 def _image_url(block: dict, param: str) -> str:
@@ -233,23 +276,34 @@ def _call(block: dict, param: str) -> dict:
             "function": {"name": name, "arguments": json.dumps(args)}}  # fmt: skip
 
 
-def _result(block: dict, param: str) -> dict:
+def _result(block: dict, param: str) -> tuple[dict, list[dict]]:
+    """A ``tool_result`` as a ``tool`` message (its text) and its images' parts, which the
+    user's turn shows (a tool message holds text only in chat templates; vLLM does the
+    same)."""
     cid = block.get("tool_use_id")
     if not isinstance(cid, str) or not cid:
         raise bad_request("a tool_result block needs tool_use_id", f"{param}.tool_use_id")
     content = block.get("content", "")
+    images: list[dict] = []
     if isinstance(content, list):
         texts = []
         for k, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad_request("a tool_result's content may hold text blocks only",
-                                  f"{param}.content.{k}.type", "unsupported_parameter")  # fmt: skip
-            texts.append(_text(part, f"{param}.content.{k}"))
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                texts.append(_text(part, f"{param}.content.{k}"))
+            elif kind == "image":
+                images.append(_image_part(part, f"{param}.content.{k}"))
+            elif kind == "document":
+                texts.append(_document(part, f"{param}.content.{k}"))
+            else:
+                raise bad_request("a tool_result's content may hold text, image and document "
+                                  "blocks", f"{param}.content.{k}.type",
+                                  "unsupported_parameter")  # fmt: skip
         content = "\n".join(texts)
     elif not isinstance(content, str):
-        raise bad_request("a tool_result's content must be a string or text blocks",
+        raise bad_request("a tool_result's content must be a string or content blocks",
                           f"{param}.content")  # fmt: skip
-    return {"role": "tool", "tool_call_id": cid, "content": content}
+    return {"role": "tool", "tool_call_id": cid, "content": content}, images
 
 
 def _tool(tool: object, param: str) -> dict:

@@ -84,6 +84,43 @@ def test_tool_use_and_results_become_chat_turns() -> None:
         "description": "Weather"}}]  # fmt: skip
 
 
+def test_documents_and_tool_result_images() -> None:
+    """A plain-text or content document is text of the user's turn (title and context
+    first); a tool result's images are shown in the user's turn after the tool messages,
+    before the rest of it."""
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBO"}
+    chat = chat_request(req(messages=[
+        {"role": "user", "content": [
+            {"type": "document", "title": "Notes", "context": "From Ann",
+             "source": {"type": "text", "media_type": "text/plain", "data": "Buy milk."}},
+            {"type": "document", "source": {"type": "content", "content": [
+                {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}},
+            {"type": "text", "text": "Summarise."}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "taken"}, {"type": "image", "source": png},
+                {"type": "document", "source": {"type": "content", "content": "log"}}]},
+            {"type": "text", "text": "What is in it?"}]},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t2", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t2", "content": [
+                {"type": "image", "source": png}]}]},
+    ]))  # fmt: skip
+    msgs = [m.model_dump(exclude_none=True) for m in chat.messages]
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}
+    text = "Notes\n\nFrom Ann\n\nBuy milk.\n\na\nb\n\nSummarise."
+    assert msgs[0] == {"role": "user", "content": text}
+    assert msgs[2] == {"role": "tool", "content": "taken\nlog", "tool_call_id": "t1"}
+    assert msgs[3]["role"] == "user" and [p["type"] for p in msgs[3]["content"]] == [
+        "image_url", "text"]  # fmt: skip
+    assert msgs[3]["content"][0]["image_url"] == image["image_url"]
+    assert msgs[5:] == [{"role": "tool", "content": "", "tool_call_id": "t2"},
+                        {"role": "user", "content": [image]}]  # fmt: skip
+
+
 def test_images_prefill_and_choices() -> None:
     chat = chat_request(req(messages=[
         {"role": "user", "content": [
@@ -125,13 +162,24 @@ def test_thinking_effort_and_output_format() -> None:
 @pytest.mark.parametrize(("kw", "param"), [
     ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
-     "messages.0.content.0.type"),
+     "messages.0.content.0.source"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {
+        "type": "base64", "media_type": "application/pdf", "data": "JVBE"}}]}]},
+     "messages.0.content.0.source"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "citations": {
+        "enabled": True}, "source": {"type": "text", "data": "x"}}]}]},
+     "messages.0.content.0.citations"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "document", "source": {
+        "type": "text", "data": "x"}}]}]}, "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f"}]}]},
      "messages.0.content.0.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file"}}]}]},
      "messages.0.content.0.source"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
                                                  "content": [{"type": "image"}]}]}]},
+     "messages.0.content.0.content.0.source"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a",
+                                                 "content": [{"type": "search_result"}]}]}]},
      "messages.0.content.0.content.0.type"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
