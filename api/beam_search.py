@@ -113,6 +113,7 @@ async def serve(
         out_tokens += len(shown)
     st.metrics.prompt_tokens.inc(len(ids))
     st.metrics.completion_tokens.inc(out_tokens)
+    st.metrics.observe_lengths(len(ids), out_tokens)
     usage = {"prompt_tokens": len(ids), "completion_tokens": out_tokens,
              "total_tokens": len(ids) + out_tokens}  # fmt: skip
     headers = {"x-request-id": rid}

@@ -18,6 +18,8 @@ _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+# tokens per request: 1, 2, 5, 10, 20, 50, ... up to 131072-token windows (vLLM's scheme)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 
 class ApiMetrics:
@@ -48,6 +50,17 @@ class ApiMetrics:
         self.completion_tokens = Counter(
             "conveyor_completion_tokens", "Completion tokens generated", registry=r
         )
+        # per generation request, at its end (vLLM's request_prompt_tokens and
+        # request_generation_tokens, Dynamo's input and output sequence tokens)
+        self.input_tokens = Histogram(
+            "conveyor_input_sequence_tokens", "Prompt tokens per generation request",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.output_tokens = Histogram(
+            "conveyor_output_sequence_tokens",
+            "Completion tokens per generation request (its choices together)",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
         self.embedding_inputs = Counter(
             "conveyor_embedding_inputs", "Inputs embedded (/v1/embeddings: one per vector)",
             registry=r,
@@ -185,6 +198,11 @@ class ApiMetrics:
         for c in collectors:
             out.register(c)  # type: ignore[arg-type]
         return out
+
+    def observe_lengths(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """A generation request's sequence lengths, at its end."""
+        self.input_tokens.observe(prompt_tokens)
+        self.output_tokens.observe(completion_tokens)
 
     def observe_decision(self, pool: str, seconds: float) -> None:
         self.decision_seconds.labels(pool).observe(seconds)

@@ -516,6 +516,7 @@ def end_request(st: ApiState, runs: list[RunningRequest], started: float) -> Non
     usage = choices.request_usage(runs)
     if usage is not None:
         m.completion_tokens.inc(usage.completion_tokens)
+        m.observe_lengths(usage.prompt_tokens, usage.completion_tokens)
         m.traffic.finished(usage.completion_tokens)
         m.cached_tokens.inc(usage.cached_tokens)
         if runs and runs[0].tenant:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import Metric
 
+from api.dynamo_metrics import dynamo_families
 from api.errors import OpenAIError, bad_request
 from api.state import api_state
 from api.vllm_metrics import vllm_families
@@ -55,7 +56,14 @@ async def prometheus(request: Request) -> Response:
     except Exception as e:  # noqa: BLE001 - still export the API's own metrics
         log.warning("cluster metrics unavailable: %s", e)
     families = list(st.metrics.exposed(st.cluster).collect())
-    families += vllm_families(families, st.cluster.workers, st.settings.model_name)
+    s, workers = st.settings, st.cluster.workers
+    limits = {"context_length": st.builder.max_model_len,
+              "kv_cache_block_size": s.engine.block_size,
+              "max_num_seqs": s.engine.max_num_seqs,
+              "max_num_batched_tokens": s.engine.max_num_batched_tokens,
+              "migration_limit": s.api.migration_limit}  # fmt: skip
+    families += [*vllm_families(families, workers, s.model_name),
+                 *dynamo_families(families, workers, s.model_name, limits)]  # fmt: skip
     return Response(generate_latest(_Exported(families)), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -27,6 +27,8 @@ RENAMED = {
     "conveyor_prompt_tokens": ("vllm:prompt_tokens", {}),
     "conveyor_completion_tokens": ("vllm:generation_tokens", {}),
     "conveyor_finish_reasons": ("vllm:request_success", {"reason": "finished_reason"}),
+    "conveyor_input_sequence_tokens": ("vllm:request_prompt_tokens", {}),
+    "conveyor_output_sequence_tokens": ("vllm:request_generation_tokens", {}),
 }
 
 
@@ -36,17 +38,19 @@ def vllm_families(exported: Iterable[Metric], workers: list[HeartbeatReport],
     reports."""
     for fam in exported:
         if fam.name in RENAMED:
-            yield _renamed(fam, *RENAMED[fam.name], model_name)
+            name, labels = RENAMED[fam.name]
+            yield renamed(fam, name, labels, {"model_name": model_name})
     yield from _engine(workers, model_name)
 
 
-def _renamed(fam: Metric, name: str, labels: dict[str, str], model_name: str) -> Metric:
+def renamed(fam: Metric, name: str, labels: dict[str, str], extra: dict[str, str]) -> Metric:
+    """``fam`` under ``name``: its samples as they are, ``labels`` renamed (old -> new) and
+    the ``extra`` labels added."""
     out = Metric(name, fam.documentation, fam.type, fam.unit)
     for s in fam.samples:
-        renamed = {labels.get(k, k): v for k, v in s.labels.items()}
-        out.samples.append(Sample(name + s.name[len(fam.name) :],
-                                  {"model_name": model_name, **renamed}, s.value, s.timestamp,
-                                  s.exemplar))  # fmt: skip
+        kept = {labels.get(k, k): v for k, v in s.labels.items()}
+        out.samples.append(Sample(name + s.name[len(fam.name) :], {**extra, **kept}, s.value,
+                                  s.timestamp, s.exemplar))  # fmt: skip
     return out
 
 

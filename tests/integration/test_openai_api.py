@@ -101,6 +101,8 @@ def test_metrics_under_vllms_names(cluster: Cluster) -> None:
 
     assert grew("vllm:prompt_tokens_total", **model) == r.usage.prompt_tokens  # type: ignore[union-attr]
     assert grew("vllm:generation_tokens_total", **model) == 5
+    assert grew("vllm:request_prompt_tokens_sum", **model) == r.usage.prompt_tokens  # type: ignore[union-attr]
+    assert grew("vllm:request_generation_tokens_count", **model) == 1
     assert grew("vllm:request_success_total", finished_reason="length", **model) == 1
     for theirs, ours in (("time_to_first_token_seconds", "time_to_first_token_seconds"),
                          ("e2e_request_latency_seconds", "request_latency_seconds")):  # fmt: skip
@@ -113,6 +115,38 @@ def test_metrics_under_vllms_names(cluster: Cluster) -> None:
     wait_for(lambda: _total(_scrape(cluster.url), "vllm:prefix_cache_queries_total")
              - _total(before, "vllm:prefix_cache_queries_total") >= r.usage.prompt_tokens,  # type: ignore[union-attr]
              15, "the prompt counted by the prefix cache")  # fmt: skip
+
+
+def test_metrics_under_dynamos_names(cluster: Cluster) -> None:
+    """/metrics carries Dynamo's frontend names too: a chat request and a refused one move
+    Dynamo's request counter by endpoint and outcome, its sequence-length histograms and
+    latencies as Conveyor's move; the model's gauges say what serves it."""
+    model = {"model": cluster.model_name}
+    before = _scrape(cluster.url)
+    c = cluster.client(max_retries=0)
+    r = c.chat.completions.create(
+        model=cluster.model_name, messages=[{"role": "user", "content": "metrics?"}],
+        max_tokens=5, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=cluster.model_name, messages=[], max_tokens=5)
+    after = _scrape(cluster.url)
+
+    def grew(name: str, **labels: str) -> float:
+        return _total(after, name, **labels) - _total(before, name, **labels)
+
+    p = "dynamo_frontend_"
+    chat = {"endpoint": "chat_completions", **model}
+    assert grew(p + "requests_total", status="success", error_type="", **chat) == 1
+    assert grew(p + "requests_total", status="error", error_type="validation", **chat) == 1
+    assert grew(p + "input_sequence_tokens_sum", **model) == r.usage.prompt_tokens  # type: ignore[union-attr]
+    assert grew(p + "output_sequence_tokens_sum", **model) == 5
+    assert grew(p + "output_tokens_total", **model) == 5
+    for theirs, ours in (("time_to_first_token_seconds", "time_to_first_token_seconds"),
+                         ("request_duration_seconds", "request_latency_seconds")):  # fmt: skip
+        assert grew(f"{p}{theirs}_count", **model) == grew(f"conveyor_{ours}_count") == 1
+    assert _total(after, p + "model_ready", **model) == 1
+    assert _total(after, p + "model_total_kv_blocks", **model) > 0
+    assert _total(after, p + "model_context_length", **model) > 0
 
 
 def test_predicted_outputs(cluster: Cluster, hf: tuple) -> None:
