@@ -95,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.registry.register(cluster)
     builder = PromptBuilder(s.model, s.engine.max_model_len, s.model_name)
     builder.set_thinking_markers(s.api.reasoning_markers())
+    builder.trust_request_templates = s.api.trust_request_chat_template
     media = MediaGuard(s.multimodal, metrics)
     st = ApiState(s, metrics, cluster, builder, media, classifier=load_classifier(s.model))
     st.tool_parser = s.api.tool_call_parser or parser_for_template(builder.template_text)

@@ -155,6 +155,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    # vLLM's: retrieval documents for templates that take them ({"title", "text"}...), a
+    # request's own template (with CONVEYOR_TRUST_REQUEST_CHAT_TEMPLATE), and the
+    # tokenizer's special tokens (a BOS) on top of what the template writes
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    add_special_tokens: bool = False
     echo: bool = False
     # vLLM's: with a reasoning parser, whether the thinking is returned (``reasoning``)
     include_reasoning: bool = True

@@ -177,7 +177,9 @@ def _last_event_id(st: ApiState, request: Request) -> str | None:
 def chat_prompt(st: ApiState, req: ChatCompletionRequest) -> Prompt:
     """The chat request's prompt: its messages and tools through the chat template."""
     return st.builder.chat_prompt(req.messages, req.tools, req.add_generation_prompt,
-                                  req.continue_final_message, req.template_kwargs())  # fmt: skip
+                                  req.continue_final_message, req.template_kwargs(),
+                                  req.add_special_tokens, req.documents,
+                                  req.chat_template)  # fmt: skip
 
 
 async def _serve(

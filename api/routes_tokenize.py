@@ -41,6 +41,8 @@ class TokenizeRequest(BaseModel):
     # with messages, as in chat: the tools the template lists, its extra variables
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -61,7 +63,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict:
             tool_schemas(req.tools)  # checked as chat checks them
         ids = b.chat_prompt(req.messages, req.tools or None, req.add_generation_prompt,
                             req.continue_final_message, req.chat_template_kwargs,
-                            special).token_ids  # fmt: skip
+                            special, req.documents, req.chat_template).token_ids  # fmt: skip
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = b.tokenizer.encode(req.prompt or "", add_special_tokens=special).ids

@@ -15,11 +15,12 @@ the prompt's ids are the ones its processor gives for the same text and images.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError, nodes
+from jinja2 import Template, TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -32,6 +33,7 @@ from kvbm.protocol import ImageRef, eos_token_ids
 IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; a fixed-resolution encoder ignores it
 # What the template's own arguments are called: chat_template_kwargs may not replace them
 TEMPLATE_ARGS = ("messages", "tools", "documents", "add_generation_prompt")
+REQUEST_TEMPLATES = 16  # requests' own chat templates kept compiled
 # Marks the end of the message continue_final_message continues; the render is cut there
 # (its trailing space tells whether the template trimmed the text: then so is the cut)
 CONTINUE_MARK = "\x00CONTINUE\x00 "
@@ -78,17 +80,17 @@ class PromptBuilder:
         jinja_file = d / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
-        self._template = None
+        # the environment Hugging Face renders chat templates in: its tojson (no HTML
+        # escaping, keys in order), loop controls, {% generation %} blocks
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols, _Generation])  # fmt: skip
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._env = env
+        self._template = env.from_string(template) if template else None
         self.template_text = template
-        if template:
-            # the environment Hugging Face renders chat templates in: its tojson (no HTML
-            # escaping, keys in order), loop controls, {% generation %} blocks
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[loopcontrols, _Generation])  # fmt: skip
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(template)
+        self._request_templates: OrderedDict[str, Template] = OrderedDict()  # by their text
         cfg = json.loads((d / "config.json").read_text())
         text_cfg = cfg.get("text_config", cfg)
         self.max_model_len = max_model_len or int(text_cfg.get("max_position_embeddings", 2048))
@@ -99,6 +101,9 @@ class PromptBuilder:
         # thinking_token_budget's markers as token ids: (start, forced end, natural end);
         # set from the settings (set_thinking_markers), None: no budget can be served
         self.thinking_markers: tuple[list[int], list[int], list[int]] | None = None
+        # whether a request may bring its own chat template (vLLM's
+        # --trust-request-chat-template): rendered in the same sandbox
+        self.trust_request_templates = False
 
     def set_thinking_markers(self, markers: tuple[str, str, str] | None) -> None:
         """The reasoning markers' text (``ApiSettings.reasoning_markers``) as token ids,
@@ -127,6 +132,8 @@ class PromptBuilder:
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
         add_special_tokens: bool = False,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> Prompt:
         """Render, tokenize and expand the images' placeholders; a content part the model
         cannot take is a 400 naming it (nothing is fetched here). As Hugging Face's
@@ -135,8 +142,14 @@ class PromptBuilder:
         ``template_kwargs`` as more template variables; ``continue_final_message`` leaves
         the last message open (the render is cut where its text ends).
         ``add_special_tokens``: the tokenizer's own (a BOS) on top of what the template
-        writes (vLLM's field)."""
-        if self._template is None:
+        writes (vLLM's field). ``documents``: the template's (retrieval-augmented
+        templates'); ``chat_template``: a request's own template instead of the model's
+        (refused unless ``trust_request_templates``)."""
+        if chat_template is not None and not self.trust_request_templates:
+            raise bad_request("a request's own chat_template is refused: the server does not "
+                              "trust them (CONVEYOR_TRUST_REQUEST_CHAT_TEMPLATE, vLLM's "
+                              "--trust-request-chat-template)", "chat_template")  # fmt: skip
+        if self._template is None and chat_template is None:
             raise bad_request("this model has no chat template; use /v1/completions", "messages")
         msgs = []
         images: list[ImageInput] = []
@@ -172,7 +185,7 @@ class PromptBuilder:
                 msg["name"] = m.name
             msgs.append(msg)
         text = self.render(msgs, tools, add_generation_prompt, continue_final_message,
-                           template_kwargs)  # fmt: skip
+                           template_kwargs, documents, chat_template)  # fmt: skip
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if not self.accepts_images:
             return Prompt(ids)
@@ -185,9 +198,12 @@ class PromptBuilder:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> str:
         """The chat template's text for messages already in the template's form."""
-        assert self._template is not None, "render() on a model without a chat template"
+        template = self._template if chat_template is None else self._compiled(chat_template)
+        assert template is not None, "render() on a model without a chat template"
         extra = dict(template_kwargs or {})
         clash = [k for k in extra if k in TEMPLATE_ARGS]
         if clash:
@@ -196,8 +212,8 @@ class PromptBuilder:
         if continue_final_message:
             msgs = _mark_final(msgs)
         try:
-            text = self._template.render(
-                messages=msgs, tools=tools or None, documents=None,
+            text = template.render(
+                messages=msgs, tools=tools or None, documents=documents or None,
                 add_generation_prompt=add_generation_prompt, **{**self.special, **extra},
             )  # fmt: skip
         except TemplateError as e:
@@ -210,6 +226,21 @@ class PromptBuilder:
             trimmed = not text.startswith(CONTINUE_MARK, at)
             text = text[:at].rstrip() if trimmed else text[:at]
         return text
+
+    def _compiled(self, text: str) -> Template:
+        """A request's chat template, compiled in the model's template environment (the
+        sandbox); the last few are kept. A template that does not compile is a 400."""
+        template = self._request_templates.get(text)
+        if template is None:
+            try:
+                template = self._env.from_string(text)
+            except TemplateError as e:
+                raise bad_request(f"chat_template does not compile: {e}", "chat_template") from e
+            self._request_templates[text] = template
+            while len(self._request_templates) > REQUEST_TEMPLATES:
+                self._request_templates.popitem(last=False)
+        self._request_templates.move_to_end(text)
+        return template
 
     def _image_part(self, part: ContentPart, param: str) -> ImageInput:
         if not self.accepts_images:

@@ -142,6 +142,12 @@ class ApiSettings(_Area):
         "(vLLM's --reasoning-parser): chat's reasoning field and the Responses API's "
         "reasoning item; unset: the output is all content.",
     )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Let a request bring its own chat_template (vLLM's "
+        "--trust-request-chat-template), rendered in the same Jinja sandbox as the "
+        "model's; off: such a request is a 400.",
+    )
     reasoning_config: dict[str, str] | None = Field(
         None,
         description="The reasoning markers a request's thinking_token_budget counts "

@@ -21,7 +21,7 @@ from cluster.index import KVIndex
 from cluster.keys import load_key
 from cluster.ledger import parse_loads
 from kvbm.protocol import block_hashes, model_namespace
-from tests.integration.conftest import Cluster, wait_for
+from tests.integration.conftest import Cluster, base_env, start_api, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -147,6 +147,47 @@ def test_metrics_under_dynamos_names(cluster: Cluster) -> None:
     assert _total(after, p + "model_ready", **model) == 1
     assert _total(after, p + "model_total_kv_blocks", **model) > 0
     assert _total(after, p + "model_context_length", **model) > 0
+
+
+def test_documents_and_a_requests_own_chat_template(
+    cluster: Cluster, hf: tuple, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """vLLM's documents, chat_template and add_special_tokens on chat: a request's own
+    template is a 400 unless the server trusts them (CONVEYOR_TRUST_REQUEST_CHAT_TEMPLATE);
+    on one that does, the answer is HF's greedy continuation of HF's render of the
+    template with the documents, which /tokenize renders the same."""
+    template = ("{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                "<assistant>")  # fmt: skip
+    docs = [{"title": "KV", "text": "Blocks of sixteen tokens."}]
+    msgs = [{"role": "user", "content": "What is cached?"}]
+    own = {"chat_template": template, "documents": docs}
+    with pytest.raises(openai.BadRequestError) as e:
+        cluster.client(max_retries=0).chat.completions.create(
+            model=cluster.model_name, messages=msgs, max_tokens=4, extra_body=own)  # type: ignore[arg-type]  # fmt: skip
+    assert e.value.body["param"] == "chat_template"  # type: ignore[index]
+    trusted = {"CONVEYOR_TRUST_REQUEST_CHAT_TEMPLATE": "true"}
+    env = base_env(cluster.redis_url, cluster.model_dir, **trusted)
+    api, url = start_api("api-templates", env, tmp_path_factory.mktemp("templates"))
+    try:
+        tok, _ = hf
+        ids = tok.apply_chat_template(msgs, documents=docs, chat_template=template,
+                                      add_generation_prompt=True, tokenize=True)  # fmt: skip
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        for special in (False, True):
+            want = [tok.bos_token_id, *ids] if special else ids
+            told = httpx.post(f"{url}/tokenize", json={
+                "messages": msgs, "add_special_tokens": special, **own}).json()  # fmt: skip
+            assert told["tokens"] == want
+            c = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            r = c.chat.completions.create(
+                model=cluster.model_name, messages=msgs, max_tokens=6, temperature=0,  # type: ignore[arg-type]
+                extra_body={**own, "add_special_tokens": special, "ignore_eos": True})  # fmt: skip
+            assert r.usage.prompt_tokens == len(want)  # type: ignore[union-attr]
+            assert r.choices[0].message.content == tok.decode(hf_greedy(hf, want, 6),
+                                                              skip_special_tokens=True)  # fmt: skip
+    finally:
+        api.stop()
 
 
 def test_predicted_outputs(cluster: Cluster, hf: tuple) -> None:

@@ -141,3 +141,35 @@ def test_rendering_refusals(tiny_model_dir: Path) -> None:
         with pytest.raises(OpenAIError) as e:
             call()
         assert e.value.status == 400 and e.value.param == param
+
+
+RAG_TEMPLATE = (
+    "{% if documents %}{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+    "{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_documents_and_a_requests_own_template(hf, tiny_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's documents reach the template as transformers' documents do; a request's own
+    chat_template renders as transformers renders it, once the server trusts them."""
+    pb = PromptBuilder(tiny_model_dir)
+    msgs = [{"role": "user", "content": "What is cached?"}]
+    cm = [ChatMessage(**m) for m in msgs]
+    docs = [{"title": "KV", "text": "Blocks of sixteen tokens."}, {"title": "B", "text": "x"}]
+    with pytest.raises(OpenAIError) as e:
+        pb.chat_prompt(cm, chat_template=RAG_TEMPLATE)
+    assert e.value.param == "chat_template" and "TRUST_REQUEST_CHAT_TEMPLATE" in e.value.message
+    pb.trust_request_templates = True
+    got = pb.chat_prompt(cm, documents=docs, chat_template=RAG_TEMPLATE).token_ids
+    assert got == hf_ids(hf, msgs, documents=docs, chat_template=RAG_TEMPLATE,
+                         add_generation_prompt=True)  # fmt: skip
+    assert pb.tokenizer.decode(got).startswith("[KV] Blocks of sixteen tokens.\n[B] x\n<user>")
+    # the model's own template again for the next request; add_special_tokens adds a BOS
+    plain = pb.chat_prompt(cm).token_ids
+    assert plain == hf_ids(hf, msgs, add_generation_prompt=True)
+    bos = pb.tokenizer.token_to_id(pb.special["bos_token"])
+    assert pb.chat_prompt(cm, add_special_tokens=True).token_ids == [bos, *plain]
+    with pytest.raises(OpenAIError) as e:
+        pb.chat_prompt(cm, chat_template="{% for m in messages %}")
+    assert e.value.param == "chat_template"

@@ -103,6 +103,7 @@ NEW_NAMES = [
     "speculative_config",
     "stream_interval",
     "tenant_tokens_per_min",
+    "trust_request_chat_template",
 ]
 
 
