@@ -396,3 +396,30 @@ def test_a_reasoning_models_grammar_waits_for_the_end_of_thinking(
     again = _run(engine, [_req("h", prompt, spec, temperature=0.0, thinking=budget,
                                resumed=resumed)])["h"]  # fmt: skip
     assert toks[: 6 + len(end)] + _toks(again) == toks
+
+
+def test_thinking_then_grammar_across_prefill_decode_and_migration(make, tok) -> None:  # type: ignore[no-untyped-def]
+    """A thinking budget and a grammar after the thinking give the aggregated run's tokens
+    from a decode engine continuing a prefill engine's first token, and from streams
+    resumed inside the thinking, inside the forced end and inside the answer."""
+    from kvbm.protocol import ThinkingBudget
+
+    agg, pre, dec = make(), make(), make()
+    end = tok.encode("</think>", add_special_tokens=False).ids
+    start = tok.encode("<think>", add_special_tokens=False).ids
+    prompt = tok.encode("A short answer, please: ").ids + start
+    kw = dict(temperature=0.0, thinking=ThinkingBudget(budget=4, start=start, end=end,
+                                                       natural_end=end))  # fmt: skip
+    spec = StructuredOutput(regex="[A-Z][a-z]{2,6}", after=end)
+    want = _toks(_run(agg, [_req("r", prompt, spec, **kw)])["r"])
+    assert want[4 : 4 + len(end)] == end and re.fullmatch("[A-Z][a-z]{2,6}",
+                                                          tok.decode(want[4 + len(end) :]))  # fmt: skip
+    (first,) = _run(pre, [_req("r", prompt, spec, prefill_only=True, **kw)])["r"]
+    pull, imp = imported(first, pre, dec)
+    rest = _run(dec, [_req("r", prompt, spec, imported=imp, **kw)])["r"]
+    assert pull.loaded and pre.release_pinned("r")
+    assert first.token_ids + _toks(rest) == want
+    for k in (2, 4 + len(end) // 2, 5 + len(end)):
+        resumed = ResumedOutput(want[:k], len(tok.decode(want[:k])))
+        got = _run(dec, [_req(f"m{k}", prompt, spec, resumed=resumed, **kw)])[f"m{k}"]
+        assert want[:k] + _toks(got) == want, k
