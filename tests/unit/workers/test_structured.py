@@ -412,8 +412,8 @@ def test_thinking_then_grammar_across_prefill_decode_and_migration(make, tok) ->
                                                        natural_end=end))  # fmt: skip
     spec = StructuredOutput(regex="[A-Z][a-z]{2,6}", after=end)
     want = _toks(_run(agg, [_req("r", prompt, spec, **kw)])["r"])
-    assert want[4 : 4 + len(end)] == end and re.fullmatch("[A-Z][a-z]{2,6}",
-                                                          tok.decode(want[4 + len(end) :]))  # fmt: skip
+    assert want[4 : 4 + len(end)] == end
+    assert re.fullmatch("[A-Z][a-z]{2,6}", tok.decode(want[4 + len(end) :]))
     (first,) = _run(pre, [_req("r", prompt, spec, prefill_only=True, **kw)])["r"]
     pull, imp = imported(first, pre, dec)
     rest = _run(dec, [_req("r", prompt, spec, imported=imp, **kw)])["r"]
