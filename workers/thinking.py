@@ -24,12 +24,20 @@ from kvbm.protocol import ThinkingBudget
 
 
 def _last_index(ids: Sequence[int], marker: list[int]) -> int:
-    """Where ``marker`` last starts in ``ids``; -1 if nowhere."""
-    k = len(marker)
-    for i in range(len(ids) - k, -1, -1):
-        if list(ids[i : i + k]) == marker:
+    """Where ``marker`` last starts in ``ids``; -1 if nowhere. (Once per request, over
+    its prompt: the marker's first token is looked for by list.index, in C.)"""
+    k, n = len(marker), len(ids)
+    backwards = list(ids)[::-1]
+    j = 0
+    while True:
+        try:
+            j = backwards.index(marker[0], j)
+        except ValueError:
+            return -1
+        i = n - 1 - j
+        if i + k <= n and list(ids[i : i + k]) == marker:
             return i
-    return -1
+        j += 1
 
 
 class ThinkingState:

@@ -610,7 +610,8 @@ class VllmEngine:
             prompt_logprobs=prompt_logprobs,
             structured_outputs=_structured(p.structured),
             skip_special_tokens=p.skip_special_tokens,
-            # its markers are the engine's (--reasoning-config, set from the same settings)
+            # its markers are the engine's (--reasoning-parser or --reasoning-config, set
+            # from the same settings: tasks.cli._vllm_options)
             thinking_token_budget=None if p.thinking is None else p.thinking.budget,
             output_kind=RequestOutputKind.DELTA,
             extra_args=extra or None,
