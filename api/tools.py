@@ -11,8 +11,14 @@ the calls always parse and their arguments match the function's ``parameters``:
 * ``required``: the output is a JSON array of ``{"name": <one of the tools>,
   "parameters": <its schema>}`` objects, at least one, exactly one when
   ``parallel_tool_calls`` is false (vLLM's approach).
-* ``auto``: no constraint; the model's own format is parsed (:mod:`api.tool_parsers`, the
-  deployment's ``tool_call_parser``). ``none``: the tools are still rendered (vLLM's
+* ``auto``: the model's own format is parsed (:mod:`api.tool_parsers`, the deployment's
+  ``tool_call_parser``). Free text is free; where a tool is ``strict: true`` (OpenAI's;
+  the OpenAI Agents SDK's default) and the format is one of :data:`STRICT_FORMATS`, every
+  call the model opens is constrained (an xgrammar structural tag triggered by the
+  format's opening): its name is one of the tools' and a strict tool's arguments match
+  its schema (vLLM's ``--tool-strict-level auto``). A request's own structured output
+  takes precedence; an engine without structured outputs serves it unconstrained
+  (``StructuredOutput.best_effort``). ``none``: the tools are still rendered (vLLM's
   default) and the output is plain content.
 
 ``finish_reason`` is ``tool_calls`` when ``auto`` or ``required`` produced calls (for
@@ -53,6 +59,7 @@ class ToolPlan:
     parallel: bool = True
     parser_name: str = "hermes"  # for auto
     schemas: dict[str, dict] = field(default_factory=dict)  # function name -> parameters
+    strict: frozenset[str] = frozenset()  # the functions marked ``strict: true``
 
     @property
     def constraint(self) -> StructuredOutput | None:
@@ -62,6 +69,8 @@ class ToolPlan:
             return StructuredOutput(json_schema=json.dumps(self.schemas[self.name]))
         if self.choice == "required":
             return StructuredOutput(json_schema=json.dumps(required_schema(self)))
+        if self.choice == "auto" and self.strict and self.parser_name in STRICT_FORMATS:
+            return strict_calls(self)
         return None
 
     def parser(self) -> ToolParser | None:
@@ -94,12 +103,15 @@ def tool_plan(req: ChatCompletionRequest, parser_name: str) -> ToolPlan | None:
             raise bad_request("tool_choice needs tools: `tools` is empty or missing", "tool_choice")
         return None
     schemas = tool_schemas(req.tools)
+    strict = frozenset(t["function"]["name"] for t in req.tools
+                       if (t.get("function") or {}).get("strict") is True)  # fmt: skip
     plan = ToolPlan(
         list(req.tools),
         "auto",
         parallel=req.parallel_tool_calls,
         parser_name=parser_name,
         schemas=schemas,
+        strict=strict,
     )
     if choice is None or choice in CHOICES:
         plan.choice = choice or "auto"
@@ -141,8 +153,8 @@ def constrain(sampling: Sampling, plan: ToolPlan | None) -> Sampling:
     """The sampling with the choice's constraint; a request that constrains its output
     itself as well (``response_format``, ``structured_outputs``, ``guided_*``) is a 400."""
     spec = plan.constraint if plan is not None else None
-    if spec is None:
-        return sampling
+    if spec is None or (spec.best_effort and sampling.structured is not None):
+        return sampling  # (strict auto calls give way to the request's own constraint)
     if sampling.structured is not None:
         raise bad_request(
             "tool_choice 'required' or a named function constrains the output "
@@ -150,6 +162,41 @@ def constrain(sampling: Sampling, plan: ToolPlan | None) -> Sampling:
             "tool_choice",
         )
     return sampling.model_copy(update={"structured": spec})
+
+
+# auto calls' formats a strict tool's schema can constrain (tool_call_parser names)
+STRICT_FORMATS = ("hermes", "qwen3_coder", "llama3_json")
+
+
+def _call_format(parser: str, name: str) -> tuple[str, str, str, str]:
+    """A function's call in an auto format: (the opening that triggers a call, the text
+    before its arguments, the arguments' style, the text after them)."""
+    quoted = json.dumps(name)
+    if parser == "hermes":
+        return ("<tool_call>", f'<tool_call>\n{{"name": {quoted}, "arguments": ', "json",
+                "}\n</tool_call>")  # fmt: skip
+    if parser == "qwen3_coder":
+        return ("<tool_call>", f"<tool_call>\n<function={name}>\n", "qwen_xml",
+                "</function>\n</tool_call>")  # fmt: skip
+    return '{"name": ', f'{{"name": {quoted}, "parameters": ', "json", "}"  # llama3_json
+
+
+def strict_calls(plan: ToolPlan) -> StructuredOutput:
+    """``auto`` with strict tools: free text, and each call the model opens in its format
+    constrained to one of the tools, a strict one's arguments to its schema (any object
+    for the others); one call only without parallel calls."""
+    tags, trigger = [], ""
+    for name, schema in plan.schemas.items():
+        trigger, begin, style, end = _call_format(plan.parser_name, name)
+        args = schema if name in plan.strict else {"type": "object"}
+        # at most one whitespace character in a row: a bounded schema always finishes
+        content = {"type": "json_schema", "json_schema": args, "style": style,
+                   "max_whitespace_cnt": 1}  # fmt: skip
+        tags.append({"type": "tag", "begin": begin, "content": content, "end": end})
+    fmt = {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+           "stop_after_first": not plan.parallel}  # fmt: skip
+    return StructuredOutput(structural_tag=json.dumps({"type": "structural_tag", "format": fmt}),
+                            param="tools", best_effort=True)  # fmt: skip
 
 
 def required_schema(plan: ToolPlan) -> dict:

@@ -394,6 +394,10 @@ class StructuredOutput(BaseModel):
     # the request field it came from (e.g. ``response_format.json_schema``), which the
     # engine's error names when the spec does not compile; not part of :meth:`key`
     param: str | None = None
+    # a constraint the request did not ask for as such (strict tools under tool_choice
+    # auto): an engine without structured outputs serves the request without it rather
+    # than refusing it. Not part of :meth:`key`
+    best_effort: bool = False
     # a reasoning model's end of thinking (``</think>``'s token ids): the model thinks
     # freely first and the grammar applies from the token after these, as vLLM applies it
     # with a reasoning parser; None: from the first token. Not part of :meth:`key`
@@ -415,7 +419,7 @@ class StructuredOutput(BaseModel):
 
     def key(self) -> str:
         """What names the compiled grammar (equal specs compile once)."""
-        spec = self.model_dump(exclude={"param", "after"})
+        spec = self.model_dump(exclude={"param", "after", "best_effort"})
         return orjson.dumps(spec, option=orjson.OPT_SORT_KEYS).decode()
 
 

@@ -167,7 +167,7 @@ FEATURES: dict[str, Callable[[Sampling], bool]] = {
     "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
     "bad_words": lambda p: bool(p.bad_words),
     "include_stop_str_in_output": lambda p: p.include_stop_str_in_output,
-    "structured_outputs": lambda p: p.structured is not None,
+    "structured_outputs": lambda p: p.structured is not None and not p.structured.best_effort,
     "thinking_token_budget": lambda p: p.thinking is not None,
 }
 

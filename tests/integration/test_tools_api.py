@@ -220,6 +220,27 @@ def test_required_tool_choice(cluster: Cluster, parallel: bool) -> None:
 
 
 @needs_structured
+def test_strict_tools_leave_free_text_free(cluster: Cluster) -> None:
+    """``strict: true`` tools under ``auto`` constrain only the calls the model opens
+    (tests/unit/workers/test_structured.py finishes one to its schema): a greedy answer
+    that opens none is the model's free text, the unconstrained completion of the same
+    rendered prompt, streamed and not."""
+    strict = [{"type": t["type"], "function": {**t["function"], "strict": True}}
+              for t in TOOLS]  # fmt: skip
+    client = cluster.client(max_retries=0)
+    msgs = [{"role": "user", "content": "Weather?"}]
+    kw = dict(model=cluster.model_name, messages=msgs, max_tokens=24, temperature=0)
+    prompt = httpx.post(f"{cluster.url}/tokenize",
+                        json={"messages": msgs, "tools": strict}).json()["tokens"]  # fmt: skip
+    free = client.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=24,
+                                     temperature=0).choices[0].text  # fmt: skip
+    got = whole(client.chat.completions.create(tools=strict, **kw))  # type: ignore[call-overload]
+    assert got["content"] == free and not got["calls"]
+    msg, _ = streamed(client, tools=strict, **kw)
+    assert same_calls(msg, got)
+
+
+@needs_structured
 def test_auto_parses_the_models_calls(cluster: Cluster) -> None:
     """``auto`` with the default model's own format forced on its output (a regex): the
     hermes parser finds the call, streamed and not, and the content before it."""

@@ -241,3 +241,36 @@ def test_constraints_compile_and_parse_back(tiny_model_dir, choice: str) -> None
             params = plan.schemas[call["function"]["name"]]
             jsonschema.validate(json.loads(call["function"]["arguments"]), params)
     assert finished >= 4
+
+
+def test_strict_tools_constrain_auto_calls_where_the_format_allows() -> None:
+    """``auto`` with a ``strict: true`` tool: a best-effort structural tag (calls opened by
+    the format's trigger, a strict tool's arguments its schema, the others any object);
+    none without strict tools or for a format it cannot constrain; a request's own
+    structured output wins; no parallel calls: the first call ends the tags."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}},
+             {"type": "function", "function": {"name": "g"}}]  # fmt: skip
+
+    def plan(parser: str = "hermes", **kw: object):  # type: ignore[no-untyped-def]
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],  # type: ignore[list-item]
+                                    tools=kw.pop("tools", tools), **kw)  # type: ignore[arg-type]  # fmt: skip
+        return tool_plan(req, parser)
+
+    spec = plan().constraint
+    assert spec.best_effort and spec.param == "tools"
+    fmt = json.loads(spec.structural_tag)["format"]
+    assert fmt["triggers"] == ["<tool_call>"] and not fmt["stop_after_first"]
+    assert [(t["begin"], t["content"]["json_schema"]) for t in fmt["tags"]] == [
+        ('<tool_call>\n{"name": "f", "arguments": ', schema),
+        ('<tool_call>\n{"name": "g", "arguments": ', {"type": "object"})]  # fmt: skip
+    assert json.loads(plan(parallel_tool_calls=False).constraint.structural_tag)[
+        "format"]["stop_after_first"]  # fmt: skip
+    qwen = json.loads(plan("qwen3_coder").constraint.structural_tag)["format"]["tags"][0]
+    assert qwen["begin"] == "<tool_call>\n<function=f>\n" and qwen["content"]["style"] == "qwen_xml"
+    assert plan("pythonic").constraint is None
+    assert plan(tools=tools[1:]).constraint is None
+    assert plan(tool_choice="none").constraint is None
+    own = Sampling(structured=StructuredOutput(regex="a+"))
+    assert constrain(own, plan()) is own
+    assert constrain(Sampling(), plan()).structured == spec

@@ -423,3 +423,55 @@ def test_thinking_then_grammar_across_prefill_decode_and_migration(make, tok) ->
         resumed = ResumedOutput(want[:k], len(tok.decode(want[:k])))
         got = _run(dec, [_req(f"m{k}", prompt, spec, resumed=resumed, **kw)])[f"m{k}"]
         assert want[:k] + _toks(got) == want, k
+
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Oslo", "Rome"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("parser", "opened"),
+    [("hermes", 'Checking.<tool_call>\n{"name": "get_weather", "arguments": '),
+     ("qwen3_coder", "Checking.<tool_call>\n<function=get_weather>\n"),
+     ("llama3_json", '{"name": "get_weather", "parameters": ')],
+)  # fmt: skip
+def test_strict_auto_tool_calls(engine: Engine, tok: Tokenizer, parser: str, opened: str) -> None:
+    """``auto`` with a strict tool (api.tools.strict_calls): free text stays the model's own
+    greedy text; a call the model opens in its format is finished to the tool's schema
+    and reads back through the format's parser."""
+    from api.protocol import ChatCompletionRequest
+    from api.tool_parsers import PARSERS, CallArgs, CallStart
+    from api.tools import tool_plan
+    from workers.engine_api import ResumedOutput
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "strict": True,
+                                               "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "note"}}]  # fmt: skip
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],  # type: ignore[list-item]
+                                tools=tools)  # fmt: skip
+    plan = tool_plan(req, parser)
+    assert plan is not None
+    spec = plan.constraint
+    assert spec is not None and spec.best_effort and spec.structural_tag
+    prompt = tok.encode("Weather in Oslo?").ids
+    plain = EngineRequest("f", prompt, Sampling(max_tokens=24, temperature=0.0))
+    free = _toks(_run(engine, [plain])["f"])
+    text = tok.decode(free)
+    assert "<tool_call>" not in text and '{"name"' not in text
+    strict = _req("s", prompt, spec, max_tokens=24, temperature=0.0)
+    assert _toks(_run(engine, [strict])["s"]) == free
+    # a call opened (as a migrated stream's output so far): the rest follows the schema
+    head = tok.encode(opened, add_special_tokens=False).ids
+    resumed = ResumedOutput(head, len(opened))
+    outs = _run(engine, [_req("c", prompt, spec, max_tokens=200, temperature=0.0,
+                              resumed=resumed)])["c"]  # fmt: skip
+    whole = opened + _text(outs)
+    p = PARSERS[parser]()
+    p.schemas = plan.schemas
+    events = p.feed(whole) + p.finish()
+    names = [e.name for e in events if isinstance(e, CallStart)]
+    args = "".join(e.text for e in events if isinstance(e, CallArgs))
+    assert names == ["get_weather"], whole
+    jsonschema.validate(json.loads(args), WEATHER)
