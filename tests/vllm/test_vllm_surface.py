@@ -228,6 +228,23 @@ def test_n_tools_and_responses_run_on_vllm(vllm_cluster: Cluster) -> None:
     assert resp.status in ("completed", "incomplete") and resp.usage.output_tokens > 0  # type: ignore[union-attr]
 
 
+def test_strict_auto_tools_on_vllm_equal_the_reference(
+    vllm_cluster: Cluster, ref_cluster: Cluster
+) -> None:
+    """Strict tools under ``auto`` reach vLLM as the structural tag the reference engine
+    enforces: free text that opens no call is the same greedy text on both engines."""
+    params = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"type": "string", "maxLength": 12}}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "weather", "strict": True,
+                                               "parameters": params}}]  # fmt: skip
+    kw = dict(messages=[{"role": "user", "content": "Weather?"}], tools=tools, max_tokens=16,
+              temperature=0)  # fmt: skip
+    got = [c.client().chat.completions.create(model=c.model_name, **kw).choices[0].message  # type: ignore[call-overload]
+           for c in (vllm_cluster, ref_cluster)]  # fmt: skip
+    assert got[0].content == got[1].content and got[0].content
+    assert not got[0].tool_calls and not got[1].tool_calls
+
+
 def test_messages_api_runs_on_vllm(vllm_cluster: Cluster) -> None:
     """Anthropic's Messages API on the vLLM engine: the chat request it means gives the
     same greedy text, whole and streamed; a named tool is a tool_use block."""
