@@ -276,11 +276,13 @@ def prepare(
     if sampling.thinking is not None:
         if sampling.structured is not None and sampling.structured.after is None:
             # the grammar constrains the output from its first token; a forced end of
-            # thinking would break it
-            raise bad_request("thinking_token_budget cannot be combined with a structured "
-                              "output or a forced tool choice unless a reasoning parser "
-                              "lets the model think first", "thinking_token_budget",
-                              "unsupported_parameter")  # fmt: skip
+            # thinking would break it: strict auto calls give way, anything else is a 400
+            if not sampling.structured.best_effort:
+                raise bad_request("thinking_token_budget cannot be combined with a structured "
+                                  "output or a forced tool choice unless a reasoning parser "
+                                  "lets the model think first", "thinking_token_budget",
+                                  "unsupported_parameter")  # fmt: skip
+            sampling.structured = None
         sampling.thinking.inside = thinking
     return sampling
 
