@@ -239,6 +239,21 @@ def test_image_block_as_chat_sees_it(cluster: Cluster) -> None:
         chat.usage.prompt_tokens)  # type: ignore[union-attr]  # fmt: skip
 
 
+def test_a_text_document_is_text_of_the_turn(cluster: Cluster) -> None:
+    """A plain-text document block (title first) is text of the user's turn: the same
+    greedy answer as chat given that text."""
+    msg = client(cluster).messages.create(
+        model=cluster.model_name, max_tokens=8, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [
+            {"type": "document", "title": "Notes", "source": {
+                "type": "text", "media_type": "text/plain", "data": "Buy milk."}},
+            {"type": "text", "text": "Summarise."}]}])  # fmt: skip
+    chat = cluster.client().chat.completions.create(
+        model=cluster.model_name, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Notes\n\nBuy milk.\n\nSummarise."}])  # fmt: skip
+    assert msg.content[0].text == chat.choices[0].message.content  # type: ignore[union-attr]
+
+
 def test_errors_in_anthropics_shape(cluster: Cluster) -> None:
     """Bad requests are 4xx in Anthropic's error shape, naming the field; nothing runs."""
     c = client(cluster)
@@ -248,9 +263,9 @@ def test_errors_in_anthropics_shape(cluster: Cluster) -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [
-            {"type": "document", "source": {"type": "text", "data": "x",
-                                            "media_type": "text/plain"}}]}]},
-         "messages.0.content.0.type"),
+            {"type": "document", "source": {"type": "base64", "data": "JVBERi0=",
+                                            "media_type": "application/pdf"}}]}]},
+         "messages.0.content.0.source"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
         ({"tools": A_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
