@@ -201,7 +201,7 @@ class EngineCore:
         if constraint is None:
             return None  # waits for its grammar to compile; a step starts it
         if isinstance(constraint, str):
-            return _invalid_structured(req, constraint)
+            return self._unconstrained(req, constraint)
         return self._start(req, constraint)
 
     def _start(self, req: EngineRequest, constraint: Constraint | None) -> RequestOutput | None:
@@ -483,11 +483,20 @@ class EngineCore:
         outs = []
         assert self.structured is not None
         for req, constraint in self.structured.ready():
-            out = (_invalid_structured(req, constraint) if isinstance(constraint, str)
+            out = (self._unconstrained(req, constraint) if isinstance(constraint, str)
                    else self._start(req, constraint))  # fmt: skip
             if out is not None:
                 outs.append(out)
         return outs
+
+    def _unconstrained(self, req: EngineRequest, why: str) -> RequestOutput | None:
+        """A request whose constraint cannot be had (``why``): a best-effort one (strict
+        auto tool calls) runs without it; any other ends with invalid_structured_output."""
+        spec = req.params.structured
+        if spec is None or not spec.best_effort:
+            return _invalid_structured(req, why)
+        log.warning("[%s] runs unconstrained: %s", req.request_id, why)
+        return self._start(req, None)
 
 
 def _invalid_structured(req: EngineRequest, why: str) -> RequestOutput:

@@ -475,3 +475,21 @@ def test_strict_auto_tool_calls(engine: Engine, tok: Tokenizer, parser: str, ope
     args = "".join(e.text for e in events if isinstance(e, CallArgs))
     assert names == ["get_weather"], whole
     jsonschema.validate(json.loads(args), WEATHER)
+
+
+def test_a_best_effort_constraint_that_does_not_compile_runs_unconstrained(
+    engine: Engine, tok: Tokenizer
+) -> None:
+    """Strict auto tool calls are best-effort: a schema xgrammar cannot compile leaves the
+    request unconstrained (its model's own greedy text), where any other constraint ends
+    it with invalid_structured_output."""
+    bad = {"$ref": "#/$defs/missing"}
+    prompt = tok.encode("Answer:").ids
+    best = _schema(bad, best_effort=True)
+    outs = _run(engine, [_req("b", prompt, best, max_tokens=6, temperature=1.0)])["b"]
+    assert outs[-1].finish_reason == "length" and len(_toks(outs)) == 6
+    greedy = _run(engine, [_req("g", prompt, best, max_tokens=6, temperature=0.0)])["g"]
+    plain = EngineRequest("h", prompt, Sampling(max_tokens=6, temperature=0.0))
+    assert _toks(greedy) == _toks(_run(engine, [plain])["h"])
+    (refused,) = _run(engine, [_req("r", prompt, _schema(bad), max_tokens=6)])["r"]
+    assert refused.finish_reason == "error" and refused.error_code == "invalid_structured_output"
