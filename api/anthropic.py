@@ -142,13 +142,19 @@ def chat_request(req: MessagesBody) -> ChatCompletionRequest:
 
 
 def _system(system: str | list[dict]) -> str:
-    if isinstance(system, str):
-        return system
+    return _text_blocks(system, "system", "system blocks must be text blocks")
+
+
+def _text_blocks(value: str | list, param: str, refusal: str, code: str | None = None) -> str:
+    """A string as it is, or text blocks' texts joined by newlines; any other block is a
+    400 (``refusal``, ``code``) naming its type."""
+    if isinstance(value, str):
+        return value
     texts = []
-    for i, block in enumerate(system):
+    for i, block in enumerate(value):
         if not isinstance(block, dict) or block.get("type") != "text":
-            raise bad_request("system blocks must be text blocks", f"system.{i}.type")
-        texts.append(_text(block, f"system.{i}"))
+            raise bad_request(refusal, f"{param}.{i}.type", code)
+        texts.append(_text(block, f"{param}.{i}"))
     return "\n".join(texts)
 
 
@@ -230,18 +236,12 @@ def _document(block: dict, param: str) -> str:
         text = src["data"]  # type: ignore[index]
     elif kind == "content":
         inner = src.get("content")  # type: ignore[union-attr]
-        blocks = [{"type": "text", "text": inner}] if isinstance(inner, str) else inner
-        if not isinstance(blocks, list):
+        if not isinstance(inner, str | list):
             raise bad_request("a content source needs content: a string or text blocks",
                               f"{param}.source.content")  # fmt: skip
-        texts = []
-        for k, b in enumerate(blocks):
-            if not isinstance(b, dict) or b.get("type") != "text":
-                raise bad_request("a content source may hold text blocks only",
-                                  f"{param}.source.content.{k}.type",
-                                  "unsupported_parameter")  # fmt: skip
-            texts.append(_text(b, f"{param}.source.content.{k}"))
-        text = "\n".join(texts)
+        text = _text_blocks(inner, f"{param}.source.content",
+                            "a content source may hold text blocks only",
+                            "unsupported_parameter")  # fmt: skip
     else:
         raise bad_request("a document source must be plain text ({'type': 'text', "
                           "'media_type': 'text/plain', 'data'}) or content ({'type': "

@@ -43,7 +43,7 @@ def _last_index(ids: Sequence[int], marker: list[int]) -> int:
 class ThinkingState:
     """One sequence's place against its budget."""
 
-    __slots__ = ("spec", "inside", "count", "forcing", "seen", "tail")
+    __slots__ = ("spec", "inside", "count", "forcing", "seen", "window", "tail")
 
     def __init__(self, spec: ThinkingBudget, prompt: Sequence[int]) -> None:
         self.spec = spec
@@ -54,11 +54,8 @@ class ThinkingState:
         self.forcing = -1  # the index in ``end`` forced next; -1: not forcing
         self.seen = 0  # output tokens read
         # the last few tokens (the prompt's, then the output's): markers span tokens
-        self.tail = list(prompt[-self._window() :]) if self._window() else []
-
-    def _window(self) -> int:
-        spec = self.spec
-        return max(len(spec.start), len(spec.natural_end), len(spec.end)) - 1
+        self.window = max(len(spec.start), len(spec.natural_end), len(spec.end)) - 1
+        self.tail = list(prompt[-self.window :]) if self.window else []
 
     def forced(self, output_ids: Sequence[int]) -> int | None:
         """The token the next step must give, given the output so far; None: any."""
@@ -84,7 +81,7 @@ class ThinkingState:
                 self.count += 1
         elif self._ends_with(spec.start):
             self.inside, self.count = True, 0
-        if len(self.tail) > self._window() + 1:
+        if len(self.tail) > self.window + 1:
             del self.tail[0]
 
     def _partial(self, marker: list[int]) -> int:
