@@ -15,6 +15,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -87,6 +89,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return OpenAIError(400, message, "invalid_request_error", param, code)
 
 
+def redis_unavailable(e: BaseException, what: str = "Redis did not answer") -> OpenAIError:
+    """503 ``redis_unavailable``: a request that needed Redis while it was away (restarting,
+    unreachable). Retryable, as a client's retry policy reads a 503."""
+    return OpenAIError(503, f"{what}: {e}", "server_error", None, "redis_unavailable")
+
+
 # the names pydantic gives a union's members in an error's location (``prompt.str``,
 # ``input.list[int]``): not part of the field's path
 _UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
@@ -124,6 +132,12 @@ def install_error_handlers(app: FastAPI) -> None:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = shaped_error(request.scope, exc.status_code, str(exc.detail), type_)
         return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def _redis_away(request: Request, exc: Exception) -> JSONResponse:
+        # a route that needed Redis while it was away: retryable, not an internal error
+        return await _openai(request, redis_unavailable(exc))
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception) -> JSONResponse:

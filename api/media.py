@@ -48,7 +48,7 @@ import redis.asyncio as aioredis
 from PIL import Image, UnidentifiedImageError
 from redis.exceptions import RedisError
 
-from api.errors import OpenAIError, bad_request
+from api.errors import OpenAIError, bad_request, redis_unavailable
 from api.metrics import ApiMetrics
 from kvbm.protocol import media_key
 from tasks.settings import MultimodalSettings
@@ -161,8 +161,7 @@ class MediaGuard:
                         pipe.set(media_key(im.hash), im.data, ex=ttl)
                     await pipe.execute()
         except (RedisError, OSError) as e:
-            raise OpenAIError(503, f"Redis did not take the request's images: {e}",
-                              "server_error", None, "redis_unavailable") from e  # fmt: skip
+            raise redis_unavailable(e, "Redis did not take the request's images") from e
 
     # ----------------------------------------------------------------------------------
     async def _load_one(self, im: ImageInput) -> LoadedImage:

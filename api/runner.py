@@ -26,15 +26,17 @@ import redis.asyncio as aioredis
 from kombu.exceptions import OperationalError as KombuOperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from api.admission import Admission
-from api.errors import OpenAIError
+from api.errors import OpenAIError, redis_unavailable
 from api.metrics import ApiMetrics
 from api.resp import RespConnection
 from api.resume import moved_commands
 from api.streams import (
     StreamGap,
     StreamHub,
+    StreamInterrupted,
     StreamTimeout,
     Subscription,
     WorkerLost,
@@ -316,8 +318,7 @@ class Runner:
                 "no_live_worker",
             ) from None
         except (RedisError, OSError) as e:  # the router's state lives in Redis
-            raise OpenAIError(503, f"Redis did not answer the router: {e}", "server_error",
-                              None, "redis_unavailable") from e  # fmt: skip
+            raise redis_unavailable(e, "Redis did not answer the router") from e
         if trace is not None:
             assert self.tracing is not None, "a request is traced only where tracing is on"
             trace.route(self.tracing, t0, p.steps)
@@ -477,13 +478,14 @@ class Runner:
         route_req = self.route_request(prompt + run.output_ids, run.payload.images,
                                        lora=run.payload.lora,
                                        cache_salt=run.payload.sampling.cache_salt)  # fmt: skip
-        route_req.exclude = {dead.worker_id}
+        if not isinstance(lost, StreamInterrupted):  # its worker lives: it may serve it again
+            route_req.exclude = {dead.worker_id}
         route_req.admitted = True  # accepted already: the worker cap does not refuse it
         try:
             p = await plan_continuation(self.router, dead.pool, route_req)
         except NoLiveWorker:
             self.metrics.migrations.labels(dead.pool, "no_worker").inc()
-            raise WorkerLost(f"{lost}; no other live {dead.pool} worker to move to") from None
+            raise type(lost)(f"{lost}; no other live {dead.pool} worker to move to") from None
         resume = Resume(output_token_ids=run.output_ids, emitted_chars=run.emitted_chars,
                         next_seq=run.next_seq, migration=run.migrations)  # fmt: skip
         payload = run.payload.model_copy(update={"request_id": stream_id, "resume": resume})
@@ -547,7 +549,13 @@ class Runner:
         # Before the first frame every stage's worker matters; after it, only the last
         # one's (a prefill worker may come and go once it handed over the KV).
         routes = run.plan.routes if run.first_frame is None else run.plan.routes[-1:]
-        return await self.router.all_live(routes)
+        try:
+            return await self.router.all_live(routes)
+        except (RedisError, OSError) as e:
+            # Redis away (restarting): liveness is unknown, not lost. The request waits on
+            # for its frames, within its frame timeout, as its worker does for Redis.
+            log.warning("[%s] liveness check failed (%s); still waiting", run.request_id, e)
+            return True
 
     def _observe(self, run: RunningRequest, frame: TokenFrame) -> None:
         now = time.perf_counter()
@@ -655,9 +663,14 @@ def stream_error(e: BaseException) -> OpenAIError:
     if isinstance(e, StreamTimeout):
         return OpenAIError(504, f"the worker stopped answering ({e})", "server_error", None,
                            "timeout")  # fmt: skip
+    if isinstance(e, StreamInterrupted):
+        return OpenAIError(503, f"the token stream was interrupted ({e}); retry the request",
+                           "server_error", None, "redis_unavailable")  # fmt: skip
     if isinstance(e, WorkerLost):
         return OpenAIError(503, f"the worker died mid-generation ({e}); retry the request",
                            "server_error", None, "worker_lost")  # fmt: skip
     if isinstance(e, StreamGap):
         return OpenAIError(500, f"token stream broken: {e}", "server_error", None, "stream_gap")
+    if isinstance(e, (RedisConnectionError, RedisTimeoutError)):
+        return redis_unavailable(e)
     return OpenAIError(500, f"internal error: {type(e).__name__}", "server_error", None, None)

@@ -45,6 +45,18 @@ class WorkerLost(Exception):
     """The worker serving the stream stopped heartbeating while the API waited on it."""
 
 
+class StreamInterrupted(WorkerLost):
+    """The API's pub/sub connection dropped while the stream was open (Redis restarted,
+    say): frames published meanwhile are lost, and the stream cannot tell which. The
+    runner starts it again from what the client has, as it does for a lost worker."""
+
+
+# After the hub's connection is back, an interrupted stream waits this long for a frame in
+# order (none was lost) before it counts as broken: a lost terminal frame would leave it
+# waiting for frame_timeout_s otherwise.
+INTERRUPT_GRACE_S = 2.0
+
+
 def _wake(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -57,7 +69,7 @@ class Subscription:
     (no ``asyncio.Queue`` getter, no ``wait_for`` task per frame; docs/performance.md,
     "API: frames wake their reader directly")."""
 
-    __slots__ = ("hub", "channel", "_raw", "_waiter", "_expected")
+    __slots__ = ("hub", "channel", "_raw", "_waiter", "_expected", "_interrupted", "_resumed_at")
 
     def __init__(self, hub: StreamHub, channel: str, start_seq: int = 0) -> None:
         self.hub = hub
@@ -65,6 +77,10 @@ class Subscription:
         self._raw: deque[bytes] = deque()  # arrived, not read yet
         self._waiter: asyncio.Future[None] | None = None
         self._expected = start_seq  # seq of the next frame (a migrated stream's goes on)
+        # after an interruption (:meth:`interrupt`): how many of the frames not read yet
+        # came before it; None once a frame after it came in order (nothing was lost)
+        self._interrupted: int | None = None
+        self._resumed_at = 0.0  # loop time of the last interruption's reconnect
 
     @property
     def pending(self) -> int:
@@ -83,10 +99,24 @@ class Subscription:
         if self._waiter is not None:
             _wake(self._waiter)
 
+    def interrupt(self) -> None:
+        """The hub's connection dropped and is back: frames published in between are lost.
+        The next frame to arrive tells: in order, nothing was; past a gap, or none within
+        ``INTERRUPT_GRACE_S``, the reader gets :class:`StreamInterrupted`."""
+        self._interrupted = len(self._raw)
+        self._resumed_at = asyncio.get_running_loop().time()
+        if self._waiter is not None:
+            _wake(self._waiter)
+
     def poll(self) -> TokenFrame | None:
         """The next frame if it has already arrived; never waits."""
         while self._raw:
             frame = self._accept(self._raw.popleft())
+            if self._interrupted is not None:
+                if self._interrupted > 0:  # it arrived before the interruption
+                    self._interrupted -= 1
+                elif frame is not None:  # the first after it, in order: none was lost
+                    self._interrupted = None
             if frame is not None:
                 return frame
         return None
@@ -106,10 +136,17 @@ class Subscription:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            remaining = deadline - loop.time()
+            now = loop.time()
+            remaining = deadline - now
             if remaining <= 0:
                 which = "first " if self._expected == 0 else ""
                 raise StreamTimeout(f"no {which}frame within {timeout:.0f}s")
+            if self._interrupted is not None:  # none of its frames since the reconnect
+                grace = self._resumed_at + INTERRUPT_GRACE_S - now
+                if grace <= 0:
+                    raise StreamInterrupted(f"no frame of {self.channel} since the API's "
+                                            "Redis connection came back")  # fmt: skip
+                remaining = min(remaining, grace)
             wait = min(remaining, check_every) if alive is not None else remaining
             self._waiter = fut = loop.create_future()
             timer = loop.call_later(wait, _wake, fut)
@@ -134,6 +171,9 @@ class Subscription:
             log.warning("%s: duplicate frame %d dropped", self.channel, seq)
             return None
         if seq > self._expected:
+            if self._interrupted is not None:  # lost while the hub's connection was down
+                raise StreamInterrupted(f"frames {self._expected}..{seq - 1} of "
+                                        f"{self.channel} lost while Redis was away")  # fmt: skip
             raise StreamGap(f"frames {self._expected}..{seq - 1} were lost")
         self._expected += 1
         return frame
@@ -277,6 +317,8 @@ class StreamHub:
                 try:
                     await self._conn.connect()
                     self._resubscribe()
+                    for sub in list(self._subs.values()):  # frames may have been lost
+                        sub.interrupt()
                     self.reconnects += 1
                     delay = self._reconnect_s
                     log.info("stream hub: pub/sub connection restored")

@@ -214,9 +214,10 @@ class ApiSettings(_Area):
     migration_limit: int = Field(
         3,
         ge=0,
-        description="Times a stream whose worker dies mid-generation moves on to another "
-        "worker of the pool (which recomputes prompt + tokens so far and carries on); 0: "
-        "the stream ends with worker_lost.",
+        description="Times a stream starts again from prompt + tokens so far (recomputed) "
+        "when its worker dies mid-generation (on another worker of the pool) or its frames "
+        "were lost while Redis was away (on any); 0: it ends with worker_lost or "
+        "redis_unavailable.",
     )
     api_workers: int = Field(
         1,

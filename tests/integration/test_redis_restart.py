@@ -1,8 +1,9 @@
 """Redis goes away for 5 s and comes back on the same port, with and without persistence
 (real redis-server, real workers and API, the official openai client): streams in flight
-end with a clear error event or complete (finish reason ``length``), never hang; /health
-says 503 while Redis is away; the next 20 requests succeed, the first within 10 s of its
-return, with no process restarted; KV-aware routing finds the prefix cached before the
+complete (finish reason ``length``: the API starts each again from what its client has,
+its frames published meanwhile being lost), never hang; /health says 503 while Redis is
+away; a request succeeds within 10 s of its return, while those streams go on, and the
+next 20 after them, with no process restarted; KV-aware routing finds the prefix cached before the
 outage on its worker again, and sends a prefix first seen after it to the worker that
 cached it."""
 
@@ -70,6 +71,18 @@ async def _stream(url: str, model: str, prompt: str, n: int) -> tuple[str, str, 
         await client.close()
 
 
+def _first_success(c: openai.OpenAI, model: str, deadline: float) -> float:
+    """When the first of a run of tries (until ``deadline``) succeeded; inf if none did."""
+    while time.monotonic() < deadline:
+        try:
+            out = c.completions.create(model=model, prompt="back?", max_tokens=3, timeout=10)
+            assert out.usage.completion_tokens == 3
+            return time.monotonic()
+        except openai.APIError:
+            time.sleep(0.2)
+    return float("inf")
+
+
 def _index_blocks(url: str) -> float:
     """The API's router: blocks in its local KV index of the generate pool."""
     for line in httpx.get(f"{url}/metrics").text.splitlines():
@@ -116,29 +129,21 @@ def test_everything_survives_a_redis_restart(
             await asyncio.sleep(4.0)  # away for 5 s, then back on the same port
             back = time.monotonic()
             await asyncio.to_thread(_redis, tmp_path, port, persist)
-            return await asyncio.wait_for(asyncio.gather(*streams), 120), back
+            first_ok = await asyncio.to_thread(_first_success, c, model, back + 10)
+            return await asyncio.wait_for(asyncio.gather(*streams), 120), first_ok - back
 
         loop = asyncio.new_event_loop()
         try:
-            streams, back = loop.run_until_complete(outage())
+            streams, recovery_s = loop.run_until_complete(outage())
         finally:
             loop.close()
-        # every stream in flight ended cleanly: with an error event saying why, or whole
+        assert recovery_s <= 10, f"no request succeeded within 10 s ({recovery_s:.1f} s)"
+        # every stream in flight ended whole, with no error event
         for text, reason, err in streams:
-            assert err is not None or reason == "length", (text[-80:], reason, err)
-        ok = 0
-        deadline = back + 10 + 60  # the first within 10 s of Redis's return, then 20 in all
-        while ok < 20 and time.monotonic() < deadline:
-            try:
-                out = c.completions.create(model=model, prompt=f"after {ok}", max_tokens=3)
-                assert out.usage.completion_tokens == 3
-                if ok == 0:
-                    assert time.monotonic() - back <= 10, "no request succeeded within 10 s"
-                ok += 1
-            except openai.APIError:
-                assert ok == 0, "a request failed once Redis was back and serving"
-                time.sleep(0.2)
-        assert ok == 20
+            assert err is None and reason == "length", (text[-80:], reason, err)
+        for i in range(20):  # Redis back and serving: none fails
+            out = c.completions.create(model=model, prompt=f"after {i}", max_tokens=3)
+            assert out.usage.completion_tokens == 3
         assert all(p.popen.poll() is None for p in procs), "a process died or was restarted"
         # KV routing hits come back: the router's index is rebuilt from the workers'
         # snapshots (the prefix cached before the outage is found on the worker holding it:

@@ -14,11 +14,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import redis
 
@@ -243,16 +245,39 @@ def test_killed_worker_api_and_flower_are_restarted_and_serving_goes_on(
 def test_killed_redis_comes_back_on_its_port_with_its_data(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """Requests open while Redis dies lose nothing: the API's token streams notice the
+    dropped connection and each starts again from what its client has (as for a lost
+    worker), so every stream ends whole, with the tokens an undisturbed run gives."""
     with serving(tmp_path, tiny_model_dir, "--workers", "1", "--no-flower",
-                 CONVEYOR_REDIS_APPENDONLY="true") as s:  # fmt: skip
+                 CONVEYOR_REDIS_APPENDONLY="true",
+                 CONVEYOR_MOCK__DECODE_STEP_MS="20") as s:  # fmt: skip
         wait_for(lambda: _healthy(s, 1), 120, "worker up", [s.proc])
         assert s.complete().status_code == 200
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="-", max_retries=0)
+        ask = {"model": s.model, "prompt": "hello there", "max_tokens": 120, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}  # fmt: skip
+        undisturbed = client.completions.create(**ask).choices[0].text  # type: ignore[call-overload]
+
+        def stream() -> tuple[str, str | None]:
+            text, finish = "", None
+            for chunk in client.completions.create(**ask, stream=True, timeout=60):  # type: ignore[call-overload]
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            return text, finish
+
         r = redis.Redis.from_url(s.redis_url)
         r.set("supervision-test", "kept")
         time.sleep(1.5)  # appendfsync everysec
-        old = s.table()["redis"]["pid"]
-        os.kill(old, signal.SIGKILL)
-        _wait_restarted(s, "redis", old, 10)
+        with ThreadPoolExecutor(3) as pool:
+            open_streams = [pool.submit(stream) for _ in range(3)]
+            time.sleep(1.0)  # about 50 tokens into each
+            old = s.table()["redis"]["pid"]
+            os.kill(old, signal.SIGKILL)
+            _wait_restarted(s, "redis", old, 10)
+            for f in open_streams:
+                assert f.result(timeout=90) == (undisturbed, "length"), s.proc.tail()
+        assert re.search(r"the API's Redis connection came back|lost while Redis was away",
+                         s.proc.log.read_text()), s.proc.tail()  # fmt: skip
         wait_for(r.ping, 10, "the restarted redis-server answering", [s.proc])
         assert r.get("supervision-test") == b"kept"  # same port, same data dir
 
@@ -260,7 +285,10 @@ def test_killed_redis_comes_back_on_its_port_with_its_data(
         # the first one included (none of its frames lost on a connection Redis closed)
         wait_for(lambda: _healthy(s, 1), 30, "the worker live again", [s.proc])
         got = [s.complete(timeout=30) for _ in range(10)]
-        assert [r.status_code for r in got] == [200] * 10, [r.text for r in got]
+        assert [r.status_code for r in got] == [200] * 10, (
+            [r.text for r in got],
+            s.proc.log.read_text()[-6000:],
+        )
         table = s.table()
         assert (
             table["redis"]["restarts"] == 1 and table["redis"]["last_exit"] == "killed by SIGKILL"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from api.streams import StreamTimeout, Subscription, WorkerLost
+from api.streams import StreamGap, StreamInterrupted, StreamTimeout, Subscription, WorkerLost
 
 
 def _raw(seq: int, done: bool = False) -> bytes:
@@ -75,5 +75,63 @@ def test_a_cancelled_reader_leaves_nothing_behind_and_frames_keep_their_order() 
         assert sub.pending == 3
         assert [(await sub.next_frame(1.0)).seq for _ in range(2)] == [0, 1]
         assert sub.pending == 0
+
+    asyncio.run(main())
+
+
+def test_an_interrupted_stream_goes_on_when_its_next_frame_comes_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hub's connection dropped and came back: a frame that arrived before the drop
+    proves nothing; the first one after it, in order, shows nothing was lost."""
+    monkeypatch.setattr("api.streams.INTERRUPT_GRACE_S", 0.05)
+
+    async def main() -> None:
+        sub = _sub()
+        sub.push(_raw(0))
+        sub.interrupt()  # frame 0 came before it
+        assert (await sub.next_frame(30.0)).seq == 0
+        reader = asyncio.ensure_future(sub.next_frame(30.0))
+        await asyncio.sleep(0.01)
+        sub.push(_raw(1))  # after it, in order
+        assert (await reader).seq == 1
+        await asyncio.sleep(0.1)  # past the grace: no longer interrupted
+        reader = asyncio.ensure_future(sub.next_frame(30.0))
+        await asyncio.sleep(0.1)
+        assert not reader.done()
+        sub.push(_raw(2, done=True))
+        assert (await reader).done
+
+    asyncio.run(main())
+
+
+def test_an_interrupted_stream_is_broken_by_a_gap_or_by_silence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("api.streams.INTERRUPT_GRACE_S", 0.05)
+
+    async def main() -> None:
+        sub = _sub()  # a gap after the interruption: frames lost while Redis was away
+        assert sub.poll() is None
+        sub.interrupt()
+        sub.push(_raw(3))
+        with pytest.raises(StreamInterrupted, match="frames 0..2 of tokens:x lost"):
+            sub.poll()
+        # a gap without an interruption stays a broken stream
+        sub = _sub()
+        sub.push(_raw(2))
+        with pytest.raises(StreamGap):
+            sub.poll()
+        # silence: a waiting reader is woken by the interruption and, with no frame within
+        # the grace, gets StreamInterrupted (a WorkerLost: the runner starts it again)
+        sub = _sub()
+        reader = asyncio.ensure_future(sub.next_frame(30.0))
+        await asyncio.sleep(0.01)
+        t = time.perf_counter()
+        sub.interrupt()
+        with pytest.raises(StreamInterrupted, match="since the API's Redis connection"):
+            await reader
+        assert 0.04 < time.perf_counter() - t < 1.0
+        assert issubclass(StreamInterrupted, WorkerLost)
 
     asyncio.run(main())
