@@ -8,6 +8,8 @@
     /v1/messages/batches        its Message Batches API          api.routes_message_batches
     POST /v1/embeddings         pooled hidden states             api.routes_embeddings
     POST /tokenize, /detokenize vLLM's, in the API alone         api.routes_tokenize
+    POST /inference/v1/generate vLLM's tokens in, tokens out     api.routes_generate
+    POST /v1/*/render           a request as generate's body     api.routes_generate
     GET  /health                Redis and the required pools     api.routes_ops
     GET  /metrics               Prometheus                       api.routes_ops
     GET  /docs, /openapi.json   FastAPI's own
@@ -33,6 +35,7 @@ from api import (
     routes_classify,
     routes_conversations,
     routes_embeddings,
+    routes_generate,
     routes_message_batches,
     routes_messages,
     routes_models,
@@ -162,6 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes_scores.router)
     app.include_router(routes_classify.router)
     app.include_router(routes_tokenize.router)
+    app.include_router(routes_generate.router)
     app.include_router(routes_batches.router)
     app.include_router(routes_ops.router)
     app.include_router(routes_sagemaker.router)

@@ -13,7 +13,7 @@ from api.errors import OpenAIError
 from api.logprobs import TokenStrings
 from api.media import MediaGuard
 from api.metrics import ApiMetrics
-from api.runner import Runner
+from api.runner import Runner, RunningRequest
 from api.streams import StreamHub
 from api.tenants import TenantBudget
 from api.tokenization import PromptBuilder
@@ -43,6 +43,9 @@ class ApiState:
     strings: TokenStrings = field(init=False)  # token ids as logprobs show them
     # the model's classification head, if it is a sequence classifier (api.classifier)
     classifier: Classifier | None = None
+    # /inference/v1/generate's requests in flight, by the client's request_id (for
+    # /abort_requests)
+    generating: dict[str, list[RunningRequest]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.builder.tokenizer)

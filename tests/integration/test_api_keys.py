@@ -72,7 +72,10 @@ def test_requests_need_a_configured_key(
         for path, body in (("/invocations", {"prompt": "x", "max_tokens": 2}),
                            ("/score", {"text_1": "a", "text_2": "b"}),
                            ("/rerank", {"query": "a", "documents": ["b"]}),
-                           ("/v2/rerank", {"query": "a", "documents": ["b"]})):  # fmt: skip
+                           ("/v2/rerank", {"query": "a", "documents": ["b"]}),
+                           ("/inference/v1/generate", {"token_ids": [1]}),
+                           ("/abort_requests", {"request_ids": ["x"]}),
+                           ("/v1/completions/render", {"prompt": "x"})):  # fmt: skip
             assert httpx.post(f"{url}{path}", json=body).status_code == 401, path
         assert httpx.get(f"{url}/metrics", headers=auth).status_code == 200
         # vLLM's tokenizer endpoints are keyed like /v1/ (vLLM leaves them open)

@@ -228,6 +228,23 @@ def test_n_tools_and_responses_run_on_vllm(vllm_cluster: Cluster) -> None:
     assert resp.status in ("completed", "incomplete") and resp.usage.output_tokens > 0  # type: ignore[union-attr]
 
 
+def test_generate_runs_on_vllm_and_equals_its_completions(vllm_cluster: Cluster) -> None:
+    """vLLM's tokens-in, tokens-out API on the vLLM engine: the token ids and logprobs of
+    the same prompt and sampling through /v1/completions."""
+    c = vllm_cluster
+    sp = {"max_tokens": 6, "temperature": 0, "logprobs": 1}
+    ref = httpx.post(f"{c.url}/v1/completions", json={
+        "model": c.model_name, "prompt": PROMPTS[0], "return_token_ids": True, **sp,
+    }, timeout=120).json()["choices"][0]  # fmt: skip
+    r = httpx.post(f"{c.url}/inference/v1/generate",
+                   json={"token_ids": PROMPTS[0], "sampling_params": sp}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["token_ids"] == ref["token_ids"] and len(ref["token_ids"]) == 6
+    got = [e["logprob"] for e in choice["logprobs"]["content"]]
+    assert got == pytest.approx(ref["logprobs"]["token_logprobs"], abs=1e-4)
+
+
 def test_strict_auto_tools_on_vllm_equal_the_reference(
     vllm_cluster: Cluster, ref_cluster: Cluster
 ) -> None:
