@@ -189,6 +189,17 @@ class ChatCompletionRequest(_SamplingFields):
         return last.content or ""
 
 
+class BatchChatRequest(BaseModel):
+    """vLLM's ``/v1/chat/completions/batch`` body: chat's fields, once for every
+    conversation, and ``messages`` a list of conversations (each checked as chat checks
+    its messages, with the rest of the body)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[list[dict[str, Any]]] = Field(min_length=1)
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     # 16 unless given, as OpenAI's and vLLM's completions (null: the rest of the context);

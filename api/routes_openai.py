@@ -20,6 +20,7 @@ from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from api import beam_search, choices
 from api.admission import client_id
@@ -28,6 +29,7 @@ from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import (
     PIN_HEADER,
+    BatchChatRequest,
     ChatCompletionRequest,
     CompletionRequest,
     prompt_alone,
@@ -126,9 +128,62 @@ async def _serve_batch(
     extras = [_extra(st, req, sampling, p.token_ids, _echoed(sent, ids, p))
               for (sent, ids), p, sampling in zip(prompts, built, samplings, strict=True)
               for _ in range(n)]  # fmt: skip
-    rid, first = await launch(st, req, request, built[0], samplings[0], "completion", started,
+    return await _run_batch(st, [req] * len(built), request, built, samplings, extras, None,
+                            "completion", started, lora)  # fmt: skip
+
+
+@router.post("/v1/chat/completions/batch")
+async def chat_completions_batch(body: BatchChatRequest, request: Request) -> Response:
+    """vLLM's batch of conversations: chat's fields once, ``messages`` a list of
+    conversations; one choice per conversation, in order (non-stream; no tools, ``n`` 1)."""
+    started = time.perf_counter()
+    st = api_state(request)
+    shared = body.model_dump(exclude={"messages"}, exclude_unset=True)
+    for name, bad in (("stream", bool(shared.get("stream"))), ("tools", bool(shared.get("tools"))),
+                      ("n", shared.get("n", 1) != 1),
+                      ("use_beam_search", bool(shared.get("use_beam_search")))):  # fmt: skip
+        if bad:
+            raise bad_request(f"{name} is not supported by /v1/chat/completions/batch (stream: "
+                              "false, no tools, n 1, no beam search)", name,
+                              "unsupported_parameter")  # fmt: skip
+    if len(body.messages) > MAX_PROMPTS:
+        raise bad_request(f"a batch holds at most {MAX_PROMPTS} conversations, got "
+                          f"{len(body.messages)}", "messages")  # fmt: skip
+    reqs: list[ChatCompletionRequest] = []
+    for i, conversation in enumerate(body.messages):
+        try:
+            reqs.append(ChatCompletionRequest.model_validate({**shared, "messages": conversation}))
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise bad_request(f"messages[{i}]: {where}: {err['msg']}", f"messages.{i}") from None
+    lora = await check_model(st, reqs[0].model, task="generate")
+    for r in reqs:
+        unsupported(r)
+    built = [st.builder.truncated(chat_prompt(st, r), r.truncate_prompt_tokens) for r in reqs]
+    for p in built:
+        st.media.check_count(p.images)
+    samplings = [prepare(st, r, p, r.max_completion_tokens or r.max_tokens, "messages")
+                 for r, p in zip(reqs, built, strict=True)]  # fmt: skip
+    extras = [_extra(st, r, s, p.token_ids) for r, p, s in zip(reqs, built, samplings, strict=True)]
+    tools = [chat_output(st, r, None, s) for r, s in zip(reqs, samplings, strict=True)]
+    return await _run_batch(st, reqs, request, built, samplings, extras, tools, "chat", started,
+                            lora)  # fmt: skip
+
+
+async def _run_batch(
+    st: ApiState, reqs: list[ChatCompletionRequest] | list[CompletionRequest],
+    request: Request, built: list[Prompt], samplings: list[Sampling],
+    extras: list[ExtraOutput | None], tools: list[ChatOutput | None] | None, kind: str,
+    started: float, lora: LoraRef | None,
+) -> Response:  # fmt: skip
+    """Run checked prompts (each its request's) as one response: :func:`_serve_batch`'s
+    order, starts and releases; chat's conversations answer whole only."""
+    req = reqs[0]
+    n = req.n
+    rid, first = await launch(st, req, request, built[0], samplings[0], kind, started,
                               lora)  # fmt: skip
-    fmt = Formatter("completion", rid, req.model)
+    fmt = Formatter(kind, rid, req.model)
     if req.stream and req.continuous_usage:
         fmt.continuous_usage([len(p.token_ids) for p in built for _ in range(n)])
     running: dict[int, list[RunningRequest]] = {0: first}  # started and not yet ended
@@ -143,7 +198,7 @@ async def _serve_batch(
 
     async def one(p: int) -> AsyncGenerator[choices.Ready, None]:
         if p not in running:
-            running[p] = (await launch(st, req, request, built[p], samplings[p], "completion",
+            running[p] = (await launch(st, reqs[p], request, built[p], samplings[p], kind,
                                        started, lora))[1]  # fmt: skip
         try:
             async with aclosing(choices.merged(st.runner, running[p])) as ready:
@@ -157,7 +212,7 @@ async def _serve_batch(
         gen = choices.stream(st, None, fmt, req.include_usage, end_all, None, extras,
                              ready=ready, n=n)  # fmt: skip
         return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
-    return await choices.collect(st, None, fmt, end_all, None, extras, ready=ready, n=n)
+    return await choices.collect(st, None, fmt, end_all, tools, extras, ready=ready, n=n)
 
 
 def _echoed(sent: str | list[int], ids: list[int], prompt: Prompt) -> str | list[int]:

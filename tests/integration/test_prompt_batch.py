@@ -263,3 +263,38 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(cluster: Cluster) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         _alone(client, cluster.model_name, "x", extra_body={"truncate_prompt_tokens": 10**6})
     assert e.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+def test_a_chat_batch_equals_its_conversations_sent_alone(cluster: Cluster) -> None:
+    """vLLM's /v1/chat/completions/batch: one choice per conversation, in order, each the
+    greedy answer of that conversation sent alone, with logprobs; usage sums them."""
+    convs = [[{"role": "user", "content": "Name a colour."}],
+             [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "And a number?"}],
+             [{"role": "user", "content": "Hi"}]]  # fmt: skip
+    shared = {"model": cluster.model_name, "max_tokens": 7, "temperature": 0,
+              "logprobs": True, "top_logprobs": 1}  # fmt: skip
+    r = httpx.post(f"{cluster.url}/v1/chat/completions/batch",
+                   json={**shared, "messages": convs}, timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    c = cluster.client(max_retries=0)
+    prompt_tokens = 0
+    for conv, got in zip(convs, body["choices"], strict=True):
+        alone = c.chat.completions.create(messages=conv, **shared)  # type: ignore[call-overload]
+        assert got["message"]["content"] == alone.choices[0].message.content
+        assert got["finish_reason"] == alone.choices[0].finish_reason
+        want = [e.logprob for e in alone.choices[0].logprobs.content]
+        assert [e["logprob"] for e in got["logprobs"]["content"]] == pytest.approx(want)
+        prompt_tokens += alone.usage.prompt_tokens
+    assert body["usage"]["prompt_tokens"] == prompt_tokens
+    assert body["usage"]["completion_tokens"] == 21
+
+    for extra, param in (({"stream": True}, "stream"), ({"n": 2}, "n"),
+                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"messages": [convs[0], []]}, "messages.1")):  # fmt: skip
+        r = httpx.post(f"{cluster.url}/v1/chat/completions/batch",
+                       json={**shared, "messages": convs, **extra}, timeout=60)  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
