@@ -1,7 +1,7 @@
 """vLLM's tokens-in, tokens-out surface: ``POST /inference/v1/generate``, the render
 endpoints that turn an OpenAI request into its body (``/v1/completions/render``,
-``/v1/chat/completions/render``), and ``/inference/v1/abort_requests`` (also
-``/abort_requests``).
+``/v1/chat/completions/render``; ``/v1/messages/render`` is :mod:`api.routes_messages`'s),
+and ``/inference/v1/abort_requests`` (also ``/abort_requests``).
 
 A generate request is a prompt as token ids and vLLM's ``SamplingParams`` by their own
 names; the answer is the output's token ids (``output_mode`` ``tokens``, the default) or
@@ -350,7 +350,7 @@ async def render_completions(req: CompletionRequest, request: Request) -> JSONRe
     for _, ids in st.builder.completion_prompts(req.prompt):
         prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens)
         sampling = prepare(st, req, prompt, req.max_tokens, "prompt")
-        out.append(_rendered(req, prompt, sampling, f"cmpl-{uuid.uuid4().hex}"))
+        out.append(generate_body(req, prompt, sampling, f"cmpl-{uuid.uuid4().hex}"))
     return JSONResponse(out)
 
 
@@ -372,10 +372,10 @@ async def render_chat(req: ChatCompletionRequest, request: Request) -> JSONRespo
                           "unsupported_parameter")  # fmt: skip
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = prepare(st, req, prompt, max_tokens, "messages", plan)
-    return JSONResponse(_rendered(req, prompt, sampling, f"chatcmpl-{uuid.uuid4().hex}"))
+    return JSONResponse(generate_body(req, prompt, sampling, f"chatcmpl-{uuid.uuid4().hex}"))
 
 
-def _rendered(req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,
+def generate_body(req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,
               sampling: Sampling, rid: str) -> dict:  # fmt: skip
     """The generate body of one prepared prompt."""
     body: dict[str, Any] = {

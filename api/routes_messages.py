@@ -14,6 +14,7 @@ Errors on these paths are in Anthropic's shape (:func:`api.errors.anthropic_erro
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -31,7 +32,8 @@ from api.anthropic import (
 from api.errors import OpenAIError, anthropic_error_body
 from api.protocol import ChatCompletionRequest, unsupported
 from api.reasoning import output_parser
-from api.routes_openai import chat_prompt, collect, end_request, start
+from api.routes_generate import generate_body
+from api.routes_openai import chat_prompt, collect, end_request, prepare, start
 from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
 from api.state import ApiState, api_state, check_model
@@ -77,6 +79,24 @@ async def count_tokens(body: MessagesBody, request: Request) -> Response:
     await check_model(st, body.model, task="generate")
     _, _, prompt = _rendered(st, body)
     return JSONResponse({"input_tokens": len(prompt.token_ids)})
+
+
+@router.post("/v1/messages/render")
+async def render_message(body: MessagesRequest, request: Request) -> Response:
+    """The body as the ``/inference/v1/generate`` body it runs as (vLLM's): the chat
+    request it means, rendered and its sampling resolved; nothing runs."""
+    st = api_state(request)
+    await check_model(st, body.model, task="generate")
+    req, plan, prompt = _rendered(st, body)
+    unsupported(req)
+    if prompt.images:
+        raise OpenAIError(400, "images are not supported by the render endpoint (generate "
+                          "takes no multimodal features)", "invalid_request_error",
+                          "messages", "unsupported_parameter")  # fmt: skip
+    room = st.builder.max_model_len - len(prompt.token_ids)
+    max_tokens = min(body.max_tokens, room) if room > 0 else body.max_tokens
+    sampling = prepare(st, req, prompt, max_tokens, "messages", plan)
+    return JSONResponse(generate_body(req, prompt, sampling, f"msg_{uuid.uuid4().hex}"))
 
 
 def _rendered(st: ApiState, body: MessagesBody) -> tuple[ChatCompletionRequest, ToolPlan | None,

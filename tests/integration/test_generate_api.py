@@ -129,6 +129,21 @@ def test_a_rendered_request_sent_to_generate_gives_its_own_answer(cluster: Clust
         assert got["choices"][0]["finish_reason"] == a["finish_reason"]
 
 
+def test_a_rendered_message_sent_to_generate_gives_the_messages_answer(
+    cluster: Cluster,
+) -> None:
+    msg = {"model": cluster.model_name, "max_tokens": 9, "temperature": 0, "system": "Be brief.",
+           "messages": [{"role": "user", "content": "Say hello."}]}  # fmt: skip
+    body = _post(cluster, "/v1/messages/render", msg)
+    assert body.status_code == 200, body.text
+    answer = _post(cluster, "/v1/messages", msg).json()
+    got = _post(cluster, "/inference/v1/generate", {**body.json(), "output_mode": "text"})
+    assert got.json()["choices"][0]["text"] == answer["content"][0]["text"]
+    assert got.json()["usage"]["prompt_tokens"] == answer["usage"]["input_tokens"]
+    bad = _post(cluster, "/v1/messages/render", {**msg, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["type"] == "error"  # Anthropic's shape
+
+
 def test_abort_ends_a_running_request_with_the_tokens_it_had(cluster: Cluster) -> None:
     sp = {"max_tokens": 1900, "ignore_eos": True, "temperature": 0}
     body = {"request_id": "abort-me", "token_ids": PROMPT, "stream": True, "sampling_params": sp}
