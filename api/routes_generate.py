@@ -340,12 +340,7 @@ async def abort_requests(body: AbortRequest, request: Request) -> Response:
 @router.post("/v1/completions/render")
 async def render_completions(req: CompletionRequest, request: Request) -> JSONResponse:
     """A completions request as the generate bodies it runs as: one per prompt."""
-    st = api_state(request)
-    await check_model(st, req.model, task="generate")
-    unsupported(req)
-    if req.use_beam_search:
-        raise bad_request("beam search is not supported by the render endpoint",
-                          "use_beam_search", "unsupported_parameter")  # fmt: skip
+    st = await _renderable(req, request)
     out = []
     for _, ids in st.builder.completion_prompts(req.prompt):
         prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens)
@@ -358,21 +353,33 @@ async def render_completions(req: CompletionRequest, request: Request) -> JSONRe
 async def render_chat(req: ChatCompletionRequest, request: Request) -> JSONResponse:
     """A chat request as the generate body it runs as: its messages and tools through
     the chat template, its tool choice's constraint, its sampling resolved."""
+    st = await _renderable(req, request)
+    plan = tool_plan(req, st.tool_parser)
+    prompt = text_only(st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens))
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    sampling = prepare(st, req, prompt, max_tokens, "messages", plan)
+    return JSONResponse(generate_body(req, prompt, sampling, f"chatcmpl-{uuid.uuid4().hex}"))
+
+
+async def _renderable(req: ChatCompletionRequest | CompletionRequest,
+                      request: Request) -> ApiState:  # fmt: skip
+    """The API's state, once ``req`` is one a render endpoint takes."""
     st = api_state(request)
     await check_model(st, req.model, task="generate")
     unsupported(req)
     if req.use_beam_search:
         raise bad_request("beam search is not supported by the render endpoint",
                           "use_beam_search", "unsupported_parameter")  # fmt: skip
-    plan = tool_plan(req, st.tool_parser)
-    prompt = st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens)
+    return st
+
+
+def text_only(prompt: Prompt) -> Prompt:
+    """A rendered prompt without images (generate takes no multimodal features)."""
     if prompt.images:
         raise bad_request("images are not supported by the render endpoint (generate "
                           "takes no multimodal features)", "messages",
                           "unsupported_parameter")  # fmt: skip
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    sampling = prepare(st, req, prompt, max_tokens, "messages", plan)
-    return JSONResponse(generate_body(req, prompt, sampling, f"chatcmpl-{uuid.uuid4().hex}"))
+    return prompt
 
 
 def generate_body(req: ChatCompletionRequest | CompletionRequest, prompt: Prompt,

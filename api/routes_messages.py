@@ -32,7 +32,7 @@ from api.anthropic import (
 from api.errors import OpenAIError, anthropic_error_body
 from api.protocol import ChatCompletionRequest, unsupported
 from api.reasoning import output_parser
-from api.routes_generate import generate_body
+from api.routes_generate import generate_body, text_only
 from api.routes_openai import chat_prompt, collect, end_request, prepare, start
 from api.runner import RunningRequest, frame_error, stream_failed
 from api.sse import SSEResponse, json_line
@@ -89,10 +89,7 @@ async def render_message(body: MessagesRequest, request: Request) -> Response:
     await check_model(st, body.model, task="generate")
     req, plan, prompt = _rendered(st, body)
     unsupported(req)
-    if prompt.images:
-        raise OpenAIError(400, "images are not supported by the render endpoint (generate "
-                          "takes no multimodal features)", "invalid_request_error",
-                          "messages", "unsupported_parameter")  # fmt: skip
+    text_only(prompt)
     room = st.builder.max_model_len - len(prompt.token_ids)
     max_tokens = min(body.max_tokens, room) if room > 0 else body.max_tokens
     sampling = prepare(st, req, prompt, max_tokens, "messages", plan)
