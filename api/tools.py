@@ -150,17 +150,14 @@ def tool_schemas(tools: list[dict]) -> dict[str, dict]:
 
 
 def constrain(sampling: Sampling, plan: ToolPlan | None) -> Sampling:
-    """The sampling with the choice's constraint; a request that constrains its output
-    itself as well (``response_format``, ``structured_outputs``, ``guided_*``) is a 400."""
+    """The sampling with the choice's constraint. A forced choice (``required``, named)
+    overrides the request's own (``response_format``, ``structured_outputs``,
+    ``guided_*``), as vLLM's does: its output is the call, with no text for a format to
+    shape (an agent SDK sends both, its output type beside a forced first call). Strict
+    auto calls give way to the request's own constraint."""
     spec = plan.constraint if plan is not None else None
     if spec is None or (spec.best_effort and sampling.structured is not None):
-        return sampling  # (strict auto calls give way to the request's own constraint)
-    if sampling.structured is not None:
-        raise bad_request(
-            "tool_choice 'required' or a named function constrains the output "
-            "already; drop response_format / structured_outputs",
-            "tool_choice",
-        )
+        return sampling
     return sampling.model_copy(update={"structured": spec})
 
 

@@ -174,8 +174,6 @@ def test_tool_refusals(cluster: Cluster) -> None:
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
          "tool_choice.function.name"),
-        ({"tools": TOOLS, "tool_choice": "required",
-          "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
          "messages.0.tool_calls.0.function.arguments"),
