@@ -76,6 +76,23 @@ class ResponsesRequest(BaseModel):
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     cache_salt: str | None = Field(None, min_length=1, max_length=1000)
     worker_id: str | None = Field(None, min_length=1, max_length=200)
+    # vLLM's sampling extensions of the Responses API: chat's fields, passed on as they are
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: dict | None = None
+    chat_template_kwargs: dict | None = None
+
+
+# vLLM's sampling fields of a Responses request that chat takes under the same names
+PASSED_ON = ("presence_penalty", "frequency_penalty", "logit_bias", "stop", "stop_token_ids",
+             "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+             "structured_outputs", "chat_template_kwargs")  # fmt: skip
 
 
 def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> ChatCompletionRequest:
@@ -113,6 +130,7 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
         "cache_salt": req.cache_salt,
         "worker_id": req.worker_id,
         "reasoning_effort": (req.reasoning or {}).get("effort"),
+        **{name: getattr(req, name) for name in PASSED_ON},
     }
     if wants_logprobs(req):  # vLLM's rule: top_logprobs counts only with the include
         body["logprobs"] = True
@@ -127,6 +145,9 @@ def chat_request(req: ResponsesRequest, history: list[dict] | None = None) -> Ch
         err = e.errors()[0]
         if err["loc"] and err["loc"][0] == "reasoning_effort":
             raise bad_request(f"reasoning.effort: {err['msg']}", "reasoning.effort") from None
+        if err["loc"] and err["loc"][0] in PASSED_ON:  # named as the request names it
+            loc = ".".join(str(p) for p in err["loc"])
+            raise bad_request(f"{loc}: {err['msg']}", loc) from None
         loc = ".".join(str(p) for p in err["loc"])
         raise bad_request(f"input: {err['msg']} ({loc})", "input") from None
 

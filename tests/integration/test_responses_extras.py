@@ -91,3 +91,27 @@ def _fits(client: openai.OpenAI, items: list, kw: dict) -> bool:
     except openai.BadRequestError:
         return False
     return True
+
+
+def test_vllms_sampling_extensions_reach_the_model_as_in_chat(cluster: Cluster) -> None:
+    """vLLM's Responses API takes chat's sampling fields (penalties, logit_bias, stop,
+    stop_token_ids, ignore_eos, structured_outputs, ...): the same greedy text as chat
+    with them, and a bad one is a 400 naming it."""
+    client, model = cluster.client(max_retries=0), cluster.model_name
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=12,  # type: ignore[arg-type]
+                                           temperature=0).choices[0].message.content  # fmt: skip
+    for extra in ({"presence_penalty": 1.5, "frequency_penalty": 1.0, "logit_bias": {"101": 5}},
+                  {"stop": [(plain or "xy")[3:5]], "include_stop_str_in_output": True},
+                  {"structured_outputs": {"choice": ["calm", "rough"]}},
+                  {"ignore_eos": True, "stop_token_ids": [7]}):  # fmt: skip
+        chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=12,  # type: ignore[arg-type]
+                                              temperature=0, extra_body=extra)  # fmt: skip
+        resp = client.responses.create(model=model, input=msgs, max_output_tokens=12,  # type: ignore[arg-type]
+                                       temperature=0, extra_body=extra)  # fmt: skip
+        assert resp.output_text == chat.choices[0].message.content, extra
+        if "logit_bias" in extra:  # the fields changed the output: they reached the model
+            assert resp.output_text != plain
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="x", extra_body={"stop": ["a"] * 100})
+    assert e.value.body["param"] == "stop"  # type: ignore[index]
