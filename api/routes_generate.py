@@ -36,7 +36,7 @@ from api.errors import OpenAIError, bad_request
 from api.logprobs import LogprobsRenderer, prompt_logprobs
 from api.protocol import ChatCompletionRequest, CompletionRequest, unsupported
 from api.routes_openai import chat_prompt, end_request, launch, prepare
-from api.runner import RunningRequest, frame_error, stream_failed
+from api.runner import RunningRequest, frame_error, stream_error, stream_failed
 from api.sse import SSE_DONE, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
@@ -239,6 +239,10 @@ class _Output:
                             if f.error is not None:
                                 raise frame_error(f)
                         got[i] += part
+        except OpenAIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a lost worker, a timeout: its OpenAI error
+            raise stream_error(e) from e
         finally:
             end()
         usage = choices.request_usage(runs) or Usage()
@@ -293,8 +297,7 @@ class _Output:
                                     "choices": [], "usage": usage_body(usage)})  # fmt: skip
             yield event + SSE_DONE
         except Exception as e:  # noqa: BLE001 - the stream ends with a terminal event
-            err = e if isinstance(e, OpenAIError) else stream_failed(e, self.rid)
-            yield sse_event(err.body()) + SSE_DONE
+            yield sse_event(stream_failed(e, self.rid).body()) + SSE_DONE
         finally:
             end()
 
