@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api.errors import bad_request
 from kvbm.protocol import MAX_LOGPROBS
@@ -53,6 +53,29 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
+
+
+class NvExt(_Body):
+    """NVIDIA Dynamo's ``nvext`` extension of chat and completions, so that a Dynamo
+    client's requests run here unchanged: the fields with a counterpart are mapped onto
+    it (:meth:`_SamplingFields._nvext`); those without one are a 400 naming them
+    (:func:`unsupported`). Fields it does not know are ignored, as Dynamo ignores them."""
+
+    greed_sampling: bool | None = None  # greedy: temperature 0
+    ignore_eos: bool | None = None  # older Dynamo releases' sampling fields
+    top_k: int | None = Field(None, ge=-1)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    max_thinking_tokens: int | None = Field(None, ge=0)  # thinking_token_budget
+    backend_instance_id: int | str | None = None  # the worker it runs on: worker_id
+    decode_worker_id: int | str | None = None
+    token_data: list[int] | None = Field(None, min_length=1)  # the prompt, tokenized
+    agent_hints: dict[str, Any] | None = None  # priority: higher first (Dynamo's sense)
+    # not served here (400)
+    use_raw_prompt: bool | None = None
+    annotations: list[str] | None = None
+    extra_fields: list[str] | None = None
+    prefill_worker_id: int | str | None = None
+    session_control: dict[str, Any] | None = None
 
 
 class _SamplingFields(_Body):
@@ -116,6 +139,33 @@ class _SamplingFields(_Body):
     # Conveyor extension: pin the request to one worker (its id, as /metrics and the
     # worker's log name it); 400 when no live worker has that id
     worker_id: str | None = Field(None, min_length=1, max_length=200)
+    # NVIDIA Dynamo's extension (NvExt)
+    nvext: NvExt | None = None
+
+    @model_validator(mode="after")
+    def _nvext(self) -> _SamplingFields:
+        """Dynamo's ``nvext`` fields onto their counterparts (a field set in the body
+        itself wins)."""
+        ext = self.nvext
+        if ext is None:
+            return self
+        if ext.greed_sampling:
+            self.temperature = 0.0
+        if ext.ignore_eos:
+            self.ignore_eos = True
+        if ext.top_k is not None and self.top_k is None:
+            self.top_k = ext.top_k
+        if ext.repetition_penalty is not None and self.repetition_penalty is None:
+            self.repetition_penalty = ext.repetition_penalty
+        if ext.max_thinking_tokens is not None and self.thinking_token_budget is None:
+            self.thinking_token_budget = ext.max_thinking_tokens
+        pin = ext.decode_worker_id if ext.decode_worker_id is not None else ext.backend_instance_id
+        if pin is not None and self.worker_id is None:
+            self.worker_id = str(pin)
+        priority = (ext.agent_hints or {}).get("priority")
+        if isinstance(priority, int) and not isinstance(priority, bool) and self.priority == 0:
+            self.priority = max(-(2**31), min(2**31 - 1, -priority))  # lower first here
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -237,6 +287,19 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt "
                               "alone)", "max_tokens", "invalid_value")  # fmt: skip
+    ext = req.nvext
+    if ext is not None:
+        checks += [
+            (bool(ext.use_raw_prompt), "nvext.use_raw_prompt", "nvext.use_raw_prompt is not "
+             "supported: send the text as a completions prompt"),
+            (bool(ext.annotations), "nvext.annotations", "nvext.annotations are not supported"),
+            (bool(ext.extra_fields), "nvext.extra_fields", "nvext.extra_fields are not "
+             "supported (the worker that ran a request is in its trace and the API's log)"),
+            (ext.prefill_worker_id is not None, "nvext.prefill_worker_id",
+             "nvext.prefill_worker_id is not supported: pin the request with worker_id"),
+            (ext.session_control is not None, "nvext.session_control",
+             "nvext.session_control is not supported"),
+        ]  # fmt: skip
     for bad, param, message in checks:
         if bad:
             raise bad_request(message, param=param, code="unsupported_parameter")

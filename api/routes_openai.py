@@ -63,7 +63,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     lora = await check_model(st, req.model, task="generate")
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
-    prompt = st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens)
+    prompt = st.builder.truncated(dynamo_tokens(st, req) or chat_prompt(st, req),
+                                  req.truncate_prompt_tokens)  # fmt: skip
     st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if req.use_beam_search:
@@ -82,7 +83,11 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     st = api_state(request)
     lora = await check_model(st, req.model, task="generate")
     unsupported(req)
-    prompts = st.builder.completion_prompts(req.prompt)
+    given = dynamo_tokens(st, req)
+    prompts: list[tuple[str | list[int], list[int]]] = (
+        [(given.token_ids, given.token_ids)] if given is not None
+        else st.builder.completion_prompts(req.prompt)
+    )  # fmt: skip
     resumed = _last_event_id(st, request)
     if req.use_beam_search:
         if len(prompts) > 1:
@@ -213,6 +218,20 @@ async def _run_batch(
                              ready=ready, n=n)  # fmt: skip
         return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
     return await choices.collect(st, None, fmt, end_all, tools, extras, ready=ready, n=n)
+
+
+def dynamo_tokens(st: ApiState, req: ChatCompletionRequest | CompletionRequest) -> Prompt | None:
+    """Dynamo's ``nvext.token_data``: the prompt as its client tokenized it, in place of
+    the messages or the prompt (checked against the vocabulary); None without it."""
+    ids = req.nvext.token_data if req.nvext is not None else None
+    if not ids:
+        return None
+    try:
+        ((_, checked),) = st.builder.completion_prompts(ids)
+    except OpenAIError as e:
+        e.param = "nvext.token_data"
+        raise
+    return Prompt(checked)
 
 
 def _echoed(sent: str | list[int], ids: list[int], prompt: Prompt) -> str | list[int]:
