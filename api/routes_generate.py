@@ -160,6 +160,8 @@ def completion_request(body: GenerateRequest, model: str) -> CompletionRequest:
         raise bad_request(f"sampling_params.{unknown[0]} is not supported here",
                           f"sampling_params.{unknown[0]}", "unsupported_parameter")  # fmt: skip
     fields = {k: v for k, v in sp.items() if k in SAMPLING_FIELDS and v is not None}
+    # none given: what the context window leaves (vLLM's server default), not completions' 16
+    fields["max_tokens"] = sp.get("max_tokens")
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
     if isinstance(fields.get("logit_bias"), dict):  # ids as keys, as JSON writes them

@@ -55,6 +55,13 @@ def test_a_rendered_sampling_reads_back_the_same(builder: PromptBuilder, fields:
             assert again.structured is not None and again.structured.key() == s.structured.key()
 
 
+def test_no_max_tokens_is_the_rest_of_the_context(builder: PromptBuilder) -> None:
+    assert _generate({}).max_tokens is None  # not completions' default of 16
+    assert _generate({"max_tokens": 5}).max_tokens == 5
+    room = builder.check_length(len(PROMPT), None, "token_ids")
+    assert room == builder.max_model_len - len(PROMPT)
+
+
 def test_vllm_shapes_are_read_as_vllm_writes_them(builder: PromptBuilder) -> None:
     req = _generate({"stop": "x", "logit_bias": {3: 1.5}, "detokenize": True,
                      "structured_outputs": {"json": '{"type": "object"}'}})  # fmt: skip
