@@ -181,8 +181,10 @@ def completion_request(body: GenerateRequest, model: str) -> CompletionRequest:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("list[", "dict[")))
-        raise bad_request(f"sampling_params.{loc}: {err['msg']}",
-                          f"sampling_params.{loc}") from None  # fmt: skip
+        top = {"prompt": "token_ids", "priority": "priority", "cache_salt": "cache_salt"}
+        head = str(err["loc"][0]) if err["loc"] else ""
+        param = top[head] if head in top else f"sampling_params.{loc}"  # as the body names it
+        raise bad_request(f"{param}: {err['msg']}", param) from None
 
 
 def _usage_options(opts: dict[str, Any] | None) -> tuple[bool, bool]:

@@ -80,3 +80,9 @@ def test_what_generate_cannot_read_is_a_400_naming_it(sp: dict, param: str) -> N
     with pytest.raises(OpenAIError) as e:
         _generate(sp)
     assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_a_bad_top_level_field_is_named_as_the_body_names_it() -> None:
+    with pytest.raises(OpenAIError) as e:
+        completion_request(GenerateRequest(token_ids=PROMPT, priority=2**40), "m")
+    assert e.value.param == "priority"
