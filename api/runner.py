@@ -242,10 +242,12 @@ class Runner:
         trace = None if self.tracing is None else request_trace(
             request_id, lora.name if lora else self.s.model_name,
             sampling if pooling is None else None, len(prompt_ids), started)  # fmt: skip
+        interrupted = False  # the last attempt lost its stream to a Redis restart
         for attempt in range(attempts):
             stream_id = request_id if attempt == 0 else f"{request_id}.r{attempt}"
             runs = await self._dispatch(stream_id, prompt_ids, sampling, started, route_req,
-                                        images, pooling, priority, lora, trace)  # fmt: skip
+                                        images, pooling, priority, lora, trace,
+                                        interrupted)  # fmt: skip
             try:
                 for run in runs:
                     run.prompt_only = prompt_only
@@ -253,6 +255,10 @@ class Runner:
             except WorkerLost as e:
                 for run in runs:
                     self.finish(run)
+                interrupted = isinstance(e, StreamInterrupted)
+                if interrupted and not await self.hub.ready(self.s.api.frame_timeout_s):
+                    raise OpenAIError(503, "Redis is not answering (token streams are down)",
+                                      "server_error", None, "redis_unavailable") from e  # fmt: skip
                 self.metrics.redispatched.inc()
                 log.warning("[%s] %s before the first frame (attempt %d/%d)",
                             request_id, e, attempt + 1, attempts)  # fmt: skip
@@ -292,13 +298,25 @@ class Runner:
         self, stream_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         route_req: RouteRequest, images: list[ImageRef] | None = None,
         pooling: Pooling | None = None, priority: int = 0, lora: LoraRef | None = None,
-        trace: RequestTrace | None = None,
+        trace: RequestTrace | None = None, interrupted: bool = False,
     ) -> list[RunningRequest]:  # fmt: skip
+        """Route and send one attempt. ``interrupted``: the last attempt lost its stream to
+        a Redis restart, after which the pool's workers are unknown until their next
+        heartbeat: a pool with none waits up to two heartbeats for one."""
         planner = plan if pooling is None else plan_pooling
         t0 = time.perf_counter()
+        wait_until = time.monotonic() + (2 * self.s.worker.heartbeat_s if interrupted else 0)
         try:
-            p = await self.admission.admit(partial(planner, self.router, self.s, route_req),
-                                           priority)  # fmt: skip
+            while True:
+                try:
+                    p = await self.admission.admit(
+                        partial(planner, self.router, self.s, route_req), priority
+                    )
+                    break
+                except NoLiveWorker:
+                    if time.monotonic() >= wait_until:
+                        raise
+                    await asyncio.sleep(0.2)
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
@@ -466,6 +484,10 @@ class Runner:
         dead = run.plan.routes[-1]
         if run.migrations >= self.s.api.migration_limit or not run.output_ids:
             raise lost
+        if isinstance(lost, StreamInterrupted) and not await self.hub.ready(
+            self.s.api.frame_timeout_s
+        ):  # Redis dropped again before the stream could go on: it goes on once Redis is back
+            raise lost
         t0 = time.perf_counter()
         old = replace(run, migrated=True)  # the lost attempt: cancelled and released
         self.finish(old)
@@ -482,7 +504,7 @@ class Runner:
             route_req.exclude = {dead.worker_id}
         route_req.admitted = True  # accepted already: the worker cap does not refuse it
         try:
-            p = await plan_continuation(self.router, dead.pool, route_req)
+            p = await self._continuation(dead.pool, route_req, lost)
         except NoLiveWorker:
             self.metrics.migrations.labels(dead.pool, "no_worker").inc()
             raise type(lost)(f"{lost}; no other live {dead.pool} worker to move to") from None
@@ -511,6 +533,19 @@ class Runner:
                     base, lost, len(run.output_ids), p.routes[0].worker_id, stream_id,
                     run.migrations, self.s.api.migration_limit,
                     (time.perf_counter() - t0) * 1000)  # fmt: skip
+
+    async def _continuation(self, pool: str, route_req: RouteRequest, lost: WorkerLost) -> Plan:
+        """Where a lost stream goes on. After a Redis restart that lost its data, the pool's
+        workers are unknown until their next heartbeat registers them again: an
+        interrupted stream waits up to two heartbeats for one before it gives up."""
+        deadline = time.monotonic() + 2 * self.s.worker.heartbeat_s
+        while True:
+            try:
+                return await plan_continuation(self.router, pool, route_req)
+            except NoLiveWorker:
+                if not isinstance(lost, StreamInterrupted) or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
 
     def hold(self, task: asyncio.Task[None]) -> None:
         """Keep a request's background task referenced until it is done."""
@@ -550,12 +585,21 @@ class Runner:
         # one's (a prefill worker may come and go once it handed over the KV).
         routes = run.plan.routes if run.first_frame is None else run.plan.routes[-1:]
         try:
-            return await self.router.all_live(routes)
+            live = await self.router.all_live(routes)
         except (RedisError, OSError) as e:
             # Redis away (restarting): liveness is unknown, not lost. The request waits on
             # for its frames, within its frame timeout, as its worker does for Redis.
             log.warning("[%s] liveness check failed (%s); still waiting", run.request_id, e)
             return True
+        if not live and (
+            not self.hub.up
+            or time.monotonic() - self.hub.restored_at < 2 * self.s.worker.heartbeat_s
+        ):
+            # Redis just came back (the hub not yet, or not long ago), perhaps without its
+            # data: a live worker is unknown to it until its next heartbeat, so not found is
+            # not yet dead
+            return True
+        return live
 
     def _observe(self, run: RunningRequest, frame: TokenFrame) -> None:
         now = time.perf_counter()

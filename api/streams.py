@@ -212,6 +212,7 @@ class StreamHub:
         self._keeper: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # the keeper: the connection dropped
         self.reconnects = 0
+        self.restored_at = float("-inf")  # monotonic time of the last reconnect
         self.deaths_heard = 0  # worker deaths announced (WORKER_DEATHS_CHANNEL)
 
     async def start(self, timeout: float = 10.0) -> None:
@@ -228,6 +229,11 @@ class StreamHub:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001
                 pass
         self._conn.close()
+
+    @property
+    def up(self) -> bool:
+        """Whether the pattern subscription stands (the connection is up)."""
+        return self._pattern_ready.is_set()
 
     async def ready(self, timeout: float) -> bool:
         """Wait (up to ``timeout``) until the pattern subscription stands: after a lost
@@ -320,6 +326,7 @@ class StreamHub:
                     for sub in list(self._subs.values()):  # frames may have been lost
                         sub.interrupt()
                     self.reconnects += 1
+                    self.restored_at = time.monotonic()
                     delay = self._reconnect_s
                     log.info("stream hub: pub/sub connection restored")
                     continue
