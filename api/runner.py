@@ -232,8 +232,7 @@ class Runner:
         are named in the adapter's namespace, here and in the engine). ``prompt_only``: its
         output is dropped (:attr:`RunningRequest.prompt_only`)."""
         if not await self.hub.ready(HUB_READY_TIMEOUT_S):  # no stream could reach us
-            raise OpenAIError(503, "Redis is not answering (token streams are down)",
-                              "server_error", None, "redis_unavailable")  # fmt: skip
+            raise streams_down()
         attempts = self.s.api.dispatch_attempts
         images = images or []
         route_req = self.route_request(prompt_ids, images, pin, lora, sampling.cache_salt) \
@@ -257,8 +256,7 @@ class Runner:
                     self.finish(run)
                 interrupted = isinstance(e, StreamInterrupted)
                 if interrupted and not await self.hub.ready(self.s.api.frame_timeout_s):
-                    raise OpenAIError(503, "Redis is not answering (token streams are down)",
-                                      "server_error", None, "redis_unavailable") from e  # fmt: skip
+                    raise streams_down() from e
                 self.metrics.redispatched.inc()
                 log.warning("[%s] %s before the first frame (attempt %d/%d)",
                             request_id, e, attempt + 1, attempts)  # fmt: skip
@@ -305,18 +303,10 @@ class Runner:
         heartbeat: a pool with none waits up to two heartbeats for one."""
         planner = plan if pooling is None else plan_pooling
         t0 = time.perf_counter()
-        wait_until = time.monotonic() + (2 * self.s.worker.heartbeat_s if interrupted else 0)
         try:
-            while True:
-                try:
-                    p = await self.admission.admit(
-                        partial(planner, self.router, self.s, route_req), priority
-                    )
-                    break
-                except NoLiveWorker:
-                    if time.monotonic() >= wait_until:
-                        raise
-                    await asyncio.sleep(0.2)
+            admit = partial(self.admission.admit,
+                            partial(planner, self.router, self.s, route_req), priority)  # fmt: skip
+            p = await self._once_workers_known(admit, interrupted)
         except PinnedWorkerMissing as e:
             raise OpenAIError(
                 400,
@@ -504,7 +494,10 @@ class Runner:
             route_req.exclude = {dead.worker_id}
         route_req.admitted = True  # accepted already: the worker cap does not refuse it
         try:
-            p = await self._continuation(dead.pool, route_req, lost)
+            p = await self._once_workers_known(
+                partial(plan_continuation, self.router, dead.pool, route_req),
+                isinstance(lost, StreamInterrupted),
+            )
         except NoLiveWorker:
             self.metrics.migrations.labels(dead.pool, "no_worker").inc()
             raise type(lost)(f"{lost}; no other live {dead.pool} worker to move to") from None
@@ -534,16 +527,22 @@ class Runner:
                     run.migrations, self.s.api.migration_limit,
                     (time.perf_counter() - t0) * 1000)  # fmt: skip
 
-    async def _continuation(self, pool: str, route_req: RouteRequest, lost: WorkerLost) -> Plan:
-        """Where a lost stream goes on. After a Redis restart that lost its data, the pool's
-        workers are unknown until their next heartbeat registers them again: an
-        interrupted stream waits up to two heartbeats for one before it gives up."""
-        deadline = time.monotonic() + 2 * self.s.worker.heartbeat_s
+    @property
+    def _reregister_s(self) -> float:
+        """How long a live worker may stay unknown to a Redis that came back without its
+        data: until its next heartbeat registers it again (two, to be sure)."""
+        return 2 * self.s.worker.heartbeat_s
+
+    async def _once_workers_known(self, pick: Callable[[], Awaitable[Plan]],
+                                  interrupted: bool) -> Plan:  # fmt: skip
+        """``pick()`` (a plan); for a stream a Redis restart interrupted, a pool with no
+        live worker is asked again for up to :attr:`_reregister_s` before it counts."""
+        deadline = time.monotonic() + (self._reregister_s if interrupted else 0)
         while True:
             try:
-                return await plan_continuation(self.router, pool, route_req)
+                return await pick()
             except NoLiveWorker:
-                if not isinstance(lost, StreamInterrupted) or time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(0.2)
 
@@ -592,8 +591,7 @@ class Runner:
             log.warning("[%s] liveness check failed (%s); still waiting", run.request_id, e)
             return True
         if not live and (
-            not self.hub.up
-            or time.monotonic() - self.hub.restored_at < 2 * self.s.worker.heartbeat_s
+            not self.hub.up or time.monotonic() - self.hub.restored_at < self._reregister_s
         ):
             # Redis just came back (the hub not yet, or not long ago), perhaps without its
             # data: a live worker is unknown to it until its next heartbeat, so not found is
@@ -698,6 +696,12 @@ def stream_failed(e: BaseException, rid: str) -> OpenAIError:
     err = stream_error(e)
     log.warning("[%s] stream ended with error: %s", rid, err.message)
     return err
+
+
+def streams_down() -> OpenAIError:
+    """503: the token streams' subscription is down (Redis away), so no answer could come."""
+    return OpenAIError(503, "Redis is not answering (token streams are down)", "server_error",
+                       None, "redis_unavailable")  # fmt: skip
 
 
 def stream_error(e: BaseException) -> OpenAIError:
