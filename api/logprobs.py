@@ -177,7 +177,7 @@ class ExtraOutput:
         back (it ends inside a character, or may begin a stop string) waits for the next
         event with text, or the stream's end: its logprobs ride with the text it begins,
         one event fewer (vLLM sends it alone, with empty content)."""
-        tokens, lps = _tokens(frames) if self.renderer is not None or self.ids else ([], [])
+        tokens, lps = frame_tokens(frames) if self.renderer is not None or self.ids else ([], [])
         out_ids = tokens  # the output's own (an echoed prompt's join the logprobs only)
         if self.echo is not None:
             text = self.echo + text
@@ -220,7 +220,7 @@ class ExtraOutput:
         the text, not cut where the tokens end), so every token's logprob goes out once."""
         if self.renderer is None and not self.ids:
             return b""
-        tokens, lps = _tokens(frames)
+        tokens, lps = frame_tokens(frames)
         if not tokens:
             return b""
         logprobs = self.renderer.full(tokens, lps) if self.renderer is not None else None
@@ -231,12 +231,12 @@ class ExtraOutput:
         """A whole response's choice with its token ids and the prompt's, where asked for
         (chat's prompt ids move onto the body: :meth:`api.sse.Formatter.whole`)."""
         if self.ids:
-            choice["token_ids"] = _tokens(frames)[0]
+            choice["token_ids"] = frame_tokens(frames)[0]
             choice["prompt_token_ids"] = self.prompt_ids
 
     def full(self, frames: list[TokenFrame], text: str) -> tuple[str, dict | None, list | None]:
         """A whole response's (text, logprobs, prompt logprobs) from all its frames."""
-        tokens, lps = _tokens(frames)
+        tokens, lps = frame_tokens(frames)
         if self.echo is not None:
             text = self.echo + text
             tokens, lps = self._with_prompt(frames, tokens, lps)
@@ -277,7 +277,7 @@ def extra_output(strings: TokenStrings, req: ChatCompletionRequest | CompletionR
                        req.return_token_ids)  # fmt: skip
 
 
-def _tokens(frames: list[TokenFrame]) -> tuple[list[int], list]:
+def frame_tokens(frames: list[TokenFrame]) -> tuple[list[int], list]:
     """The frames' token ids and one logprob (or None) per token."""
     tokens: list[int] = []
     lps: list = []

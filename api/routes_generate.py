@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api import choices
 from api.errors import OpenAIError, bad_request
-from api.logprobs import LogprobsRenderer, prompt_logprobs
+from api.logprobs import LogprobsRenderer, frame_tokens, prompt_logprobs
 from api.protocol import ChatCompletionRequest, CompletionRequest, unsupported
 from api.routes_openai import chat_prompt, end_request, launch, prepare
 from api.runner import RunningRequest, frame_error, stream_error, stream_failed
@@ -209,11 +209,7 @@ class _Output:
     def logprobs(self, frames: list[TokenFrame]) -> dict | None:
         if self.top is None:
             return None
-        ids: list[int] = []
-        lps: list = []
-        for f in frames:
-            ids += f.token_ids
-            lps += f.logprobs if f.logprobs is not None else [None] * len(f.token_ids)
+        ids, lps = frame_tokens(frames)
         if self.text:  # chat's shape: decoded tokens and their bytes
             return LogprobsRenderer(self.st.strings, True, self.top).full(ids, lps)
         return {"content": [_token_logprob(t, lp, self.top) for t, lp in
