@@ -101,6 +101,9 @@ _UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none
 
 
 def _loc_to_param(loc: tuple) -> str | None:
+    # a query or path parameter by its own name, as a body field is (OpenAI's ``param``)
+    if loc and loc[0] in ("query", "path"):
+        loc = loc[1:]
     parts = [str(p) for p in loc if p != "body"]
     parts = [p for p in parts if p not in _UNION_MEMBERS and "[" not in p]
     return ".".join(parts) or None

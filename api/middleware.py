@@ -20,7 +20,8 @@ from api.metrics import ApiMetrics
 MODEL_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank",
                          "/invocations", "/pooling", "/classify", "/reset_prefix_cache",
                          "/clear_kv_blocks", "/inference/v1/generate",
-                         "/inference/v1/abort_requests", "/abort_requests"})  # fmt: skip
+                         "/inference/v1/abort_requests", "/abort_requests", "/pause",
+                         "/resume", "/is_paused"})  # fmt: skip
 # health and metrics: keyed only with CONVEYOR_API_KEYS_PROTECT_OPS
 OPS_PATHS = frozenset({"/health", "/ping", "/metrics"})
 

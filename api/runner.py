@@ -43,6 +43,7 @@ from api.streams import (
     output_dropped,
 )
 from api.tracing import RequestTrace, request_trace
+from cluster.keys import PAUSED_KEY
 from cluster.lora import LoraRef
 from cluster.tracing import Tracing
 from kvbm.protocol import (
@@ -575,9 +576,18 @@ class Runner:
             self.s.api.first_frame_timeout_s if first else self.s.api.frame_timeout_s,
             run.alive,
             check_every=min(1.0, self.s.worker.heartbeat_s),
+            paused=self._paused,
         )
         self._observe(run, frame)
         return frame
+
+    async def _paused(self) -> bool:
+        """Whether the deployment is paused (/pause): a request's frames may wait for its
+        /resume however long; asked only when a frame timeout runs out."""
+        try:
+            return await self._client.exists(PAUSED_KEY) > 0
+        except (RedisError, OSError):
+            return False
 
     async def _alive(self, run: RunningRequest) -> bool:
         # Before the first frame every stage's worker matters; after it, only the last

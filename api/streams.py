@@ -126,10 +126,12 @@ class Subscription:
         timeout: float,
         alive: Callable[[], Awaitable[bool]] | None = None,
         check_every: float = 1.0,
+        paused: Callable[[], Awaitable[bool]] | None = None,
     ) -> TokenFrame:
         """The next frame in order, waiting up to ``timeout``. While waiting, ``alive()`` is
         asked every ``check_every`` seconds; ``False`` raises :class:`WorkerLost` at once
-        rather than letting the client wait out the whole timeout."""
+        rather than letting the client wait out the whole timeout. A timeout that runs out
+        while ``paused()`` (the deployment is) starts again: a paused worker holds it."""
         frame = self.poll()  # the common case under load: no timer, no task switch
         if frame is not None:
             return frame
@@ -139,6 +141,9 @@ class Subscription:
             now = loop.time()
             remaining = deadline - now
             if remaining <= 0:
+                if paused is not None and await paused():
+                    deadline = loop.time() + timeout
+                    continue
                 which = "first " if self._expected == 0 else ""
                 raise StreamTimeout(f"no {which}frame within {timeout:.0f}s")
             if self._interrupted is not None:  # none of its frames since the reconnect

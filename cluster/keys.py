@@ -10,9 +10,13 @@ KEY_PREFIX = "conveyor:"
 # PUBLISH worker id: a worker was declared dead (its engine process saw it die), so every
 # API checks its waiting streams' workers now rather than at its next liveness poll
 WORKER_DEATHS_CHANNEL = KEY_PREFIX + "deaths"
-# PUBLISH a JSON command ({"id", "op", ...}) to every engine process (reset_prefix_cache);
-# each answers in the HASH control_reply_key(id), field its worker id
+# PUBLISH a JSON command ({"id", "op", ...}) to every engine process (reset_prefix_cache,
+# pause, resume); each answers in the HASH control_reply_key(id), field its worker id
 CONTROL_CHANNEL = KEY_PREFIX + "control"
+# STRING, JSON {"mode", "clear_cache", "at"}: the deployment is paused (vLLM's /pause) until
+# /resume deletes it; an engine process that missed the command, or starts meanwhile,
+# pauses when it reads it (workers.engine_proc, every PAUSE_SYNC_S)
+PAUSED_KEY = KEY_PREFIX + "paused"
 
 
 def control_reply_key(command_id: str) -> str:

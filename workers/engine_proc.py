@@ -29,13 +29,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from operator import methodcaller
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.keys import CONTROL_CHANNEL, control_reply_key
+from cluster.keys import CONTROL_CHANNEL, PAUSED_KEY, control_reply_key
 from cluster.logs import setup_logging
 from cluster.stats import EngineStats
 from kvbm.protocol import PrefillHandle, kv_release_channel
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 CONTROL_REPLY_TTL_S = 60  # a control command's answers stay this long for the API to read
+PAUSE_SYNC_S = 5.0  # how often an engine process reads the deployment's pause (PAUSED_KEY)
 
 
 @dataclass(frozen=True)
@@ -531,6 +533,7 @@ class _EngineServer:
         self.mm_used: dict[str, tuple[list, list]] = {}
         self.choices = ChoiceGroups()  # requests of n > 1 choices: n engine requests each
         self._stop = threading.Event()
+        self._pause_wanted = False  # the control thread's: what it last asked of the loop
         # set by attach(), before the server is handed out (the publisher the loop feeds
         # needs on_published first)
         self.loop: EngineLoop
@@ -757,41 +760,82 @@ class _EngineServer:
                 self.pool.submit(self.transfer.discard, rid, meta)
 
     def _listen_control(self) -> None:
-        """Commands to every engine process (cluster.keys.CONTROL_CHANNEL, JSON): run on
-        the loop's thread between steps, each answered in its reply hash under this
-        worker's id. The one command: ``reset_prefix_cache`` (``reset_external``)."""
+        """Commands to every engine process (cluster.keys.CONTROL_CHANNEL, JSON), each
+        answered in its reply hash under this worker's id: ``reset_prefix_cache``
+        (``reset_external``), ``pause`` (``mode``, ``clear_cache``) and ``resume``. The
+        deployment's pause is also read from its key every PAUSE_SYNC_S (and after a lost
+        connection), so a process that missed a command or started meanwhile follows it."""
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(CONTROL_CHANNEL)
+        next_sync = 0.0
         while not self._stop.is_set():
             try:
+                if time.monotonic() >= next_sync:
+                    self._sync_pause()
+                    next_sync = time.monotonic() + PAUSE_SYNC_S
                 msg = pubsub.get_message(timeout=1.0)
                 if msg is None or msg.get("type") != "message":
                     continue
-                cmd = json.loads(msg["data"])
-                answer = self._control(cmd)
-                key = control_reply_key(str(cmd["id"]))
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.hset(key, self.spec.worker_id, json.dumps(answer))
-                pipe.expire(key, CONTROL_REPLY_TTL_S)
-                pipe.execute()
+                self._control(json.loads(msg["data"]))
             except Exception as e:  # noqa: BLE001 - a bad command or Redis away: go on
                 log.warning("control listener: %s", e)
+                next_sync = 0.0  # a command may have gone by meanwhile
                 time.sleep(0.5)
 
-    def _control(self, cmd: dict) -> dict:
-        """Run one control command; its answer (``success``, a ``message`` if not)."""
-        if cmd.get("op") != "reset_prefix_cache":
-            return {"success": False, "pool": self.spec.pool,
-                    "message": f"unknown control command {cmd.get('op')!r}"}  # fmt: skip
+    def _answer(self, cmd: dict, answer: dict) -> None:
+        key = control_reply_key(str(cmd["id"]))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, self.spec.worker_id, json.dumps(answer))
+        pipe.expire(key, CONTROL_REPLY_TTL_S)
+        pipe.execute()
+
+    def _sync_pause(self) -> None:
+        """Follow the deployment's pause as its key says, where this process differs: a
+        pause found here holds what comes (``keep``); what runs was never told to stop."""
+        wanted = self.redis.exists(PAUSED_KEY) > 0
+        if wanted != self._pause_wanted:
+            log.info("the deployment is %s: following it", "paused" if wanted else "resumed")
+            self._pause_wanted = wanted
+            if wanted:
+                self.loop.pause("keep")
+            else:
+                self.loop.resume()
+
+    def _control(self, cmd: dict) -> None:
+        """Run one control command; answered (``success``, a ``message`` if not) now, or,
+        for a pause, once this engine is paused (a thread of its own writes it)."""
+        op, pool = cmd.get("op"), self.spec.pool
+        if op in ("pause", "resume"):
+            self._pause_wanted = op == "pause"
+            try:
+                fut = (self.loop.pause(str(cmd.get("mode")), bool(cmd.get("clear_cache", True)))
+                       if op == "pause" else self.loop.resume())  # fmt: skip
+            except ValueError as e:
+                self._answer(cmd, {"success": False, "pool": pool, "message": str(e)})
+                return
+
+            def answered(f: Future) -> None:
+                r = f.result()  # a pause's {"paused", "held"}; a resume's count released
+                state = r if isinstance(r, dict) else {"paused": False, "released": r}
+                body = {"success": True, "pool": pool, **state}
+                log.info("%s: %s", op, body)
+                threading.Thread(target=self._answer, args=(cmd, body), daemon=True).start()
+
+            fut.add_done_callback(answered)  # run on the loop's thread: no Redis there
+            return
+        if op != "reset_prefix_cache":
+            self._answer(cmd, {"success": False, "pool": pool,
+                               "message": f"unknown control command {op!r}"})  # fmt: skip
+            return
         external = bool(cmd.get("reset_external"))
         ok = bool(self.loop.call(methodcaller("reset_prefix_cache", external)).result(60))
         log.info("prefix cache reset%s: %s", " (and the tiers below)" if external else "",
                  "done" if ok else "refused, blocks are in use")  # fmt: skip
-        answer: dict = {"success": ok, "pool": self.spec.pool}
+        answer: dict = {"success": ok, "pool": pool}
         if not ok:
             answer["message"] = ("requests hold KV blocks (or copies to the tiers are "
                                  "under way); nothing was reset: retry when idle")  # fmt: skip
-        return answer
+        self._answer(cmd, answer)
 
     def _report(self) -> None:
         while not self._stop.wait(self.spec.stats_period_s):

@@ -492,6 +492,14 @@ class VllmEngine:
         are held); ``reset_external``: its KV connector's cache too."""
         return bool(self._call(self.llm.reset_prefix_cache(False, reset_external)).result())
 
+    def freeze(self) -> None:
+        """A ``keep`` pause (workers.engine_loop): vLLM's own scheduler stops, its requests
+        kept where they are (vLLM's ``pause_generation(mode="keep")``)."""
+        self._call(self.llm.pause_generation(mode="keep", clear_cache=False)).result()
+
+    def thaw(self) -> None:
+        self._call(self.llm.resume_generation()).result()
+
     def take_kv_events(self) -> list[KVEvent]:
         if not self._events:
             return []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -300,6 +301,52 @@ def test_cancel_mid_decode_frees_both_sides(disagg: Disagg) -> None:
             "decode holds blocks",
         )
     wait_for(disagg.idle, 10, "blocks freed on both sides after cancel")
+
+
+def test_pause_reaches_both_pools_and_held_requests_run_after_resume(
+    disagg: Disagg, agg_reference: list
+) -> None:
+    """/pause in P/D: ``keep`` freezes a decoding stream and it ends whole after /resume;
+    ``abort`` ends one (finish ``abort``), its prefilled KV dropped; a request sent while
+    paused is held (by the prefill worker) and then gives the aggregated run's text."""
+    wait_for(disagg.idle, 10, "idle")
+    client = openai.OpenAI(base_url=f"{disagg.url}/v1", api_key="x", max_retries=0, timeout=60)
+    kw: dict = dict(model=disagg.model, prompt=PROMPTS[25], temperature=0,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+
+    def stream(n: int) -> Iterator[tuple[str, str | None]]:
+        for chunk in client.completions.create(max_tokens=n, stream=True, **kw):
+            yield chunk.choices[0].text, chunk.choices[0].finish_reason
+
+    def pause(mode: str) -> None:
+        body = httpx.post(f"{disagg.url}/pause", params={"mode": mode}, timeout=60).json()
+        assert body["status"] == "paused", body
+        assert {w["pool"] for w in body["workers"].values()} == {"prefill", "decode"}
+
+    kept = stream(300)
+    head = [next(kept) for _ in range(10)]
+    pause("keep")
+    time.sleep(1.0)
+    httpx.post(f"{disagg.url}/resume", timeout=60)
+    chunks = head + list(kept)
+    assert chunks[-1][1] == "length"
+    assert "".join(t for t, _ in chunks) == client.completions.create(max_tokens=300, **kw)\
+        .choices[0].text  # fmt: skip
+    aborted = stream(1000)
+    for _ in range(10):
+        next(aborted)
+    pause("abort")
+    assert list(aborted)[-1][1] == "abort"
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(asyncio.run(_complete_all(
+        disagg.url, disagg.model, [PROMPTS[3]], [OUT[3]]))), daemon=True)  # fmt: skip
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive()  # held while paused
+    httpx.post(f"{disagg.url}/resume", timeout=60)
+    t.join(60)
+    assert out and out[0][0] == agg_reference[3]
+    wait_for(disagg.idle, 10, "idle after the pauses")
 
 
 def test_kv_never_pulled_is_freed_after_timeout(disagg: Disagg) -> None:
