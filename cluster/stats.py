@@ -122,6 +122,9 @@ class EngineStats:
     vllm_unfinished: int | None = None  # vLLM's own count of the requests it holds
     # --- the engine process (workers.engine_proc, workers.encode_server) ----------------
     step_seconds: float = 0.0  # the engine loop's time in steps
+    # how long the engine loop has been in its current round (a step under way); 0 while
+    # it waits for work: the worker's watchdog reads it (workers.engine_proc.EngineClient)
+    loop_busy_s: float = 0.0
     # the last <= STEP_SAMPLES steps, oldest first, each [step_no, wall_s, prefill_tokens,
     # decode_seqs, decode_kv_tokens] (step_no: the engine's step counter, so a reader
     # drops the samples it has seen); empty where the engine does not see its own steps

@@ -233,6 +233,7 @@ def worker(pool: str, worker_id: str | None, concurrency: int | None, **kw: Any)
         torch_threads=s.worker.torch_threads,
         heartbeat_s=s.worker.heartbeat_s,
         worker_ttl_s=s.worker.ttl_s,
+        engine_hang_timeout_s=s.worker.engine_hang_timeout_s,
         kv_transfer=s.transfer.backend if moves_kv else None,
         kv_transfer_threads=s.transfer.threads,
         transfer_timeout_s=s.transfer.timeout_s,

@@ -419,6 +419,14 @@ class WorkerSettings(_Area):
     ttl_s: float = _flat(
         "worker_ttl_s", 10.0, gt=0, description="A worker silent this long is dead."
     )
+    engine_hang_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="An engine process that sends nothing (not even its stats, 4 times a "
+        "second) this long, or is this long in one engine step, is taken for hung (a GPU "
+        "hang, a deadlock): its worker kills it and ends as on an engine death, so its "
+        "requests move to other workers and the supervisor starts it again. 0: never.",
+    )
 
 
 class EngineSettings(_Area):

@@ -78,6 +78,7 @@ class EngineLoop:
         self._frozen = False
         self._held: dict[str, EngineRequest] = {}
         self._pausing: list[_Pausing] = []
+        self._round_started = 0.0  # monotonic start of the round under way; 0: waiting
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -126,6 +127,8 @@ class EngineLoop:
         a snapshot of plain counters, a step may be under way)."""
         st = self.engine.stats()
         st.step_seconds = round(self.step_seconds_total, 3)
+        started = self._round_started
+        st.loop_busy_s = round(time.monotonic() - started, 3) if started else 0.0
         st.step_samples = [[n, round(w, 6), p, d, kv]
                            for n, w, p, d, kv in list(self.step_samples)]  # fmt: skip
         return st
@@ -234,6 +237,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
+            self._round_started = 0.0
             with self._cv:
                 if self.engine.stalled and not self._inbox and not self._stopped:
                     # nothing fits until blocks come back (a release, an expiry, an abort)
@@ -251,6 +255,7 @@ class EngineLoop:
                         break
                 if self._stopped:
                     return
+                self._round_started = time.monotonic()
                 outs = self._drain()
                 if self.engine.has_pinned:
                     self.engine.expire_pinned(time.monotonic())

@@ -95,6 +95,8 @@ class EngineProcSpec:
     torch_threads: int
     cpus: tuple[int, ...] | None  # pin the engine process to these CPUs
     stats_period_s: float
+    # the watchdog (EngineClient): silent, or in one engine-loop round, this long is hung
+    hang_timeout_s: float
     log_level: int
     log_format: str  # cluster.logs: text | json
     fastpath: bool  # frames on a raw connection (workers.stream); else redis-py's
@@ -129,6 +131,17 @@ def parse_cpus(text: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(set(cpus)))
 
 
+def hang(silent_s: float, loop_busy_s: float, limit_s: float) -> str | None:
+    """Why an engine process is taken for hung, or ``None``: it has sent nothing (not even
+    its stats) for ``silent_s``, or its engine loop has been ``loop_busy_s`` in one round
+    (a step), either past ``limit_s``."""
+    if silent_s > limit_s:
+        return f"no word from it for {silent_s:.1f}s"
+    if loop_busy_s > limit_s:
+        return f"one engine step under way for {loop_busy_s:.1f}s"
+    return None
+
+
 class EngineClient:
     """The Celery-side handle on the engine process (thread-safe)."""
 
@@ -145,6 +158,7 @@ class EngineClient:
         self._dead = False
         self._stopping = False
         self._reader: threading.Thread | None = None
+        self._heard_at = time.monotonic()  # the engine process's latest reply
 
     # ----------------------------------------------------------------------------------
     def start(self, timeout: float = 300.0) -> EngineClient:
@@ -174,8 +188,11 @@ class EngineClient:
             self._kill_engine_group()
             raise
         self._stats = reply.stats
+        self._heard_at = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
         self._reader.start()
+        if self.spec.hang_timeout_s > 0:
+            threading.Thread(target=self._watch, name="engine-watchdog", daemon=True).start()
         log.info("engine process %d ready", self._proc.pid)
         return self
 
@@ -264,6 +281,7 @@ class EngineClient:
                 reply: Reply = self._conn.recv()
             except (EOFError, OSError):
                 break
+            self._heard_at = time.monotonic()
             if isinstance(reply, Done):
                 for c in reply.completions:
                     with self._lock:
@@ -274,6 +292,20 @@ class EngineClient:
             elif isinstance(reply, Stats):
                 self._stats = reply.stats
         self._died()
+
+    def _watch(self) -> None:
+        """The watchdog: a hung engine process is killed, and its death takes the worker
+        down as any engine death does (its requests move on; it is started again)."""
+        period = min(1.0, self.spec.hang_timeout_s / 4)
+        while not (self._dead or self._stopping):
+            time.sleep(period)
+            why = hang(time.monotonic() - self._heard_at, self._stats.loop_busy_s,
+                       self.spec.hang_timeout_s)  # fmt: skip
+            if why is not None and not (self._dead or self._stopping):
+                log.critical("engine process %s is hung (%s): killing it", self.pid, why)
+                if self._proc is not None:
+                    self._proc.kill()
+                return
 
     def _died(self) -> None:
         with self._lock:

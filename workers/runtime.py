@@ -53,6 +53,7 @@ class WorkerRuntime:
         torch_threads: int,
         heartbeat_s: float,
         worker_ttl_s: float,
+        engine_hang_timeout_s: float,
         kv_transfer: str | None,  # None: this pool moves no KV
         kv_transfer_threads: int,
         transfer_timeout_s: float,
@@ -91,6 +92,7 @@ class WorkerRuntime:
             torch_threads=torch_threads,
             cpus=engine_cpus,
             stats_period_s=min(0.25, heartbeat_s / 2),
+            hang_timeout_s=engine_hang_timeout_s,
             log_level=logging.getLogger().getEffectiveLevel(),
             log_format=log_format,
             fastpath=fastpath,

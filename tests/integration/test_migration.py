@@ -94,13 +94,17 @@ def _metric(url: str, name: str) -> float:
 
 
 @pytest.mark.parametrize(("mode", "kill"), [("agg", "worker"), ("agg", "engine"),
-                                            ("ep-d", "worker")])  # fmt: skip
+                                            ("agg", "hang"), ("ep-d", "worker")])  # fmt: skip
 def test_streams_of_a_killed_worker_finish_on_the_other_one(
     fresh_db: str, tiny_model_dir: Path, tmp_path: Path, mode: str, kill: str
 ) -> None:
+    """``hang``: the engine process is stopped (SIGSTOP), not killed: its worker's
+    watchdog finds it silent past CONVEYOR_ENGINE_HANG_TIMEOUT_S (3 s here), kills it,
+    and the worker ends as on an engine death."""
     r = redis.Redis.from_url(fresh_db)
     env = base_env(fresh_db, tiny_model_dir, CONVEYOR_MODE=mode, CONVEYOR_KV_TRANSFER="redis",
-                   CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0")  # fmt: skip
+                   CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="0",
+                   CONVEYOR_ENGINE_HANG_TIMEOUT_S="3" if kill == "hang" else "60")  # fmt: skip
     pool = "generate" if mode == "agg" else "decode"
     workers = [start_worker(f"mig-{pool}{i}", pool, f"mig-{pool}{i}", env, tmp_path)
                for i in range(2)]  # fmt: skip
@@ -117,7 +121,7 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
         want = [_once(url, model, i) for i in range(len(PROMPTS))]  # uninterrupted
         victim = workers[0]
         report = json.loads(r.get(worker_key(pool, "mig-" + pool + "0")))
-        target = report["engine_pid"] if kill == "engine" else victim.popen.pid
+        target = report["engine_pid"] if kill in ("engine", "hang") else victim.popen.pid
         progress = [0] * len(PROMPTS)
 
         async def run() -> list[tuple[str, dict, str, list]]:
@@ -127,7 +131,7 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
             while min(progress) < 3:  # every stream under way, none near its end
                 assert time.monotonic() < deadline, progress
                 await asyncio.sleep(0.01)
-            os.kill(int(target), signal.SIGKILL)
+            os.kill(int(target), signal.SIGSTOP if kill == "hang" else signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
         got = asyncio.run(run())
@@ -152,6 +156,8 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
                  15, "the survivor's blocks freed", alive)  # fmt: skip
         log = api.log.read_text()
         assert "moved to " + survivor in log, log[-3000:]
+        if kill == "hang":
+            assert "is hung (no word from it for" in victim.log.read_text()
     finally:
         for p in procs:
             p.stop()

@@ -57,6 +57,7 @@ NEW_NAMES = [
     "batch_max_in_flight",
     "batch_priority",
     "batch_recover_s",
+    "engine_hang_timeout_s",
     "files_dir",
     "kernel_dir",
     "log_format",
