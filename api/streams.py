@@ -69,7 +69,8 @@ class Subscription:
     (no ``asyncio.Queue`` getter, no ``wait_for`` task per frame; docs/performance.md,
     "API: frames wake their reader directly")."""
 
-    __slots__ = ("hub", "channel", "_raw", "_waiter", "_expected", "_interrupted", "_resumed_at")
+    __slots__ = ("hub", "channel", "_raw", "_waiter", "_expected", "_interrupted", "_resumed_at",
+                 "_failed")  # fmt: skip
 
     def __init__(self, hub: StreamHub, channel: str, start_seq: int = 0) -> None:
         self.hub = hub
@@ -81,6 +82,7 @@ class Subscription:
         # came before it; None once a frame after it came in order (nothing was lost)
         self._interrupted: int | None = None
         self._resumed_at = 0.0  # loop time of the last interruption's reconnect
+        self._failed: BaseException | None = None  # raised to its reader (:meth:`fail`)
 
     @property
     def pending(self) -> int:
@@ -108,6 +110,13 @@ class Subscription:
         if self._waiter is not None:
             _wake(self._waiter)
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error``: its reader gets it at its next wait for a frame
+        (the API shutting down with the stream still open)."""
+        self._failed = error
+        if self._waiter is not None:
+            _wake(self._waiter)
+
     def poll(self) -> TokenFrame | None:
         """The next frame if it has already arrived; never waits."""
         while self._raw:
@@ -132,12 +141,16 @@ class Subscription:
         asked every ``check_every`` seconds; ``False`` raises :class:`WorkerLost` at once
         rather than letting the client wait out the whole timeout. A timeout that runs out
         while ``paused()`` (the deployment is) starts again: a paused worker holds it."""
+        if self._failed is not None:
+            raise self._failed
         frame = self.poll()  # the common case under load: no timer, no task switch
         if frame is not None:
             return frame
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            if self._failed is not None:
+                raise self._failed
             now = loop.time()
             remaining = deadline - now
             if remaining <= 0:
@@ -250,6 +263,13 @@ class StreamHub:
         except TimeoutError:
             return False
         return True
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every open stream with ``error`` (:meth:`Subscription.fail`); how many."""
+        subs = list(self._subs.values())
+        for sub in subs:
+            sub.fail(error)
+        return len(subs)
 
     def new_request_id(self, prefix: str) -> str:
         """``<prefix>-`` and 32 hex digits, the first 8 this hub's tag (96 random bits)."""

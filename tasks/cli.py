@@ -436,7 +436,9 @@ def api(**kw: object) -> None:
         log_level="warning",
         # json: uvicorn's loggers write through the root logger's JSON lines
         log_config=None if s.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
-        timeout_graceful_shutdown=5,
+        # the drain (api.drain) ends what is still open after shutdown_drain_s; a few
+        # seconds more for those last events to go out
+        timeout_graceful_shutdown=int(s.api.shutdown_drain_s) + 5,
     )
 
 

@@ -163,6 +163,14 @@ class ApiSettings(_Area):
     frame_timeout_s: float = Field(
         30.0, description="Seconds the API waits between two frames of one stream."
     )
+    shutdown_drain_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM (or Ctrl-C) an API process takes no new connection and lets "
+        "the requests it serves run to their end for up to this long; a stream still open "
+        "then ends with a 503 server_shutting_down error event (a whole response, a 503), "
+        "and the process exits. A second signal exits at once.",
+    )
     dispatch_attempts: int = Field(
         3, ge=1, description="Tries to start a request when its worker dies before answering."
     )

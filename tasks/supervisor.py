@@ -529,7 +529,9 @@ class Supervisor:
     def _shutdown(self, failed: bool) -> None:
         self._state = "stopping"
         self._write_state()
-        self._stop_group(list(reversed(self.children)), GRACE_S)
+        # the API drains its streams first (api.drain): it gets that long, and a margin
+        self._stop_group(list(reversed(self.children)),
+                         max(GRACE_S, self.s.api.shutdown_drain_s + 10))  # fmt: skip
         if self._redis is not None:
             self._stop_group([self._redis], 5.0)
         for c in self._table():

@@ -212,6 +212,8 @@ def base_env(redis_url: str, model_dir: Path, **extra: str) -> dict[str, str]:
         CONVEYOR_NUM_KV_BLOCKS="512",
         # tests read a request's account in the worker's log (off by default: CPU)
         CONVEYOR_LOG_REQUESTS="true",
+        # an API stopped with streams open ends them after 5 s, not 30 (test teardowns)
+        CONVEYOR_SHUTDOWN_DRAIN_S="5",
         PYTHONUNBUFFERED="1",
     )
     env.update(extra)

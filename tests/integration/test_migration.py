@@ -119,22 +119,32 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
         wait_for(lambda: httpx.get(f"{url}/health").json()["workers"][pool] == 2, 90,
                  "two workers", procs)  # fmt: skip
         want = [_once(url, model, i) for i in range(len(PROMPTS))]  # uninterrupted
-        victim = workers[0]
-        report = json.loads(r.get(worker_key(pool, "mig-" + pool + "0")))
-        target = report["engine_pid"] if kill in ("engine", "hang") else victim.popen.pid
         progress = [0] * len(PROMPTS)
 
-        async def run() -> list[tuple[str, dict, str, list]]:
+        def reports() -> list[dict]:
+            return [json.loads(r.get(worker_key(pool, f"mig-{pool}{i}")) or "{}")
+                    for i in range(2)]  # fmt: skip
+
+        async def run() -> tuple[int, list[tuple[str, dict, str, list]]]:
             tasks = [asyncio.create_task(_stream(url, model, i, progress))
                      for i in range(len(PROMPTS))]  # fmt: skip
             deadline = time.monotonic() + 60
             while min(progress) < 3:  # every stream under way, none near its end
                 assert time.monotonic() < deadline, progress
                 await asyncio.sleep(0.01)
+            # the victim: the worker holding the most streams now (KV-aware routing may
+            # have sent them all to one; its heartbeat says, every 0.5 s)
+            while not any(rep.get("active") for rep in reports()):
+                assert time.monotonic() < deadline, reports()
+                await asyncio.sleep(0.05)
+            reps = reports()
+            v = max((0, 1), key=lambda i: reps[i].get("active", 0))
+            target = reps[v]["engine_pid"] if kill in ("engine", "hang") else workers[v].popen.pid
             os.kill(int(target), signal.SIGSTOP if kill == "hang" else signal.SIGKILL)
-            return await asyncio.gather(*tasks)
+            return v, await asyncio.gather(*tasks)
 
-        got = asyncio.run(run())
+        v, got = asyncio.run(run())
+        victim = workers[v]
         victim.popen.wait(30)  # the worker is gone (an engine killed alone takes it along)
         for i, ((text, usage, reason, lps), (want_text, want_usage, want_lps)) in enumerate(
             zip(got, want, strict=True)
@@ -150,7 +160,7 @@ def test_streams_of_a_killed_worker_finish_on_the_other_one(
         moved = _metric(url, f'conveyor_migrations_total{{outcome="moved",pool="{pool}"}}')
         assert 1 <= moved <= len(PROMPTS), moved
         assert _metric(url, "conveyor_requests_cancelled_total") == 0  # no client left
-        survivor = "mig-" + pool + "1"
+        survivor = f"mig-{pool}{1 - v}"
         alive = [p for p in procs if p is not victim]
         wait_for(lambda: json.loads(r.get(worker_key(pool, survivor)))["blocks_used"] == 0,
                  15, "the survivor's blocks freed", alive)  # fmt: skip

@@ -135,3 +135,30 @@ def test_an_interrupted_stream_is_broken_by_a_gap_or_by_silence(
         assert issubclass(StreamInterrupted, WorkerLost)
 
     asyncio.run(main())
+
+
+def test_a_failed_stream_raises_to_its_waiting_reader_and_to_the_next_read() -> None:
+    """The API's drain ends the streams still open (Subscription.fail); a paused
+    deployment restarts a timeout that runs out (``paused``)."""
+
+    async def main() -> None:
+        sub = _sub()
+        reader = asyncio.ensure_future(sub.next_frame(30.0))
+        await asyncio.sleep(0.01)
+        sub.fail(RuntimeError("shutting down"))
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await reader
+        sub.push(_raw(0))  # even with a frame there: the stream is over
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await sub.next_frame(30.0)
+        asked: list[int] = []
+
+        async def paused() -> bool:
+            asked.append(1)
+            return len(asked) < 3  # paused for two timeouts, then not
+
+        with pytest.raises(StreamTimeout):
+            await _sub().next_frame(0.02, paused=paused)
+        assert len(asked) == 3
+
+    asyncio.run(main())

@@ -101,6 +101,7 @@ NEW_NAMES = [
     "resume_ttl_s",
     "return_tokens_as_token_ids",
     "serve_drain_timeout_s",
+    "shutdown_drain_s",
     "speculative_config",
     "stream_interval",
     "tenant_tokens_per_min",
