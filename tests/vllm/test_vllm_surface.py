@@ -21,6 +21,8 @@ vLLM's own offline ``LLM.generate`` on the same checkpoint and options as the re
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from tests.integration.conftest import (
     Cluster,
     RedisDbs,
     base_env,
+    wait_for,
 )
 from tests.vllm.conftest import deploy, offline, vllm_env
 
@@ -402,3 +405,42 @@ def test_both_engines_answer_in_the_same_shapes(
         got = set().union(*map(_paths, _ask(vllm_cluster, path, body, stream)))
         want = set().union(*map(_paths, _ask(ref_cluster, path, body, stream)))
         assert got == want, (path, body, sorted(got ^ want))
+
+
+def test_pause_keep_freezes_vllm_and_abort_ends_its_streams(vllm_cluster: Cluster) -> None:
+    """/pause on the vLLM engine: ``keep`` stops vLLM's own scheduler (no token while
+    paused) and the stream ends with the undisturbed text after /resume; ``abort`` ends a
+    stream with finish reason ``abort``."""
+    c = vllm_cluster
+    client = c.client(max_retries=0, timeout=120)
+    kw: dict = dict(model=c.model_name, prompt=PROMPTS[1], temperature=0,
+                    extra_body={"ignore_eos": True})  # fmt: skip
+    want = client.completions.create(max_tokens=300, **kw).choices[0].text
+    seen: list[tuple[float, str, str | None]] = []
+
+    def read(n: int) -> None:
+        for chunk in client.completions.create(max_tokens=n, stream=True, **kw):
+            ch = chunk.choices[0]
+            seen.append((time.monotonic(), ch.text, ch.finish_reason))
+
+    t = threading.Thread(target=read, args=(300,), daemon=True)
+    t.start()
+    wait_for(lambda: len(seen) >= 5, 60, "the stream under way")
+    r = httpx.post(f"{c.url}/pause", params={"mode": "keep"}, timeout=60).json()
+    assert r["status"] == "paused" and all(w["paused"] for w in r["workers"].values()), r
+    time.sleep(0.3)  # frames out before the pause arrive
+    frozen = len(seen)
+    time.sleep(1.5)
+    assert len(seen) == frozen and t.is_alive()
+    httpx.post(f"{c.url}/resume", timeout=60)
+    t.join(120)
+    assert "".join(x for _, x, _ in seen) == want and seen[-1][2] == "length"
+    seen.clear()
+    t = threading.Thread(target=read, args=(1000,), daemon=True)
+    t.start()
+    wait_for(lambda: len(seen) >= 5, 60, "the stream under way")
+    assert httpx.post(f"{c.url}/pause", timeout=60).json()["status"] == "paused"
+    t.join(60)
+    assert seen[-1][2] == "abort" and len(seen) < 1000
+    httpx.post(f"{c.url}/resume", timeout=60)
+    assert client.completions.create(max_tokens=300, **kw).choices[0].text == want
