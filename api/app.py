@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
@@ -113,6 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         st.hub = StreamHub(s.effective_redis_url, fast=s.broker_fastpath)
         await st.hub.start()
         st.runner = await Runner(s, st.redis, st.hub, metrics, tracing).open()
+        st.hub.on_abort = partial(routes_generate.on_abort, st)  # /abort_requests, any API's
         st.tenants = TenantBudget(st.redis, s.admission.tenant_tokens_per_min, metrics)
         st.responses = ResponseStore(st.redis, s.api.responses_store_ttl_s)
         st.conversations = ConversationStore(st.redis, s.api.responses_store_ttl_s)

@@ -19,6 +19,7 @@ served.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ from api.sse import SSE_DONE, SSEResponse, sse_event, usage_body
 from api.state import ApiState, api_state, check_model
 from api.tokenization import Prompt
 from api.tools import tool_plan
+from cluster.keys import ABORTS_CHANNEL
 from kvbm.protocol import (
     CANCEL_CHANNEL,
     LOGPROB_FLOOR,
@@ -320,23 +322,40 @@ def _token_logprob(tid: int, lp: list | None, top: int) -> dict:
 @router.post("/inference/v1/abort_requests")
 @router.post("/abort_requests")
 async def abort_requests(body: AbortRequest, request: Request) -> Response:
-    """Abort generate requests of this API process by their ``request_id`` (as sent, or
-    as the response names it: ``generate-tokens-<id>``): each ends with finish reason
-    ``abort`` and the tokens it had. Unknown ids are ignored, as vLLM ignores them."""
-    st = api_state(request)
+    """Abort generate requests by their ``request_id`` (as sent, or as the response names
+    it: ``generate-tokens-<id>``), wherever they run: the ids go to every API process
+    (:data:`cluster.keys.ABORTS_CHANNEL`), and each ends those it serves with finish
+    reason ``abort`` and the tokens they had. Unknown ids are ignored, as vLLM ignores
+    them."""
+    if body.request_ids:
+        await api_state(request).redis.publish(ABORTS_CHANNEL, json.dumps(body.request_ids))
+    return Response(status_code=200)
+
+
+def on_abort(st: ApiState, payload: bytes) -> None:
+    """An /abort_requests heard on ABORTS_CHANNEL (by this process's stream hub): cancel
+    the generate requests of those ids this process serves, as a client that left would."""
+    try:
+        ids = [str(x) for x in json.loads(payload)]
+    except (ValueError, TypeError):
+        log.warning("ignored a malformed abort message: %r", payload[:200])
+        return
     commands: list[tuple] = []
-    for rid in body.request_ids:
-        key = rid.removeprefix("generate-tokens-")
-        for run in st.generating.get(key, []):
+    for rid in ids:
+        for run in st.generating.get(rid.removeprefix("generate-tokens-"), []):
             if not run.finished:
                 commands += [("SET", cancelled_key(run.request_id), 1, "EX", CANCELLED_TTL_S),
                              ("PUBLISH", CANCEL_CHANNEL, run.request_id)]  # fmt: skip
     if commands:
-        async with st.redis.pipeline(transaction=False) as pipe:
-            for c in commands:
-                pipe.execute_command(*c)
-            await pipe.execute()
-    return Response(status_code=200)
+        log.info("aborting %d generate requests: %s", len(commands) // 2, ", ".join(ids))
+        st.runner.hold(asyncio.get_running_loop().create_task(_send(st, commands)))
+
+
+async def _send(st: ApiState, commands: list[tuple]) -> None:
+    async with st.redis.pipeline(transaction=False) as pipe:
+        for c in commands:
+            pipe.execute_command(*c)
+        await pipe.execute()
 
 
 # --------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ Redis has confirmed it. ``Subscription.next_frame`` and ``poll`` hand out frames
 order, drop duplicates, and raise on a gap (pub/sub lost a frame) and on silence past a
 timeout. The hub also listens on ``WORKER_DEATHS_CHANNEL``: a worker declared dead wakes
 every waiting reader to check its workers' liveness at once (a migration starts within
-milliseconds of the death, not at the next once-a-second poll).
+milliseconds of the death, not at the next once-a-second poll), and on ``ABORTS_CHANNEL``
+(vLLM's /abort_requests, sent to whichever API process serves the request).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from api.resp import PubSubConnection, RedisPyPubSub
-from cluster.keys import WORKER_DEATHS_CHANNEL
+from cluster.keys import ABORTS_CHANNEL, WORKER_DEATHS_CHANNEL
 from kvbm.protocol import TOKENS_PREFIX, TokenFrame, Usage
 
 log = logging.getLogger(__name__)
@@ -232,6 +233,8 @@ class StreamHub:
         self.reconnects = 0
         self.restored_at = float("-inf")  # monotonic time of the last reconnect
         self.deaths_heard = 0  # worker deaths announced (WORKER_DEATHS_CHANNEL)
+        # what to do with each message on ABORTS_CHANNEL (its JSON payload): the app's
+        self.on_abort: Callable[[bytes], None] | None = None
 
     async def start(self, timeout: float = 10.0) -> None:
         await self._conn.connect()
@@ -317,6 +320,9 @@ class StreamHub:
                 self.deaths_heard += 1
                 for s in list(self._subs.values()):
                     s.check_alive()
+            elif channel == ABORTS_CHANNEL:
+                if self.on_abort is not None:
+                    self.on_abort(push[2])
             else:
                 sub = self._subs.get(channel)
                 if sub is not None:
@@ -337,7 +343,8 @@ class StreamHub:
     def _resubscribe(self) -> None:
         """On a fresh connection: the pattern, and every foreign channel still wanted."""
         self._last_heard = time.monotonic()
-        foreign = [WORKER_DEATHS_CHANNEL, *(ch for ch in self._subs if not self.covers(ch))]
+        foreign = [WORKER_DEATHS_CHANNEL, ABORTS_CHANNEL,
+                   *(ch for ch in self._subs if not self.covers(ch))]  # fmt: skip
         self._conn.write(("PSUBSCRIBE", self._pattern),
                          *(("SUBSCRIBE", ch) for ch in foreign))  # fmt: skip
 

@@ -10,6 +10,9 @@ KEY_PREFIX = "conveyor:"
 # PUBLISH worker id: a worker was declared dead (its engine process saw it die), so every
 # API checks its waiting streams' workers now rather than at its next liveness poll
 WORKER_DEATHS_CHANNEL = KEY_PREFIX + "deaths"
+# PUBLISH a JSON list of request ids: vLLM's /abort_requests, heard by every API process,
+# each of which aborts the generate requests of those ids it serves (api.routes_generate)
+ABORTS_CHANNEL = KEY_PREFIX + "abort-requests"
 # PUBLISH a JSON command ({"id", "op", ...}) to every engine process (reset_prefix_cache,
 # pause, resume); each answers in the HASH control_reply_key(id), field its worker id
 CONTROL_CHANNEL = KEY_PREFIX + "control"

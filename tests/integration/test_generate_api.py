@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, base_env, start_api
 
 pytestmark = pytest.mark.integration
 
@@ -166,6 +167,36 @@ def test_abort_ends_a_running_request_with_the_tokens_it_had(cluster: Cluster) -
     assert (
         _post(cluster, "/inference/v1/abort_requests", {"request_ids": ["nope"]}).status_code == 200
     )
+
+
+def test_abort_sent_to_another_api_replica_ends_the_request(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Behind a load balancer the abort may reach another API process than the one serving
+    the request: every API process hears it (ABORTS_CHANNEL)."""
+    other, other_url = start_api(
+        "api-abort-replica", base_env(cluster.redis_url, cluster.model_dir), tmp_path
+    )
+    try:
+        sp = {"max_tokens": 1900, "ignore_eos": True, "temperature": 0}
+        body = {"request_id": "abort-elsewhere", "token_ids": PROMPT, "stream": True,
+                "sampling_params": sp}  # fmt: skip
+        out: list[list[dict | str]] = []
+        t = threading.Thread(target=lambda: out.append(_events(cluster, body)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.3)
+            r = httpx.post(f"{other_url}/abort_requests",
+                           json={"request_ids": ["abort-elsewhere"]}, timeout=30)  # fmt: skip
+            assert r.status_code == 200
+        t.join(5)
+        assert out, "the aborted stream did not end"
+        chunks = [e for e in out[0] if isinstance(e, dict)]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert 0 < sum(len(c["choices"][0]["token_ids"]) for c in chunks) < 1900
+    finally:
+        other.stop()
 
 
 @pytest.mark.parametrize(("body", "param"), [
