@@ -101,7 +101,8 @@ async def serve(
     finally:
         st.metrics.in_flight.dec()
         st.metrics.e2e.observe(time.perf_counter() - started)
-    fmt = Formatter(kind, rid, req.model)
+    fmt = Formatter(kind, req.shown_id(kind, request.headers.get("x-request-id"), rid),
+                    req.model)  # fmt: skip
     choices, out_tokens = [], 0
     for i, b in enumerate(beams):
         shown = b.tokens[:-1] if b.ended else b.tokens
@@ -116,7 +117,7 @@ async def serve(
     st.metrics.observe_lengths(len(ids), out_tokens)
     usage = {"prompt_tokens": len(ids), "completion_tokens": out_tokens,
              "total_tokens": len(ids) + out_tokens}  # fmt: skip
-    headers = {"x-request-id": rid}
+    headers = {"x-request-id": fmt.rid}
     if not req.stream:
         return JSONResponse(fmt.whole(choices, usage), headers=headers)
     # streamed, as vLLM streams a beam search: the whole beams once it has ended, each

@@ -133,6 +133,9 @@ class _SamplingFields(_Body):
     # vLLM's: a prefix is shared in the KV cache only between requests with the same salt
     # (none: the unsalted ones'); a tenant's salt keeps others from timing its prompts
     cache_salt: str | None = Field(None, min_length=1, max_length=1000)
+    # vLLM's: the response's id is chatcmpl-<it> (cmpl-<it>); the X-Request-Id header wins.
+    # Printable ASCII, as it is also sent back as that header
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[!-~]+$")
     # vLLM's: at most this many tokens inside a thinking block, then its end is forced
     # (the reasoning markers: CONVEYOR_REASONING_PARSER or CONVEYOR_REASONING_CONFIG)
     thinking_token_budget: int | None = Field(None, ge=0)
@@ -191,6 +194,15 @@ class _SamplingFields(_Body):
         """vLLM's continuous_usage_stats (it counts only with include_usage)."""
         opts = self.stream_options
         return bool(opts and opts.include_usage and opts.continuous_usage_stats)
+
+    def shown_id(self, kind: str, header: str | None, rid: str) -> str:
+        """The id a response shows (its ``id`` and ``x-request-id``), as vLLM's: the
+        client's ``X-Request-Id`` header or this body's ``request_id`` after the kind's
+        prefix; else the request's own id ``rid`` (its stream's, the logs')."""
+        client = header or self.request_id
+        if not client:
+            return rid
+        return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{client}"
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -188,7 +188,7 @@ async def _run_batch(
     n = req.n
     rid, first = await launch(st, req, request, built[0], samplings[0], kind, started,
                               lora)  # fmt: skip
-    fmt = Formatter(kind, rid, req.model)
+    fmt = Formatter(kind, req.shown_id(kind, request.headers.get("x-request-id"), rid), req.model)
     if req.stream and req.continuous_usage:
         fmt.continuous_usage([len(p.token_ids) for p in built for _ in range(n)])
     running: dict[int, list[RunningRequest]] = {0: first}  # started and not yet ended
@@ -216,7 +216,7 @@ async def _run_batch(
     if req.stream:
         gen = choices.stream(st, None, fmt, req.include_usage, end_all, None, extras,
                              ready=ready, n=n)  # fmt: skip
-        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+        return SSEResponse(gen, ping=15, headers={"x-request-id": fmt.rid})
     return await choices.collect(st, None, fmt, end_all, tools, extras, ready=ready, n=n)
 
 
@@ -274,7 +274,8 @@ async def _serve(
     rid, runs, sampling = await start(st, req, request, prompt, max_tokens, kind, started,
                                       prompt_param, plan, lora)  # fmt: skip
     echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
-    fmt = Formatter(kind, rid, req.model, echo)  # the base model or the adapter it named
+    shown = req.shown_id(kind, request.headers.get("x-request-id"), rid)
+    fmt = Formatter(kind, shown, req.model, echo)  # the base model or the adapter it named
     if req.stream and req.continuous_usage:
         fmt.continuous_usage([len(prompt.token_ids)] * len(runs))
     # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
@@ -292,12 +293,12 @@ async def _serve(
                     dropped = partial(linger_on, st, base, partial(_drain_all, st, runs), end)
             gen = choices.stream(st, runs, fmt, req.include_usage, end, tools, extras,
                                  tag=tag, dropped=dropped)  # fmt: skip
-            return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+            return SSEResponse(gen, ping=15, headers={"x-request-id": fmt.rid})
         return await choices.collect(st, runs, fmt, end, tools, extras)
     (run,) = runs
     if req.stream:
         gen = _stream(st, run, fmt, req.include_usage, started, tools[0], extras[0])
-        return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+        return SSEResponse(gen, ping=15, headers={"x-request-id": fmt.rid})
     return await _collect(st, run, fmt, started, tools[0], extras[0])
 
 
@@ -526,7 +527,7 @@ async def resume(
     sampling = prepare(st, req, prompt, max_tokens, prompt_param, plan)
     rid = log_id.split(".", 1)[0]  # the client's id (a retry's stream: <id>.r1)
     echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
-    fmt = Formatter(kind, rid, req.model, echo)  # the base model or the adapter it named
+    fmt = Formatter(kind, req.shown_id(kind, None, rid), req.model, echo)  # its model
     readers = [FrameLogReader(st.redis, x, st.settings.api.frame_timeout_s, prompt_alone(req))
                for x in logs]  # fmt: skip
     log.info("[%s] resumed after event %s", log_id, seqs)
@@ -543,7 +544,7 @@ async def resume(
         gen = _stream(st, None, fmt, req.include_usage, started, out,
                       _extra(st, req, sampling, prompt.token_ids, sent),
                       frames=resumed_batches(readers[0], seqs[0]), tag=tag)  # fmt: skip
-    return SSEResponse(gen, ping=15, headers={"x-request-id": rid})
+    return SSEResponse(gen, ping=15, headers={"x-request-id": fmt.rid})
 
 
 async def _collect(
@@ -556,7 +557,7 @@ async def _collect(
     st.metrics.finish.labels(body["finish_reason"] or "unknown").inc()
     prompt_logprobs = body.pop("prompt_logprobs", None) if fmt.chat else None
     out = fmt.whole([body], usage_body(last.usage), prompt_logprobs)
-    return JSONResponse(out, headers={"x-request-id": run.request_id})
+    return JSONResponse(out, headers={"x-request-id": fmt.rid})
 
 
 async def collect(

@@ -645,3 +645,27 @@ def test_continuous_usage_stats(cluster: Cluster, kind: str) -> None:
     assert sorted(seen) == list(range(choices))
     per_prompt = {u.prompt_tokens for ch in body for u in [ch.usage] if ch.choices[0].index < 2}
     assert len(per_prompt) == 1  # a batch's choices each count their own prompt
+
+
+def test_a_clients_request_id_names_the_response(cluster: Cluster) -> None:
+    """vLLM's ``request_id`` (and its ``X-Request-Id`` header, which wins): the response's
+    ``id`` is ``chatcmpl-<it>`` / ``cmpl-<it>``, in every chunk and the x-request-id header."""
+    client = cluster.client()
+    r = client.chat.completions.with_raw_response.create(
+        model=cluster.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        extra_body={"request_id": "trace-42"},
+    )  # fmt: skip
+    assert r.parse().id == "chatcmpl-trace-42" and r.headers["x-request-id"] == "chatcmpl-trace-42"
+    chunks = list(client.completions.create(
+        model=cluster.model_name, prompt="hi", max_tokens=3, stream=True,
+        extra_body={"request_id": "trace-43"}, extra_headers={"X-Request-Id": "from-header"},
+    ))  # fmt: skip
+    assert chunks and {c.id for c in chunks} == {"cmpl-from-header"}
+    plain = client.completions.create(model=cluster.model_name, prompt="hi", max_tokens=1)
+    assert plain.id.startswith("cmpl-") and "trace" not in plain.id
+    bad = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": cluster.model_name, "prompt": "hi", "request_id": "has space"},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
