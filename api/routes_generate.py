@@ -132,18 +132,19 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     markers = st.builder.thinking_markers
     if body.reasoning_ended is False and sampling.structured is not None and markers:
         sampling.structured = sampling.structured.model_copy(update={"after": markers[2]})
-    rid = f"generate-tokens-{body.request_id}"
+    client_id = request.headers.get("x-request-id") or body.request_id  # vLLM's: the header
+    rid = f"generate-tokens-{client_id}"
     _, runs = await launch(st, req, request, prompt, sampling, "generate", started, lora)
     out = _Output(st, body, sampling, rid, model, ids)
-    running = st.generating.setdefault(body.request_id, [])
+    running = st.generating.setdefault(client_id, [])
     running += runs
 
     def end() -> None:
         left = [r for r in running if r not in runs]
         if left:
-            st.generating[body.request_id] = left
+            st.generating[client_id] = left
         else:
-            st.generating.pop(body.request_id, None)
+            st.generating.pop(client_id, None)
         end_request(st, runs, started)
 
     ready = choices.merged(st.runner, runs)

@@ -169,6 +169,16 @@ def test_abort_ends_a_running_request_with_the_tokens_it_had(cluster: Cluster) -
     )
 
 
+def test_the_x_request_id_header_names_a_generate_request(cluster: Cluster) -> None:
+    body = {"request_id": "from-body", "token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+    r = httpx.post(f"{cluster.url}/inference/v1/generate", json=body,
+                   headers={"X-Request-Id": "from-header"}, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and r.json()["request_id"] == "generate-tokens-from-header"
+    assert _post(cluster, "/inference/v1/generate", body).json()["request_id"] == (
+        "generate-tokens-from-body"
+    )
+
+
 def test_abort_sent_to_another_api_replica_ends_the_request(
     cluster: Cluster, tmp_path: Path
 ) -> None:
