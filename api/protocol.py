@@ -136,6 +136,9 @@ class _SamplingFields(_Body):
     # vLLM's: the response's id is chatcmpl-<it> (cmpl-<it>); the X-Request-Id header wins.
     # Printable ASCII, as it is also sent back as that header
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[!-~]+$")
+    # vLLM's: with truncate_prompt_tokens, keep the last tokens (left, the default) or the
+    # first ones (right)
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: at most this many tokens inside a thinking block, then its end is forced
     # (the reasoning markers: CONVEYOR_REASONING_PARSER or CONVEYOR_REASONING_CONFIG)
     thinking_token_budget: int | None = Field(None, ge=0)

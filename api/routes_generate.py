@@ -366,7 +366,8 @@ async def render_completions(req: CompletionRequest, request: Request) -> JSONRe
     st = await _renderable(req, request)
     out = []
     for _, ids in st.builder.completion_prompts(req.prompt):
-        prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens)
+        prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens,
+                                      req.truncation_side)  # fmt: skip
         sampling = prepare(st, req, prompt, req.max_tokens, "prompt")
         out.append(generate_body(req, prompt, sampling, f"cmpl-{uuid.uuid4().hex}"))
     return JSONResponse(out)
@@ -378,7 +379,8 @@ async def render_chat(req: ChatCompletionRequest, request: Request) -> JSONRespo
     the chat template, its tool choice's constraint, its sampling resolved."""
     st = await _renderable(req, request)
     plan = tool_plan(req, st.tool_parser)
-    prompt = text_only(st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens))
+    prompt = text_only(st.builder.truncated(chat_prompt(st, req), req.truncate_prompt_tokens,
+                                            req.truncation_side))  # fmt: skip
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = prepare(st, req, prompt, max_tokens, "messages", plan)
     return JSONResponse(generate_body(req, prompt, sampling, f"chatcmpl-{uuid.uuid4().hex}"))

@@ -64,7 +64,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     unsupported(req)
     plan = tool_plan(req, st.tool_parser)
     prompt = st.builder.truncated(dynamo_tokens(st, req) or chat_prompt(st, req),
-                                  req.truncate_prompt_tokens)  # fmt: skip
+                                  req.truncate_prompt_tokens, req.truncation_side)  # fmt: skip
     st.media.check_count(prompt.images)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if req.use_beam_search:
@@ -93,7 +93,8 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
         if len(prompts) > 1:
             raise bad_request("beam search takes one prompt per request", "prompt",
                               "unsupported_parameter")  # fmt: skip
-        prompt = st.builder.truncated(Prompt(prompts[0][1]), req.truncate_prompt_tokens)
+        prompt = st.builder.truncated(Prompt(prompts[0][1]), req.truncate_prompt_tokens,
+                                      req.truncation_side)  # fmt: skip
         sampling = prepare(st, req, prompt, req.max_tokens, "prompt")
         return await beam_search.serve(st, req, request, prompt, sampling, "completion",
                                        started, lora)  # fmt: skip
@@ -104,7 +105,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
                               "unsupported_parameter")  # fmt: skip
         return await _serve_batch(st, req, request, prompts, started, lora)
     ((sent, ids),) = prompts
-    prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens)
+    prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens, req.truncation_side)
     sent = _echoed(sent, ids, prompt)
     if resumed is not None:
         return await resume(st, req, prompt, req.max_tokens, "completion", started, "prompt",
@@ -128,7 +129,8 @@ async def _serve_batch(
     if len(prompts) * n > MAX_PROMPTS:
         raise bad_request(f"a batch of prompts holds at most {MAX_PROMPTS} choices (prompts x "
                           f"n), got {len(prompts)} x {n}", "n")  # fmt: skip
-    built = [st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens) for _, ids in prompts]
+    built = [st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens, req.truncation_side)
+             for _, ids in prompts]  # fmt: skip
     samplings = [prepare(st, req, p, req.max_tokens, "prompt") for p in built]
     extras = [_extra(st, req, sampling, p.token_ids, _echoed(sent, ids, p))
               for (sent, ids), p, sampling in zip(prompts, built, samplings, strict=True)
@@ -165,7 +167,8 @@ async def chat_completions_batch(body: BatchChatRequest, request: Request) -> Re
     lora = await check_model(st, reqs[0].model, task="generate")
     for r in reqs:
         unsupported(r)
-    built = [st.builder.truncated(chat_prompt(st, r), r.truncate_prompt_tokens) for r in reqs]
+    built = [st.builder.truncated(chat_prompt(st, r), r.truncate_prompt_tokens,
+                                  r.truncation_side) for r in reqs]  # fmt: skip
     for p in built:
         st.media.check_count(p.images)
     samplings = [prepare(st, r, p, r.max_completion_tokens or r.max_tokens, "messages")

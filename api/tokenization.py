@@ -339,12 +339,20 @@ class PromptBuilder:
                               "invalid_value")  # fmt: skip
         return keep
 
-    def truncated(self, prompt: Prompt, keep: int | None) -> Prompt:
-        """A generation prompt cut to its last ``truncate_prompt_tokens`` tokens (vLLM's
-        left truncation for generation); a cut through an image's placeholders is a 400."""
+    def truncated(self, prompt: Prompt, keep: int | None, side: str | None = None) -> Prompt:
+        """A generation prompt cut to ``truncate_prompt_tokens`` tokens: its last ones (vLLM's
+        left truncation for generation, the default), or its first ones (``side``
+        ``right``, vLLM's ``truncation_side``); a cut through an image's placeholders is a
+        400."""
         n = self.truncation_keep(keep)
         if n is None or len(prompt.token_ids) <= n:
             return prompt
+        if side == "right":
+            if prompt.images and prompt.image_offsets[-1] + prompt.image_tokens > n:
+                raise bad_request(f"truncate_prompt_tokens={n} would cut the prompt's images "
+                                  "off", "truncate_prompt_tokens", "invalid_value")  # fmt: skip
+            return Prompt(prompt.token_ids[:n], prompt.images, prompt.image_offsets,
+                          prompt.image_tokens)  # fmt: skip
         drop = len(prompt.token_ids) - n
         if prompt.images:
             if prompt.image_offsets[0] < drop:

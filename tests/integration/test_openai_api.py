@@ -669,3 +669,18 @@ def test_a_clients_request_id_names_the_response(cluster: Cluster) -> None:
         timeout=30,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+
+
+def test_truncation_side_right_keeps_the_first_tokens(cluster: Cluster) -> None:
+    """vLLM's truncation_side: right keeps the first truncate_prompt_tokens tokens, and the
+    request runs as if only those were sent (echo repeats them)."""
+    client = cluster.client()
+    ids = [1, 72, 301, 44, 209, 17, 388, 96]
+    kw: dict = dict(model=cluster.model_name, max_tokens=5, temperature=0)
+    cut = client.completions.create(prompt=ids, echo=True, extra_body={
+        "truncate_prompt_tokens": 3, "truncation_side": "right"}, **kw)  # fmt: skip
+    alone = client.completions.create(prompt=ids[:3], echo=True, **kw)
+    assert cut.usage.prompt_tokens == 3  # type: ignore[union-attr]
+    assert cut.choices[0].text == alone.choices[0].text
+    left = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 3}, **kw)
+    assert left.choices[0].text == client.completions.create(prompt=ids[-3:], **kw).choices[0].text

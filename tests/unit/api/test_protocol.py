@@ -120,6 +120,14 @@ def test_truncated_keeps_the_last_tokens(tiny_model_dir: Path) -> None:
         with pytest.raises(OpenAIError) as e:
             pb.truncated(img, bad)
         assert e.value.param == "truncate_prompt_tokens"
+    # vLLM's truncation_side right: the first tokens; an image must fit in them whole
+    assert pb.truncated(p, 4, "right").token_ids == [0, 1, 2, 3]
+    assert pb.truncated(p, 4, "left").token_ids == [6, 7, 8, 9]
+    kept = pb.truncated(img, 8, "right")
+    assert (kept.token_ids, kept.image_offsets) == (list(range(8)), [5])
+    with pytest.raises(OpenAIError) as e:
+        pb.truncated(img, 7, "right")  # placeholders 5..7: the last one cut
+    assert e.value.param == "truncate_prompt_tokens"
 
 
 def test_reasoning_effort_reaches_the_template(tiny_model_dir: Path, tmp_path: Path) -> None:
