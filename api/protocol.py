@@ -273,6 +273,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: the tokenizer's special tokens (a BOS) around a text prompt; false: its text
+    # alone (token-id prompts are taken as sent either way)
+    add_special_tokens: bool = True
     best_of: int | None = None
 
 

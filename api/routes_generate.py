@@ -365,7 +365,7 @@ async def render_completions(req: CompletionRequest, request: Request) -> JSONRe
     """A completions request as the generate bodies it runs as: one per prompt."""
     st = await _renderable(req, request)
     out = []
-    for _, ids in st.builder.completion_prompts(req.prompt):
+    for _, ids in st.builder.completion_prompts(req.prompt, req.add_special_tokens):
         prompt = st.builder.truncated(Prompt(ids), req.truncate_prompt_tokens,
                                       req.truncation_side)  # fmt: skip
         sampling = prepare(st, req, prompt, req.max_tokens, "prompt")

@@ -86,7 +86,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     given = dynamo_tokens(st, req)
     prompts: list[tuple[str | list[int], list[int]]] = (
         [(given.token_ids, given.token_ids)] if given is not None
-        else st.builder.completion_prompts(req.prompt)
+        else st.builder.completion_prompts(req.prompt, req.add_special_tokens)
     )  # fmt: skip
     resumed = _last_event_id(st, request)
     if req.use_beam_search:

@@ -290,11 +290,12 @@ class PromptBuilder:
         return Prompt(out, images, offsets, n)
 
     def completion_prompts(
-        self, prompt: str | list[int] | list[str] | list[list[int]],
+        self, prompt: str | list[int] | list[str] | list[list[int]], special: bool = True,
     ) -> list[tuple[str | list[int], list[int]]]:  # fmt: skip
         """A completions ``prompt`` as its prompts (one, or a batch: a list of strings or of
         token-id lists), each as sent and as token ids, checked (a 400 names which one is
-        empty or holds an id outside the vocabulary)."""
+        empty or holds an id outside the vocabulary). ``special``: a text prompt gets the
+        tokenizer's special tokens (vLLM's ``add_special_tokens``)."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             items: list[str | list[int]] = list(prompt)
         else:
@@ -310,7 +311,7 @@ class PromptBuilder:
             if isinstance(item, str):
                 if not item:
                     raise bad_request(f"{which} must not be empty", "prompt")
-                out.append((item, self.tokenizer.encode(item, add_special_tokens=True).ids))
+                out.append((item, self.tokenizer.encode(item, add_special_tokens=special).ids))
                 continue
             if not isinstance(item, list) or not all(isinstance(t, int) for t in item):
                 raise bad_request("a batch of prompts is a list of strings or a list of token-id "

@@ -684,3 +684,22 @@ def test_truncation_side_right_keeps_the_first_tokens(cluster: Cluster) -> None:
     assert cut.choices[0].text == alone.choices[0].text
     left = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 3}, **kw)
     assert left.choices[0].text == client.completions.create(prompt=ids[-3:], **kw).choices[0].text
+
+
+def test_add_special_tokens_false_sends_a_text_prompt_without_its_bos(cluster: Cluster) -> None:
+    """vLLM's completions add_special_tokens (default true): false tokenizes the text
+    alone, as its token ids sent as they are would run."""
+    client = cluster.client()
+    kw: dict = dict(model=cluster.model_name, max_tokens=5, temperature=0)
+    with_bos = client.completions.create(prompt="hi there", **kw)
+    bare = client.completions.create(prompt="hi there", extra_body={"add_special_tokens": False},
+                                     **kw)  # fmt: skip
+    assert bare.usage.prompt_tokens == with_bos.usage.prompt_tokens - 1  # type: ignore[union-attr]
+    tok = httpx.post(
+        f"{cluster.url}/tokenize",
+        json={"model": cluster.model_name, "prompt": "hi there", "add_special_tokens": False},
+        timeout=30,
+    ).json()
+    assert len(tok["tokens"]) == bare.usage.prompt_tokens  # type: ignore[union-attr]
+    assert bare.choices[0].text == client.completions.create(prompt=tok["tokens"], **kw)\
+        .choices[0].text  # fmt: skip
