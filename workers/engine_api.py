@@ -152,6 +152,12 @@ def failed(
                          error_code=code, error_param=param)  # fmt: skip
 
 
+def aborted(request_id: str, num_prompt_tokens: int) -> RequestOutput:
+    """The output of a request aborted before it produced anything (held, queued)."""
+    return RequestOutput(request_id, [], "", finished=True, finish_reason="abort",
+                         num_prompt_tokens=num_prompt_tokens)  # fmt: skip
+
+
 # The sampling features an engine may or may not serve: the request field that asks for
 # one (as the API names it) -> whether a request's parameters use it. An engine lists those
 # it serves (``supports``); a request using another is refused, naming the field.

@@ -37,6 +37,7 @@ from workers.engine_api import (
     EngineRequest,
     RequestOutput,
     StepCounts,
+    aborted,
     failed,
     refuse_prompt,
     refuse_unsupported,
@@ -239,8 +240,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         if self.structured is not None and (req := self.structured.drop(request_id)):
-            return RequestOutput(request_id, [], "", finished=True, finish_reason="abort",
-                                 num_prompt_tokens=len(req.prompt_token_ids))  # fmt: skip
+            return aborted(request_id, len(req.prompt_token_ids))
         self.scheduler.release_pinned(request_id)
         seq = self.scheduler.remove(request_id)
         return None if seq is None else finished(seq, [], "", "abort")

@@ -27,7 +27,7 @@ from typing import cast
 
 from cluster.stats import STEP_SAMPLES, EngineStats
 from kvbm.block_pool import KVEvent
-from workers.engine_api import Engine, EngineRequest, RequestOutput
+from workers.engine_api import Engine, EngineRequest, RequestOutput, aborted
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +175,8 @@ class EngineLoop:
             else:
                 assert isinstance(arg, str), "an 'abort' command carries a request id"
                 held = self._held.pop(arg, None)
-                out = (self.engine.abort(arg) if held is None else
-                       RequestOutput(arg, [], "", finished=True, finish_reason="abort",
-                                     num_prompt_tokens=len(held.prompt_token_ids)))  # fmt: skip
+                out = (self.engine.abort(arg) if held is None
+                       else aborted(arg, len(held.prompt_token_ids)))  # fmt: skip
             if out is not None:
                 outs.append(out)
         return outs

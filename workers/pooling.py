@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvbm.protocol import Pooling
-from workers.engine_api import RequestOutput, failed
+from workers.engine_api import RequestOutput, aborted, failed
 
 if TYPE_CHECKING:
     from workers.engine_loop import EngineLoop
@@ -231,8 +231,7 @@ class EmbeddingRunner:
         job = self._pooler.start(token_ids, params)  # its KV cache: allocated off the loop
         while not job.done:
             if rid in self._aborted:
-                return RequestOutput(rid, [], "", finished=True, finish_reason="abort",
-                                     num_prompt_tokens=n)  # fmt: skip
+                return aborted(rid, n)
             # one chunk per call: the loop steps the engine between two calls
             self.loop.call(lambda _e: job.step(self.chunk_tokens)).result()
             self.chunks += 1
