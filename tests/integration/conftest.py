@@ -290,43 +290,42 @@ def start_api(name: str, env: dict[str, str], logdir: Path) -> tuple[Proc, str]:
 
 
 @contextmanager
+def generate_workers(name: str, env: dict[str, str], model_dir: Path, logdir: Path,
+                     worker_ids: list[str], up_s: float = 90) -> Iterator[Cluster]:  # fmt: skip
+    """Generate workers of ``worker_ids`` and an API on ``env`` (a fixture's deployment),
+    each worker live within ``up_s``, up until the block ends."""
+    workers = [start_worker(f"w-{wid}", "generate", wid, env, logdir) for wid in worker_ids]
+    with stop_on_error(*workers):
+        api, http = start_api(f"api-{name}", env, logdir)
+    with stop_on_error(*workers, api):
+        wait_for(lambda: httpx.get(f"{http}/health", timeout=1).json()["workers"]["generate"]
+                 == len(workers), up_s, f"{len(workers)} live workers",
+                 [*workers, api])  # fmt: skip
+    try:
+        yield Cluster(http, env["CONVEYOR_REDIS_URL"], model_dir, model_dir.name, workers, api)
+    finally:
+        api.stop()
+        for w in workers:
+            w.stop()
+
+
+@contextmanager
 def one_worker(name: str, worker_id: str, env: dict[str, str], model_dir: Path,
                logdir: Path) -> Iterator[Cluster]:  # fmt: skip
     """A generate worker and an API on ``env`` (a module fixture's deployment), up until
     the block ends."""
-    worker = start_worker(f"w-{name}", "generate", worker_id, env, logdir)
-    with stop_on_error(worker):
-        api, http = start_api(f"api-{name}", env, logdir)
-    with stop_on_error(worker, api):
-        wait_for(lambda: httpx.get(f"{http}/health").status_code == 200, 60, "the worker",
-                 [worker, api])  # fmt: skip
-    try:
-        yield Cluster(http, env["CONVEYOR_REDIS_URL"], model_dir, model_dir.name, [worker], api)
-    finally:
-        api.stop()
-        worker.stop()
+    with generate_workers(name, env, model_dir, logdir, [worker_id], up_s=60) as c:
+        yield c
 
 
 @pytest.fixture(scope="session")
 def cluster(
     redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    logdir = tmp_path_factory.mktemp("logs")
     env = base_env(redis_url, tiny_model_dir)
-    workers = [start_worker(f"worker{i}", "generate", f"itest-w{i}", env, logdir) for i in range(2)]
-    with stop_on_error(*workers):
-        api, url = start_api("api", env, logdir)
-    c = Cluster(url, redis_url, tiny_model_dir, tiny_model_dir.name, workers, api)
-    with stop_on_error(*workers, api):
-        wait_for(
-            lambda: httpx.get(f"{url}/health", timeout=1).json()["workers"]["generate"] == 2,
-            90,
-            "2 live workers",
-            [*workers, api],
-        )
-    yield c
-    for p in [api, *workers]:
-        p.stop()
+    with generate_workers("itest", env, tiny_model_dir, tmp_path_factory.mktemp("logs"),
+                          ["itest-w0", "itest-w1"]) as c:  # fmt: skip
+        yield c
 
 
 # --------------------------------------------------------------------------------------

@@ -19,9 +19,7 @@ from tests.integration.conftest import (
     Cluster,
     RedisDbs,
     base_env,
-    start_api,
-    start_worker,
-    stop_on_error,
+    generate_workers,
     wait_for,
 )
 
@@ -34,20 +32,12 @@ TIMEOUT_S = 2.0  # the API's first-frame and frame timeouts here: a pause outlas
 def deployment(
     redis_dbs: RedisDbs, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    logdir = tmp_path_factory.mktemp("pause")
-    url = redis_dbs.take(__name__)
-    env = base_env(url, tiny_model_dir, CONVEYOR_FIRST_FRAME_TIMEOUT_S=str(TIMEOUT_S),
+    env = base_env(redis_dbs.take(__name__), tiny_model_dir,
+                   CONVEYOR_FIRST_FRAME_TIMEOUT_S=str(TIMEOUT_S),
                    CONVEYOR_FRAME_TIMEOUT_S=str(TIMEOUT_S))  # fmt: skip
-    workers = [start_worker(f"pause{i}", "generate", f"pause-w{i}", env, logdir) for i in (0, 1)]
-    with stop_on_error(*workers):
-        api, api_url = start_api("api-pause", env, logdir)
-    c = Cluster(api_url, url, tiny_model_dir, tiny_model_dir.name, workers, api)
-    with stop_on_error(*workers, api):
-        wait_for(lambda: httpx.get(f"{api_url}/health", timeout=1).json()["workers"]["generate"]
-                 == 2, 90, "2 live workers", [*workers, api])  # fmt: skip
-    yield c
-    for p in [api, *workers]:
-        p.stop()
+    with generate_workers("pause", env, tiny_model_dir, tmp_path_factory.mktemp("pause"),
+                          ["pause-w0", "pause-w1"]) as c:  # fmt: skip
+        yield c
 
 
 @pytest.fixture
