@@ -35,7 +35,7 @@ async def stream(
     end: Callable[[], None], tools: list[ChatOutput | None] | None = None,
     extras: list[ExtraOutput | None] | None = None, *,
     ready: AsyncGenerator[Ready, None] | None = None, tag: Tagged | None = None,
-    dropped: Callable[[], None] | None = None, n: int | None = None,
+    dropped: Callable[[], None] | None = None, n: int | None = None, head: bytes = b"",
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """The SSE events of a request of ``len(runs)`` choices; ``end()`` once it is over
     (accounting, and every choice's stream released: cancelled if unfinished), or
@@ -44,7 +44,8 @@ async def stream(
     text into content and tool calls, ``extras``, its logprobs or echoed prompt (None:
     plain text). A resumable stream's writes carry SSE ids (``tag``); a resumed one's
     frames come from the logs (``ready``, and no ``runs``), a batch of prompts' from their
-    runs as each starts (``ready``, and ``n``: choices per prompt, for the usage)."""
+    runs as each starts (``ready``, and ``n``: choices per prompt, for the usage).
+    ``head``: events before the first chunk (Dynamo's annotations, :mod:`api.nvext`)."""
     left = len(runs) if runs is not None else len(tools or extras or ())
     tools = tools or [None] * left
     extras = extras or [None] * left
@@ -57,6 +58,8 @@ async def stream(
 
     ended = False  # the stream came to its end (not its client gone)
     try:
+        if head:
+            yield head
         if fmt.chat:  # chat streams open with the assistant role, for every choice
             if role := tagged(b"".join(
                     sse_event(_opened(extras[i], fmt.chunk(fmt.role_delta(), None, include_usage,
@@ -88,9 +91,9 @@ async def stream(
                                         for d in deltas)  # fmt: skip
                         if extra is not None:  # logprobs too: the batch's tokens, in a chunk
                             out += extra.beside_tools(fmt, frames, include_usage, i)
-                    if failed:
+                    if failed:  # the error event, then [DONE], as vLLM ends it
                         ended = True
-                        yield tagged(out + sse_event(frame_error(last).body()))
+                        yield tagged(out + sse_event(frame_error(last).body())) + SSE_DONE
                         return
                     if last.done:
                         usages[i] = last.usage
@@ -113,7 +116,7 @@ async def stream(
         ended = True
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
         ended = True
-        yield sse_event(stream_failed(e, fmt.rid).body())
+        yield sse_event(stream_failed(e, fmt.rid).body()) + SSE_DONE
     finally:
         (end if ended or dropped is None else dropped)()
 

@@ -55,11 +55,20 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # tool: the call this message answers
 
 
+class SessionControl(_Body):
+    """Dynamo's ``nvext.session_control``: a conversation's turns stick to the workers
+    that served it (:mod:`api.nvext`)."""
+
+    session_id: str = Field(min_length=1, max_length=256)
+    action: Literal["open", "close"] | None = None  # open: the first turn; close: the last
+    timeout: int = Field(300, ge=1, le=86400)  # s without a turn before it is forgotten
+
+
 class NvExt(_Body):
     """NVIDIA Dynamo's ``nvext`` extension of chat and completions, so that a Dynamo
     client's requests run here unchanged: the fields with a counterpart are mapped onto
-    it (:meth:`_SamplingFields._nvext`); those without one are a 400 naming them
-    (:func:`unsupported`). Fields it does not know are ignored, as Dynamo ignores them."""
+    it (:meth:`_SamplingFields._nvext`), the response's fields are :mod:`api.nvext`'s.
+    Fields it does not know are ignored, as Dynamo ignores them."""
 
     greed_sampling: bool | None = None  # greedy: temperature 0
     ignore_eos: bool | None = None  # older Dynamo releases' sampling fields
@@ -68,14 +77,17 @@ class NvExt(_Body):
     max_thinking_tokens: int | None = Field(None, ge=0)  # thinking_token_budget
     backend_instance_id: int | str | None = None  # the worker it runs on: worker_id
     decode_worker_id: int | str | None = None
+    prefill_worker_id: int | str | None = None  # P/D: the worker that prefills it
     token_data: list[int] | None = Field(None, min_length=1)  # the prompt, tokenized
     agent_hints: dict[str, Any] | None = None  # priority: higher first (Dynamo's sense)
-    # not served here (400)
-    use_raw_prompt: bool | None = None
-    annotations: list[str] | None = None
+    # the response's nvext: "worker_id" (who served it), "timing" (its latencies)
     extra_fields: list[str] | None = None
-    prefill_worker_id: int | str | None = None
-    session_control: dict[str, Any] | None = None
+    # streamed as SSE events before the first chunk: "formatted_prompt", "token_ids"
+    annotations: list[str] | None = None
+    # Dynamo's: a completions prompt goes to the tokenizer as it is (it always does here;
+    # chat renders its template, as Dynamo's does)
+    use_raw_prompt: bool | None = None
+    session_control: SessionControl | None = None
 
 
 class _SamplingFields(_Body):
@@ -307,16 +319,10 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> None:
                               "alone)", "max_tokens", "invalid_value")  # fmt: skip
     ext = req.nvext
     if ext is not None:
+        gaie = any(a.startswith("query_instance_id:") for a in ext.annotations or ())
         checks += [
-            (bool(ext.use_raw_prompt), "nvext.use_raw_prompt", "nvext.use_raw_prompt is not "
-             "supported: send the text as a completions prompt"),
-            (bool(ext.annotations), "nvext.annotations", "nvext.annotations are not supported"),
-            (bool(ext.extra_fields), "nvext.extra_fields", "nvext.extra_fields are not "
-             "supported (the worker that ran a request is in its trace and the API's log)"),
-            (ext.prefill_worker_id is not None, "nvext.prefill_worker_id",
-             "nvext.prefill_worker_id is not supported: pin the request with worker_id"),
-            (ext.session_control is not None, "nvext.session_control",
-             "nvext.session_control is not supported"),
+            (gaie, "nvext.annotations", "the query_instance_id annotation (the Gateway API "
+             "Inference Extension's query-only routing) is not supported"),
         ]  # fmt: skip
     for bad, param, message in checks:
         if bad:

@@ -22,15 +22,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from api import beam_search, choices
+from api import beam_search, choices, nvext
 from api.admission import client_id
 from api.errors import OpenAIError, bad_request
 from api.logprobs import ExtraOutput, extra_output
 from api.params import sampling_of
 from api.protocol import (
-    PIN_HEADER,
     BatchChatRequest,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     prompt_alone,
     unsupported,
@@ -279,6 +279,9 @@ async def _serve(
     echo = req.echoed() if isinstance(req, ChatCompletionRequest) else None
     shown = req.shown_id(kind, request.headers.get("x-request-id"), rid)
     fmt = Formatter(kind, shown, req.model, echo)  # the base model or the adapter it named
+    fmt.nvext = nvext.response_fields(req.nvext, runs, started)  # Dynamo's, when asked
+    head = nvext.annotation_events(req.nvext, prompt.token_ids, st.strings.decode) \
+        if req.stream else b""  # fmt: skip
     if req.stream and req.continuous_usage:
         fmt.continuous_usage([len(prompt.token_ids)] * len(runs))
     # per choice: what reads its text into tool calls, and its logprobs or echo (None: the
@@ -295,12 +298,15 @@ async def _serve(
                 if st.settings.api.resume_grace_s > 0:
                     dropped = partial(linger_on, st, base, partial(_drain_all, st, runs), end)
             gen = choices.stream(st, runs, fmt, req.include_usage, end, tools, extras,
-                                 tag=tag, dropped=dropped)  # fmt: skip
+                                 tag=tag, dropped=dropped, head=head)  # fmt: skip
             return SSEResponse(gen, ping=15, headers={"x-request-id": fmt.rid})
         return await choices.collect(st, runs, fmt, end, tools, extras)
     (run,) = runs
+    if isinstance(req, ChatCompletionRequest) and nvext.speculative(req.nvext):
+        run.after = partial(_warm_next_turn, st, req, plan, sampling, run, lora)
     if req.stream:
-        gen = _stream(st, run, fmt, req.include_usage, started, tools[0], extras[0])
+        gen = _stream(st, run, fmt, req.include_usage, started, tools[0], extras[0],
+                      head=head)  # fmt: skip
         return SSEResponse(gen, ping=15, headers={"x-request-id": fmt.rid})
     return await _collect(st, run, fmt, started, tools[0], extras[0])
 
@@ -382,14 +388,27 @@ async def launch(
     await st.tenants.admit(tenant, len(prompt_ids))  # 429 when its minute is spent
     rid = st.hub.new_request_id(prefix)  # its stream needs no SUBSCRIBE
     st.metrics.in_flight.inc()
+    ext = req.nvext
+    sc = ext.session_control if ext is not None else None
     try:
-        pin = req.worker_id or request.headers.get(PIN_HEADER) or None
-        runs = await st.runner.start(rid, prompt_ids, sampling, started, pin, images,
-                                     priority=req.priority, lora=lora,
-                                     prompt_only=prompt_alone(req))  # fmt: skip
+        pin, prefill_pin = nvext.pins(req.worker_id, ext, request.headers,
+                                      st.settings.serving_mode)  # fmt: skip
+        session = await nvext.session_lookup(st.redis, sc)
+        sticky = pin is None and prefill_pin is None and bool(session)
+        if sticky:  # the session's workers, while they live
+            pin, prefill_pin = session.get("decode") or None, session.get("prefill")
+        run = partial(st.runner.start, rid, prompt_ids, sampling, started, images=images,
+                      priority=req.priority, lora=lora, prompt_only=prompt_alone(req))  # fmt: skip
+        try:
+            runs = await run(pin, prefill_pin=prefill_pin)
+        except OpenAIError as e:
+            if not (sticky and e.code == "worker_not_found"):
+                raise
+            runs = await run(None)  # a worker of the session left: routed as usual
     except BaseException:
         st.metrics.in_flight.dec()
         raise
+    await nvext.session_record(st.redis, sc, session, runs[0])
     runs[0].tenant = tenant
     st.metrics.prompt_tokens.inc(len(prompt_ids))
     st.metrics.traffic.started(len(prompt_ids))
@@ -412,14 +431,18 @@ async def _stream(
     st: ApiState, run: RunningRequest | None, fmt: Formatter, include_usage: bool,
     started: float, tools: ChatOutput | None = None, extra: ExtraOutput | None = None,
     *, frames: AsyncIterator[list[TokenFrame]] | None = None, tag: Tagged | None = None,
+    head: bytes = b"",
 ) -> AsyncIterator[bytes]:  # fmt: skip
     """A started request's SSE events (``run``); or, with ``frames`` (and no ``run``), a
-    resumed stream's, from its frame log, ``tag`` saying what its client has."""
+    resumed stream's, from its frame log, ``tag`` saying what its client has. ``head``:
+    events before the first chunk (Dynamo's annotations, :mod:`api.nvext`)."""
     if run is not None and st.settings.api.resumable_streams and tag is None:
         tag = Tagged(run.request_id)  # the log that holds its first frames
     batches = frames if frames is not None else st.runner.batches(run)  # type: ignore[arg-type]
     ended = False  # the stream came to its end (not its client gone)
     try:
+        if head:
+            yield head
         if fmt.chat:  # chat streams open with the assistant role, as OpenAI's do
             opening = fmt.chunk(fmt.role_delta(), None, include_usage)
             role = sse_event(extra.open(opening) if extra is not None else opening)
@@ -449,8 +472,8 @@ async def _stream(
             # The stream's last events go out as one chunk (one write, one wake of the
             # client): its last text, the finish (or error) and usage, and [DONE].
             ended = True
-            if failed:
-                event += sse_event(frame_error(last).body())
+            if failed:  # the error event, then [DONE], as vLLM ends a failed stream
+                event += sse_event(frame_error(last).body()) + SSE_DONE
             else:
                 reason = tools.finish_reason(last.finish_reason) if tools else last.finish_reason
                 st.metrics.finish.labels(reason or "unknown").inc()
@@ -466,7 +489,7 @@ async def _stream(
         yield SSE_DONE
     except Exception as e:  # noqa: BLE001 - the stream must end with a terminal event
         ended = True
-        yield sse_event(stream_failed(e, run.request_id if run else fmt.rid).body())
+        yield sse_event(stream_failed(e, run.request_id if run else fmt.rid).body()) + SSE_DONE
     finally:
         if run is None:
             st.metrics.in_flight.dec()
@@ -589,6 +612,34 @@ async def collect(
     return "".join(parts), last
 
 
+def _warm_next_turn(
+    st: ApiState, req: ChatCompletionRequest, plan: ToolPlan | None, sampling: Sampling,
+    run: RunningRequest, lora: LoraRef | None,
+) -> None:  # fmt: skip
+    """Dynamo's speculative prefill: the conversation with this turn's answer (its content
+    and tool calls, as the client got them; its thinking left out), rendered as the next
+    turn's prompt begins (no generation prompt), prefilled in the background. Not for a
+    conversation with images (their bytes would be fetched again) or past the context."""
+    text = st.strings.decode(run.output_ids, sampling.skip_special_tokens)
+    out = chat_output(st, req, plan, sampling)
+    msg = out.message(text) if out is not None else {"content": text}
+    answer = ChatMessage(role="assistant", content=msg.get("content") or "",
+                         tool_calls=msg.get("tool_calls"))  # fmt: skip
+    try:
+        nxt = st.builder.chat_prompt([*req.messages, answer], req.tools, False, False,
+                                     req.template_kwargs(), req.add_special_tokens,
+                                     req.documents, req.chat_template)  # fmt: skip
+        st.builder.check_length(len(nxt.token_ids), 1, "messages")
+    except OpenAIError as e:
+        log.info("[%s] no speculative prefill: %s", run.request_id, e.message)
+        return
+    if nxt.images:
+        return
+    rid = st.hub.new_request_id("warm")
+    st.runner.hold(asyncio.get_running_loop().create_task(
+        nvext.warm(st.runner, rid, nxt.token_ids, lora, sampling.cache_salt)))  # fmt: skip
+
+
 def end_request(st: ApiState, runs: list[RunningRequest], started: float) -> None:
     """The request is over (its streams: one, or one per choice): account for it and
     release every stream (cancelled on its worker if unfinished)."""
@@ -605,3 +656,6 @@ def end_request(st: ApiState, runs: list[RunningRequest], started: float) -> Non
             st.tenants.used(runs[0].tenant, usage.completion_tokens)
     for run in runs:
         st.runner.finish(run)
+    ended = runs[0].end if runs else None
+    if ended is not None and ended.error is None and runs[0].after is not None:
+        runs[0].after()

@@ -117,6 +117,17 @@ class RunningRequest:
     # echo with max_tokens 0: the prompt alone; the one token run for its logprobs is
     # taken off every frame as it arrives (none reaches the client or the usage)
     prompt_only: bool = False
+    # what Dynamo's nvext.extra_fields show (api.nvext): who did each stage (encode,
+    # prefill, decode: worker ids; a migration changes the decode worker), when its chain
+    # was sent and its last frame came (perf_counter), and the share of its prompt's blocks
+    # the prefilling worker held cached when it was routed (None: a prompt of no full block)
+    workers: dict[str, str] = field(default_factory=dict)
+    sent_at: float | None = None
+    ended_at: float | None = None
+    kv_hit_rate: float | None = None
+    # called once the request ended whole (its last frame no error): Dynamo's speculative
+    # prefill of the next turn (api.nvext.warm)
+    after: Callable[[], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -212,7 +223,7 @@ class Runner:
         self, request_id: str, prompt_ids: list[int], sampling: Sampling, started: float,
         pin: str | None = None, images: list[ImageRef] | None = None,
         pooling: Pooling | None = None, priority: int = 0, lora: LoraRef | None = None,
-        prompt_only: bool = False,
+        prompt_only: bool = False, prefill_pin: str | None = None,
     ) -> list[RunningRequest]:  # fmt: skip
         """Route, subscribe, send; then wait for the first frame (errors raise here, so a
         request that cannot run gets a proper HTTP status, not a broken stream). The
@@ -239,6 +250,7 @@ class Runner:
         route_req = self.route_request(prompt_ids, images, pin, lora, sampling.cache_salt) \
             if pooling is None else RouteRequest([], len(prompt_ids), pin)  # fmt: skip
         route_req.choices = sampling.n
+        route_req.prefill_pin = prefill_pin
         trace = None if self.tracing is None else request_trace(
             request_id, lora.name if lora else self.s.model_name,
             sampling if pooling is None else None, len(prompt_ids), started)  # fmt: skip
@@ -309,12 +321,14 @@ class Runner:
                             partial(planner, self.router, self.s, route_req), priority)  # fmt: skip
             p = await self._once_workers_known(admit, interrupted)
         except PinnedWorkerMissing as e:
+            prefill = e.worker_id == route_req.prefill_pin
             raise OpenAIError(
                 400,
-                f"worker {e.worker_id!r} is not a live worker of this deployment's pools "
-                f"({', '.join(self.s.pools)})",
+                f"worker {e.worker_id!r} is not a live "
+                + ("prefill worker" if prefill else "worker of this deployment's pools")
+                + f" ({', '.join(self.s.pools)})",
                 "invalid_request_error",
-                "worker_id",
+                "nvext.prefill_worker_id" if prefill else "worker_id",
                 "worker_not_found",
             ) from None
         except NoLiveWorker as e:
@@ -378,6 +392,12 @@ class Runner:
             if len(runs) < len(payload.stream_ids):  # their share of the plan, never held
                 await self.router.release(*p.routes)
             raise
+        sent_at, workers = time.perf_counter(), plan_workers(p)
+        prefilling = next((r for t, r in p.steps if t in ("prefill", "generate")), None)
+        for run in runs:
+            run.sent_at, run.workers = sent_at, dict(workers)
+            if n_blocks and prefilling is not None:
+                run.kv_hit_rate = prefilling.overlap_blocks / n_blocks
         if log.isEnabledFor(self._request_log):
             log.log(self._request_log, "[%s] sent %s (%d prompt tokens%s)%s", stream_id,
                     " -> ".join(f"{n}@{r.queue}" for n, r in p.steps), len(prompt_ids),
@@ -511,6 +531,7 @@ class Runner:
             await self.router.release(*p.routes)
             raise
         run.request_id, run.subscription, run.plan = stream_id, sub, p
+        run.workers["decode_worker_id"] = p.routes[-1].worker_id
         run.prefill_pending, run.prefilled_task = True, None
         try:
             if self.s.api.resumable_streams:  # a resume reading the old log follows it
@@ -628,7 +649,7 @@ class Runner:
                 self.metrics.traffic.token_gap(now - run.last_frame_at)
             run.last_frame_at = now
         if frame.done:
-            run.end = frame
+            run.end, run.ended_at = frame, now
         if run.prompt_only:
             output_dropped(frame)
 
@@ -682,6 +703,21 @@ class Runner:
                                       one=g is not None)  # fmt: skip
         except Exception:  # noqa: BLE001 - best effort; counters expire anyway
             log.exception("[%s] cleanup failed", run.request_id)
+
+
+def plan_workers(p: Plan) -> dict[str, str]:
+    """Who does what in a plan, as Dynamo's ``nvext`` worker_id names it: the worker that
+    prefills (a generate task's does both), the one that decodes, and the encode worker
+    where an encode stage runs (Conveyor's addition)."""
+    out: dict[str, str] = {}
+    for task, route in p.steps:
+        if task == "encode":
+            out["encode_worker_id"] = route.worker_id
+        if task in ("prefill", "generate"):
+            out.setdefault("prefill_worker_id", route.worker_id)
+        if task in ("decode", "generate"):
+            out["decode_worker_id"] = route.worker_id
+    return out
 
 
 # The status of an error a worker reports before the first token (the response has not

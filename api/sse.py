@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib.metadata import version
 
 from sse_starlette.sse import EventSourceResponse
@@ -95,6 +95,9 @@ class Formatter:
         # on every chunk (None: chunks carry "usage": null)
         self._prompt_tokens: list[int] | None = None
         self._output_tokens: list[int] = []
+        # Dynamo's nvext.extra_fields: what the finish chunks and the whole body carry
+        # under "nvext" (api.nvext.response_fields; None: nothing)
+        self.nvext: Callable[[], dict | None] | None = None
 
     def continuous_usage(self, prompt_tokens: list[int]) -> None:
         """Every chunk carries its choice's usage so far (``prompt_tokens``: each choice's
@@ -183,7 +186,13 @@ class Formatter:
         body["choices"] = [choice]
         if include_usage:
             body["usage"] = self._usage_now(index)
+        if finish_reason is not None:
+            self._with_nvext(body)
         return body
+
+    def _with_nvext(self, body: dict) -> None:
+        if self.nvext is not None and (ext := self.nvext()):
+            body["nvext"] = ext
 
     def usage_chunk(self, usage: dict) -> dict:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
@@ -234,4 +243,5 @@ class Formatter:
             ids = [c.pop("prompt_token_ids", None) for c in choices]
             if ids and ids[0] is not None:
                 body["prompt_token_ids"] = ids[0]
+        self._with_nvext(body)
         return body

@@ -27,6 +27,13 @@ def control_reply_key(command_id: str) -> str:
     return f"{KEY_PREFIX}control:{command_id}"
 
 
+def session_key(session_id: str) -> str:
+    """HASH stage (prefill, decode) -> worker id: where Dynamo's ``nvext.session_control``
+    session ran its last turn (its next turns go there while it lives), expiring after the
+    session's timeout without a turn (:mod:`api.nvext`)."""
+    return f"{KEY_PREFIX}session:{session_id}"
+
+
 def worker_key(pool: str, worker_id: str) -> str:
     """STRING: the worker's last heartbeat report (JSON), expiring with its TTL."""
     return f"{KEY_PREFIX}worker:{pool}:{worker_id}"

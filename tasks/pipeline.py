@@ -56,14 +56,18 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
     """Pick workers for every stage; the picks are counted as load until released.
 
     A pinned worker id must be a live member of one of the mode's pools; the stage that
-    runs on its pool goes to it, the others are routed as usual."""
+    runs on its pool goes to it, the others are routed as usual. A prefill pin (P/D) must
+    be a live prefill worker, and the prefill stage then runs there whatever its prompt."""
     picked: list[Route] = []
-    pin_used = False
+    pin_used = prefill_pinned = False
 
-    async def pick(pool: str) -> Route | None:
-        nonlocal pin_used
+    async def pick(pool: str, prefill: bool = False) -> Route | None:
+        nonlocal pin_used, prefill_pinned
         route = None
-        if req.pin and not pin_used:
+        if prefill and req.prefill_pin:  # raises PinnedWorkerMissing if it is not there
+            route = await router.pick(pool, replace(req, pin=req.prefill_pin))
+            prefill_pinned = route is not None
+        elif req.pin and not pin_used:
             try:
                 route = await router.pick(pool, req)
                 pin_used = route is not None
@@ -82,7 +86,8 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
             if stage.optional:
                 nxt_task, nxt = steps[0]
                 uncached = req.prompt_len - nxt.overlap_blocks * s.engine.block_size
-                pin_pending = bool(req.pin) and not pin_used  # the pin may name this pool
+                # the pin may name this pool; a prefill pin names the prefill stage's
+                pin_pending = (bool(req.pin) and not pin_used) or bool(req.prefill_pin)
                 route, why = None, None
                 if stage.encodes and not req.images:
                     pass  # nothing to encode: not a fallback
@@ -92,7 +97,7 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
                         and not pin_pending:  # fmt: skip
                     why = "short_prompt"
                 else:
-                    route = await pick(stage.pool)
+                    route = await pick(stage.pool, prefill=stage.kv_transfer)
                     why = f"no_{stage.pool}_worker"
                 if route is None:
                     steps[0] = (merged(stage.task, nxt_task), nxt)
@@ -108,6 +113,8 @@ async def plan(router: Router, s: Settings, req: RouteRequest) -> Plan:
             steps.insert(0, (stage.task, route))
         if req.pin and not pin_used:
             raise PinnedWorkerMissing(req.pin)
+        if req.prefill_pin and not prefill_pinned:
+            raise PinnedWorkerMissing(req.prefill_pin)
     except BaseException:
         await router.release(*picked)
         raise

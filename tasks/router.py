@@ -88,6 +88,8 @@ class RouteRequest:
     block_hashes: list[int]  # of the prompt's full blocks
     prompt_len: int
     pin: str | None = None  # a worker id the request must run on
+    # P/D: the worker id its prefill stage must run on (Dynamo's prefill_worker_id)
+    prefill_pin: str | None = None
     exclude: set[str] = field(default_factory=set)  # worker ids it must not run on
     images: int = 0  # images in the prompt (an encode stage runs only for those)
     # accepted work moving on (a migrated stream): no request cap applies to it

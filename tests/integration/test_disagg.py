@@ -547,6 +547,41 @@ def test_short_prompt_prefills_on_decode_worker(
         api.stop()
 
 
+def test_prefill_pin_runs_the_prefill_stage_there_and_extra_fields_name_both_workers(
+    disagg: Disagg, agg_reference: list, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Dynamo's nvext in P/D: a short prompt (under the API's threshold) prefills on its
+    decode worker, unless ``prefill_worker_id`` (or the x-prefill-instance-id header) pins a
+    prefill worker, which then prefills it; ``extra_fields`` name the worker of each stage.
+    A prefill pin that names no prefill worker is a 400 naming it."""
+    env = base_env(disagg.redis_url, tiny_model_dir, CONVEYOR_MODE="disagg",
+                   CONVEYOR_DISAGG_MIN_PROMPT_TOKENS="64")  # fmt: skip
+    api, url = start_api("api-nvext", env, tmp_path)
+    r = redis.Redis.from_url(disagg.redis_url)
+    pre, dec = (json.loads(r.get(next(r.scan_iter(worker_key(pool, "*")))))["worker_id"]
+                for pool in ("prefill", "decode"))  # fmt: skip
+    i = next(i for i, p in enumerate(PROMPTS) if 16 < len(p) < 64)
+
+    def run(nvext: dict, **headers: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/completions", headers=headers, timeout=60, json={
+            "model": disagg.model, "prompt": PROMPTS[i], "max_tokens": OUT[i], "temperature": 0,
+            "ignore_eos": True, "nvext": {"extra_fields": ["worker_id"], **nvext}})  # fmt: skip
+
+    try:
+        alone = run({})
+        assert alone.json()["nvext"]["worker_id"] == {"prefill_worker_id": dec,
+                                                      "decode_worker_id": dec}  # fmt: skip
+        for pinned in (run({"prefill_worker_id": pre}), run({}, **{"x-prefill-instance-id": pre})):
+            body = pinned.json()
+            assert body["nvext"]["worker_id"] == {"prefill_worker_id": pre,
+                                                  "decode_worker_id": dec}, body  # fmt: skip
+            assert body["choices"][0]["text"] == agg_reference[i][0]
+        bad = run({"prefill_worker_id": dec})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "nvext.prefill_worker_id"
+    finally:
+        api.stop()
+
+
 def test_no_prefill_pool_runs_aggregated_on_decode(
     fresh_db: str, tiny_model_dir: Path, tmp_path: Path, agg_reference: list
 ) -> None:

@@ -112,7 +112,10 @@ def _check(status: int, headers: httpx.Headers | dict, text: str, where: str,
             if body.get("type") != "message_stop":
                 _check_error(body, f"stream of {where}: {last[:500]}", anthropic)
             return
-        if last == "[DONE]":  # chat and completions end here
+        if last == "[DONE]":  # chat and completions end here, after an error event if
+            # one failed (as vLLM's)
+            if len(events) > 1 and '"error"' in events[-2] and events[-2].startswith('{"error"'):
+                _check_error(json.loads(events[-2]), f"stream of {where}: {events[-2][:500]}")
             return
         body = json.loads(last)
         if isinstance(body, dict) and "type" in body:  # the Responses API's events: no
