@@ -30,6 +30,7 @@ from functools import partial
 
 import redis.asyncio as aioredis
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from api import (
     routes_batches,
@@ -158,6 +159,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     keys = s.api.api_key_list
     if keys:  # outermost: an unauthenticated request is answered before anything reads it
         app.add_middleware(AuthMiddleware, keys=keys, protect_ops=s.api.api_keys_protect_ops)
+    if (cors := s.api.cors) is not None:  # outside the auth: a preflight carries no key
+        app.add_middleware(CORSMiddleware, **cors)
     if tracing is not None:  # outermost: every answer is in the span, a 401 included
         app.add_middleware(TracingMiddleware, tracing=tracing)
     app.include_router(routes_models.router)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import ssl
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -256,7 +257,8 @@ class BatchRunner:
         self.stop = stop
         self.lease, self._renewed = lease, time.monotonic()
         self.lease_s = s.batch.lease_s
-        self.url = s.batch.api_url or f"http://{_host(s.api.host)}:{s.api.port}"
+        self.url = s.batch.api_url or f"{s.api.scheme}://{_host(s.api.host)}:{s.api.port}"
+        self.verify = api_tls(s) if self.url.startswith("https:") else True
         keys = s.api.api_key_list
         self.headers = {"Authorization": f"Bearer {keys[0]}"} if keys else {}
         cap = s.effective_worker_max_requests or 2 * s.engine.max_num_seqs
@@ -283,7 +285,7 @@ class BatchRunner:
     def _send_all(self, batch: dict, todo: list[dict]) -> str:
         pending: set[Future] = set()
         with httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=10.0),
-                          headers=self.headers, trust_env=False) as client, \
+                          headers=self.headers, trust_env=False, verify=self.verify) as client, \
                 ThreadPoolExecutor(self.s.batch.max_in_flight) as pool:  # fmt: skip
             for line in todo:
                 while True:
@@ -421,6 +423,22 @@ def _json(resp: httpx.Response) -> Any:
 
 def _host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def api_tls(s: Settings) -> ssl.SSLContext | bool:
+    """How the batch runner checks the API it calls over HTTPS: against the deployment's
+    own CA file (``ssl_ca_certs``) or certificate (self-signed: its own CA), by chain, not
+    host name (it calls the API by address); it shows the API's certificate and key as
+    its own where the API asks for client certificates. A CONVEYOR_BATCH_API_URL elsewhere
+    is checked as any HTTPS URL (the system's CAs)."""
+    a = s.api
+    if s.batch.api_url or not a.ssl_certfile:
+        return True
+    ctx = ssl.create_default_context(cafile=str(a.ssl_ca_certs or a.ssl_certfile))
+    ctx.check_hostname = False
+    if a.ssl_cert_reqs:
+        ctx.load_cert_chain(str(a.ssl_certfile), str(a.ssl_keyfile) if a.ssl_keyfile else None)
+    return ctx
 
 
 def on_worker_stopping(**_: object) -> None:

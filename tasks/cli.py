@@ -412,6 +412,11 @@ def _check_tracing(s: Settings) -> None:
 @click.option("--served-model-name", help=_setting("served_model_name", "Model id clients use"))
 @click.option("--workers", "api_workers", type=int,
               help=_setting("api_workers", "API processes on the port"))  # fmt: skip
+@click.option("--ssl-certfile", help=_setting("ssl_certfile", "Serve HTTPS with this "
+              "certificate", "plain HTTP"))  # fmt: skip
+@click.option("--ssl-keyfile", help=_setting("ssl_keyfile", "The certificate's key"))
+@click.option("--root-path", help=_setting("root_path", "Path prefix behind a proxy", "none"))
+@click.option("--allowed-origins", help=_setting("allowed_origins", "CORS origins"))
 @_tool_parser_opt
 @_model_opt
 @_redis_opt
@@ -433,6 +438,12 @@ def api(**kw: object) -> None:
         host=s.api.host,
         port=s.api.port,
         workers=workers,
+        # HTTPS where a certificate is set (vLLM's --ssl-* flags), a proxy's path prefix
+        ssl_certfile=s.api.ssl_certfile,
+        ssl_keyfile=s.api.ssl_keyfile,
+        ssl_ca_certs=s.api.ssl_ca_certs,
+        ssl_cert_reqs=s.api.ssl_cert_reqs,
+        root_path=s.api.root_path or "",
         log_level="warning",
         # json: uvicorn's loggers write through the root logger's JSON lines
         log_config=None if s.log_format == "json" else uvicorn.config.LOGGING_CONFIG,

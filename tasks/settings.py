@@ -108,6 +108,14 @@ class MockTimingSettings(BaseModel):
 ToolCallParser = Literal["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder"]
 
 
+def _names(raw: str) -> list[str]:
+    """A setting's list: a JSON list, or comma-separated names (blank: none)."""
+    raw = raw.strip()
+    if raw.startswith("["):
+        return [str(x).strip() for x in json.loads(raw) if str(x).strip()]
+    return [x.strip() for x in raw.split(",") if x.strip()]
+
+
 class ApiSettings(_Area):
     """The HTTP front: bind address, auth, limits, stream timeouts; Flower."""
 
@@ -235,6 +243,43 @@ class ApiSettings(_Area):
         "API's per-request and per-token work over the host's cores. /metrics then sums "
         "every process's counters (prometheus_client's multiprocess mode).",
     )
+    allowed_origins: str = Field(
+        "*",
+        description="Origins a browser may call the API from (CORS, vLLM's --allowed-origins): "
+        "comma-separated or a JSON list; '*' any (vLLM's default); empty: no CORS headers "
+        "at all. Preflight requests are answered before API-key checks, as browsers send "
+        "them without the key.",
+    )
+    allowed_methods: str = Field(
+        "*", description="CORS: the methods allowed (comma-separated or a JSON list; '*' any)."
+    )
+    allowed_headers: str = Field(
+        "*", description="CORS: the request headers allowed (comma-separated or a JSON list)."
+    )
+    allow_credentials: bool = Field(
+        False, description="CORS: whether browsers may send credentials (cookies, auth)."
+    )
+    ssl_certfile: UserPath | None = Field(
+        None,
+        description="Serve the API over HTTPS with this certificate (PEM; vLLM's "
+        "--ssl-certfile), its key in ssl_keyfile (or in the same file).",
+    )
+    ssl_keyfile: UserPath | None = Field(None, description="The HTTPS certificate's key (PEM).")
+    ssl_ca_certs: UserPath | None = Field(
+        None, description="CA certificates (PEM) that client certificates are checked against."
+    )
+    ssl_cert_reqs: int = Field(
+        0,
+        ge=0,
+        le=2,
+        description="Client certificates over HTTPS: 0 not asked for, 1 checked if sent, 2 "
+        "required (Python's ssl.CERT_*; vLLM's --ssl-cert-reqs).",
+    )
+    root_path: str | None = Field(
+        None,
+        description="The path prefix a reverse proxy serves the API under (vLLM's "
+        "--root-path): the OpenAPI docs and URLs the API writes carry it.",
+    )
     flower_port: int = Field(5555, description="Flower port (conveyor serve).")
     flower_basic_auth: str | None = Field(
         None, description="user:password for Flower's basic auth (off when unset)."
@@ -246,6 +291,29 @@ class ApiSettings(_Area):
         "false: Flower's stock list (the queues the workers reported when Flower last "
         "inspected them).",
     )
+
+    @field_validator("allowed_origins", "allowed_methods", "allowed_headers")
+    @classmethod
+    def _list_setting(cls, v: str) -> str:
+        try:
+            _names(v)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"not a JSON list nor comma-separated names: {e}") from None
+        return v
+
+    @property
+    def cors(self) -> dict[str, Any] | None:
+        """Starlette's CORSMiddleware arguments (None: no CORS)."""
+        origins = _names(self.allowed_origins)
+        if not origins:
+            return None
+        return {"allow_origins": origins, "allow_methods": _names(self.allowed_methods),
+                "allow_headers": _names(self.allowed_headers),
+                "allow_credentials": self.allow_credentials}  # fmt: skip
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
     @property
     def api_key_list(self) -> list[str]:

@@ -179,8 +179,9 @@ class Supervisor:
             if self.flower:
                 self._add("flower", [*me, "flower", "--port", str(self.s.api.flower_port)], env)
             log.info(
-                "serving %s on http://%s:%d (flower on :%d); Ctrl-C stops everything",
+                "serving %s on %s://%s:%d (flower on :%d); Ctrl-C stops everything",
                 self.s.model_name,
+                self.s.api.scheme,
                 self.s.api.host,
                 self.s.api.port,
                 self.s.api.flower_port,
@@ -517,7 +518,7 @@ class Supervisor:
                 time.sleep(0.1)
 
     def _write_state(self) -> None:
-        state = ServeState(os.getpid(), self._state, f"http://{self.s.api.host}:{self.s.api.port}",
+        state = ServeState(os.getpid(), self._state, f"{self.s.api.scheme}://{self.s.api.host}:{self.s.api.port}",
                            self._started, [c.record() for c in self._table()],
                            self._reason)  # fmt: skip
         try:

@@ -12,7 +12,6 @@ import asyncio
 import os
 import shutil
 import ssl
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,33 +33,12 @@ from tests.integration.conftest import (
     wait_for,
 )
 from tests.integration.test_redis_restart import _stream
+from tests.tls_util import make_ca, make_server_cert
 
 pytestmark = pytest.mark.integration
 
 PASSWORD = "tls-secret-5f2b"
 PREFIX = "A prompt long enough to fill whole blocks of sixteen tokens, twice over at least. " * 2
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_ca(d: Path, name: str) -> tuple[Path, Path]:
-    """A throwaway CA: (cert, key)."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
-             "-out", f"{name}.pem", "-days", "1", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
-    return d / f"{name}.pem", d / f"{name}.key"
-
-
-def make_server_cert(d: Path, ca: tuple[Path, Path]) -> tuple[Path, Path]:
-    """A server certificate for 127.0.0.1 and localhost, signed by ``ca``: (cert, key)."""
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out",
-             "server.csr", "-subj", "/CN=127.0.0.1", cwd=d)  # fmt: skip
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", str(ca[0]), "-CAkey", str(ca[1]),
-             "-CAcreateserial", "-out", "server.pem", "-days", "1", "-extfile", "san.cnf",
-             cwd=d)  # fmt: skip
-    return d / "server.pem", d / "server.key"
 
 
 @dataclass

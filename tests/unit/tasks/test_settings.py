@@ -49,7 +49,11 @@ worker_id worker_max_requests worker_nice worker_ttl_s workers
 """.split()
 # read outside Settings before (workers/paged_kernel.py), a setting now under its old name
 NEW_NAMES = [
+    "allow_credentials",
     "allow_runtime_lora_updating",
+    "allowed_headers",
+    "allowed_methods",
+    "allowed_origins",
     "api_workers",
     "batch_api_url",
     "batch_lease_s",
@@ -100,9 +104,14 @@ NEW_NAMES = [
     "resume_grace_s",
     "resume_ttl_s",
     "return_tokens_as_token_ids",
+    "root_path",
     "serve_drain_timeout_s",
     "shutdown_drain_s",
     "speculative_config",
+    "ssl_ca_certs",
+    "ssl_cert_reqs",
+    "ssl_certfile",
+    "ssl_keyfile",
     "stream_interval",
     "tenant_tokens_per_min",
     "trust_request_chat_template",
@@ -292,3 +301,22 @@ def test_reasoning_markers_come_from_the_config_over_the_parser() -> None:
     for bad in ({"reasoning_parser": "qwen3"}, {"reasoning_end_str": ""}, "not json"):
         with pytest.raises(ValueError):
             ApiSettings(reasoning_config=bad if isinstance(bad, str) else json.dumps(bad))
+
+
+def test_cors_lists_and_https_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clean_env(monkeypatch)
+    a = Settings().api
+    assert a.cors == {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"],
+                      "allow_credentials": False} and a.scheme == "http"  # fmt: skip
+    monkeypatch.setenv("CONVEYOR_ALLOWED_ORIGINS", '["https://a.example", "https://b.example"]')
+    monkeypatch.setenv("CONVEYOR_ALLOWED_HEADERS", "authorization, content-type")
+    monkeypatch.setenv("CONVEYOR_SSL_CERTFILE", "/tmp/c.pem")
+    a = Settings().api
+    assert a.cors is not None and a.cors["allow_origins"] == ["https://a.example",
+                                                              "https://b.example"]  # fmt: skip
+    assert a.cors["allow_headers"] == ["authorization", "content-type"] and a.scheme == "https"
+    monkeypatch.setenv("CONVEYOR_ALLOWED_ORIGINS", "")
+    assert Settings().api.cors is None  # no CORS headers at all
+    monkeypatch.setenv("CONVEYOR_ALLOWED_ORIGINS", "[not json")
+    with pytest.raises(ValueError, match="allowed_origins"):
+        Settings()
