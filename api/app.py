@@ -56,6 +56,7 @@ from api.errors import install_error_handlers
 from api.media import MediaGuard
 from api.metrics import ApiMetrics
 from api.middleware import AccessMiddleware, AuthMiddleware
+from api.params import SamplingDefaults
 from api.runner import Runner
 from api.state import ApiState
 from api.streams import StreamHub
@@ -105,6 +106,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     media = MediaGuard(s.multimodal, metrics)
     st = ApiState(s, metrics, cluster, builder, media, classifier=load_classifier(s.model))
     st.tool_parser = s.api.tool_call_parser or parser_for_template(builder.template_text)
+    st.sampling_defaults = SamplingDefaults.load(s.model, s.api.generation_config,
+                                                 s.api.override_generation_config)  # fmt: skip
+    if st.sampling_defaults.values or st.sampling_defaults.max_tokens_cap:
+        log.info("sampling defaults from the generation config (CONVEYOR_GENERATION_CONFIG=%s): "
+                 "%s; max_tokens cap %s", s.api.generation_config, st.sampling_defaults.values,
+                 st.sampling_defaults.max_tokens_cap)  # fmt: skip
     configure_celery(s)
     # traces (cluster.tracing): None, and no middleware, unless an endpoint is set
     tracing = start_tracing(s.otlp_traces_endpoint, s.otlp_traces_protocol, "conveyor-api")

@@ -10,6 +10,8 @@ turns into a 400 naming the field (``unsupported_parameter``).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from api.errors import bad_request
 from api.protocol import ChatCompletionRequest, CompletionRequest
@@ -23,15 +25,69 @@ STRUCTURED_BACKENDS = (None, "auto", "xgrammar")
 Request = ChatCompletionRequest | CompletionRequest
 
 
-def sampling_of(req: Request, max_tokens: int, builder: PromptBuilder) -> Sampling:
-    """The request's sampling parameters with OpenAI's defaults filled in."""
+# What a model's generation_config.json may set a request's defaults of (vLLM's list), and
+# Hugging Face's own defaults for them: a value equal to its default is no default of the
+# model's (as Hugging Face's to_diff_dict, which vLLM reads, leaves it out)
+GENERATION_DEFAULTS: dict[str, float | int | None] = {
+    "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None,
+    "max_new_tokens": None,
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """A deployment's sampling defaults (vLLM's ``--generation-config``): what a request
+    that does not set a field gets instead of OpenAI's default, and the cap on every
+    request's ``max_tokens`` (None: only the context window's)."""
+
+    values: dict[str, float | int] = field(default_factory=dict)
+    max_tokens_cap: int | None = None
+
+    @classmethod
+    def load(cls, model_dir: str | Path, source: str = "auto",
+             override: dict | None = None) -> SamplingDefaults:  # fmt: skip
+        """``source``: "auto" (the model's generation_config.json), "vllm" (none) or a
+        directory holding one; ``override`` over it (vLLM's
+        ``--override-generation-config``). As vLLM: the model's max_new_tokens is the default
+        max_tokens; a directory's, or the override's, caps every request."""
+        config: dict = {}
+        if source != "vllm":
+            path = Path(model_dir if source == "auto" else source) / "generation_config.json"
+            if source != "auto" and not path.is_file():
+                raise ValueError(f"generation_config: no {path}")
+            raw = json.loads(path.read_text()) if path.is_file() else {}
+            config = {k: v for k, v in raw.items()
+                      if k in GENERATION_DEFAULTS and v is not None
+                      and v != GENERATION_DEFAULTS[k]}  # fmt: skip
+        config.update({k: v for k, v in (override or {}).items()
+                       if k in GENERATION_DEFAULTS and v is not None})  # fmt: skip
+        values: dict[str, float | int] = {k: v for k, v in config.items() if k != "max_new_tokens"}
+        if "max_new_tokens" in config:
+            values["max_tokens"] = int(config["max_new_tokens"])
+        cap = (override or {}).get("max_new_tokens") if source in ("auto", "vllm") \
+            else values.get("max_tokens")  # fmt: skip
+        return cls(values, int(cap) if cap is not None else None)
+
+    def max_tokens(self, asked: int | None, room: int) -> int:
+        """A request's max_tokens: what it asked (else the default, else the room left in
+        the context), within the cap (vLLM's get_max_tokens)."""
+        chosen = asked if asked is not None else self.values.get("max_tokens")
+        return int(min(v for v in (room, chosen, self.max_tokens_cap) if v is not None))
+
+
+def sampling_of(req: Request, max_tokens: int, builder: PromptBuilder,
+                defaults: SamplingDefaults | None = None) -> Sampling:  # fmt: skip
+    """The request's sampling parameters: what it sets, else the deployment's defaults
+    (``defaults``: the model's generation config), else OpenAI's."""
+    d = defaults.values if defaults is not None else {}
     logprobs, prompt_logprobs = _logprobs(req)
+    top_k = req.top_k if req.top_k is not None else d.get("top_k", 0)
     return Sampling(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
-        min_p=req.min_p or 0.0,
+        temperature=req.temperature if req.temperature is not None else d.get("temperature", 1.0),
+        top_p=req.top_p if req.top_p is not None else d.get("top_p", 1.0),
+        top_k=0 if top_k == -1 else int(top_k),
+        min_p=req.min_p if req.min_p is not None else d.get("min_p", 0.0),
         seed=req.seed,
         stop=req.stop_list(),
         stop_token_ids=_token_ids(req.stop_token_ids or [], builder, "stop_token_ids"),
@@ -40,7 +96,9 @@ def sampling_of(req: Request, max_tokens: int, builder: PromptBuilder) -> Sampli
         min_tokens=req.min_tokens,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=req.repetition_penalty
+        if req.repetition_penalty is not None
+        else d.get("repetition_penalty", 1.0),  # fmt: skip
         logit_bias=_logit_bias(req.logit_bias, builder),
         allowed_token_ids=_allowed(req.allowed_token_ids, builder),
         bad_words=_bad_words(req.bad_words or [], builder),

@@ -339,15 +339,18 @@ def prepare(
     """The request's sampling for ``prompt``, checked against the context window (a 400
     before anything runs). ``max_tokens`` 0 (completions' echo: the prompt alone) runs one
     token, which computes the prompt's logprobs; the runner drops it."""
-    if max_tokens == 0:
-        max_tokens = 1
-    max_tokens = st.builder.check_length(len(prompt.token_ids), max_tokens, prompt_param)
+    asked = 1 if max_tokens == 0 else max_tokens
+    room = st.builder.check_length(len(prompt.token_ids), None, prompt_param)
+    if asked is not None:  # a 400 if it does not fit
+        st.builder.check_length(len(prompt.token_ids), asked, prompt_param)
+    # the model's default where none was asked, within its cap (the generation config)
+    max_tokens = st.sampling_defaults.max_tokens(asked, room)
     if req.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
         )
-    sampling = constrain(sampling_of(req, max_tokens, st.builder), plan)
+    sampling = constrain(sampling_of(req, max_tokens, st.builder, st.sampling_defaults), plan)
     # a chat output the reasoning parser reads as thinking from its first token
     # (api.reasoning.output_parser): its grammar waits for the end of thinking, as vLLM's
     # does with a reasoning parser, and a thinking budget counts from the first token

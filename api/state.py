@@ -13,6 +13,7 @@ from api.errors import OpenAIError
 from api.logprobs import TokenStrings
 from api.media import MediaGuard
 from api.metrics import ApiMetrics
+from api.params import SamplingDefaults
 from api.runner import Runner, RunningRequest
 from api.streams import StreamHub
 from api.tenants import TenantBudget
@@ -46,6 +47,8 @@ class ApiState:
     # /inference/v1/generate's requests in flight, by the client's request_id (for
     # /abort_requests)
     generating: dict[str, list[RunningRequest]] = field(default_factory=dict)
+    # what a request that does not set a sampling field gets (the model's generation config)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.builder.tokenizer)

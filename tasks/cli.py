@@ -417,6 +417,7 @@ def _check_tracing(s: Settings) -> None:
 @click.option("--ssl-keyfile", help=_setting("ssl_keyfile", "The certificate's key"))
 @click.option("--root-path", help=_setting("root_path", "Path prefix behind a proxy", "none"))
 @click.option("--allowed-origins", help=_setting("allowed_origins", "CORS origins"))
+@click.option("--generation-config", help=_setting("generation_config", "Sampling defaults"))
 @_tool_parser_opt
 @_model_opt
 @_redis_opt

@@ -164,6 +164,20 @@ class ApiSettings(_Area):
         "budget is spent (default </think>; it may put a phrase before it). Unset: the "
         "reasoning parser's markers; without either, thinking_token_budget is a 400.",
     )
+    generation_config: str = Field(
+        "auto",
+        description="Where the sampling defaults of a request that does not set them come "
+        "from (vLLM's --generation-config): 'auto', the model's generation_config.json "
+        "(temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as the "
+        "default max_tokens); 'vllm', none (OpenAI's defaults); or a directory whose "
+        "generation_config.json it is (its max_new_tokens then caps every request).",
+    )
+    override_generation_config: dict[str, Any] | None = Field(
+        None,
+        description="Sampling defaults over those of generation_config (vLLM's "
+        "--override-generation-config), a JSON object of the same keys; its max_new_tokens "
+        "caps every request's max_tokens.",
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, description="Request bodies above this get 413.")
     first_frame_timeout_s: float = Field(
         120.0, description="Seconds the API waits for a request's first stream frame."
@@ -324,6 +338,16 @@ class ApiSettings(_Area):
         else:
             lines = raw.split(",")
         return [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _override_generation_config(cls, v: object) -> object:
+        """JSON text (the environment's) read as its object."""
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip() else None
+        if v is not None and not isinstance(v, dict):
+            raise ValueError("override_generation_config must be a JSON object")
+        return v or None
 
     @field_validator("reasoning_config", mode="before")
     @classmethod

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from api.errors import OpenAIError
-from api.params import sampling_of, structured_of
+from api.params import SamplingDefaults, sampling_of, structured_of
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.tokenization import PromptBuilder
 from kvbm.protocol import Sampling, StructuredOutput
@@ -155,3 +155,41 @@ def test_structured_outputs_refused_with_the_field(kw: dict, param: str) -> None
     with pytest.raises(OpenAIError) as e:
         structured_of(chat(**kw))
     assert e.value.status == 400 and e.value.param == param
+
+
+def _gen_config(d: Path, **values: object) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **values}))
+    return d
+
+
+def test_generation_config_defaults_as_vllm_reads_them(tmp_path: Path) -> None:
+    model = _gen_config(tmp_path / "m", temperature=0.6, top_p=0.95, top_k=50, do_sample=True,
+                        repetition_penalty=1.0, max_new_tokens=64, min_p=None)  # fmt: skip
+    auto = SamplingDefaults.load(model)
+    # top_k 50 and repetition_penalty 1.0 are Hugging Face's own defaults: no model default
+    assert auto.values == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 64}
+    assert auto.max_tokens_cap is None
+    assert auto.max_tokens(None, 1000) == 64 and auto.max_tokens(200, 1000) == 200
+    assert auto.max_tokens(None, 10) == 10  # the context's room first
+    assert SamplingDefaults.load(model, "vllm").values == {}
+    over = SamplingDefaults.load(model, "auto", {"temperature": 0.2, "max_new_tokens": 32})
+    assert over.values == {"temperature": 0.2, "top_p": 0.95, "max_tokens": 32}
+    assert over.max_tokens_cap == 32 and over.max_tokens(200, 1000) == 32  # caps every one
+    other = SamplingDefaults.load(model, str(_gen_config(tmp_path / "g", max_new_tokens=8)))
+    assert other.values == {"max_tokens": 8} and other.max_tokens(100, 1000) == 8
+    with pytest.raises(ValueError, match="generation_config"):
+        SamplingDefaults.load(model, str(tmp_path / "nowhere"))
+    assert SamplingDefaults.load(tmp_path / "bare").values == {}  # no file: none
+
+
+def test_a_requests_own_fields_win_over_the_models_defaults(builder: PromptBuilder) -> None:
+    d = SamplingDefaults({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                          "repetition_penalty": 1.1})  # fmt: skip
+    s = sampling_of(chat(), 8, builder, d)
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (
+        0.6, 0.9, 20, 0.05, 1.1)  # fmt: skip
+    s = sampling_of(chat(temperature=0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0),
+                    8, builder, d)  # fmt: skip
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty) == (
+        0.0, 1.0, 0, 0.0, 1.0)  # fmt: skip
