@@ -100,7 +100,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = ApiMetrics()
     cluster = ClusterCollector(s.serving_mode)
     metrics.registry.register(cluster)
-    builder = PromptBuilder(s.model, s.engine.max_model_len, s.model_name)
+    builder = PromptBuilder(s.model, s.engine.max_model_len, s.model_name, s.api.chat_template,
+                            s.api.default_chat_template_kwargs)  # fmt: skip
     builder.set_thinking_markers(s.api.reasoning_markers())
     builder.trust_request_templates = s.api.trust_request_chat_template
     media = MediaGuard(s.multimodal, metrics)

@@ -23,7 +23,7 @@ MODEL_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/r
                          "/inference/v1/abort_requests", "/abort_requests", "/pause",
                          "/resume", "/is_paused"})  # fmt: skip
 # health and metrics: keyed only with CONVEYOR_API_KEYS_PROTECT_OPS
-OPS_PATHS = frozenset({"/health", "/ping", "/metrics"})
+OPS_PATHS = frozenset({"/health", "/ping", "/metrics", "/load"})
 
 
 def presented_key(scope: Scope) -> bytes:

@@ -32,6 +32,7 @@ from api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    StreamOptions,
     prompt_alone,
     unsupported,
 )
@@ -62,6 +63,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     st = api_state(request)
     lora = await check_model(st, req.model, task="generate")
     unsupported(req)
+    forced_usage(st, req)
+    with_template_defaults(st, req)
     plan = tool_plan(req, st.tool_parser)
     prompt = st.builder.truncated(dynamo_tokens(st, req) or chat_prompt(st, req),
                                   req.truncate_prompt_tokens, req.truncation_side)  # fmt: skip
@@ -83,6 +86,7 @@ async def completions(req: CompletionRequest, request: Request) -> Response:
     st = api_state(request)
     lora = await check_model(st, req.model, task="generate")
     unsupported(req)
+    forced_usage(st, req)
     given = dynamo_tokens(st, req)
     prompts: list[tuple[str | list[int], list[int]]] = (
         [(given.token_ids, given.token_ids)] if given is not None
@@ -223,6 +227,13 @@ async def _run_batch(
     return await choices.collect(st, None, fmt, end_all, tools, extras, ready=ready, n=n)
 
 
+def forced_usage(st: ApiState, req: ChatCompletionRequest | CompletionRequest) -> None:
+    """CONVEYOR_FORCE_INCLUDE_USAGE (vLLM's --enable-force-include-usage): a stream carries
+    its usage on every chunk and in a last chunk, asked for or not."""
+    if st.settings.api.force_include_usage and req.stream:
+        req.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
+
+
 def dynamo_tokens(st: ApiState, req: ChatCompletionRequest | CompletionRequest) -> Prompt | None:
     """Dynamo's ``nvext.token_data``: the prompt as its client tokenized it, in place of
     the messages or the prompt (checked against the vocabulary); None without it."""
@@ -251,8 +262,17 @@ def _last_event_id(st: ApiState, request: Request) -> str | None:
 
 
 # --------------------------------------------------------------------------------------
+def with_template_defaults(st: ApiState, req: ChatCompletionRequest) -> None:
+    """The deployment's default template variables under the request's own, on the
+    request (CONVEYOR_DEFAULT_CHAT_TEMPLATE_KWARGS), so that what reads them (whether the
+    model thinks: api.reasoning) sees what the template renders with."""
+    if st.builder.default_template_kwargs:
+        req.chat_template_kwargs = st.builder.template_kwargs(req.chat_template_kwargs)
+
+
 def chat_prompt(st: ApiState, req: ChatCompletionRequest) -> Prompt:
     """The chat request's prompt: its messages and tools through the chat template."""
+    with_template_defaults(st, req)
     return st.builder.chat_prompt(req.messages, req.tools, req.add_generation_prompt,
                                   req.continue_final_message, req.template_kwargs(),
                                   req.add_special_tokens, req.documents,

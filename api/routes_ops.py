@@ -50,6 +50,15 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
+@router.get("/load")
+async def load(request: Request) -> JSONResponse:
+    """vLLM's server load: the requests this API process is serving now (a load balancer
+    spreading clients over API replicas reads it)."""
+    st = api_state(request)
+    now = st.metrics.registry.get_sample_value("conveyor_requests_in_flight") or 0.0
+    return JSONResponse({"server_load": int(now)})
+
+
 @router.get("/metrics")
 async def prometheus(request: Request) -> Response:
     st = api_state(request)

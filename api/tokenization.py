@@ -56,14 +56,30 @@ class Prompt:
                 for h, o in zip(hashes, self.image_offsets, strict=True)]  # fmt: skip
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's path, or the template itself (it holds ``{{`` or
+    ``{%``); a path that does not exist is an error, not a template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: no file {value!r} (and not a template: no {{{{ or {{%)")
+
+
 MAX_PROMPTS = 2048  # prompts in one completions request (as OpenAI caps embedding inputs)
 
 
 class PromptBuilder:
     def __init__(
         self, model_dir: str | Path, max_model_len: int | None = None,
-        model_name: str | None = None,
+        model_name: str | None = None, chat_template: str | None = None,
+        default_template_kwargs: dict | None = None,
     ) -> None:  # fmt: skip
+        """``chat_template``: the deployment's template in place of the model's (vLLM's
+        --chat-template: a file's path, or the template itself); ``default_template_kwargs``:
+        template variables every request gets unless it sets them (vLLM's
+        --default-chat-template-kwargs)."""
         d = Path(model_dir)
         self.model_name = model_name or d.name
         self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
@@ -80,6 +96,9 @@ class PromptBuilder:
         jinja_file = d / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
+        if chat_template is not None:
+            template = load_chat_template(chat_template)
+        self.default_template_kwargs = dict(default_template_kwargs or {})
         # the environment Hugging Face renders chat templates in: its tojson (no HTML
         # escaping, keys in order), loop controls, {% generation %} blocks
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -204,7 +223,7 @@ class PromptBuilder:
         """The chat template's text for messages already in the template's form."""
         template = self._template if chat_template is None else self._compiled(chat_template)
         assert template is not None, "render() on a model without a chat template"
-        extra = dict(template_kwargs or {})
+        extra = self.template_kwargs(template_kwargs)
         clash = [k for k in extra if k in TEMPLATE_ARGS]
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {clash[0]!r} (the request "
@@ -226,6 +245,10 @@ class PromptBuilder:
             trimmed = not text.startswith(CONTINUE_MARK, at)
             text = text[:at].rstrip() if trimmed else text[:at]
         return text
+
+    def template_kwargs(self, asked: dict | None) -> dict:
+        """A request's template variables over the deployment's defaults."""
+        return {**self.default_template_kwargs, **(asked or {})}
 
     def _compiled(self, text: str) -> Template:
         """A request's chat template, compiled in the model's template environment (the

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from kvbm.protocol import Sampling
 
 # probes and scrapes: no span (they would drown the requests' traces)
-UNTRACED = frozenset({"/health", "/ping", "/metrics"})
+UNTRACED = frozenset({"/health", "/ping", "/metrics", "/load"})
 
 
 class TracingMiddleware:

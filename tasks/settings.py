@@ -150,6 +150,24 @@ class ApiSettings(_Area):
         "(vLLM's --reasoning-parser): chat's reasoning field and the Responses API's "
         "reasoning item; unset: the output is all content.",
     )
+    chat_template: str | None = Field(
+        None,
+        description="The chat template every request renders with, in place of the model's "
+        "(vLLM's --chat-template): a Jinja file's path, or the template itself. The tool-call "
+        "parser is then chosen from it.",
+    )
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Template variables every chat request gets unless its "
+        "chat_template_kwargs sets them (vLLM's --default-chat-template-kwargs), a JSON "
+        'object: {"enable_thinking": false} turns a Qwen3 model\'s thinking off by default.',
+    )
+    force_include_usage: bool = Field(
+        False,
+        description="Every stream carries its usage, on each chunk and in a last chunk, as "
+        "if it asked for stream_options include_usage and continuous_usage_stats (vLLM's "
+        "--enable-force-include-usage).",
+    )
     trust_request_chat_template: bool = Field(
         False,
         description="Let a request bring its own chat_template (vLLM's "
@@ -339,14 +357,14 @@ class ApiSettings(_Area):
             lines = raw.split(",")
         return [k.strip() for k in lines if k.strip() and not k.strip().startswith("#")]
 
-    @field_validator("override_generation_config", mode="before")
+    @field_validator("override_generation_config", "default_chat_template_kwargs", mode="before")
     @classmethod
-    def _override_generation_config(cls, v: object) -> object:
+    def _json_object(cls, v: object) -> object:
         """JSON text (the environment's) read as its object."""
         if isinstance(v, str):
             v = json.loads(v) if v.strip() else None
         if v is not None and not isinstance(v, dict):
-            raise ValueError("override_generation_config must be a JSON object")
+            raise ValueError("must be a JSON object")
         return v or None
 
     @field_validator("reasoning_config", mode="before")

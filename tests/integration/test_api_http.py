@@ -162,3 +162,68 @@ def test_https_with_client_certificates_a_root_path_and_the_batch_runner(
         https.close()
         for p in reversed(procs):
             p.stop()
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ greeting }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def front(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An API beside the session cluster's, on its workers, with vLLM's front-end options:
+    its own chat template (a file), default template variables, usage on every stream."""
+    d = tmp_path_factory.mktemp("front")
+    (d / "template.jinja").write_text(TEMPLATE)
+    env = base_env(cluster.redis_url, cluster.model_dir,
+                   CONVEYOR_CHAT_TEMPLATE=str(d / "template.jinja"),
+                   CONVEYOR_DEFAULT_CHAT_TEMPLATE_KWARGS='{"greeting": "HELLO"}',
+                   CONVEYOR_FORCE_INCLUDE_USAGE="true")  # fmt: skip
+    port = free_port()
+    api = spawn("front-api", [str(BIN / "conveyor"), "api", "--port", str(port)], env, d)
+    url = f"http://127.0.0.1:{port}"
+    with stop_on_error(api):
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, 60, "front-api", [api])
+    yield url
+    api.stop()
+
+
+def _rendered(url: str, model: str, **kw: object) -> str:
+    ids = httpx.post(f"{url}/tokenize", json={
+        "model": model, "messages": [{"role": "user", "content": "hi there"}], **kw,
+    }).json()["tokens"]  # fmt: skip
+    return httpx.post(f"{url}/detokenize", json={"model": model, "tokens": ids}).json()["prompt"]
+
+
+def test_the_deployments_chat_template_and_its_default_variables(
+    cluster: Cluster, front: str
+) -> None:
+    model = cluster.model_name
+    assert "HELLO: hi there" in _rendered(front, model).replace("  ", " ")
+    assert "BYE: hi there" in _rendered(front, model, chat_template_kwargs={"greeting": "BYE"})
+    assert "HELLO" not in _rendered(cluster.url, model)  # the model's own template elsewhere
+    c = openai.OpenAI(base_url=f"{front}/v1", api_key="x", max_retries=0)
+    r = c.chat.completions.create(model=model, max_tokens=3,
+                                  messages=[{"role": "user", "content": "hi there"}])  # fmt: skip
+    msgs = [{"role": "user", "content": "hi there"}]
+    want = len(httpx.post(f"{front}/tokenize", json={"model": model, "messages": msgs}).json()[
+        "tokens"])  # fmt: skip
+    assert r.usage is not None and r.usage.prompt_tokens == want
+
+
+def test_forced_usage_and_the_servers_load(cluster: Cluster, front: str) -> None:
+    model = cluster.model_name
+    assert httpx.get(f"{front}/load").json() == {"server_load": 0}
+    body = {"model": model, "prompt": "a b c", "max_tokens": 200, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", f"{front}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(ln for ln in lines if ln.startswith("data: "))
+        assert httpx.get(f"{front}/load").json() == {"server_load": 1}  # the stream open
+        chunks = [json.loads(first[6:])] + [json.loads(ln[6:]) for ln in lines
+                                              if ln.startswith("data: {")]  # fmt: skip
+    # no stream_options asked: usage on every chunk anyway, and a last usage-only chunk
+    assert all(ch.get("usage") for ch in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 200
+    wait_for(lambda: httpx.get(f"{front}/load").json() == {"server_load": 0}, 5, "load 0")
