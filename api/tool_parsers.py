@@ -14,9 +14,11 @@ names): ``hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 optional content), ``llama3_json`` (the whole output is ``{"name": ..., "parameters": ...}``
 objects, ``;``-separated, after an optional ``<|python_tag|>``), ``pythonic`` (Llama 4's
 ``[f(a=1), g()]``), ``mistral`` (content, then ``[TOOL_CALLS]`` and the calls, in
-Mistral's JSON-array or ``name[ARGS]{...}`` form) and ``qwen3_coder`` (Qwen3-Coder's
+Mistral's JSON-array or ``name[ARGS]{...}`` form), ``qwen3_coder`` (Qwen3-Coder's
 ``<tool_call><function=f><parameter=a>...</parameter></function></tool_call>``, values
-typed by the function's schema). A call is announced once its
+typed by the function's schema), ``deepseek_v3`` and ``deepseek_v31`` (DeepSeek's call
+tokens), ``kimi_k2`` (Kimi K2's, its call ids kept) and ``glm45`` (GLM-4.5's
+``<arg_key>``/``<arg_value>`` pairs). A call is announced once its
 block is complete and parses (a free-running model may break its JSON halfway); when an
 output that looked like tool calls yields none, all of it is content after all.
 
@@ -86,10 +88,10 @@ class ToolParser:
     def finish(self) -> list[Event]:
         raise NotImplementedError
 
-    def _call(self, name: str, args: str) -> list[Event]:
+    def _call(self, name: str, args: str, id_: str | None = None) -> list[Event]:
         i = self.calls
         self.calls += 1
-        return [CallStart(i, call_id(), name), CallArgs(i, args)]
+        return [CallStart(i, id_ or call_id(), name), CallArgs(i, args)]
 
 
 # --------------------------------------------------------------------------------------
@@ -195,6 +197,91 @@ class Qwen3CoderParser(HermesParser):
         return self._call(name, json.dumps(args, ensure_ascii=False))
 
 
+class DeepSeekV3Parser(HermesParser):
+    """DeepSeek-V3's and R1's calls (vLLM's ``deepseek_v3``): content, then::
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+        ```json
+        {"city": "Oslo"}
+        ```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+    each call's arguments the JSON object in its fenced block. Blocks are read as
+    Hermes's are (the delimiters are DeepSeek's tokens; ``｜`` and ``▁`` are U+FF5C and
+    U+2581)."""
+
+    MARK = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+    OPEN = "<\uff5ctool\u2581call\u2581begin\uff5c>"
+    CLOSE = "<\uff5ctool\u2581call\u2581end\uff5c>"
+    SEP = "<\uff5ctool\u2581sep\uff5c>"
+
+    def _parse(self, body: str) -> list[Event]:
+        _, sep, rest = body.partition(self.SEP)  # the type ("function") before it
+        name, _, fenced = rest.partition("\n")
+        args = fenced.strip().removeprefix("```json").removesuffix("```").strip()
+        if not sep or not name.strip() or _members(args) is None:
+            return []
+        return self._call(name.strip(), args)
+
+
+class DeepSeekV31Parser(DeepSeekV3Parser):
+    """DeepSeek-V3.1's calls (vLLM's ``deepseek_v31``): as V3's, without the type and the
+    fence: ``<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>``."""
+
+    def _parse(self, body: str) -> list[Event]:
+        name, sep, args = body.partition(self.SEP)
+        if not sep or not name.strip() or _members(args.strip()) is None:
+            return []
+        return self._call(name.strip(), args.strip())
+
+
+class KimiK2Parser(HermesParser):
+    """Kimi K2's calls (vLLM's ``kimi_k2``): content, then::
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0
+        <|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>...
+        <|tool_calls_section_end|>
+
+    The call's id is the model's own (``functions.get_weather:0``, which Kimi's template
+    writes back in the next turn), its name the part between the last ``.`` and ``:``."""
+
+    MARK = "<|tool_calls_section_begin|>"
+    OPEN, CLOSE = "<|tool_call_begin|>", "<|tool_call_end|>"
+    ARGS = "<|tool_call_argument_begin|>"
+
+    def _parse(self, body: str) -> list[Event]:
+        ident, sep, args = body.partition(self.ARGS)
+        ident, args = ident.strip(), args.strip()
+        name = ident.split(":", 1)[0].rsplit(".", 1)[-1]
+        if not sep or not name or _members(args) is None:
+            return []
+        return self._call(name, args, ident)
+
+
+class Glm45Parser(HermesParser):
+    """GLM-4.5's and 4.6's calls (vLLM's ``glm45``), in ``<tool_call>`` blocks after
+    optional content::
+
+        <tool_call>get_weather
+        <arg_key>city</arg_key>
+        <arg_value>Oslo</arg_value>
+        </tool_call>
+
+    A value is raw text typed by the function's schema (as Qwen3-Coder's are)."""
+
+    def _parse(self, body: str) -> list[Event]:
+        name, _, rest = body.partition("<arg_key>")
+        name = name.strip()
+        if not name or "\n" in name or "<" in name:
+            return []
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        args = {}
+        for m in _GLM_ARG.finditer("<arg_key>" + rest if rest else ""):
+            key = m.group(1).strip()
+            args[key] = _typed(m.group(2), props.get(key))
+        return self._call(name, json.dumps(args, ensure_ascii=False))
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>)?", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)",
                             re.DOTALL)  # fmt: skip
@@ -722,6 +809,10 @@ PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicParser,
     "mistral": MistralParser,
     "qwen3_coder": Qwen3CoderParser,
+    "deepseek_v3": DeepSeekV3Parser,
+    "deepseek_v31": DeepSeekV31Parser,
+    "kimi_k2": KimiK2Parser,
+    "glm45": Glm45Parser,
 }
 
 
@@ -729,11 +820,19 @@ def parser_for_template(template: str | None) -> str:
     """The parser a chat template's tool-call format asks for: ``qwen3_coder`` for one that
     writes ``<function=...>`` / ``<parameter=...>`` calls, ``mistral`` for one that
     writes ``[TOOL_CALLS]``, ``pythonic`` for Llama 4's ``<|python_start|>``,
-    ``llama3_json`` for ``<|python_tag|>`` or Llama 3's ``"parameters"`` calls, else
-    ``hermes`` (``<tool_call>`` blocks, the most common format, and the default model's)."""
+    ``llama3_json`` for ``<|python_tag|>`` or Llama 3's ``"parameters"`` calls,
+    ``glm45`` for ``<arg_key>``, ``deepseek_v3`` / ``deepseek_v31`` for DeepSeek's call
+    tokens (V3's fenced JSON or V3.1's bare), ``kimi_k2`` for Kimi's, else ``hermes``
+    (``<tool_call>`` blocks, the most common format, and the default model's)."""
     t = template or ""
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
+    if "<arg_key>" in t:
+        return "glm45"
+    if DeepSeekV3Parser.OPEN in t:
+        return "deepseek_v3" if "```json" in t else "deepseek_v31"
+    if KimiK2Parser.OPEN in t:
+        return "kimi_k2"
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:

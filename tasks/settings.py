@@ -105,7 +105,10 @@ class MockTimingSettings(BaseModel):
         return self
 
 
-ToolCallParser = Literal["hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder"]
+ToolCallParser = Literal[
+    "hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "deepseek_v31",
+    "kimi_k2", "glm45",
+]
 
 
 def _names(raw: str) -> list[str]:
@@ -140,9 +143,10 @@ class ApiSettings(_Area):
         None,
         description="How tool calls are read out of the model's text for tool_choice "
         "'auto' (vLLM's --tool-call-parser names); default: the format the chat template "
-        "asks for (qwen3_coder for <function=...><parameter=...> calls, mistral for "
-        "[TOOL_CALLS], pythonic for Llama 4's <|python_start|>, llama3_json for a Llama 3 "
-        "template, else hermes).",
+        "asks for (qwen3_coder for <function=...><parameter=...> calls, glm45 for "
+        "<arg_key> pairs, deepseek_v3 / deepseek_v31 for DeepSeek's call tokens, kimi_k2 for "
+        "Kimi K2's, mistral for [TOOL_CALLS], pythonic for Llama 4's <|python_start|>, "
+        "llama3_json for a Llama 3 template, else hermes).",
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None,

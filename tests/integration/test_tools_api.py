@@ -12,6 +12,7 @@ until then.
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -257,6 +258,7 @@ def test_auto_parses_the_models_calls(cluster: Cluster) -> None:
     assert same_calls(msg, got) and reason == "tool_calls"
 
 
+ARGS_RE = r'\{"city": "(Oslo|Rome)", "unit": "celsius"\}'
 OTHER_FORMATS = {
     # Llama 4's pythonic calls, Mistral's v11 form and Qwen3-Coder's XML (its days typed
     # as the schema's integer), each forced on the output
@@ -267,6 +269,19 @@ OTHER_FORMATS = {
                     r"(Oslo|Rome)\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
                     r"<parameter=days>\n[1-7]\n</parameter>\n</function>\n</tool_call>",
                     "Checking.\n"),
+    # GLM-4.5's <arg_key> pairs (days typed by the schema), Kimi K2's and DeepSeek's tokens
+    "glm45": (r"Checking\.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>"
+              r"(Oslo|Rome)</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>celsius"
+              r"</arg_value>\n<arg_key>days</arg_key>\n<arg_value>[1-7]</arg_value>"
+              r"\n</tool_call>", "Checking."),
+    "kimi_k2": (r"Checking\." + re.escape("<|tool_calls_section_begin|><|tool_call_begin|>"
+                "functions.get_weather:0<|tool_call_argument_begin|>") + ARGS_RE
+                + re.escape("<|tool_call_end|><|tool_calls_section_end|>"), "Checking."),
+    "deepseek_v3": (r"Checking\." + re.escape(
+        "<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>"
+        "function<\uff5ctool\u2581sep\uff5c>get_weather\n```json\n") + ARGS_RE + re.escape(
+        "\n```<\uff5ctool\u2581call\u2581end\uff5c><\uff5ctool\u2581calls\u2581end\uff5c>"),
+        "Checking."),
 }  # fmt: skip
 
 

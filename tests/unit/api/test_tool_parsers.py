@@ -4,6 +4,7 @@ any split of the text into stream pieces gives the same content and calls as the
 from __future__ import annotations
 
 import random
+from typing import get_args
 
 import pytest
 
@@ -22,6 +23,7 @@ from api.tool_parsers import (
     ToolParser,
     parser_for_template,
 )
+from tasks.settings import ToolCallParser
 
 
 def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
@@ -34,7 +36,8 @@ def run(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str
     calls: dict[int, list[str]] = {}
     for e in events:
         if isinstance(e, CallStart):
-            assert e.index == len(calls) and e.id.startswith("call_")
+            # OpenAI's form of id, or Kimi K2's own (functions.<name>:<index>)
+            assert e.index == len(calls) and e.id.startswith(("call_", "functions."))
             calls[e.index] = [e.name, ""]
         elif isinstance(e, CallArgs):
             assert e.index in calls, "arguments before their call's start"
@@ -213,7 +216,7 @@ def test_named() -> None:
 
 
 def test_parser_for_template() -> None:
-    assert set(PARSERS) == {"hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder"}
+    assert set(PARSERS) == set(get_args(ToolCallParser))  # what the setting may name
     qwen3_coder = "<tool_call>\n<function=' ~ name ~ '>\n<parameter="
     assert parser_for_template(qwen3_coder) == "qwen3_coder"
     assert parser_for_template("... <tool_call> ...") == "hermes"
@@ -264,3 +267,66 @@ def _qwen3() -> Qwen3CoderParser:
 )  # fmt: skip
 def test_qwen3_coder(text: str, content: str, calls: list[tuple[str, str]]) -> None:
     assert same_in_pieces(_qwen3, text) == (content, calls)
+
+
+# DeepSeek's, Kimi's and GLM's formats (their tokens spelled as the models write them)
+B, E = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+CB, CE = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+SEP = "<\uff5ctool\u2581sep\uff5c>"
+DEEPSEEK_V3 = [
+    (f"Let me check.{B}{CB}function{SEP}get_weather\n```json\n{{\"city\": \"Oslo\"}}\n```{CE}"
+     f"{CB}function{SEP}now\n```json\n{{}}\n```{CE}{E}",
+     ("Let me check.", [("get_weather", '{"city": "Oslo"}'), ("now", "{}")])),
+    ("no calls here", ("no calls here", [])),
+    (f"{B}{CB}function{SEP}f\n```json\n{{broken\n```{CE}{E}",  # nothing parses: content
+     (f"{B}{CB}function{SEP}f\n```json\n{{broken\n```{CE}{E}", [])),
+]  # fmt: skip
+DEEPSEEK_V31 = [
+    (f"ok{B}{CB}get_weather{SEP}{{\"city\": \"Oslo\"}}{CE}{CB}now{SEP}{{}}{CE}{E}",
+     ("ok", [("get_weather", '{"city": "Oslo"}'), ("now", "{}")])),
+]  # fmt: skip
+KIMI = [
+    ('Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+     '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>'
+     'functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>',
+     ("Sure.", [("get_weather", '{"city": "Oslo"}'), ("now", "{}")])),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    *(("deepseek_v3", t, x) for t, x in DEEPSEEK_V3),
+    *(("deepseek_v31", t, x) for t, x in DEEPSEEK_V31),
+    *(("kimi_k2", t, x) for t, x in KIMI),
+])  # fmt: skip
+def test_deepseek_and_kimi(name: str, text: str, expected: tuple) -> None:
+    assert same_in_pieces(PARSERS[name], text) == expected
+
+
+def test_kimi_keeps_the_models_call_ids() -> None:
+    events = PARSERS["kimi_k2"]().feed(KIMI[0][0])
+    assert [e.id for e in events if isinstance(e, CallStart)] == ["functions.get_weather:0",
+                                                                  "functions.now:1"]  # fmt: skip
+
+
+def test_glm45_values_typed_by_the_schema() -> None:
+    def make() -> ToolParser:
+        p = PARSERS["glm45"]()
+        p.schemas = {"book": {"properties": {"city": {"type": "string"},
+                                             "nights": {"type": "integer"},
+                                             "tags": {"type": "array"}}}}  # fmt: skip
+        return p
+
+    text = ("Booking.<tool_call>book\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n"
+            "<arg_key>nights</arg_key>\n<arg_value>3</arg_value>\n<arg_key>tags</arg_key>\n"
+            '<arg_value>["a", "b"]</arg_value>\n</tool_call>'
+            "<tool_call>now\n</tool_call>")  # fmt: skip
+    content, calls = same_in_pieces(make, text)
+    assert content == "Booking."
+    assert calls == [("book", '{"city": "Oslo", "nights": 3, "tags": ["a", "b"]}'), ("now", "{}")]
+
+
+def test_parser_for_the_new_templates() -> None:
+    assert parser_for_template("{{ '<tool_call>' }}{{ '<arg_key>' }}") == "glm45"
+    assert parser_for_template(f"{CB}{{{{ name }}}}\n```json") == "deepseek_v3"
+    assert parser_for_template(f"{CB}{{{{ name }}}}{SEP}") == "deepseek_v31"
+    assert parser_for_template("<|tool_call_begin|>functions.x:0") == "kimi_k2"
