@@ -108,7 +108,7 @@ class MockTimingSettings(BaseModel):
 ToolCallParser = Literal[
     "hermes", "llama3_json", "pythonic", "mistral", "qwen3_coder", "deepseek_v3", "deepseek_v31",
     "kimi_k2", "glm45",
-]
+]  # fmt: skip
 
 
 def _names(raw: str) -> list[str]:
