@@ -185,10 +185,14 @@ def test_every_mode_and_backend_gives_hf_tokens(
         wait_for(lambda: all(transfers().get(w, 0) > 0 for w in pulled_by), 15,
                  "embedding pulls reported", procs)  # fmt: skip
         assert {w for w, n in transfers().items() if n > 0} == pulled_by, transfers()
-        metrics = httpx.get(f"{url}/metrics").text
-        for w, st in _reports(rurl).items():
-            line = f'conveyor_images_encoded_total{{pool="{w.removesuffix("-w")}",worker="{w}"}} '
-            assert f"{line}{float(st['images']['images_encoded'])}" in metrics, (line, metrics)
+
+        def counted_alike() -> bool:  # /metrics and the reports read at different heartbeats
+            metrics = httpx.get(f"{url}/metrics").text
+            return all(f'conveyor_images_encoded_total{{pool="{w.removesuffix("-w")}",worker='
+                       f'"{w}"}} {float(st["images"]["images_encoded"])}' in metrics
+                       for w, st in _reports(rurl).items())  # fmt: skip
+
+        wait_for(counted_alike, 15, "/metrics counting the reports' images", procs)
         assert all(st.get("pull_fallbacks", 0) == 0 for st in imgs.values()), imgs
 
 
