@@ -31,10 +31,12 @@ router = APIRouter()
 log = logging.getLogger(__name__)
 
 
-def _card(st: ApiState, lora: LoraRef | None = None) -> dict:
+def _card(st: ApiState, lora: LoraRef | None = None, name: str | None = None) -> dict:
+    """A model's card: the base model's (under ``name``, one of its served names) or a
+    LoRA adapter's."""
     base = st.settings.model_name
     return {
-        "id": base if lora is None else lora.name,
+        "id": (name or base) if lora is None else lora.name,
         "object": "model",
         "created": st.created,
         "owned_by": "conveyor",
@@ -56,7 +58,8 @@ async def list_models(
 ) -> dict:  # fmt: skip
     st = api_state(request)
     adapters = await st.loras.all()
-    cards = [_card(st)] + [_card(st, a) for a in adapters]
+    cards = [_card(st, name=n) for n in st.settings.model_names]
+    cards += [_card(st, a) for a in adapters]
     if not anthropic_client(request.scope):
         return {"object": "list", "data": cards}
     by_id = {c["id"]: c for c in cards}
@@ -67,7 +70,7 @@ async def list_models(
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict:
     st = api_state(request)
-    card = _card(st) if model == st.settings.model_name else None
+    card = _card(st, name=model) if model in st.settings.model_names else None
     if card is None and (lora := await st.loras.get(model)) is not None:
         card = _card(st, lora)
     if card is None:
@@ -98,7 +101,7 @@ def checked(st: ApiState, name: str, path: str) -> LoraRef:
         check_name(name)
     except LoraError as e:
         raise bad_request(str(e), "lora_name", "invalid_value") from None
-    if name == st.settings.model_name:
+    if name in st.settings.model_names:
         raise bad_request(f"`{name}` is the base model's name", "lora_name", "invalid_value")
     try:
         read_adapter(path, st.settings.engine.max_lora_rank)

@@ -73,7 +73,7 @@ async def check_model(st: ApiState, name: str, adapters: bool = True,
     classifier classifies."""
     served = st.settings.model_name
     lora = None
-    if name != served:
+    if name not in st.settings.model_names:
         lora = await st.loras.get(name) if name else None
         if lora is None:
             raise OpenAIError(404, f"The model `{name}` does not exist. Available: `{served}` "

@@ -1101,7 +1101,10 @@ class Settings(BaseSettings):
     # --- deployment-wide (every process) ---------------------------------------------
     model: UserPath = Field(DEFAULT_MODEL_DIR, description="Hugging Face model directory.")
     served_model_name: str | None = Field(
-        None, description="Model id clients send; default: the model directory's name."
+        None,
+        description="Model id clients send; default: the model directory's name. Several, "
+        "comma-separated (vLLM's --served-model-name a b): any of them names the model; the "
+        "first is its id (in /v1/models first, in logs, metrics and KV block names).",
     )
     mode: str = Field(
         "agg", description=f"Serving mode, a row of the stage table: {', '.join(MODE_NAMES)}."
@@ -1265,7 +1268,13 @@ class Settings(BaseSettings):
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model.name
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name the model is served under (served_model_name's, else the directory's)."""
+        names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
+        return names or [self.model.name]
 
     @property
     def serving_mode(self) -> Mode:

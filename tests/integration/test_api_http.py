@@ -173,13 +173,15 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def front(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """An API beside the session cluster's, on its workers, with vLLM's front-end options:
-    its own chat template (a file), default template variables, usage on every stream."""
+    its own chat template (a file), default template variables, usage on every stream, a
+    second name for the model."""
     d = tmp_path_factory.mktemp("front")
     (d / "template.jinja").write_text(TEMPLATE)
     env = base_env(cluster.redis_url, cluster.model_dir,
                    CONVEYOR_CHAT_TEMPLATE=str(d / "template.jinja"),
                    CONVEYOR_DEFAULT_CHAT_TEMPLATE_KWARGS='{"greeting": "HELLO"}',
-                   CONVEYOR_FORCE_INCLUDE_USAGE="true")  # fmt: skip
+                   CONVEYOR_FORCE_INCLUDE_USAGE="true",
+                   CONVEYOR_SERVED_MODEL_NAME=f"{cluster.model_name}, front-alias")  # fmt: skip
     port = free_port()
     api = spawn("front-api", [str(BIN / "conveyor"), "api", "--port", str(port)], env, d)
     url = f"http://127.0.0.1:{port}"
@@ -227,3 +229,20 @@ def test_forced_usage_and_the_servers_load(cluster: Cluster, front: str) -> None
     assert all(ch.get("usage") for ch in chunks)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 200
     wait_for(lambda: httpx.get(f"{front}/load").json() == {"server_load": 0}, 5, "load 0")
+
+
+def test_the_model_answers_to_each_of_its_served_names(cluster: Cluster, front: str) -> None:
+    ids = [m["id"] for m in httpx.get(f"{front}/v1/models").json()["data"]]
+    assert ids[:2] == [cluster.model_name, "front-alias"]
+    assert httpx.get(f"{front}/v1/models/front-alias").json()["id"] == "front-alias"
+    c = openai.OpenAI(base_url=f"{front}/v1", api_key="x", max_retries=0)
+    prompt = "The same words under either name, long enough for whole blocks. " * 3
+    first = c.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=2)
+    second = c.completions.create(model="front-alias", prompt=prompt, max_tokens=2)
+    assert second.model == "front-alias"  # named as asked
+    # one model, one KV namespace: the second name finds the first one's blocks cached
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-name", prompt="x", max_tokens=2)

@@ -325,3 +325,13 @@ def test_cors_lists_and_https_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONVEYOR_ALLOWED_ORIGINS", "[not json")
     with pytest.raises(ValueError, match="allowed_origins"):
         Settings()
+
+
+def test_several_served_names_the_first_is_the_models_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("CONVEYOR_SERVED_MODEL_NAME", "main-name, other ,")
+    s = Settings()
+    assert s.model_names == ["main-name", "other"] and s.model_name == "main-name"
+    monkeypatch.delenv("CONVEYOR_SERVED_MODEL_NAME")
+    s = Settings()
+    assert s.model_names == [s.model.name] == [s.model_name]
