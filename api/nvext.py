@@ -45,12 +45,13 @@ from api.protocol import PIN_HEADER, NvExt, SessionControl
 from api.runner import Runner, RunningRequest
 from cluster.keys import session_key
 from cluster.lora import LoraRef
+from cluster.resp import as_str
 from kvbm.protocol import Sampling
 from tasks.modes import Mode
 
 WORKER_HEADER = "x-worker-instance-id"  # Dynamo's: the decode (or only) worker
 PREFILL_HEADER = "x-prefill-instance-id"  # Dynamo's: the prefill worker
-ANNOTATIONS = ("formatted_prompt", "token_ids")
+ANNOTATIONS = ("formatted_prompt", "token_ids")  # those Dynamo's frontend answers
 WARM_TIMEOUT_S = 60.0  # a warm-up still running by then has lost its race with the next turn
 
 log = logging.getLogger(__name__)
@@ -124,12 +125,10 @@ def annotation_events(ext: NvExt | None, token_ids: list[int],
     """The SSE events of the annotations asked for, in the order asked (b"": none)."""
     out = b""
     for name in dict.fromkeys(ext.annotations or ()) if ext is not None else ():
-        if name == "formatted_prompt":
-            value = decode(token_ids, False)  # special tokens kept
-        elif name == "token_ids":
-            value = json.dumps(token_ids, separators=(",", ":"))
-        else:
-            continue  # not one Dynamo's frontend answers either
+        if name not in ANNOTATIONS:  # others: ignored, as Dynamo's frontend ignores them
+            continue
+        value = decode(token_ids, False) if name == "formatted_prompt" \
+            else json.dumps(token_ids, separators=(",", ":"))  # fmt: skip
         out += f"event: {name}\r\n: {json.dumps(value)}\r\n\r\n".encode()
     return out
 
@@ -143,8 +142,7 @@ async def session_lookup(redis: aioredis.Redis, sc: SessionControl | None) -> di
         got = await redis.hgetall(session_key(sc.session_id))
     except (RedisError, OSError):
         return {}
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
-            else v) for k, v in got.items()}  # fmt: skip
+    return {as_str(k): as_str(v) for k, v in got.items()}
 
 
 async def session_record(redis: aioredis.Redis, sc: SessionControl | None,

@@ -360,11 +360,10 @@ def prepare(
     before anything runs). ``max_tokens`` 0 (completions' echo: the prompt alone) runs one
     token, which computes the prompt's logprobs; the runner drops it."""
     asked = 1 if max_tokens == 0 else max_tokens
-    room = st.builder.check_length(len(prompt.token_ids), None, prompt_param)
-    if asked is not None:  # a 400 if it does not fit
-        st.builder.check_length(len(prompt.token_ids), asked, prompt_param)
+    # a 400 if it does not fit; what it asked, else the room left in the context
+    fits = st.builder.check_length(len(prompt.token_ids), asked, prompt_param)
     # the model's default where none was asked, within its cap (the generation config)
-    max_tokens = st.sampling_defaults.max_tokens(asked, room)
+    max_tokens = st.sampling_defaults.max_tokens(asked, fits)
     if req.min_tokens > max_tokens:
         raise bad_request(
             f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",

@@ -67,7 +67,7 @@ from kvbm.protocol import (
 from tasks.app import declare_queues
 from tasks.broker import deferred_publishes
 from tasks.pipeline import NoLiveWorker, Plan, build_chain, plan, plan_continuation, plan_pooling
-from tasks.router import PinnedWorkerMissing, Router, RouterConfig, RouteRequest
+from tasks.router import PinnedWorkerMissing, Route, Router, RouterConfig, RouteRequest
 from tasks.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -393,7 +393,7 @@ class Runner:
                 await self.router.release(*p.routes)
             raise
         sent_at, workers = time.perf_counter(), plan_workers(p)
-        prefilling = next((r for t, r in p.steps if t in ("prefill", "generate")), None)
+        prefilling = prefill_route(p)
         for run in runs:
             run.sent_at, run.workers = sent_at, dict(workers)
             if n_blocks and prefilling is not None:
@@ -705,16 +705,22 @@ class Runner:
             log.exception("[%s] cleanup failed", run.request_id)
 
 
+def prefill_route(p: Plan) -> Route | None:
+    """The plan's route that computes the prompt (a generate task's does both)."""
+    return next((r for task, r in p.steps if task in ("prefill", "generate")), None)
+
+
 def plan_workers(p: Plan) -> dict[str, str]:
     """Who does what in a plan, as Dynamo's ``nvext`` worker_id names it: the worker that
-    prefills (a generate task's does both), the one that decodes, and the encode worker
-    where an encode stage runs (Conveyor's addition)."""
+    prefills (:func:`prefill_route`), the one that decodes, and the encode worker where an
+    encode stage runs (Conveyor's addition)."""
     out: dict[str, str] = {}
+    prefilling = prefill_route(p)
     for task, route in p.steps:
         if task == "encode":
             out["encode_worker_id"] = route.worker_id
-        if task in ("prefill", "generate"):
-            out.setdefault("prefill_worker_id", route.worker_id)
+        if route is prefilling:
+            out["prefill_worker_id"] = route.worker_id
         if task in ("decode", "generate"):
             out["decode_worker_id"] = route.worker_id
     return out

@@ -111,12 +111,25 @@ ToolCallParser = Literal[
 ]  # fmt: skip
 
 
+def _split(raw: str) -> list[str]:
+    """Comma-separated names (blanks dropped)."""
+    return [x.strip() for x in raw.split(",") if x.strip()]
+
+
 def _names(raw: str) -> list[str]:
     """A setting's list: a JSON list, or comma-separated names (blank: none)."""
     raw = raw.strip()
     if raw.startswith("["):
         return [str(x).strip() for x in json.loads(raw) if str(x).strip()]
-    return [x.strip() for x in raw.split(",") if x.strip()]
+    return _split(raw)
+
+
+def _json_text(v: object) -> object:
+    """A JSON-object setting given as text (the environment's) read as its value; blank
+    text is None."""
+    if isinstance(v, str):
+        return json.loads(v) if v.strip() else None
+    return v
 
 
 class ApiSettings(_Area):
@@ -365,8 +378,7 @@ class ApiSettings(_Area):
     @classmethod
     def _json_object(cls, v: object) -> object:
         """JSON text (the environment's) read as its object."""
-        if isinstance(v, str):
-            v = json.loads(v) if v.strip() else None
+        v = _json_text(v)
         if v is not None and not isinstance(v, dict):
             raise ValueError("must be a JSON object")
         return v or None
@@ -376,8 +388,7 @@ class ApiSettings(_Area):
     def _reasoning_config(cls, v: object) -> object:
         """JSON text (the environment's) read as its object; only vLLM's two string keys
         (its reasoning_parser key is CONVEYOR_REASONING_PARSER here)."""
-        if isinstance(v, str):
-            v = json.loads(v) if v.strip() else None
+        v = _json_text(v)
         if isinstance(v, dict):
             if bad := sorted(set(v) - {"reasoning_start_str", "reasoning_end_str"}):
                 raise ValueError(f"reasoning_config takes reasoning_start_str and "
@@ -1273,8 +1284,7 @@ class Settings(BaseSettings):
     @property
     def model_names(self) -> list[str]:
         """Every name the model is served under (served_model_name's, else the directory's)."""
-        names = [n.strip() for n in (self.served_model_name or "").split(",") if n.strip()]
-        return names or [self.model.name]
+        return _split(self.served_model_name or "") or [self.model.name]
 
     @property
     def serving_mode(self) -> Mode:
